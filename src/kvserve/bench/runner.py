@@ -1,0 +1,142 @@
+"""Drives a workload against several targets, interleaved, so that their ratios survive a noisy machine.
+
+The run advances in steps. A step sends the next turn of every conversation in flight to one target, all
+at once, and waits for the replies; then the same step runs on the next target. Only one target works at
+a time, so servers sharing the machine do not slow each other down, and a slow minute of the machine
+hits every target alike. The order of targets alternates from step to step so that none always goes
+first. Each target keeps its own history per conversation: the assistant turns it resends are its own
+replies.
+"""
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvserve.bench.client import RequestResult, Target, stream_chat
+from kvserve.bench.errors import BenchError
+from kvserve.bench.metrics_scrape import PrefixCacheDelta, prefix_cache_delta, scrape
+from kvserve.bench.workloads import Conversation, Workload
+
+# Text of the warm-up request, which no workload text starts with (those are lowercase words).
+_WARMUP_TEXT = "Say hello."
+
+
+@dataclass
+class TargetRun:
+    """One target's part of a run: its requests, the time it spent serving them, its own counters."""
+
+    target: Target
+    results: list[RequestResult] = field(default_factory=list)
+    busy_s: float = 0.0
+    prefix_cache: PrefixCacheDelta | None = None
+
+
+@dataclass
+class _History:
+    messages: list[dict[str, str]]
+    failed: bool = False
+
+
+async def run_workload(
+    workload: Workload,
+    targets: Sequence[Target],
+    seed: int,
+    request_timeout_s: float,
+    on_requests_done: Callable[[int], None] = lambda n: None,
+) -> list[TargetRun]:
+    """Runs `workload` on every target; `on_requests_done(n)` reports progress in requests."""
+    limits = httpx.Limits(max_connections=max(100, 2 * workload.max_in_flight))
+    timeout = httpx.Timeout(request_timeout_s, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        runs = [TargetRun(target) for target in targets]
+        for run in runs:
+            await _warm_up(client, run.target, seed)
+        before = [await scrape(client, run.target.url) for run in runs]
+        await _run_steps(client, workload, runs, seed, on_requests_done)
+        for run, scraped in zip(runs, before, strict=True):
+            run.prefix_cache = prefix_cache_delta(scraped, await scrape(client, run.target.url))
+    return runs
+
+
+async def _warm_up(client: httpx.AsyncClient, target: Target, seed: int) -> None:
+    """One short request, so that no target's first measured request pays for lazy start-up work."""
+    result = RequestResult(target.name, "warm-up", -1, 0, 0.0)
+    await stream_chat(client, target, [{"role": "user", "content": _WARMUP_TEXT}], 2, seed, result)
+    if result.error is not None:
+        raise BenchError(f"target {target.name} ({target.url}) failed a warm-up request: {result.error}")
+
+
+async def _run_steps(
+    client: httpx.AsyncClient,
+    workload: Workload,
+    runs: list[TargetRun],
+    seed: int,
+    on_requests_done: Callable[[int], None],
+) -> None:
+    run_start = time.perf_counter()
+    pending = list(reversed(workload.conversations))
+    active: list[Conversation] = []
+    next_turn: dict[str, int] = {}
+    histories = {(run.target.name, c.id): _History(_opening(c)) for run in runs for c in workload.conversations}
+    step = 0
+    while pending or active:
+        while pending and len(active) < workload.max_in_flight:
+            conversation = pending.pop()
+            active.append(conversation)
+            next_turn[conversation.id] = 0
+        order = runs if step % 2 == 0 else runs[::-1]
+        for run in order:
+            step_start = time.perf_counter()
+            turns = [
+                _send_turn(client, workload, run, c, next_turn[c.id], histories[run.target.name, c.id], seed,
+                           run_start, step_start, on_requests_done)
+                for c in active
+                if not histories[run.target.name, c.id].failed
+            ]
+            await asyncio.gather(*turns)
+            run.busy_s += time.perf_counter() - step_start
+        for conversation in active:
+            next_turn[conversation.id] += 1
+        active = [
+            c
+            for c in active
+            if next_turn[c.id] < len(c.user_turns)
+            and not all(histories[run.target.name, c.id].failed for run in runs)
+        ]
+        step += 1
+
+
+def _opening(conversation: Conversation) -> list[dict[str, str]]:
+    return [] if conversation.system is None else [{"role": "system", "content": conversation.system}]
+
+
+async def _send_turn(
+    client: httpx.AsyncClient,
+    workload: Workload,
+    run: TargetRun,
+    conversation: Conversation,
+    turn: int,
+    history: _History,
+    seed: int,
+    run_start: float,
+    step_start: float,
+    on_requests_done: Callable[[int], None],
+) -> None:
+    if turn == 0 and conversation.arrival_s > 0:
+        await asyncio.sleep(max(0.0, step_start + conversation.arrival_s - time.perf_counter()))
+    history.messages.append({"role": "user", "content": conversation.user_turns[turn]})
+    result = RequestResult(
+        run.target.name, conversation.id, conversation.group, turn + 1, time.perf_counter() - run_start
+    )
+    reply = await stream_chat(client, run.target, history.messages, workload.max_tokens, seed, result)
+    run.results.append(result)
+    history.messages.append({"role": "assistant", "content": reply})
+    if result.error is None:
+        on_requests_done(1)
+    else:
+        # The conversation cannot go on without this reply; its remaining turns count as done.
+        history.failed = True
+        on_requests_done(len(conversation.user_turns) - turn)

@@ -1,0 +1,180 @@
+"""PrefixCache: a radix tree over token ids whose nodes own KV blocks.
+
+Each edge is one block's worth of tokens, so a node is exactly one KV block: a full block (block_size
+tokens) or, at a leaf, a partial block (fewer tokens, e.g. the tail of a finished reply). Children are
+found by their exact token tuple; a partial match is found by the longest common prefix among the
+children, and is reported so that the caller copies that block before writing into it (copy on write).
+Hits are therefore exact to the token, not rounded down to a block boundary.
+"""
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvserve.cache.block_pool import BlockPool
+
+
+@dataclass(eq=False)
+class _Node:
+    tokens: tuple[int, ...]
+    block: int
+    parent: "_Node | None"
+    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+    last_access: int = 0
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The longest cached prefix of a token sequence.
+
+    `blocks` are full blocks holding tokens [0, len(blocks) * block_size). If `partial_block` is set, its
+    first `num_tokens - len(blocks) * block_size` tokens hold the rest of the match; it belongs to the
+    cache and must be copied, never written. The result holds no reference: lock what you use at once.
+    """
+
+    blocks: tuple[int, ...] = ()
+    num_tokens: int = 0
+    partial_block: int | None = None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixCache:
+    """Maps token prefixes, per namespace, to the KV blocks that hold them.
+
+    Invariants:
+    - The tree owns one pool reference to every block of its nodes; a block whose only reference is the
+      tree's is unlocked, any other reference (a running request) locks it.
+    - Only leaves whose block is unlocked are evicted, least recently used first, and only by `evict`.
+    - Partial blocks are only ever leaves; a match never crosses namespaces.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._roots: dict[str, _Node] = {}
+        self._clock = itertools.count(1)
+        self.num_nodes = 0
+        self.num_evicted = 0
+
+    def _root(self, namespace: str) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node((), -1, None)
+        return root
+
+    def match(self, namespace: str, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `tokens`; marks the matched nodes as recently used."""
+        bs = self.block_size
+        node = self._roots.get(namespace)
+        if node is None:
+            return MatchResult()
+        now = next(self._clock)
+        blocks: list[int] = []
+        i = 0
+        while i + bs <= len(tokens):
+            child = node.children.get(tuple(tokens[i : i + bs]))
+            if child is None:
+                break
+            child.last_access = now
+            blocks.append(child.block)
+            node = child
+            i += bs
+        best, best_node = 0, None
+        rest = tokens[i : i + bs]
+        for child in node.children.values():
+            n = _common_prefix(child.tokens, rest)
+            if n > best:
+                best, best_node = n, child
+        if best_node is None:
+            return MatchResult(tuple(blocks), i)
+        best_node.last_access = now
+        return MatchResult(tuple(blocks), i + best, best_node.block)
+
+    def insert(self, namespace: str, tokens: Sequence[int], blocks: Sequence[int]) -> int:
+        """Record that blocks[j] holds tokens[j*bs : (j+1)*bs] (the last block may be partial).
+
+        Every token must already have its KV computed. Blocks the tree lacks gain a tree reference;
+        where the tree already holds the same tokens, its own block stays. Returns the number of new nodes.
+        """
+        bs = self.block_size
+        if len(blocks) != -(-len(tokens) // bs):
+            raise ValueError(f"{len(tokens)} tokens need {-(-len(tokens) // bs)} blocks, got {len(blocks)}")
+        node = self._root(namespace)
+        now = next(self._clock)
+        added = 0
+        for j, block in enumerate(blocks):
+            key = tuple(tokens[j * bs : (j + 1) * bs])
+            child = node.children.get(key)
+            if child is None and len(key) < bs and self._covered(node, key):
+                return added
+            if child is None:
+                self._drop_covered_partials(node, key)
+                child = _Node(key, block, node)
+                node.children[key] = child
+                self.pool.ref(block)
+                self.num_nodes += 1
+                added += 1
+            child.last_access = now
+            node = child
+        return added
+
+    def _covered(self, node: _Node, key: tuple[int, ...]) -> bool:
+        return any(len(c.tokens) >= len(key) and c.tokens[: len(key)] == key for c in node.children.values())
+
+    def _drop_covered_partials(self, node: _Node, key: tuple[int, ...]) -> None:
+        """A partial leaf whose tokens begin the new key holds nothing the new node lacks: free it if unused."""
+        for k, child in list(node.children.items()):
+            if len(k) < len(key) and key[: len(k)] == k and self.pool.ref_count(child.block) == 1:
+                self._remove(child)
+
+    def _remove(self, node: _Node) -> None:
+        assert node.parent is not None and not node.children
+        del node.parent.children[node.tokens]
+        self.pool.release(node.block)
+        self.num_nodes -= 1
+
+    def _evictable(self, node: _Node) -> bool:
+        return node.parent is not None and not node.children and self.pool.ref_count(node.block) == 1
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` unlocked leaf blocks, least recently used first; returns how many."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_blocks:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            self._remove(node)
+            freed += 1
+            if parent is not None and self._evictable(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.num_evicted += freed
+        return freed
+
+    def reset(self) -> int:
+        """Evict every unlocked block; returns how many were freed."""
+        freed = self.evict(self.num_nodes)
+        self.num_evicted -= freed
+        return freed
+
+    def _nodes(self) -> list[_Node]:
+        out: list[_Node] = []
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.parent is not None:
+                out.append(node)
+        return out
+
+    def cached_blocks(self) -> list[int]:
+        return [n.block for n in self._nodes()]

@@ -1,0 +1,78 @@
+"""EngineConfig: every knob of the engine in one frozen, validated dataclass."""
+
+import os
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB' -> 2147483648; plain integers are bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"invalid size {value!r}: use a number with an optional unit such as 512MiB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(base, "kvserve")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs one model. Validated on construction so that a bad value fails at startup.
+
+    `kv_cache_memory` is the byte budget of the paged KV pool; `max_num_batched_tokens` bounds the tokens
+    of one forward pass (decodes plus prefill chunks), which is what keeps long prefills from stalling
+    running streams. `max_model_len=None` takes the model's own context length.
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory: int = 2 * 2**30
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    cache_aware_scheduling_bound: int = 32
+    threads: int | None = None
+    seed: int = 0
+    cache_dir: str = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        checks: list[tuple[bool, str]] = [
+            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of 2"),
+            (self.kv_cache_memory > 0, "kv_cache_memory must be positive"),
+            (self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive"),
+            (self.max_num_seqs > 0, "max_num_seqs must be positive"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"),
+            (self.max_waiting > 0, "max_waiting must be positive"),
+            (self.cache_aware_scheduling_bound >= 0, "cache_aware_scheduling_bound must be >= 0"),
+            (self.threads is None or self.threads > 0, "threads must be positive"),
+            (self.dtype in ("float32", "float16", "bfloat16"), "dtype must be float32, float16 or bfloat16"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

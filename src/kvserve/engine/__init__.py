@@ -1,0 +1,1 @@
+"""Engine layer: requests, sampling, the scheduler, the step loop and its asyncio front."""

@@ -1,0 +1,210 @@
+"""Engine: the synchronous step loop. add_request -> step() -> RequestDeltas, until every request ends."""
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.cache.manager import CacheUsage, KVCacheManager
+from kvserve.config import EngineConfig
+from kvserve.errors import InvalidRequestError
+from kvserve.engine import sampler
+from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.reply_memory import ReplyMemory
+from kvserve.engine.request import Request
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.text_stream import TextStream
+from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.runner import DTYPES, ModelRunner
+
+log = logging.getLogger("kvserve.engine")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    prompt_tokens: int
+    generation_tokens: int
+    cache_queries: int
+    cache_hits: int
+    prefill_tokens_computed: int
+    preemptions: int
+    cache: CacheUsage
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cache_hits / self.cache_queries if self.cache_queries else 0.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        started = time.monotonic()
+        self.model = model or load_model(config.model, config.cache_dir)
+        self.tokenizer = self.model.tokenizer
+        mc = self.model.config
+        self.max_model_len = self._max_model_len()
+        bytes_per_block = mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize) * config.block_size
+        num_blocks = config.kv_cache_memory // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block ({bytes_per_block})")
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.device, config.dtype)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.replies = ReplyMemory()
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        log.info(
+            "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, prefix cache %s",
+            time.monotonic() - started,
+            self.model.name,
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            self.max_model_len,
+            "on" if config.enable_prefix_caching else "off",
+        )
+
+    def _max_model_len(self) -> int:
+        mc = self.model.config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None:
+            # Our attention has no sliding window: staying inside it keeps the output exact.
+            limit = min(limit, mc.sliding_window)
+        asked = self.config.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len {asked} exceeds what the model supports ({limit})")
+        return asked or limit
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.pool.num_blocks
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        namespace: str = "",
+    ) -> Request:
+        """Queue a request; raises InvalidRequestError when it can never be served as asked."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        prompt = [int(t) for t in prompt_token_ids]
+        n = len(prompt)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"but the prompt has {n} tokens; shorten the prompt.",
+                "messages",
+            )
+        max_tokens = self.max_model_len - n if params.max_tokens is None else params.max_tokens
+        if n + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                "Reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+        capacity = self.num_blocks * self.config.block_size
+        if n + max_tokens > capacity:
+            raise InvalidRequestError(
+                f"the request needs {n + max_tokens} tokens of KV memory but the whole cache holds {capacity}; "
+                "reduce max_tokens or start the server with a larger kv_cache_memory",
+                "max_tokens",
+            )
+        stream = TextStream(self.tokenizer.decode_stream(), params.stop)
+        request = Request(request_id, prompt, params, max_tokens, stream, namespace, next(self._arrivals))
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self.prompt_tokens += n
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks (they stay cached); False if it is unknown or done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request)
+        request.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestDelta]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.empty:
+            return []
+        sampled = scheduled.sampled
+        logits = self.runner.execute(scheduled.batch)
+        tokens = sampler.sample(logits, sampled)
+        self.scheduler.after_step(scheduled)
+        return [self._append(request, token) for request, token in zip(sampled, tokens, strict=True)]
+
+    def _append(self, request: Request, token: int) -> RequestDelta:
+        request.token_ids.append(token)
+        self.generation_tokens += 1
+        params = request.params
+        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)
+        text = request.text.flush() if stop_token else request.text.push(token)
+        if stop_token or request.text.stopped:
+            reason: str | None = "stop"
+        elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+            text += request.text.flush()
+        else:
+            reason = None
+        if reason is not None:
+            self._finish(request, reason, stop_token)
+        return RequestDelta(
+            request_id=request.request_id,
+            token_ids=[token],
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _finish(self, request: Request, reason: str, stop_token: bool) -> None:
+        request.finish_reason = reason
+        self.scheduler.finish(request)
+        self.requests.pop(request.request_id, None)
+        if stop_token:
+            # The reply's text is exactly its tokens minus the stop token: remember them for the next turn.
+            reply = request.output_token_ids[:-1]
+            if self.tokenizer.decode(reply) == request.text.text:
+                self.replies.remember(request.namespace, request.text.text, reply)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        c = self.scheduler.counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            cache_queries=c.cache_queries,
+            cache_hits=c.cache_hits,
+            prefill_tokens_computed=c.prefill_tokens_computed,
+            preemptions=c.preemptions,
+            cache=self.kv.usage(),
+        )

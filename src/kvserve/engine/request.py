@@ -1,0 +1,65 @@
+"""Request: one generation's tokens, KV blocks and progress, as the scheduler and engine see it."""
+
+import enum
+import time
+
+import torch
+
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.text_stream import TextStream
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """`token_ids` is the prompt followed by the generated tokens. The KV of token_ids[:num_computed]
+    is in `block_table`; the last sampled token's KV is computed in the next step."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        text_stream: TextStream,
+        namespace: str = "",
+        arrival: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.namespace = namespace
+        self.arrival = arrival
+        self.arrival_time = time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.num_cached_blocks = 0
+        self.num_cached_tokens: int | None = None
+        self.cow_source: int | None = None
+        self.num_skips = 0
+        self.text = text_stream
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            self.generator.manual_seed(seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]

@@ -1,0 +1,30 @@
+"""Errors that cross layers. Each says what is wrong and, where it can, what to do about it."""
+
+
+class KVServeError(Exception):
+    """Base class for every error kvserve raises on purpose."""
+
+
+class ModelLoadError(KVServeError):
+    """A model file or folder could not be loaded; the message names the file and the reason."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"cannot load model from {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class InvalidRequestError(KVServeError, ValueError):
+    """A request can never be served as asked (bad sampling value, prompt too long, ...).
+
+    `param` names the offending field so that the server can report it OpenAI-style.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class EngineOverloadedError(KVServeError):
+    """The engine's queue is full; the caller should retry later."""

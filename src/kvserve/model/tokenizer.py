@@ -1,0 +1,88 @@
+"""Tokenizer: encode, decode and chat templates, on Hugging Face tokenizers.
+
+Chat prompts can reuse the exact token ids that the engine generated for earlier replies, so that
+re-tokenizing a reply's text can never break the cached prefix of a conversation.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers.decoders import DecodeStream
+
+ChatMessage = dict[str, str]
+ReplyLookup = Callable[[str], Sequence[int] | None]
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int] = ()) -> None:
+        self._hf = hf_tokenizer
+        self._rust: RustTokenizer = hf_tokenizer.backend_tokenizer
+        eos = list(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None and hf_tokenizer.eos_token_id not in eos:
+            eos.append(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        self.vocab_size: int = len(hf_tokenizer)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._hf.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._rust.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def decode_stream(self) -> "IncrementalDecoder":
+        return IncrementalDecoder(self._rust)
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use completions with a plain prompt")
+        text = self._hf.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return str(text)
+
+    def encode_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        known_reply: ReplyLookup | None = None,
+    ) -> list[int]:
+        """Token ids of the rendered conversation.
+
+        Where `known_reply(content)` returns the ids the engine generated for an assistant message, those
+        ids are spliced in verbatim; the text between such replies is tokenized on its own, which is how
+        the original request saw it (its prompt ended where the reply began).
+        """
+        text = self.render_chat(messages, add_generation_prompt)
+        if known_reply is None:
+            return self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        pos = 0
+        for message in messages:
+            content = message.get("content", "")
+            if message.get("role") != "assistant" or not content:
+                continue
+            reply = known_reply(content)
+            at = text.find(content, pos) if reply is not None else -1
+            if reply is None or at < 0:
+                continue
+            ids += self.encode(text[pos:at], add_special_tokens=False)
+            ids += reply
+            pos = at + len(content)
+        ids += self.encode(text[pos:], add_special_tokens=False)
+        return ids
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas; never emits half of a multi-byte character."""
+
+    def __init__(self, tokenizer: RustTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer, token_id) or ""
