@@ -58,7 +58,7 @@ class KVCacheManager:
         return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
     def usage(self) -> CacheUsage:
-        cached = self.prefix_cache.cached_blocks() if self.prefix_cache is not None else []
+        cached = [b for _, _, b in self.prefix_cache.entries()] if self.prefix_cache is not None else []
         unlocked_cached = sum(1 for b in cached if self.pool.ref_count(b) == 1)
         return CacheUsage(
             num_blocks=self.pool.num_blocks,

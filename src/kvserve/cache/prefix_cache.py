@@ -176,5 +176,13 @@ class PrefixCache:
                 out.append(node)
         return out
 
-    def cached_blocks(self) -> list[int]:
-        return [n.block for n in self._nodes()]
+    def entries(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """Every node as (namespace, tokens from the root through this node, block)."""
+        out: list[tuple[str, tuple[int, ...], int]] = []
+        for namespace, root in self._roots.items():
+            stack = [(child, child.tokens) for child in root.children.values()]
+            while stack:
+                node, path = stack.pop()
+                out.append((namespace, path, node.block))
+                stack.extend((c, path + c.tokens) for c in node.children.values())
+        return out

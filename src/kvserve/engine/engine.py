@@ -89,22 +89,16 @@ class Engine:
     def num_blocks(self) -> int:
         return self.kv.pool.num_blocks
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        namespace: str = "",
-    ) -> Request:
-        """Queue a request; raises InvalidRequestError when it can never be served as asked."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        prompt = [int(t) for t in prompt_token_ids]
-        n = len(prompt)
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """The request's effective max_tokens; raises InvalidRequestError if it can never be served.
+
+        Reads only fixed settings, so any thread may call it.
+        """
+        n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if n >= self.max_model_len:
             raise InvalidRequestError(
@@ -127,6 +121,21 @@ class Engine:
                 "reduce max_tokens or start the server with a larger kv_cache_memory",
                 "max_tokens",
             )
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        namespace: str = "",
+    ) -> Request:
+        """Queue a request; raises InvalidRequestError when it can never be served as asked."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        prompt = [int(t) for t in prompt_token_ids]
+        n = len(prompt)
+        max_tokens = self.validate(prompt, params)
         stream = TextStream(self.tokenizer.decode_stream(), params.stop)
         request = Request(request_id, prompt, params, max_tokens, stream, namespace, next(self._arrivals))
         self.requests[request_id] = request

@@ -1,0 +1,173 @@
+"""kvserve command line: serve | chat | generate | bench."""
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from kvserve.config import EngineConfig, parse_bytes
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per forward pass at most")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching (for baselines)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_cache,
+        threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+        **overrides,
+    )
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _params(args: argparse.Namespace) -> Any:
+    from kvserve.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    for chunk in llm.stream(args.prompt, _params(args)):
+        print(chunk, end="", flush=True)
+    print()
+    return 0
+
+
+def _llm(args: argparse.Namespace) -> Any:
+    from dataclasses import asdict
+
+    from kvserve.llm import LLM
+
+    config = asdict(engine_config(args))
+    return LLM(**config)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A terminal chat; after each reply: time to first token, decode speed, prompt and cached tokens."""
+    from kvserve.model.tokenizer import ChatMessage
+
+    llm = _llm(args)
+    engine = llm.engine
+    messages: list[ChatMessage] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("kvserve chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            continue
+        if line == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = llm.chat_token_ids(messages)
+        rid = f"chat-{turn}"
+        turn += 1
+        start = time.monotonic()
+        first = None
+        reply = ""
+        engine.add_request(rid, ids, _params(args))
+        cached = n_out = 0
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                if delta.request_id != rid:
+                    continue
+                if first is None:
+                    first = time.monotonic()
+                print(delta.text, end="", flush=True)
+                reply += delta.text
+                cached, n_out = delta.num_cached_tokens, delta.num_output_tokens
+        end = time.monotonic()
+        print()
+        messages.append({"role": "assistant", "content": reply})
+        ttft = (first or end) - start
+        rate = (n_out - 1) / (end - first) if first and n_out > 1 and end > first else 0.0
+        print(
+            f"[ttft {ttft * 1000:.0f} ms | {rate:.1f} tok/s | prompt {len(ids)} tokens, {cached} cached | {n_out} generated]",
+            file=sys.stderr,
+        )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.server.app import serve
+
+    return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM server that never prefills the same text twice.")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    _engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require this bearer token on every route but /health")
+    serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
+    serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="chat with the model in the terminal")
+    _engine_arguments(chat)
+    _sampling_arguments(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=cmd_chat)
+
+    generate = sub.add_parser("generate", help="complete one prompt and print the text as it streams")
+    _engine_arguments(generate)
+    _sampling_arguments(generate)
+    generate.add_argument("prompt")
+    generate.set_defaults(func=cmd_generate)
+
+    try:
+        from kvserve.bench.cli import add_bench_arguments, run_bench
+    except ImportError:
+        pass
+    else:
+        bench = sub.add_parser("bench", help="benchmark OpenAI-compatible servers on prefix-heavy workloads")
+        add_bench_arguments(bench)
+        bench.set_defaults(func=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvserve.errors import KVServeError
+
+    try:
+        return int(args.func(args))
+    except KVServeError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2

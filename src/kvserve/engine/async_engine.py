@@ -1,0 +1,175 @@
+"""AsyncEngine: the Engine on its own thread, fed by a command queue, streaming into asyncio queues.
+
+The engine thread is the only one that touches engine state. Callers on the event loop submit and abort
+through a thread-safe queue; each step's deltas come back with one call_soon_threadsafe per step.
+"""
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.engine.engine import Engine, EngineStats
+from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.errors import EngineOverloadedError, KVServeError
+
+log = logging.getLogger("kvserve.engine")
+
+
+class EngineDeadError(KVServeError):
+    """The engine thread failed while this request was in flight."""
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace: str
+    loop: asyncio.AbstractEventLoop
+    out: "asyncio.Queue[RequestDelta | BaseException]"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: "Future[Any]"
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Submit] = {}
+        self._in_flight = 0
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        namespace: str = "",
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream a request's deltas; leaving the iteration early (or cancelling) aborts the request.
+
+        Raises InvalidRequestError before anything is queued if the request can never be served, and
+        EngineOverloadedError if too many requests are already waiting.
+        """
+        limit = self.engine.config.max_waiting + self.engine.config.max_num_seqs
+        if self._in_flight >= limit:
+            raise EngineOverloadedError(f"the server is at capacity ({limit} requests in flight); retry later")
+        self.engine.validate(prompt_token_ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        out: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._in_flight += 1
+        self._commands.put(_Submit(rid, list(prompt_token_ids), params, namespace, asyncio.get_running_loop(), out))
+        finished = False
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._in_flight -= 1
+            if not finished:
+                self._commands.put(_Abort(rid))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps (stats, cache reset) and return its result."""
+        future: Future[Any] = Future()
+        self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def stats(self) -> EngineStats:
+        stats: EngineStats = await self.call(lambda e: e.stats())
+        return stats
+
+    def _apply(self, command: _Submit | _Abort | _Call) -> None:
+        if isinstance(command, _Submit):
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params, command.namespace)
+            except Exception as e:
+                command.loop.call_soon_threadsafe(command.out.put_nowait, e)
+                return
+            self._streams[command.request_id] = command
+        elif isinstance(command, _Abort):
+            if self._streams.pop(command.request_id, None) is not None:
+                self.engine.abort_request(command.request_id)
+        else:
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as e:
+                command.future.set_exception(e)
+
+    def _run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            try:
+                command = self._commands.get(block=idle)
+                while True:
+                    if command is None:
+                        self._fail_all(EngineDeadError("the server is shutting down"))
+                        return
+                    self._apply(command)
+                    command = self._commands.get_nowait()
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception as e:
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(EngineDeadError(f"the engine failed: {e}"))
+                continue
+            self._dispatch(deltas)
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestDelta]]] = {}
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            if delta.finished:
+                del self._streams[delta.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream.out, delta))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort_request(rid)
+            stream.loop.call_soon_threadsafe(stream.out.put_nowait, error)
+        self._streams.clear()
+
+
+def _put_all(items: list[tuple["asyncio.Queue[Any]", RequestDelta]]) -> None:
+    for out, delta in items:
+        out.put_nowait(delta)

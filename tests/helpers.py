@@ -1,0 +1,49 @@
+"""Builders for the tests: tiny random Hugging Face models saved as real model folders."""
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from kvserve.config import default_cache_dir
+from kvserve.model.loader import resolve_model_dir
+
+_TINY: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def save_tiny_model(path: str, architecture: str, **overrides: Any) -> str:
+    """A random model of the given family with the default model's tokenizer files; returns its folder."""
+    import transformers
+
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[architecture]
+    model_class = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }[architecture]
+    default_dir = resolve_model_dir(None, default_cache_dir())
+    config = config_class(**{**_TINY, "vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1, **overrides})
+    torch.manual_seed(0)
+    model = model_class(config).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            # Larger than the init's 0.02 so that logits are far from uniform and argmax is stable.
+            p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in os.listdir(default_dir):
+        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(os.path.join(default_dir, name), path)
+    return path
