@@ -1,0 +1,157 @@
+"""Prefix caching in the engine: transparency, cached-token counts, shared prefixes, multi-turn, order."""
+
+from collections.abc import Callable
+
+import pytest
+
+from kvserve.config import EngineConfig, default_cache_dir
+from kvserve.engine.engine import Engine
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.model.loader import load_model
+from kvserve.model.tokenizer import ChatMessage
+from tests.helpers import save_tiny_model
+from tests.test_engine import assert_no_leak, run
+
+SYSTEM = (
+    "You are a meticulous assistant for a small bakery. You answer questions about opening hours, "
+    "ingredients, allergies, prices and custom orders. Opening hours are 7am to 6pm on weekdays and "
+    "8am to 2pm on Saturdays; the bakery is closed on Sundays. All bread is baked daily with organic "
+    "flour. Nut-free options are available but the kitchen handles nuts. Custom cakes need three days "
+    "notice. Keep answers short, friendly and precise, and never invent products that are not listed. "
+) * 3
+USER_TURNS = ["When do you open on Saturday?", "Do you have nut-free bread?", "Can I order a cake for tomorrow?", "Thanks!"]
+
+
+def chat(engine: Engine, turns: list[str], max_tokens: int = 16) -> tuple[list[str], list[int], list[int]]:
+    """A multi-turn chat resending the full history; returns replies, prompt sizes and cached tokens."""
+    messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
+    replies, prompt_sizes, cached = [], [], []
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        ids = engine.tokenizer.encode_chat(messages, known_reply=lambda text: engine.replies.lookup("", text))
+        engine.add_request(f"turn{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+        text, n_cached = "", -1
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                text += delta.text
+                n_cached = delta.num_cached_tokens
+        messages.append({"role": "assistant", "content": text})
+        replies.append(text)
+        prompt_sizes.append(len(ids))
+        cached.append(n_cached)
+    return replies, prompt_sizes, cached
+
+
+def test_multi_turn_chat_is_transparent_and_hits_everything_before_the_new_message(
+    make_engine: Callable[..., Engine],
+) -> None:
+    cold = chat(make_engine(enable_prefix_caching=False), USER_TURNS)
+    engine = make_engine()
+    replies, sizes, cached = chat(engine, USER_TURNS)
+    assert replies == cold[0]
+    assert cold[2] == [0] * len(USER_TURNS)
+    assert cached[0] == 0
+    for k in range(1, len(USER_TURNS)):
+        reply_tokens = len(engine.tokenizer.encode(replies[k - 1], add_special_tokens=False))
+        assert cached[k] >= sizes[k - 1] + reply_tokens - engine.config.block_size
+    assert_no_leak(engine)
+
+
+def test_replies_are_reused_as_their_generated_token_ids(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(block_size=16)
+    messages: list[ChatMessage] = [{"role": "user", "content": "Tell me a fun fact about octopuses."}]
+    ids = engine.tokenizer.encode_chat(messages)
+    out = run(engine, {"a": ids}, SamplingParams(max_tokens=64, temperature=0))["a"]
+    reply_ids = out[:-1] if out[-1] in engine.tokenizer.eos_token_ids else out
+    text = engine.tokenizer.decode(reply_ids)
+    follow = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "Another one?"}]
+    spliced = engine.tokenizer.encode_chat(follow, known_reply=lambda t: engine.replies.lookup("", t))
+    assert spliced[: len(ids) + len(reply_ids)] == ids + reply_ids
+    assert engine.replies.lookup("other-namespace", text) is None
+
+
+def test_shared_system_prompt_arriving_together_is_computed_once(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(max_num_batched_tokens=256, block_size=16)
+    tok = engine.tokenizer
+    system = tok.encode(SYSTEM * 2)
+    questions = [tok.encode(f" Question {i}: what about item number {i * 7}?") for i in range(16)]
+    prompts = {f"u{i}": system + q for i, q in enumerate(questions)}
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = run(engine, prompts, params)
+    unique = sum(len(q) for q in questions)
+    stats = engine.stats()
+    # Every prompt's last token is recomputed (its logits are needed), hence the 16 x block size slack.
+    assert stats.prefill_tokens_computed <= len(system) + unique + 16 * engine.config.block_size
+    assert stats.cache_hits >= 15 * (len(system) - engine.config.block_size)
+    assert out == run(make_engine(enable_prefix_caching=False, max_num_batched_tokens=256), prompts, params)
+    assert_no_leak(engine)
+
+
+def test_caching_stays_transparent_when_a_small_pool_forces_eviction(make_engine: Callable[..., Engine]) -> None:
+    tok = make_engine().tokenizer
+    prompts = {
+        f"c{i}": tok.encode_chat(
+            [{"role": "system", "content": f"Case {i % 4}. " + SYSTEM[: 300 + 60 * i]}, {"role": "user", "content": q}]
+        )
+        for i, q in enumerate(USER_TURNS * 2)
+    }
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = run(make_engine(enable_prefix_caching=False), prompts, params)
+    engine = make_engine(kv_cache_memory=40 * 16 * 46080, block_size=16, max_num_seqs=2)
+    for rid, ids in prompts.items():
+        assert run(engine, {rid: ids}, params)[rid] == expected[rid]
+    assert run(engine, prompts, params) == expected
+    assert engine.stats().cache.num_evicted > 0
+    assert_no_leak(engine)
+
+
+def test_disabled_cache_and_reset(make_engine: Callable[..., Engine]) -> None:
+    tok = make_engine().tokenizer
+    ids = tok.encode(SYSTEM)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    off = make_engine(enable_prefix_caching=False)
+    run(off, {"a": ids}, params)
+    run(off, {"b": ids}, params)
+    assert off.stats().cache_hits == 0 and off.stats().cache.num_cached == 0
+    on = make_engine()
+    run(on, {"a": ids}, params)
+    on.add_request("b", ids, params)
+    deltas = [d for _ in range(3) for d in on.step()]
+    assert deltas[0].num_cached_tokens == len(ids) - 1
+    assert on.reset_prefix_cache() > 0
+    assert on.stats().cache.num_cached == 0
+    assert on.stats().hit_rate > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Engine]:
+    model = load_model(save_tiny_model(str(tmp_path_factory.mktemp("tiny")), "llama"), default_cache_dir())
+
+    def make(**overrides: object) -> Engine:
+        return Engine(EngineConfig(kv_cache_memory=2**24, **overrides), model=model)  # type: ignore[arg-type]
+
+    return make
+
+
+def _admission_order(engine: Engine, prompts: dict[str, list[int]]) -> list[str]:
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=1, temperature=0))
+    order: list[str] = []
+    while engine.has_unfinished_requests():
+        order += [d.request_id for d in engine.step() if d.finished]
+    return order
+
+
+def test_waiting_queue_favours_the_longest_cached_prefix_within_a_bound(
+    tiny_engine_factory: Callable[..., Engine],
+) -> None:
+    shared = list(range(1000, 1100))
+    cold = [list(range(2000 + 100 * i, 2100 + 100 * i)) for i in range(4)]
+    engine = tiny_engine_factory(max_num_seqs=1, cache_aware_scheduling_bound=100)
+    _admission_order(engine, {"warmup": [*shared, 1]})
+    prompts = {"cold0": cold[0], "cold1": cold[1], "hot": [*shared, 5], "cold2": cold[2]}
+    order = _admission_order(engine, prompts)
+    assert order.index("hot") < order.index("cold1")
+    bounded = tiny_engine_factory(max_num_seqs=1, cache_aware_scheduling_bound=0)
+    _admission_order(bounded, {"warmup": [*shared, 1]})
+    assert _admission_order(bounded, prompts) == list(prompts)
