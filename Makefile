@@ -33,10 +33,10 @@ test: lint
 	$(BIN)/pytest -q
 
 bench-engine: install
-	$(BIN)/python benchmarks/bench_engine.py
+	$(BIN)/python -m benchmarks.bench_engine
 
 bench-cache: install
-	$(BIN)/python benchmarks/bench_prefix_cache.py
+	$(BIN)/python -m benchmarks.bench_prefix_cache
 
 bench: install
 	$(BIN)/kvserve bench compare --out benchmarks/results

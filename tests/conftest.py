@@ -1,11 +1,17 @@
 """Shared fixtures: the default model is loaded once per test session and shared by every engine."""
 
 import os
-from collections.abc import Callable
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
 import torch
+import uvicorn
+from fastapi import FastAPI
 
 from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.engine import Engine
@@ -28,3 +34,31 @@ def make_engine(default_model: LoadedModel) -> Callable[..., Engine]:
         return Engine(EngineConfig(**overrides), model=default_model)
 
     return make
+
+
+@contextmanager
+def _serve(app: FastAPI) -> Iterator[str]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=10)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def serve_app() -> Callable[[FastAPI], AbstractContextManager[str]]:
+    """`with serve_app(app) as url:` runs the app on a real uvicorn server on a free loopback port."""
+    return _serve

@@ -26,7 +26,9 @@ QUESTIONS = [
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+def run(
+    engine: Engine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY
+) -> dict[str, list[int]]:
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, params)
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
@@ -100,13 +102,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(
             if delta.request_id == "b":
                 second += delta.token_ids
     assert first == second
-    unseeded = [run(engine, {f"u{i}": prompts["q1"]}, SamplingParams(max_tokens=16))[f"u{i}"] for i in range(3)]
+    unseeded = [
+        run(engine, {f"u{i}": prompts["q1"]}, SamplingParams(max_tokens=16))[f"u{i}"] for i in range(3)
+    ]
     assert len({tuple(u) for u in unseeded}) > 1
 
 
-def test_stop_strings_are_cut_and_never_streamed(make_engine: Callable[..., Engine], prompts: dict[str, list[int]]) -> None:
+def test_stop_strings_are_cut_and_never_streamed(
+    make_engine: Callable[..., Engine], prompts: dict[str, list[int]]
+) -> None:
     engine = make_engine()
-    full = engine.tokenizer.decode(run(engine, {"x": prompts["q5"]}, SamplingParams(max_tokens=40, temperature=0))["x"])
+    full = engine.tokenizer.decode(
+        run(engine, {"x": prompts["q5"]}, SamplingParams(max_tokens=40, temperature=0))["x"]
+    )
     stop = full[10:14]
     engine.add_request("s", prompts["q5"], SamplingParams(max_tokens=40, temperature=0, stop=[stop, "zzzz"]))
     text, reasons = "", []
@@ -118,15 +126,23 @@ def test_stop_strings_are_cut_and_never_streamed(make_engine: Callable[..., Engi
     assert reasons[-1] == "stop"
 
 
-def test_eos_stop_token_ids_ignore_eos_and_length(make_engine: Callable[..., Engine], prompts: dict[str, list[int]]) -> None:
+def test_eos_stop_token_ids_ignore_eos_and_length(
+    make_engine: Callable[..., Engine], prompts: dict[str, list[int]]
+) -> None:
     engine = make_engine()
     eos = engine.tokenizer.eos_token_ids[0]
     natural = run(engine, {"n": prompts["q0"]}, SamplingParams(max_tokens=64, temperature=0))["n"]
     assert natural[-1] == eos and len(natural) < 64
     first = natural[0]
-    stopped = run(engine, {"t": prompts["q0"]}, SamplingParams(max_tokens=64, temperature=0, stop_token_ids=[first]))
+    stopped = run(
+        engine, {"t": prompts["q0"]}, SamplingParams(max_tokens=64, temperature=0, stop_token_ids=[first])
+    )
     assert stopped["t"] == [first]
-    forced = run(engine, {"f": prompts["q0"]}, SamplingParams(max_tokens=len(natural) + 5, temperature=0, ignore_eos=True))
+    forced = run(
+        engine,
+        {"f": prompts["q0"]},
+        SamplingParams(max_tokens=len(natural) + 5, temperature=0, ignore_eos=True),
+    )
     assert len(forced["f"]) == len(natural) + 5
     engine.add_request("l", prompts["q0"], SamplingParams(max_tokens=3, temperature=0))
     last = None
@@ -166,7 +182,16 @@ def test_requests_that_can_never_run_are_refused(make_engine: Callable[..., Engi
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("max_tokens", 0), ("n", 2), ("seed", -1)],
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("max_tokens", 0),
+        ("n", 2),
+        ("seed", -1),
+    ],
 )
 def test_bad_sampling_values_are_refused(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError) as e:
@@ -176,14 +201,18 @@ def test_bad_sampling_values_are_refused(field: str, value: Any) -> None:
 
 def test_no_block_leaks_after_random_requests_aborts_and_preemptions(tmp_path: Any) -> None:
     model = load_model(save_tiny_model(str(tmp_path / "tiny"), "llama"), default_cache_dir())
-    config = EngineConfig(kv_cache_memory=40 * 4 * model.config.kv_bytes_per_token(4), block_size=4, max_num_batched_tokens=48)
+    config = EngineConfig(
+        kv_cache_memory=40 * 4 * model.config.kv_bytes_per_token(4), block_size=4, max_num_batched_tokens=48
+    )
     engine = Engine(config, model=model)
     rng = random.Random(7)
     live: set[str] = set()
     prefixes = [[rng.randrange(49152) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
     for i in range(300):
         prompt = rng.choice(prefixes) + [rng.randrange(49152) for _ in range(rng.randrange(1, 12))]
-        params = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 1.0]), ignore_eos=True
+        )
         engine.add_request(f"r{i}", prompt, params)
         live.add(f"r{i}")
         for _ in range(rng.randrange(0, 3)):

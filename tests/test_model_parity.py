@@ -90,7 +90,11 @@ def test_default_model_greedy_replies_match_transformers(default_model: LoadedMo
         folder, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32
     ).eval()
     llm = LLM(kv_cache_memory="64MiB")
-    questions = ["What is the capital of France?", "Give me two tips for sleeping well.", "Say hello in Spanish."]
+    questions = [
+        "What is the capital of France?",
+        "Give me two tips for sleeping well.",
+        "Say hello in Spanish.",
+    ]
     conversations = [[{"role": "user", "content": q}] for q in questions]
     outputs = llm.chat(conversations, SamplingParams(max_tokens=24, temperature=0.0))
     for conversation, out in zip(conversations, outputs, strict=True):

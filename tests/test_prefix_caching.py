@@ -19,7 +19,12 @@ SYSTEM = (
     "flour. Nut-free options are available but the kitchen handles nuts. Custom cakes need three days "
     "notice. Keep answers short, friendly and precise, and never invent products that are not listed. "
 ) * 3
-USER_TURNS = ["When do you open on Saturday?", "Do you have nut-free bread?", "Can I order a cake for tomorrow?", "Thanks!"]
+USER_TURNS = [
+    "When do you open on Saturday?",
+    "Do you have nut-free bread?",
+    "Can I order a cake for tomorrow?",
+    "Thanks!",
+]
 
 
 def chat(engine: Engine, turns: list[str], max_tokens: int = 16) -> tuple[list[str], list[int], list[int]]:
@@ -87,11 +92,16 @@ def test_shared_system_prompt_arriving_together_is_computed_once(make_engine: Ca
     assert_no_leak(engine)
 
 
-def test_caching_stays_transparent_when_a_small_pool_forces_eviction(make_engine: Callable[..., Engine]) -> None:
+def test_caching_stays_transparent_when_a_small_pool_forces_eviction(
+    make_engine: Callable[..., Engine],
+) -> None:
     tok = make_engine().tokenizer
     prompts = {
         f"c{i}": tok.encode_chat(
-            [{"role": "system", "content": f"Case {i % 4}. " + SYSTEM[: 300 + 60 * i]}, {"role": "user", "content": q}]
+            [
+                {"role": "system", "content": f"Case {i % 4}. " + SYSTEM[: 300 + 60 * i]},
+                {"role": "user", "content": q},
+            ]
         )
         for i, q in enumerate(USER_TURNS * 2)
     }

@@ -10,14 +10,24 @@ from kvserve.config import EngineConfig, parse_bytes
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per forward pass at most")
-    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching (for baselines)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=1024, help="tokens per forward pass at most"
+    )
+    parser.add_argument(
+        "--no-prefix-cache", action="store_true", help="disable prefix caching (for baselines)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
 
@@ -48,7 +58,9 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
 def _params(args: argparse.Namespace) -> Any:
     from kvserve.engine.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -114,7 +126,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         ttft = (first or end) - start
         rate = (n_out - 1) / (end - first) if first and n_out > 1 and end > first else 0.0
         print(
-            f"[ttft {ttft * 1000:.0f} ms | {rate:.1f} tok/s | prompt {len(ids)} tokens, {cached} cached | {n_out} generated]",
+            f"[ttft {ttft * 1000:.0f} ms | {rate:.1f} tok/s | prompt {len(ids)} tokens, "
+            f"{cached} cached | {n_out} generated]",
             file=sys.stderr,
         )
 
@@ -122,11 +135,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import serve
 
-    return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting)
+    return serve(
+        engine_config(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM server that never prefills the same text twice.")
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="An LLM server that never prefills the same text twice."
+    )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -163,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from kvserve.errors import KVServeError
 
     try:

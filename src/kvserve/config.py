@@ -63,7 +63,10 @@ class EngineConfig:
         if isinstance(self.kv_cache_memory, str):
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         checks: list[tuple[bool, str]] = [
-            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of 2"),
+            (
+                self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                "block_size must be a power of 2",
+            ),
             (self.kv_cache_memory > 0, "kv_cache_memory must be positive"),
             (self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive"),
             (self.max_num_seqs > 0, "max_num_seqs must be positive"),

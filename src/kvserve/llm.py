@@ -68,7 +68,9 @@ class LLM:
         finally:
             self.engine.abort_request(rid)
 
-    def _run(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
+    ) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
         started = time.monotonic()

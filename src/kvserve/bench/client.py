@@ -112,6 +112,11 @@ async def stream_chat(
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                if error := chunk.get("error"):
+                    # Servers report a failure after the 200 status line as an error event in the stream.
+                    message = error.get("message", error) if isinstance(error, dict) else error
+                    result.error = f"error in stream: {message}"
+                    break
                 if chunk.get("usage"):
                     _read_usage(chunk["usage"], result)
                 for choice in chunk.get("choices") or []:

@@ -55,7 +55,7 @@ async def run_workload(
         for run in runs:
             await _warm_up(client, run.target, seed)
         before = [await scrape(client, run.target.url) for run in runs]
-        await _run_steps(client, workload, runs, seed, on_requests_done)
+        await _Driver(client, workload, runs, seed, on_requests_done).run_steps()
         for run, scraped in zip(runs, before, strict=True):
             run.prefix_cache = prefix_cache_delta(scraped, await scrape(client, run.target.url))
     return runs
@@ -69,74 +69,77 @@ async def _warm_up(client: httpx.AsyncClient, target: Target, seed: int) -> None
         raise BenchError(f"target {target.name} ({target.url}) failed a warm-up request: {result.error}")
 
 
-async def _run_steps(
-    client: httpx.AsyncClient,
-    workload: Workload,
-    runs: list[TargetRun],
-    seed: int,
-    on_requests_done: Callable[[int], None],
-) -> None:
-    run_start = time.perf_counter()
-    pending = list(reversed(workload.conversations))
-    active: list[Conversation] = []
-    next_turn: dict[str, int] = {}
-    histories = {(run.target.name, c.id): _History(_opening(c)) for run in runs for c in workload.conversations}
-    step = 0
-    while pending or active:
-        while pending and len(active) < workload.max_in_flight:
-            conversation = pending.pop()
-            active.append(conversation)
-            next_turn[conversation.id] = 0
-        order = runs if step % 2 == 0 else runs[::-1]
-        for run in order:
-            step_start = time.perf_counter()
-            turns = [
-                _send_turn(client, workload, run, c, next_turn[c.id], histories[run.target.name, c.id], seed,
-                           run_start, step_start, on_requests_done)
-                for c in active
-                if not histories[run.target.name, c.id].failed
-            ]
-            await asyncio.gather(*turns)
-            run.busy_s += time.perf_counter() - step_start
-        for conversation in active:
-            next_turn[conversation.id] += 1
-        active = [
-            c
-            for c in active
-            if next_turn[c.id] < len(c.user_turns)
-            and not all(histories[run.target.name, c.id].failed for run in runs)
-        ]
-        step += 1
+class _Driver:
+    """The state of one run: the client, the histories of every (target, conversation), the clock."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        workload: Workload,
+        runs: list[TargetRun],
+        seed: int,
+        on_requests_done: Callable[[int], None],
+    ) -> None:
+        self.client = client
+        self.workload = workload
+        self.runs = runs
+        self.seed = seed
+        self.on_requests_done = on_requests_done
+        self.histories = {
+            (run.target.name, c.id): _History(_opening(c)) for run in runs for c in workload.conversations
+        }
+        self.start = time.perf_counter()
+
+    async def run_steps(self) -> None:
+        pending = list(reversed(self.workload.conversations))
+        active: list[Conversation] = []
+        next_turn: dict[str, int] = {}
+        step = 0
+        while pending or active:
+            while pending and len(active) < self.workload.max_in_flight:
+                conversation = pending.pop()
+                active.append(conversation)
+                next_turn[conversation.id] = 0
+            for run in self.runs if step % 2 == 0 else self.runs[::-1]:
+                step_start = time.perf_counter()
+                await asyncio.gather(
+                    *(
+                        self.send_turn(run, c, next_turn[c.id], step_start)
+                        for c in active
+                        if not self.histories[run.target.name, c.id].failed
+                    )
+                )
+                run.busy_s += time.perf_counter() - step_start
+            for conversation in active:
+                next_turn[conversation.id] += 1
+            active = [c for c in active if next_turn[c.id] < len(c.user_turns) and not self.all_failed(c)]
+            step += 1
+
+    def all_failed(self, conversation: Conversation) -> bool:
+        return all(self.histories[run.target.name, conversation.id].failed for run in self.runs)
+
+    async def send_turn(
+        self, run: TargetRun, conversation: Conversation, turn: int, step_start: float
+    ) -> None:
+        if turn == 0 and conversation.arrival_s > 0:
+            await asyncio.sleep(max(0.0, step_start + conversation.arrival_s - time.perf_counter()))
+        history = self.histories[run.target.name, conversation.id]
+        history.messages.append({"role": "user", "content": conversation.user_turns[turn]})
+        result = RequestResult(
+            run.target.name, conversation.id, conversation.group, turn + 1, time.perf_counter() - self.start
+        )
+        reply = await stream_chat(
+            self.client, run.target, history.messages, self.workload.max_tokens, self.seed, result
+        )
+        run.results.append(result)
+        history.messages.append({"role": "assistant", "content": reply})
+        if result.error is None:
+            self.on_requests_done(1)
+        else:
+            # The conversation cannot go on without this reply; its remaining turns count as done.
+            history.failed = True
+            self.on_requests_done(len(conversation.user_turns) - turn)
 
 
 def _opening(conversation: Conversation) -> list[dict[str, str]]:
     return [] if conversation.system is None else [{"role": "system", "content": conversation.system}]
-
-
-async def _send_turn(
-    client: httpx.AsyncClient,
-    workload: Workload,
-    run: TargetRun,
-    conversation: Conversation,
-    turn: int,
-    history: _History,
-    seed: int,
-    run_start: float,
-    step_start: float,
-    on_requests_done: Callable[[int], None],
-) -> None:
-    if turn == 0 and conversation.arrival_s > 0:
-        await asyncio.sleep(max(0.0, step_start + conversation.arrival_s - time.perf_counter()))
-    history.messages.append({"role": "user", "content": conversation.user_turns[turn]})
-    result = RequestResult(
-        run.target.name, conversation.id, conversation.group, turn + 1, time.perf_counter() - run_start
-    )
-    reply = await stream_chat(client, run.target, history.messages, workload.max_tokens, seed, result)
-    run.results.append(result)
-    history.messages.append({"role": "assistant", "content": reply})
-    if result.error is None:
-        on_requests_done(1)
-    else:
-        # The conversation cannot go on without this reply; its remaining turns count as done.
-        history.failed = True
-        on_requests_done(len(conversation.user_turns) - turn)

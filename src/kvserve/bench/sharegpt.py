@@ -13,7 +13,7 @@ from kvserve.bench.errors import BenchError
 _CHUNK_CHARS = 1 << 20
 
 
-def iter_objects(stream: TextIO) -> Iterator[dict[str, Any]]:
+def iter_objects(stream: TextIO, chunk_chars: int = _CHUNK_CHARS) -> Iterator[dict[str, Any]]:
     """The complete objects of a JSON array, in order, read incrementally; a truncated tail is ignored."""
     decoder = json.JSONDecoder()
     buffer = ""
@@ -39,7 +39,7 @@ def iter_objects(stream: TextIO) -> Iterator[dict[str, Any]]:
                 if isinstance(obj, dict):
                     yield obj
                 continue
-        more = stream.read(_CHUNK_CHARS)
+        more = stream.read(chunk_chars)
         if not more:
             return
         buffer = buffer[pos:] + more
@@ -52,9 +52,7 @@ def human_turns(conversation: dict[str, Any]) -> list[str]:
     if not isinstance(turns, list):
         return []
     return [
-        str(turn.get("value", ""))
-        for turn in turns
-        if isinstance(turn, dict) and turn.get("from") == "human"
+        str(turn.get("value", "")) for turn in turns if isinstance(turn, dict) and turn.get("from") == "human"
     ]
 
 

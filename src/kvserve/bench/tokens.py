@@ -18,7 +18,7 @@ TokenCounter = Callable[[str], int]
 # and in the other BPE tokenizers we have looked at. Counting stays additive (n words -> n tokens), so a
 # text of n tokens takes one or two /tokenize calls; random draws from 200 words make unrelated texts
 # share no prefix beyond their first word or two.
-WORDS = (
+_WORD_LIST = (
     "time year people way day man thing woman life child world school state family student group country "
     "problem hand part place case week company system program question work government number night point "
     "home water room mother area money story fact month lot right study book eye job word business issue "
@@ -33,7 +33,8 @@ WORDS = (
     "practice piece land product doctor wall patient worker news test movie north love support technology "
     "step baby computer type attention film tree source organization hair window evidence population "
     "truth song energy river stone bridge letter summer winter spring forest ocean castle bread apple"
-).split()
+)
+WORDS = tuple(_WORD_LIST.split())
 
 # A word every tokenizer encodes as one token: counting it reveals the special tokens (BOS, ...) that a
 # tokenizer adds to every text, which are not part of the text's size.
@@ -95,7 +96,7 @@ def remote_counter(client: httpx.Client, base_url: str) -> TokenCounter | None:
 def local_counter() -> TokenCounter:
     """Counts with kvserve's default model tokenizer, for targets without /tokenize."""
     # Imported here so that the bench layer stays HTTP-only unless a target cannot count tokens itself.
-    from kvserve.model.tokenizer import load_default_tokenizer
+    from kvserve.model.loader import load_default_tokenizer
 
     tokenizer = load_default_tokenizer()
     return lambda text: len(tokenizer.encode(text))

@@ -129,7 +129,10 @@ def shared_prefix(spec: SharedPrefixSpec, count: TokenCounter) -> Workload:
     )
     if not spec.request_rate > 0:
         raise BenchError("the request rate must be positive (inf sends every prompt at once)")
-    systems = [text_of_tokens(spec.system_tokens, f"{spec.seed}/shared-prefix/system/{g}", count) for g in range(spec.groups)]
+    systems = [
+        text_of_tokens(spec.system_tokens, f"{spec.seed}/shared-prefix/system/{g}", count)
+        for g in range(spec.groups)
+    ]
     prompts = [
         (g, p, text_of_tokens(spec.question_tokens, f"{spec.seed}/shared-prefix/question/{g}/{p}", count))
         for g in range(spec.groups)
@@ -173,18 +176,20 @@ def sharegpt(spec: SharegptSpec, count: TokenCounter, dataset: Iterable[list[str
         if index >= _SHAREGPT_POOL:
             break
         kept = tuple(turns[: spec.max_turns])
-        # A token is rarely shorter than a character: this skips most long turns before counting them.
+        # A token rarely spans more than 8 characters, so longer turns cannot fit: no need to count them.
         if len(kept) >= spec.min_turns and all(
-            0 < len(t.strip()) and len(t) <= 8 * spec.max_user_tokens for t in kept
+            t.strip() and len(t) <= 8 * spec.max_user_tokens for t in kept
         ):
             candidates.append((index, kept))
     random.Random(f"{spec.seed}/sharegpt").shuffle(candidates)
     conversations: list[Conversation] = []
-    for index, turns in candidates:
+    for index, kept in candidates:
         if len(conversations) == spec.conversations:
             break
-        if all(count(t) <= spec.max_user_tokens for t in turns):
-            conversations.append(Conversation(id=f"sharegpt{index}", group=index, system=None, user_turns=turns))
+        if all(count(t) <= spec.max_user_tokens for t in kept):
+            conversations.append(
+                Conversation(id=f"sharegpt{index}", group=index, system=None, user_turns=kept)
+            )
     if len(conversations) < spec.conversations:
         raise BenchError(
             f"only {len(conversations)} ShareGPT conversations have {spec.min_turns}+ turns of at most "

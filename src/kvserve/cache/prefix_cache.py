@@ -131,7 +131,8 @@ class PrefixCache:
         return any(len(c.tokens) >= len(key) and c.tokens[: len(key)] == key for c in node.children.values())
 
     def _drop_covered_partials(self, node: _Node, key: tuple[int, ...]) -> None:
-        """A partial leaf whose tokens begin the new key holds nothing the new node lacks: free it if unused."""
+        """A partial leaf whose tokens begin the new key holds nothing the new node lacks: free it
+        if unused."""
         for k, child in list(node.children.items()):
             if len(k) < len(key) and key[: len(k)] == k and self.pool.ref_count(child.block) == 1:
                 self._remove(child)

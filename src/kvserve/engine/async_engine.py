@@ -9,7 +9,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +72,7 @@ class AsyncEngine:
         params: SamplingParams,
         namespace: str = "",
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    ) -> AsyncGenerator[RequestDelta, None]:
         """Stream a request's deltas; leaving the iteration early (or cancelling) aborts the request.
 
         Raises InvalidRequestError before anything is queued if the request can never be served, and
@@ -80,12 +80,16 @@ class AsyncEngine:
         """
         limit = self.engine.config.max_waiting + self.engine.config.max_num_seqs
         if self._in_flight >= limit:
-            raise EngineOverloadedError(f"the server is at capacity ({limit} requests in flight); retry later")
+            raise EngineOverloadedError(
+                f"the server is at capacity ({limit} requests in flight); retry later"
+            )
         self.engine.validate(prompt_token_ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         out: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._in_flight += 1
-        self._commands.put(_Submit(rid, list(prompt_token_ids), params, namespace, asyncio.get_running_loop(), out))
+        self._commands.put(
+            _Submit(rid, list(prompt_token_ids), params, namespace, asyncio.get_running_loop(), out)
+        )
         finished = False
         try:
             while True:
@@ -114,7 +118,9 @@ class AsyncEngine:
     def _apply(self, command: _Submit | _Abort | _Call) -> None:
         if isinstance(command, _Submit):
             try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params, command.namespace)
+                self.engine.add_request(
+                    command.request_id, command.prompt_token_ids, command.params, command.namespace
+                )
             except Exception as e:
                 command.loop.call_soon_threadsafe(command.out.put_nowait, e)
                 return

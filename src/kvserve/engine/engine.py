@@ -10,7 +10,6 @@ import torch
 
 from kvserve.cache.manager import CacheUsage, KVCacheManager
 from kvserve.config import EngineConfig
-from kvserve.errors import InvalidRequestError
 from kvserve.engine import sampler
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.reply_memory import ReplyMemory
@@ -18,6 +17,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.text_stream import TextStream
+from kvserve.errors import InvalidRequestError
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.runner import DTYPES, ModelRunner
 
@@ -54,8 +54,12 @@ class Engine:
         bytes_per_block = mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize) * config.block_size
         num_blocks = config.kv_cache_memory // bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block ({bytes_per_block})")
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.device, config.dtype)
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block ({bytes_per_block})"
+            )
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, self.max_model_len, config.device, config.dtype
+        )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.replies = ReplyMemory()
@@ -64,7 +68,8 @@ class Engine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info(
-            "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, prefix cache %s",
+            "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
+            "prefix cache %s",
             time.monotonic() - started,
             self.model.name,
             num_blocks,
@@ -100,13 +105,15 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if n >= self.max_model_len:
+        # A request's KV must fit in the pool as well as in the context window.
+        limit = min(self.max_model_len, self.num_blocks * self.config.block_size)
+        if n >= limit:
             raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"This model's maximum context length is {limit} tokens, "
                 f"but the prompt has {n} tokens; shorten the prompt.",
-                "messages",
+                "prompt",
             )
-        max_tokens = self.max_model_len - n if params.max_tokens is None else params.max_tokens
+        max_tokens = limit - n if params.max_tokens is None else params.max_tokens
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -114,10 +121,9 @@ class Engine:
                 "Reduce the prompt or max_tokens.",
                 "max_tokens",
             )
-        capacity = self.num_blocks * self.config.block_size
-        if n + max_tokens > capacity:
+        if n + max_tokens > limit:
             raise InvalidRequestError(
-                f"the request needs {n + max_tokens} tokens of KV memory but the whole cache holds {capacity}; "
+                f"the request needs {n + max_tokens} tokens of KV memory but the whole cache holds {limit}; "
                 "reduce max_tokens or start the server with a larger kv_cache_memory",
                 "max_tokens",
             )
@@ -169,7 +175,9 @@ class Engine:
         request.token_ids.append(token)
         self.generation_tokens += 1
         params = request.params
-        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)
+        stop_token = token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        )
         text = request.text.flush() if stop_token else request.text.push(token)
         if stop_token or request.text.stopped:
             reason: str | None = "stop"

@@ -36,8 +36,16 @@ class SamplingParams:
             (self.n == 1, "n", "only n=1 is supported"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings are supported"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative integers"),
-            (self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be a non-negative 64-bit integer"),
+            (
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "stop_token_ids must be non-negative integers",
+            ),
+            (
+                self.seed is None or 0 <= self.seed < 2**63,
+                "seed",
+                "seed must be a non-negative 64-bit integer",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -168,7 +168,9 @@ class Scheduler:
                 self.waiting.remove(request)
 
     def _start(self, request: Request, match: MatchResult, num_tokens: int) -> bool:
-        """Lock the matched prefix and allocate the rest of the first chunk; False (nothing held) if no room."""
+        """Lock the matched prefix and allocate the rest of the first chunk.
+
+        Returns False, holding nothing, if there is no room."""
         self.kv.lock(match.blocks)
         if match.partial_block is not None:
             self.kv.lock([match.partial_block])
@@ -219,7 +221,9 @@ class Scheduler:
             request.cow_source = None
         full = request.num_computed // self.block_size
         if full > request.num_cached_blocks:
-            self.kv.cache(request.namespace, request.token_ids[: full * self.block_size], request.block_table[:full])
+            self.kv.cache(
+                request.namespace, request.token_ids[: full * self.block_size], request.block_table[:full]
+            )
             request.num_cached_blocks = full
 
     def _release(self, request: Request) -> None:

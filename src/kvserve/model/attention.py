@@ -1,8 +1,12 @@
 """Paged attention on portable torch ops (any device): write the step's K/V into cache slots, then attend.
 
-The KV cache is one tensor per layer and per K/V, of shape [num_slots, kv_heads, head_dim], where slot =
-block * block_size + offset. A step's tokens are laid out decodes first, then one span per prefill chunk.
-All index and mask tensors are built once per step (AttentionMetadata) and shared by every layer.
+The KV cache is one tensor per layer and per K/V, of shape [num_blocks * block_size, kv_heads, head_dim]
+(slot = block * block_size + offset). Reads gather whole blocks, which is a few large copies instead of
+one small copy per token. A step's tokens are laid out decodes first, then one span per prefill chunk;
+index and mask tensors are built once per step (AttentionMetadata) and shared by every layer.
+
+Grouped-query attention without copying K/V for decodes: the query heads that share a KV head are laid
+along the query-length axis, so one SDPA call serves the whole group.
 """
 
 from dataclasses import dataclass
@@ -15,22 +19,27 @@ import torch.nn.functional as F
 class PrefillSpan:
     """Tokens [start, end) of the step are one request's prefill chunk.
 
-    `context_slots` lists the cache slots of all its tokens so far (earlier ones included) and `mask` is
-    the causal mask against them; both are None when the chunk starts the sequence, so attention can
-    run on the fresh K/V directly.
+    When the chunk continues a sequence, `context_blocks` lists the blocks of all its tokens so far
+    (`context_len` of them count) and `mask` is the causal mask of the chunk against them; both are
+    None when the chunk starts the sequence, so attention runs on the fresh K/V directly.
     """
 
     start: int
     end: int
-    context_slots: torch.Tensor | None
-    mask: torch.Tensor | None
+    context_blocks: torch.Tensor | None = None
+    context_len: int = 0
+    mask: torch.Tensor | None = None
 
 
 @dataclass
 class AttentionMetadata:
+    """`decode_tables` [decodes, max_blocks] and `decode_len` (longest context) describe the decodes;
+    `decode_mask` [decodes, 1, 1, decode_len] is None when every decode has the same context length."""
+
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_slots: torch.Tensor | None
+    decode_tables: torch.Tensor | None
+    decode_len: int
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
 
@@ -60,6 +69,13 @@ class KVCache:
         self.v[:, dst * bs : (dst + 1) * bs] = self.v[:, src * bs : (src + 1) * bs]
 
 
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Blocks [..., n] of a layer's cache -> [..., n * block_size, kv_heads, head_dim]."""
+    heads, dim = cache.shape[1], cache.shape[2]
+    paged = cache.view(-1, block_size, heads, dim)
+    return paged.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, heads, dim)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -67,6 +83,7 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    block_size: int,
     scale: float,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for this step; k_cache/v_cache [slots, Hkv, D] of one layer.
@@ -75,27 +92,30 @@ def paged_attention(
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    group = heads // kv_heads
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        assert meta.decode_slots is not None
-        batch, length = meta.decode_slots.shape
-        flat = meta.decode_slots.view(-1)
-        kd = k_cache.index_select(0, flat).view(batch, length, k.shape[1], k.shape[2]).transpose(1, 2)
-        vd = v_cache.index_select(0, flat).view(batch, length, v.shape[1], v.shape[2]).transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:nd] = od.squeeze(2)
+        assert meta.decode_tables is not None
+        length = meta.decode_len
+        kd = _gather(k_cache, meta.decode_tables, block_size)[:, :length].transpose(1, 2)
+        vd = _gather(v_cache, meta.decode_tables, block_size)[:, :length].transpose(1, 2)
+        qd = q[:nd].view(nd, kv_heads, group, dim)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = od.reshape(nd, heads, dim)
     for span in meta.prefills:
-        qs = q[span.start : span.end].transpose(0, 1)
-        if span.context_slots is None:
-            ks = k[span.start : span.end].transpose(0, 1)
-            vs = v[span.start : span.end].transpose(0, 1)
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0).contiguous()
+        if span.context_blocks is None:
+            ks, vs = k[span.start : span.end], v[span.start : span.end]
         else:
-            ks = k_cache.index_select(0, span.context_slots).transpose(0, 1)
-            vs = v_cache.index_select(0, span.context_slots).transpose(0, 1)
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
-        out[span.start : span.end] = os_.transpose(0, 1)
+            ks = _gather(k_cache, span.context_blocks, block_size)[: span.context_len]
+            vs = _gather(v_cache, span.context_blocks, block_size)[: span.context_len]
+        # The CPU flash kernel wants contiguous 4-D [1, heads, len, dim] inputs with equal head counts.
+        ks = ks.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        vs = vs.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        os_ = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale
+        )
+        out[span.start : span.end] = os_[0].transpose(0, 1)
     return out

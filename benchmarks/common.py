@@ -1,0 +1,61 @@
+"""Shared pieces of the benchmark scripts: timing, the engines under test, and writing results."""
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvserve.config import EngineConfig, default_cache_dir
+from kvserve.engine.engine import Engine
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.model.loader import LoadedModel, load_model
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def setup_threads() -> int:
+    threads = int(os.environ.get("KVSERVE_BENCH_THREADS", "2"))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def default_model() -> LoadedModel:
+    return load_model(None, default_cache_dir())
+
+
+def make_engine(model: LoadedModel, **overrides: Any) -> Engine:
+    return Engine(EngineConfig(**overrides), model=model)
+
+
+def timed_request(
+    engine: Engine, rid: str, ids: list[int], params: SamplingParams
+) -> tuple[float, float, int]:
+    """Run one request alone: (time to first token, total time, tokens generated)."""
+    start = time.perf_counter()
+    engine.add_request(rid, ids, params)
+    first = None
+    n = 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            n += len(delta.token_ids)
+            if first is None:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - start, n
+
+
+def median_of(fn: Callable[[], float], repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def write_results(name: str, results: dict[str, Any], table: str) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(table)
+    print(table)

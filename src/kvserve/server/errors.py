@@ -1,0 +1,136 @@
+"""OpenAI-shaped errors: every failure answers `{"error": {message, type, param, code}}`, never a stack trace.
+
+One mapping (`to_api_error`) turns any exception into its status and body, so that a handler before the
+response and an error event inside a stream say the same thing.
+"""
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.errors import EngineOverloadedError, InvalidRequestError
+
+log = logging.getLogger("kvserve.server")
+
+# Seconds a client should wait before retrying a request refused for lack of capacity.
+RETRY_AFTER_S = 1
+# nginx's code for "client closed request": the client is gone, so nobody reads it, but logs show why.
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class APIError(Exception):
+    """An error the server answers on purpose, with its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=self.detail).model_dump()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before its response was ready; its engine request has been aborted."""
+
+
+# Pydantic names the member of a union that failed ("str", "list[int]") in the error location; a user
+# thinks in field paths, so those labels are dropped.
+_UNION_MEMBER_LABELS = {"str", "int", "float", "bool", "none"}
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and ("[" in p or p in _UNION_MEMBER_LABELS))]
+    return ".".join(parts)
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """FastAPI's 422 list of errors as one readable 400."""
+    for error in errors:
+        if error.get("type") == "json_invalid":
+            reason = error.get("ctx", {}).get("error", "malformed JSON")
+            return APIError(400, f"The request body is not valid JSON: {reason}. Send a JSON object.")
+    lines: list[str] = []
+    params: list[str] = []
+    for error in errors:
+        path = _field_path(error.get("loc", ()))
+        line = f"{path}: {error.get('msg', 'invalid value')}" if path else "request body: send a JSON object"
+        if line not in lines:
+            lines.append(line)
+            params.append(path)
+    shown = "; ".join(lines[:4]) + ("; ..." if len(lines) > 4 else "")
+    return APIError(400, f"Invalid request: {shown}", param=params[0] if params and params[0] else None)
+
+
+def to_api_error(request: Request, exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return validation_error(exc.errors())
+    if isinstance(exc, HTTPException):
+        return APIError(
+            exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", headers=exc.headers
+        )
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, exc.message, param=exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(
+            503, str(exc), "server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "server_error", code="engine_unavailable")
+    return APIError(500, "The server had an internal error; the server log has the details.", "server_error")
+
+
+async def _handle(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ClientDisconnected):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    error = to_api_error(request, exc)
+    if error.status >= 500 and not isinstance(exc, APIError | EngineOverloadedError | EngineDeadError):
+        # Starlette re-raises it after this handler answers, so the server logs the traceback as well.
+        log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    else:
+        log.info("%s %s -> %d: %s", request.method, request.url.path, error.status, error.detail.message)
+    return error.response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    for exc_class in (
+        APIError,
+        ClientDisconnected,
+        RequestValidationError,
+        HTTPException,
+        InvalidRequestError,
+        EngineOverloadedError,
+        EngineDeadError,
+        Exception,
+    ):
+        app.add_exception_handler(exc_class, _handle)

@@ -1,0 +1,199 @@
+"""Prometheus metrics: latencies measured by the server per request, engine counters read at scrape time.
+
+Each app has its own CollectorRegistry, so that several apps (tests, replicas in one process) never share
+or clash. Besides kvserve's own names, the vLLM names that dashboards and benchmark tools read are
+exposed with vLLM's types and units: `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`
+(counters, in tokens) and `vllm:kv_cache_usage_perc` (a gauge from 0 to 1).
+"""
+
+import time
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.engine import EngineStats
+
+_LABELS = ["model_name"]
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 320, 640)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 240, 480, 960, 1920, 3600)
+
+
+class EngineStatsCollector:
+    """Turns the last EngineStats snapshot into metric families; the scrape route refreshes it first."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        c = s.cache
+        families: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, float]] = [
+            (
+                GaugeMetricFamily,
+                "kvserve_num_requests_running",
+                "Requests in the running batch.",
+                s.num_running,
+            ),
+            (GaugeMetricFamily, "kvserve_num_requests_waiting", "Requests waiting to start.", s.num_waiting),
+            (CounterMetricFamily, "kvserve_prompt_tokens", "Prompt tokens received.", s.prompt_tokens),
+            (CounterMetricFamily, "kvserve_generation_tokens", "Tokens generated.", s.generation_tokens),
+            (
+                CounterMetricFamily,
+                "kvserve_prefill_tokens_computed",
+                "Prompt tokens the model computed (the rest came from the prefix cache).",
+                s.prefill_tokens_computed,
+            ),
+            (
+                CounterMetricFamily,
+                "kvserve_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.cache_queries,
+            ),
+            (
+                CounterMetricFamily,
+                "kvserve_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                s.cache_hits,
+            ),
+            (
+                GaugeMetricFamily,
+                "kvserve_prefix_cache_hit_rate",
+                "Prefix cache hits over queries since start, in tokens.",
+                s.hit_rate,
+            ),
+            (
+                GaugeMetricFamily,
+                "kvserve_kv_cache_usage_ratio",
+                "Fraction of KV blocks held by requests (0 to 1).",
+                c.usage,
+            ),
+            (GaugeMetricFamily, "kvserve_kv_cache_blocks", "KV blocks in the pool.", c.num_blocks),
+            (GaugeMetricFamily, "kvserve_kv_cache_free_blocks", "KV blocks on the free list.", c.num_free),
+            (
+                GaugeMetricFamily,
+                "kvserve_kv_cache_cached_blocks",
+                "KV blocks in the prefix cache.",
+                c.num_cached,
+            ),
+            (
+                GaugeMetricFamily,
+                "kvserve_kv_cache_locked_blocks",
+                "KV blocks held by requests.",
+                c.num_locked,
+            ),
+            (
+                CounterMetricFamily,
+                "kvserve_kv_cache_evicted_blocks",
+                "Cached KV blocks evicted to make room.",
+                c.num_evicted,
+            ),
+            (
+                CounterMetricFamily,
+                "kvserve_preemptions",
+                "Requests preempted for lack of KV memory.",
+                s.preemptions,
+            ),
+            (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.", s.num_running),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to start.", s.num_waiting),
+            (
+                CounterMetricFamily,
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                s.cache_queries,
+            ),
+            (
+                CounterMetricFamily,
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                s.cache_hits,
+            ),
+            (
+                GaugeMetricFamily,
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                c.usage,
+            ),
+        ]
+        for family_type, name, doc, value in families:
+            family = family_type(name, doc, labels=_LABELS)
+            family.add_metric([self.model_name], value)
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._engine = EngineStatsCollector(model_name)
+        self.registry.register(self._engine)
+        self.time_to_first_token = Histogram(
+            "kvserve_time_to_first_token_seconds",
+            "From request arrival to its first token, measured by the server.",
+            _LABELS,
+            registry=self.registry,
+            buckets=_TTFT_BUCKETS,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "kvserve_inter_token_latency_seconds",
+            "Between consecutive tokens of a request, measured by the server.",
+            _LABELS,
+            registry=self.registry,
+            buckets=_ITL_BUCKETS,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            "kvserve_e2e_request_latency_seconds",
+            "From request arrival to its last token.",
+            _LABELS,
+            registry=self.registry,
+            buckets=_E2E_BUCKETS,
+        ).labels(model_name)
+        self._finished = Counter(
+            "kvserve_requests_finished",
+            "Requests that ended, by reason (abort: the client left first).",
+            [*_LABELS, "finish_reason"],
+            registry=self.registry,
+        )
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+
+    async def exposition(self, async_engine: AsyncEngine) -> bytes:
+        self._engine.stats = await async_engine.stats()
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's latencies, observed as its tokens arrive."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self._last_token_at = self.started
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        gap = now - self._last_token_at
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.time_to_first_token.observe(gap)
+            n -= 1
+        # Tokens that arrive together share the gap since the previous arrival.
+        for _ in range(n):
+            self.metrics.inter_token_latency.observe(gap / n)
+        self._last_token_at = now
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started

@@ -1,0 +1,166 @@
+"""The server at its limits: an API key, a full queue, and SIGTERM with a stream in flight."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import httpx
+import openai
+from fastapi import FastAPI
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.engine import Engine
+from kvserve.server.app import create_app
+
+SMALL = {"kv_cache_memory": 32 * 2**20, "max_model_len": 512}
+
+
+def test_api_key_guards_every_route_but_health(
+    make_engine: Callable[..., Engine], serve_app: Callable[[FastAPI], AbstractContextManager[str]]
+) -> None:
+    with serve_app(create_app(AsyncEngine(make_engine(**SMALL)), api_key="sesame")) as url:
+        for method, path in [
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+            ("GET", "/version"),
+            ("POST", "/tokenize"),
+        ]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+                r = httpx.request(method, f"{url}{path}", headers=headers, json={"prompt": "x"})
+                assert r.status_code == 401, (path, headers)
+                error = r.json()["error"]
+                assert error["code"] == "invalid_api_key" and "Authorization: Bearer" in error["message"]
+        # Refused before the body is even looked at.
+        assert httpx.post(f"{url}/v1/chat/completions", content=b"{").status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200
+
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
+        completion = client.completions.create(
+            model=client.models.list().data[0].id, prompt="Hi", max_tokens=2
+        )
+        assert completion.usage is not None and completion.usage.completion_tokens == 2
+        with_key = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sesame"})
+        assert with_key.status_code == 200
+
+
+def test_full_queue_answers_503_with_retry_after(
+    make_engine: Callable[..., Engine], serve_app: Callable[[FastAPI], AbstractContextManager[str]]
+) -> None:
+    # One running and one waiting request fill this engine.
+    async_engine = AsyncEngine(make_engine(**SMALL, max_num_seqs=1, max_waiting=1))
+    body = {"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def scenario(url: str) -> httpx.Response:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+            async def hold() -> None:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+
+            holders = [asyncio.create_task(hold()) for _ in range(2)]
+            deadline = time.monotonic() + 60
+            while async_engine.num_in_flight < 2:
+                assert time.monotonic() < deadline and not any(h.done() for h in holders)
+                await asyncio.sleep(0.02)
+            refused = await client.post("/v1/completions", json=body)
+            # Leaving aborts both, whether already streaming or still queued for their first token.
+            for h in holders:
+                h.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            return refused
+
+    with serve_app(create_app(async_engine)) as url:
+        refused = asyncio.run(scenario(url))
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        error = refused.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "overloaded"
+
+        deadline = time.monotonic() + 60
+        while True:
+            stats = asyncio.run(async_engine.stats())
+            if async_engine.num_in_flight == 0 and stats.num_running == stats.num_waiting == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+        assert stats.cache.num_locked == 0
+        assert stats.generation_tokens < 400
+        # The server is fine afterwards.
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_sigterm_lets_the_stream_in_flight_finish_then_exits() -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-cache-memory", "32MiB"]
+    process = subprocess.Popen(
+        [*command, "--max-model-len", "512"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.communicate()[0].decode()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        events: list[str] = []
+        refused = False
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 1:
+                    process.send_signal(signal.SIGTERM)
+                elif not refused:
+                    # New connections are refused once the server has begun to shut down.
+                    try:
+                        httpx.get(f"{url}/health", timeout=5)
+                    except httpx.TransportError:
+                        refused = True
+        assert refused
+        # The stream in flight ran to its end.
+        assert events[-1] == "data: [DONE]"
+        usage = json.loads(events[-2].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 40
+        assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+        output = process.communicate(timeout=60)[0].decode()
+        # uvicorn re-raises the signal once it has shut down, so the exit status says SIGTERM.
+        assert process.returncode in (0, -signal.SIGTERM), output
+        assert "Traceback" not in output
+        assert "completion tokens, finish length" in output  # the per-request log line
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
