@@ -47,6 +47,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert len(match.blocks) == match.num_tokens // BS
         self.kv.lock(match.blocks)
         fresh = self.kv.allocate(-(-len(seq) // BS) - len(match.blocks))
+        # Allocation may have evicted under pressure; the locked prefix must have survived it.
+        self._sync()
+        assert all(self.kv.pool.ref_count(b) >= 2 for b in match.blocks)
         if fresh is None:
             self.kv.free(match.blocks)
             return

@@ -1,7 +1,7 @@
 """The Llama-family decoder forward pass: one varlen pass over every token scheduled in a step.
 
-Weights keep Hugging Face names on load; q/k/v and gate/up are fused into one matmul each, since on
-every device fewer, larger matmuls run faster than many small ones.
+Weights keep Hugging Face names on load. q/k/v are one matmul; the MLP's activation and product and
+both residual adds ride on the matmuls that precede them (see kvserve.model.linear).
 """
 
 from dataclasses import dataclass
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
+from kvserve.model.linear import Linear
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 from kvserve.model.spec import ModelConfig
 
@@ -18,16 +19,16 @@ from kvserve.model.spec import ModelConfig
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear
+    o: Linear
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate: Linear
+    up: Linear
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Transformer:
@@ -48,7 +49,7 @@ class Transformer:
 
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else take("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -58,12 +59,12 @@ class Transformer:
             self.layers.append(
                 LayerWeights(
                     attn_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
-                    qkv_bias=qkv_bias,
-                    o=take(p + "self_attn.o_proj.weight"),
+                    qkv=Linear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias),
+                    o=Linear(take(p + "self_attn.o_proj.weight")),
                     mlp_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate=Linear(take(p + "mlp.gate_proj.weight")),
+                    up=Linear(take(p + "mlp.up_proj.weight")),
+                    down=Linear(take(p + "mlp.down_proj.weight")),
                 )
             )
         expected = (config.vocab_size, config.hidden_size)
@@ -88,18 +89,17 @@ class Transformer:
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(q.view(n, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rotary(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.reshape(n, c.num_kv_heads, c.head_dim)
+            qkv = layer.qkv(x)
+            # q and k heads side by side, so one rotary pass covers both.
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim), cos, sin)
+            q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, kv.block_size, self.scale)
-            h = h + F.linear(attn.view(n, self.q_size), layer.o)
+            h = layer.o.add(attn.view(n, self.q_size), h)
             x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head)
+        return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps))
