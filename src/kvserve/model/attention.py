@@ -20,8 +20,9 @@ class PrefillSpan:
     """Tokens [start, end) of the step are one request's prefill chunk.
 
     When the chunk continues a sequence, `context_blocks` lists the blocks of all its tokens so far
-    (`context_len` of them count) and `mask` is the causal mask of the chunk against them; both are
-    None when the chunk starts the sequence, so attention runs on the fresh K/V directly.
+    (`context_len` of them count) and `mask` [chunk * query heads per KV head, context_len] is the causal
+    mask against them, one row per (token, head in group); both are None when the chunk starts the
+    sequence, so attention runs on the fresh K/V directly.
     """
 
     start: int
@@ -105,17 +106,31 @@ def paged_attention(
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = od.reshape(nd, heads, dim)
     for span in meta.prefills:
-        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0).contiguous()
+        n = span.end - span.start
         if span.context_blocks is None:
-            ks, vs = k[span.start : span.end], v[span.start : span.end]
-        else:
-            ks = _gather(k_cache, span.context_blocks, block_size)[: span.context_len]
-            vs = _gather(v_cache, span.context_blocks, block_size)[: span.context_len]
-        # The CPU flash kernel wants contiguous 4-D [1, heads, len, dim] inputs with equal head counts.
-        ks = ks.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-        vs = vs.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-        os_ = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale
+            # The CPU flash kernel wants contiguous 4-D [1, heads, len, dim] inputs with equal head counts.
+            qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0).contiguous()
+            ks = k[span.start : span.end].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+            vs = v[span.start : span.end].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            out[span.start : span.end] = os_[0].transpose(0, 1)
+            continue
+        # A chunk after cached context: as for decodes, the queries of a KV group share its keys, laid
+        # along the query axis (mask rows follow), so the long context is never copied per query head.
+        qs = (
+            q[span.start : span.end]
+            .view(n, kv_heads, group, dim)
+            .permute(1, 0, 2, 3)
+            .reshape(1, kv_heads, -1, dim)
         )
-        out[span.start : span.end] = os_[0].transpose(0, 1)
+        ks = (
+            _gather(k_cache, span.context_blocks, block_size)[: span.context_len].transpose(0, 1).unsqueeze(0)
+        )
+        vs = (
+            _gather(v_cache, span.context_blocks, block_size)[: span.context_len].transpose(0, 1).unsqueeze(0)
+        )
+        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale)
+        out[span.start : span.end] = (
+            os_[0].view(kv_heads, n, group, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
+        )
     return out

@@ -50,6 +50,7 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         c = model.config
+        self.group = c.num_heads // c.num_kv_heads
         self.transformer = Transformer(c, model.weights, max_model_len, self.device, self.dtype)
         self.kv_cache = KVCache(
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.dtype
@@ -99,9 +100,8 @@ class ModelRunner:
                     c.block_table[: -(-total // bs)], dtype=torch.long, device=dev
                 )
                 span.context_len = total
-                span.mask = (
-                    torch.arange(total).unsqueeze(0) <= torch.arange(c.start, total).unsqueeze(1)
-                ).to(dev)
+                causal = torch.arange(total).unsqueeze(0) <= torch.arange(c.start, total).unsqueeze(1)
+                span.mask = causal.repeat_interleave(self.group, dim=0).to(dev)
             spans.append(span)
             offset += n
             if c.sample:
