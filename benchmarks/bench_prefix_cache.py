@@ -151,7 +151,8 @@ def main() -> None:
         f"Prefix cache on vs off, {model.name}, float32, {threads} threads, one process, interleaved.",
         "",
         f"**{args.turns}-turn chat** ({args.system_tokens}-token system prompt, "
-        f"{args.user_tokens}-token turns, {args.reply_tokens}-token replies): time to first token per turn (ms).",
+        f"{args.user_tokens}-token turns, {args.reply_tokens}-token replies): "
+        "time to first token per turn (ms).",
         "",
         "| turn | " + " | ".join(str(t + 1) for t in range(args.turns)) + " |",
         "|---|" + "---:|" * args.turns,
