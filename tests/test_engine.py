@@ -229,3 +229,27 @@ def test_no_block_leaks_after_random_requests_aborts_and_preemptions(tmp_path: A
     assert_no_leak(engine)
     engine.reset_prefix_cache()
     assert engine.kv.pool.num_free == engine.num_blocks
+
+
+def test_running_streams_keep_decoding_while_a_long_prompt_prefills(
+    make_engine: Callable[..., Engine], prompts: dict[str, list[int]]
+) -> None:
+    engine = make_engine(max_num_batched_tokens=64)
+    engine.add_request(
+        "stream", prompts["q0"], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    )
+    while not any(d.request_id == "stream" for d in engine.step()):
+        pass
+    long_prompt = engine.tokenizer.encode(" ".join(QUESTIONS) * 4)
+    assert len(long_prompt) > 4 * 64
+    engine.add_request("long", long_prompt, SamplingParams(max_tokens=1, temperature=0))
+    steps = 0
+    while True:
+        ids = {d.request_id for d in engine.step()}
+        steps += 1
+        assert "stream" in ids, "a running stream missed a step while another request prefilled"
+        if "long" in ids:
+            break
+    assert steps >= len(long_prompt) // 64
+    engine.abort_request("stream")
+    assert_no_leak(engine)

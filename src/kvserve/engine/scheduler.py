@@ -1,10 +1,10 @@
 """Scheduler: continuous batching with chunked prefill, prefix-cache admission and preemption.
 
-Each step gets a token budget. Running requests go first, oldest first: a decode costs one token, a
-partly prefilled request takes the next chunk of its prompt. What is left of the budget admits waiting
-requests. When KV blocks run out, the newest running request is preempted: its computed blocks go to the
-prefix cache, its blocks are freed, and it waits at the head of the queue to be recomputed (mostly from
-the cache). Requests are never failed for lack of memory once admitted.
+Each step gets a token budget. Running decodes go first (one token each), then partly prefilled requests
+take the next chunk of their prompt, oldest first. What is left of the budget admits waiting requests.
+When KV blocks run out, the newest running request not yet scheduled in this step is preempted: its
+computed blocks go to the prefix cache, its blocks are freed, and it waits at the head of the queue to be
+recomputed (mostly from the cache). Requests are never failed for lack of memory once admitted.
 
 Cache-aware order: among the first `_ORDERED_WINDOW` waiting requests, the one with the longest cached
 prefix goes first (its blocks are hot and it costs least). Bound: a request passed over
@@ -84,20 +84,23 @@ class Scheduler:
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
         preempted = False
-        for request in list(self.running):
+        scheduled: set[str] = set()
+        # Decodes first, so a long prefill never stalls the streams already running; oldest first within each.
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed > 1):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue
             n = min(request.num_tokens - request.num_computed, budget)
             while not self._grow(request, request.num_computed + n):
-                victim = self.running[-1]
+                victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), request)
                 self.preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
                 self._add_chunk(step, request, n)
+                scheduled.add(request.request_id)
                 budget -= n
         if not preempted:
             self._admit(step, budget)
