@@ -148,6 +148,8 @@ class Scheduler:
         return self.kv.match(request.namespace, request.token_ids[: request.num_tokens - 1])
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
+        if budget == 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return
         admitted: list[Request] = []
         for request, match in self._waiting_order():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:

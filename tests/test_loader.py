@@ -1,0 +1,78 @@
+"""Loading models: clear errors for missing, unknown and corrupt files; GGUF conversion is cached."""
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.config import default_cache_dir
+from kvserve.errors import ModelLoadError
+from kvserve.model.gguf_convert import converted_dir
+from kvserve.model.loader import default_model_path, load_model, resolve_model_dir
+from tests.helpers import save_tiny_model
+
+
+def test_missing_path_names_the_file(tmp_path: Any) -> None:
+    missing = str(tmp_path / "nope.gguf")
+    with pytest.raises(ModelLoadError, match="no such file") as e:
+        load_model(missing, str(tmp_path))
+    assert e.value.path == missing
+
+
+def test_folder_without_config_or_weights(tmp_path: Any) -> None:
+    with pytest.raises(ModelLoadError, match=r"config\.json is missing"):
+        load_model(str(tmp_path), str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load_model(str(tmp_path), str(tmp_path))
+
+
+def test_unknown_architecture_is_named(tmp_path: Any) -> None:
+    path = save_tiny_model(str(tmp_path / "m"), "llama")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*GPT2LMHeadModel"):
+        load_model(path, str(tmp_path))
+
+
+def test_corrupt_and_pickled_weights_are_refused(tmp_path: Any) -> None:
+    path = save_tiny_model(str(tmp_path / "m"), "llama")
+    weights = os.path.join(path, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(ModelLoadError, match="corrupt") as e:
+        load_model(path, str(tmp_path))
+    assert e.value.path == weights
+    os.remove(weights)
+    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
+    with pytest.raises(ModelLoadError, match="pickled"):
+        load_model(path, str(tmp_path))
+
+
+def test_corrupt_gguf_and_other_files(tmp_path: Any) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(200))
+    with pytest.raises(ModelLoadError, match="GGUF") as e:
+        load_model(str(bad), str(tmp_path / "cache"))
+    assert e.value.path == str(bad)
+    other = tmp_path / "weights.pt"
+    other.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match=r"\.gguf file or a folder"):
+        load_model(str(other), str(tmp_path / "cache"))
+
+
+def test_default_gguf_conversion_is_cached_by_content() -> None:
+    cache = default_cache_dir()
+    first = resolve_model_dir(None, cache)
+    assert first == converted_dir(default_model_path(), cache)
+    assert os.path.isfile(os.path.join(first, "model.safetensors"))
+    assert json.loads(open(os.path.join(first, "config.json")).read())["num_hidden_layers"] == 30
+
+
+def test_cli_reports_a_bad_model_in_one_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--log-level", "ERROR", "generate", "--model", str(tmp_path / "missing"), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load model" in err and "Traceback" not in err
