@@ -4,9 +4,14 @@ import argparse
 import logging
 import sys
 import time
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineConfig, parse_bytes
+from kvserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.llm import LLM
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,9 +60,7 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
-def _params(args: argparse.Namespace) -> Any:
-    from kvserve.engine.sampling_params import SamplingParams
-
+def _params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
@@ -71,13 +74,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _llm(args: argparse.Namespace) -> Any:
-    from dataclasses import asdict
-
+def _llm(args: argparse.Namespace) -> "LLM":
+    # Imported here: torch and the model stack load only for the commands that run a model.
     from kvserve.llm import LLM
 
-    config = asdict(engine_config(args))
-    return LLM(**config)
+    return LLM(**asdict(engine_config(args)))
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
