@@ -34,7 +34,7 @@ def test_unknown_architecture_is_named(tmp_path: Any) -> None:
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="unsupported architecture.*GPT2LMHeadModel"):
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         load_model(path, str(tmp_path))
 
 
@@ -69,7 +69,8 @@ def test_default_gguf_conversion_is_cached_by_content() -> None:
     first = resolve_model_dir(None, cache)
     assert first == converted_dir(default_model_path(), cache)
     assert os.path.isfile(os.path.join(first, "model.safetensors"))
-    assert json.loads(open(os.path.join(first, "config.json")).read())["num_hidden_layers"] == 30
+    with open(os.path.join(first, "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == 30
 
 
 def test_cli_reports_a_bad_model_in_one_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -165,3 +165,18 @@ def test_waiting_queue_favours_the_longest_cached_prefix_within_a_bound(
     bounded = tiny_engine_factory(max_num_seqs=1, cache_aware_scheduling_bound=0)
     _admission_order(bounded, {"warmup": [*shared, 1]})
     assert _admission_order(bounded, prompts) == list(prompts)
+
+
+def test_replies_cut_by_max_tokens_are_remembered_but_not_those_cut_by_a_stop_string(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine()
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Count from one to twenty in words."}])
+    out = run(engine, {"a": ids}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))["a"]
+    assert engine.replies.lookup("", engine.tokenizer.decode(out)) == out
+    full = engine.tokenizer.decode(run(engine, {"b": ids}, SamplingParams(max_tokens=12, temperature=0))["b"])
+    stop = full[8:11]
+    engine.add_request("c", ids, SamplingParams(max_tokens=12, temperature=0, stop=[stop]))
+    text = "".join(d.text for _ in range(14) for d in engine.step())
+    assert text == full[: full.index(stop)]
+    assert engine.replies.lookup("", text) is None

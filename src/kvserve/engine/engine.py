@@ -203,11 +203,11 @@ class Engine:
         request.finish_reason = reason
         self.scheduler.finish(request)
         self.requests.pop(request.request_id, None)
-        if stop_token:
-            # The reply's text is exactly its tokens minus the stop token: remember them for the next turn.
-            reply = request.output_token_ids[:-1]
-            if self.tokenizer.decode(reply) == request.text.text:
-                self.replies.remember(request.namespace, request.text.text, reply)
+        # Unless a stop string cut it, the reply's text is its tokens (minus a stop token): remember them,
+        # so that the next turn of the chat finds this reply in the cache token for token.
+        reply = request.output_token_ids[:-1] if stop_token else request.output_token_ids
+        if not request.text.stopped and self.tokenizer.decode(reply) == request.text.text:
+            self.replies.remember(request.namespace, request.text.text, reply)
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
