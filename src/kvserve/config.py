@@ -41,7 +41,8 @@ class EngineConfig:
 
     `kv_cache_memory` is the byte budget of the paged KV pool; `max_num_batched_tokens` bounds the tokens
     of one forward pass (decodes plus prefill chunks), which is what keeps long prefills from stalling
-    running streams. `max_model_len=None` takes the model's own context length.
+    running streams. `max_model_len=None` takes the model's own context length. `seed` seeds the sampling
+    of requests that bring no seed of their own.
     """
 
     model: str | None = None

@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class Engine:
         self.replies = ReplyMemory()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        # Seeds for requests that bring none: a run of the same requests samples the same text.
+        self._seeds = random.Random(config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info(
@@ -143,7 +146,16 @@ class Engine:
         n = len(prompt)
         max_tokens = self.validate(prompt, params)
         stream = TextStream(self.tokenizer.decode_stream(), params.stop)
-        request = Request(request_id, prompt, params, max_tokens, stream, namespace, next(self._arrivals))
+        request = Request(
+            request_id,
+            prompt,
+            params,
+            max_tokens,
+            stream,
+            namespace,
+            arrival=next(self._arrivals),
+            seed=self._seeds.randrange(2**63),
+        )
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.prompt_tokens += n

@@ -1,7 +1,6 @@
 """Request: one generation's tokens, KV blocks and progress, as the scheduler and engine see it."""
 
 import enum
-import time
 
 import torch
 
@@ -17,7 +16,8 @@ class RequestStatus(enum.Enum):
 
 class Request:
     """`token_ids` is the prompt followed by the generated tokens. The KV of token_ids[:num_computed]
-    is in `block_table`; the last sampled token's KV is computed in the next step."""
+    is in `block_table`; the last sampled token's KV is computed in the next step. `seed` drives sampling
+    when the params give none."""
 
     def __init__(
         self,
@@ -28,6 +28,7 @@ class Request:
         text_stream: TextStream,
         namespace: str = "",
         arrival: int = 0,
+        seed: int = 0,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -36,7 +37,6 @@ class Request:
         self.max_tokens = max_tokens
         self.namespace = namespace
         self.arrival = arrival
-        self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
@@ -49,8 +49,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
-            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-            self.generator.manual_seed(seed)
+            self.generator.manual_seed(params.seed if params.seed is not None else seed)
 
     @property
     def num_tokens(self) -> int:

@@ -59,7 +59,6 @@ class KVCache:
         dtype: torch.dtype,
     ) -> None:
         self.block_size = block_size
-        self.num_blocks = num_blocks
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)

@@ -31,10 +31,6 @@ class ForwardBatch:
     prefills: list[SequenceChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(len(c.token_ids) for c in self.prefills)
-
 
 class ModelRunner:
     def __init__(
