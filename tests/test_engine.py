@@ -253,3 +253,15 @@ def test_running_streams_keep_decoding_while_a_long_prompt_prefills(
     assert steps >= len(long_prompt) // 64
     engine.abort_request("stream")
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_is_a_setting(tmp_path: Any, dtype: str) -> None:
+    model = load_model(save_tiny_model(str(tmp_path / "tiny"), "qwen2"), default_cache_dir())
+    engine = Engine(EngineConfig(kv_cache_memory=2**22, dtype=dtype), model=model)
+    assert str(engine.runner.kv_cache.k.dtype) == f"torch.{dtype}"
+    out = run(
+        engine, {"a": list(range(100, 140))}, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    )
+    assert len(out["a"]) == 5
+    assert_no_leak(engine)

@@ -114,11 +114,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step; returns float32 logits [num sampled chunks, vocab], decodes first, then prefills."""
+        """Run one step; returns float32 CPU logits [sampled chunks, vocab], decodes first, then prefills."""
         for src, dst in batch.block_copies:
             self.kv_cache.copy_block(src, dst)
         input_ids, positions, meta, rows = self._metadata(batch)
         hidden = self.transformer.forward(input_ids, positions, meta, self.kv_cache)
         if not rows:
             return torch.empty(0, self.transformer.config.vocab_size)
-        return self.transformer.logits(hidden[rows]).float()
+        # Sampling runs on the CPU with each request's own generator, whatever the model's device.
+        return self.transformer.logits(hidden[rows]).float().cpu()
