@@ -1,8 +1,9 @@
 """Pick each request's next token from its logits row.
 
-Greedy rows take the argmax. Random rows are filtered (top-k, top-p, min-p) together, then each row
-draws with its own request's generator, so a seeded request samples the same tokens whatever else is
-in the batch.
+Greedy rows take the argmax. Random rows are filtered (top-k, top-p, min-p) together without sorting
+the vocabulary: thresholds come from a partial top-k, and only a row whose nucleus is wider than that
+falls back to a full sort. Each row then draws by inverse CDF with one uniform number from its own
+request's generator, so a seeded request samples the same tokens whatever else is in the batch.
 """
 
 from collections.abc import Sequence
@@ -11,24 +12,48 @@ import torch
 
 from kvserve.engine.request import Request
 
+# Candidates examined before a top-p row falls back to sorting its whole row.
+_NUCLEUS_CANDIDATES = 1024
 
-def _filter(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+
+def _top_k_threshold(probs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per row, the k-th largest probability (rows with k >= vocab get 0)."""
+    vocab = probs.shape[-1]
+    values = probs.topk(int(k.clamp(max=vocab).max()), dim=-1).values
+    return values.gather(1, (k.clamp(max=vocab) - 1).unsqueeze(1)).squeeze(1).where(k < vocab, 0.0)
+
+
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest probability inside the nucleus: the fewest tokens whose mass reaches top_p."""
+    k = min(_NUCLEUS_CANDIDATES, probs.shape[-1])
+    values = probs.topk(k, dim=-1).values
+    before = values.cumsum(dim=-1) - values
+    inside = before < top_p.unsqueeze(1)
+    thresholds = values.masked_fill(~inside, float("inf")).min(dim=-1).values
+    for row in (inside[:, -1] & (top_p < 1.0)).nonzero().flatten().tolist():
+        full = probs[row].sort(descending=True).values
+        keep = (full.cumsum(0) - full) < top_p[row]
+        thresholds[row] = full[keep].min()
+    return thresholds.where(top_p < 1.0, 0.0)
+
+
+def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     params = [r.params for r in requests]
-    vocab = logits.shape[-1]
-    if all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
-        return logits
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
-    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    cumulative = probs.cumsum(dim=-1)
-    remove = torch.arange(vocab).unsqueeze(0) >= top_k
-    remove |= (cumulative - probs) > top_p
-    remove |= probs < min_p * probs[:, :1]
-    remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    probs = (logits / temperature).softmax(dim=-1)
+    vocab = probs.shape[-1]
+    threshold = torch.zeros(len(params))
+    if any(0 < p.top_k < vocab for p in params):
+        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        threshold = torch.maximum(threshold, _top_k_threshold(probs, k))
+    if any(p.top_p < 1.0 for p in params):
+        threshold = torch.maximum(threshold, _top_p_threshold(probs, torch.tensor([p.top_p for p in params])))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params])
+        threshold = torch.maximum(threshold, min_p * probs.max(dim=-1).values)
+    # The most likely token always survives, whatever the thresholds.
+    threshold = torch.minimum(threshold, probs.max(dim=-1).values)
+    return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
@@ -38,10 +63,10 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     if not rows:
         return [int(t) for t in tokens]
     chosen = [requests[i] for i in rows]
-    temperature = torch.tensor([r.params.temperature for r in chosen]).unsqueeze(1)
-    probs = _filter(logits[rows] / temperature, chosen).softmax(dim=-1)
-    for row, (i, request) in enumerate(zip(rows, chosen, strict=True)):
-        # Exponential races (Gumbel-max in another form) draw from probs with the request's own generator.
-        noise = torch.empty_like(probs[row]).exponential_(generator=request.generator)
-        tokens[i] = int((probs[row] / noise).argmax())
+    cdf = _filtered_probs(logits[rows], chosen).cumsum(dim=-1)
+    # One uniform in (0, 1] per row, from the request's own generator.
+    u = torch.cat([1.0 - torch.rand(1, generator=r.generator) for r in chosen])
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
+    for i, token in zip(rows, picked.clamp(max=logits.shape[-1] - 1).tolist(), strict=True):
+        tokens[i] = token
     return [int(t) for t in tokens]
