@@ -62,6 +62,8 @@ class PrefixCache:
         self.block_size = block_size
         self._roots: dict[str, _Node] = {}
         self._clock = itertools.count(1)
+        # Eviction only ever looks at leaves; in chat workloads they are few next to the inner nodes.
+        self._leaves: set[_Node] = set()
         self.num_nodes = 0
         self.num_evicted = 0
 
@@ -120,6 +122,8 @@ class PrefixCache:
                 self._drop_covered_partials(node, key)
                 child = _Node(key, block, node)
                 node.children[key] = child
+                self._leaves.discard(node)
+                self._leaves.add(child)
                 self.pool.ref(block)
                 self.num_nodes += 1
                 added += 1
@@ -138,8 +142,12 @@ class PrefixCache:
                 self._remove(child)
 
     def _remove(self, node: _Node) -> None:
-        assert node.parent is not None and not node.children
-        del node.parent.children[node.tokens]
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[node.tokens]
+        self._leaves.discard(node)
+        if not parent.children and parent.parent is not None:
+            self._leaves.add(parent)
         self.pool.release(node.block)
         self.num_nodes -= 1
 
@@ -148,7 +156,7 @@ class PrefixCache:
 
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` unlocked leaf blocks, least recently used first; returns how many."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable(n)]
+        heap = [(n.last_access, id(n), n) for n in self._leaves if self._evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_blocks:
@@ -166,16 +174,6 @@ class PrefixCache:
         freed = self.evict(self.num_nodes)
         self.num_evicted -= freed
         return freed
-
-    def _nodes(self) -> list[_Node]:
-        out: list[_Node] = []
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if node.parent is not None:
-                out.append(node)
-        return out
 
     def entries(self) -> list[tuple[str, tuple[int, ...], int]]:
         """Every node as (namespace, tokens from the root through this node, block)."""
