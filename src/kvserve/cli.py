@@ -86,12 +86,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from kvserve.model.tokenizer import ChatMessage
 
     llm = _llm(args)
-    engine = llm.engine
     messages: list[ChatMessage] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     print("kvserve chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
-    turn = 0
     while True:
         try:
             line = input("> ").strip()
@@ -105,22 +103,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         ids = llm.chat_token_ids(messages)
-        rid = f"chat-{turn}"
-        turn += 1
         start = time.monotonic()
         first = None
         reply = ""
-        engine.add_request(rid, ids, _params(args))
         cached = n_out = 0
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                if delta.request_id != rid:
-                    continue
-                if first is None:
-                    first = time.monotonic()
-                print(delta.text, end="", flush=True)
-                reply += delta.text
-                cached, n_out = delta.num_cached_tokens, delta.num_output_tokens
+        for delta in llm.stream_deltas(ids, _params(args)):
+            if first is None:
+                first = time.monotonic()
+            print(delta.text, end="", flush=True)
+            reply += delta.text
+            cached, n_out = delta.num_cached_tokens, delta.num_output_tokens
         end = time.monotonic()
         print()
         messages.append({"role": "assistant", "content": reply})

@@ -8,7 +8,7 @@ from typing import Any, TypedDict
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine, EngineStats
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import ChatMessage
 
@@ -58,13 +58,22 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as tokens are decoded."""
         _, ids = self._tokens(prompt)
+        for delta in self.stream_deltas(ids, params):
+            if delta.text:
+                yield delta.text
+
+    def stream_deltas(
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestDelta]:
+        """Yield the request's deltas (tokens, text, cached-token counts) as they are decoded; closing the
+        iterator early aborts the request."""
         rid = f"stream-{next(self._ids)}"
-        self.engine.add_request(rid, ids, params or SamplingParams())
+        self.engine.add_request(rid, prompt_token_ids, params or SamplingParams())
         try:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    if delta.request_id == rid and delta.text:
-                        yield delta.text
+                    if delta.request_id == rid:
+                        yield delta
         finally:
             self.engine.abort_request(rid)
 

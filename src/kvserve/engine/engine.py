@@ -190,12 +190,12 @@ class Engine:
         stop_token = token in params.stop_token_ids or (
             not params.ignore_eos and token in self.tokenizer.eos_token_ids
         )
-        text = request.text.flush() if stop_token else request.text.push(token)
-        if stop_token or request.text.stopped:
+        text = request.text_stream.flush() if stop_token else request.text_stream.push(token)
+        if stop_token or request.text_stream.stopped:
             reason: str | None = "stop"
         elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             reason = "length"
-            text += request.text.flush()
+            text += request.text_stream.flush()
         else:
             reason = None
         if reason is not None:
@@ -218,8 +218,8 @@ class Engine:
         # Unless a stop string cut it, the reply's text is its tokens (minus a stop token): remember them,
         # so that the next turn of the chat finds this reply in the cache token for token.
         reply = request.output_token_ids[:-1] if stop_token else request.output_token_ids
-        if not request.text.stopped and self.tokenizer.decode(reply) == request.text.text:
-            self.replies.remember(request.namespace, request.text.text, reply)
+        if not request.text_stream.stopped and self.tokenizer.decode(reply) == request.text_stream.text:
+            self.replies.remember(request.namespace, request.text_stream.text, reply)
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

@@ -45,7 +45,7 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.cow_source: int | None = None
         self.num_skips = 0
-        self.text = text_stream
+        self.text_stream = text_stream
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()

@@ -41,6 +41,7 @@ def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     params = [r.params for r in requests]
     temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     probs = (logits / temperature).softmax(dim=-1)
+    top = probs.max(dim=-1).values
     vocab = probs.shape[-1]
     threshold = torch.zeros(len(params))
     if any(0 < p.top_k < vocab for p in params):
@@ -50,9 +51,9 @@ def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         threshold = torch.maximum(threshold, _top_p_threshold(probs, torch.tensor([p.top_p for p in params])))
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params])
-        threshold = torch.maximum(threshold, min_p * probs.max(dim=-1).values)
+        threshold = torch.maximum(threshold, min_p * top)
     # The most likely token always survives, whatever the thresholds.
-    threshold = torch.minimum(threshold, probs.max(dim=-1).values)
+    threshold = torch.minimum(threshold, top)
     return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
 
 
