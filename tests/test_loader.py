@@ -77,3 +77,26 @@ def test_cli_reports_a_bad_model_in_one_line(tmp_path: Any, capsys: pytest.Captu
     assert main(["--log-level", "ERROR", "generate", "--model", str(tmp_path / "missing"), "hi"]) == 2
     err = capsys.readouterr().err
     assert "cannot load model" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+        ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope scaling 'dynamic' is not supported"),
+        ("final_logit_softcapping", 30.0, "final_logit_softcapping is not supported"),
+    ],
+)
+def test_config_fields_that_change_the_math_are_refused(
+    tmp_path: Any, field: str, value: Any, message: str
+) -> None:
+    """Regression (issue 8, failure 6): a model whose math we do not implement must not load."""
+    path = save_tiny_model(str(tmp_path / "m"), "llama")
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        raw = json.load(f)
+    raw[field] = value
+    with open(config_path, "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(path, str(tmp_path))

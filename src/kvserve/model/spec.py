@@ -28,6 +28,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -50,6 +52,22 @@ def _eos_ids(value: object) -> tuple[int, ...]:
     raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
 
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _refuse_unimplemented(raw: Mapping[str, Any], rope_type: str) -> None:
+    """A field that would change the math and that the forward pass does not implement is an error:
+    serving such a model anyway would give fluent but wrong text."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(name):
+            raise ValueError(f"{name} is not supported")
+
+
 def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a parsed config.json; raises ValueError naming what is missing or wrong."""
     architectures = raw.get("architectures") or []
@@ -65,6 +83,7 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
             k: v for k, v in rope_parameters.items() if k not in ("rope_theta",)
         }
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        _refuse_unimplemented(raw, rope_type)
         scaling = () if rope_type == "default" else tuple(sorted(rope_scaling.items()))
         rope_theta = raw.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", family != "qwen2") else None
@@ -82,6 +101,9 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            # Llama's attention_bias covers o_proj too; Qwen2 has biases on q/k/v only.
+            o_proj_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
             rope_scaling=scaling,
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),

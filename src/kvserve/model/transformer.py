@@ -47,6 +47,9 @@ class Transformer:
                 raise ModelLoadError(name, "tensor missing from the weight files")
             return weights[name].to(device=device, dtype=dtype)
 
+        def linear(name: str, bias: bool) -> Linear:
+            return Linear(take(name + ".weight"), take(name + ".bias") if bias else None)
+
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
         self.lm_head = Linear(self.embed if config.tie_word_embeddings else take("lm_head.weight"))
@@ -60,11 +63,11 @@ class Transformer:
                 LayerWeights(
                     attn_norm=take(p + "input_layernorm.weight"),
                     qkv=Linear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias),
-                    o=Linear(take(p + "self_attn.o_proj.weight")),
+                    o=linear(p + "self_attn.o_proj", config.o_proj_bias),
                     mlp_norm=take(p + "post_attention_layernorm.weight"),
-                    gate=Linear(take(p + "mlp.gate_proj.weight")),
-                    up=Linear(take(p + "mlp.up_proj.weight")),
-                    down=Linear(take(p + "mlp.down_proj.weight")),
+                    gate=linear(p + "mlp.gate_proj", config.mlp_bias),
+                    up=linear(p + "mlp.up_proj", config.mlp_bias),
+                    down=linear(p + "mlp.down_proj", config.mlp_bias),
                 )
             )
         expected = (config.vocab_size, config.hidden_size)
