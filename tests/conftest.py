@@ -62,3 +62,23 @@ def _serve(app: FastAPI) -> Iterator[str]:
 def serve_app() -> Callable[[FastAPI], AbstractContextManager[str]]:
     """`with serve_app(app) as url:` runs the app on a real uvicorn server on a free loopback port."""
     return _serve
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny random Llama (2 layers, grouped-query attention, 4,096-token vocabulary) for fast engine
+    tests; its token ids are a prefix of the default tokenizer's, so text streaming works as usual."""
+    from tests.helpers import save_tiny_model
+
+    path = save_tiny_model(str(tmp_path_factory.mktemp("tiny") / "llama"), "llama", vocab_size=4096)
+    return load_model(path, default_cache_dir())
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread: with more, each small op pays a thread hand-off, and
+    on a busy machine those hand-offs dominate."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -81,6 +81,54 @@ def test_chunked_prefill_logits_match_one_pass(tmp_path: Any) -> None:
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
 
 
+def _tiny_pair(tmp_path: Any) -> tuple[ModelRunner, Any]:
+    import transformers
+
+    path = save_tiny_model(str(tmp_path / "m"), "llama")
+    ours = ModelRunner(load_model(path, default_cache_dir()), 64, 4, 512, "cpu", "float32")
+    return ours, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_chunks_after_cached_context_match_transformers_at_every_chunk_end(tmp_path: Any) -> None:
+    """The path a prefix-cache hit takes: chunks of odd sizes, each attending to the KV before it."""
+    runner, theirs = _tiny_pair(tmp_path)
+    ids = torch.randint(0, 49152, (45,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected = _hf_logits(theirs, ids)
+    table = list(range(12))
+    start = 0
+    for size in (5, 1, 7, 3, 16, 13):
+        chunk = SequenceChunk(ids[start : start + size], start, table, True)
+        logits = runner.execute(ForwardBatch(prefills=[chunk]))[0]
+        start += size
+        torch.testing.assert_close(logits, expected[start - 1], atol=1e-4, rtol=1e-4)
+    assert start == len(ids)
+
+
+def test_batched_decodes_of_mixed_lengths_match_transformers_whole_sequences(tmp_path: Any) -> None:
+    """Decodes of different context lengths share one padded, masked attention call; each sequence's
+    greedy continuation equals transformers' whole, and so do its logits at every step."""
+    runner, theirs = _tiny_pair(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (3, 17, 9, 30)]
+    tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
+    seqs = [list(p) for p in prompts]
+    step_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    chunks = [SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
+    logits = runner.execute(ForwardBatch(prefills=chunks))
+    for _ in range(8):
+        for i, row in enumerate(logits):
+            step_logits[i].append(row)
+            seqs[i].append(int(row.argmax()))
+        decodes = [SequenceChunk(s[-1:], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+        logits = runner.execute(ForwardBatch(decodes=decodes))
+    for prompt, seq, rows in zip(prompts, seqs, step_logits, strict=True):
+        with torch.no_grad():
+            full = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
+        assert seq == full
+        expected = _hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
+        torch.testing.assert_close(torch.stack(rows), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_default_model_greedy_replies_match_transformers(default_model: LoadedModel) -> None:
     import transformers
 
@@ -103,5 +151,5 @@ def test_default_model_greedy_replies_match_transformers(default_model: LoadedMo
         ids = torch.tensor([llm.chat_token_ids(conversation)])
         with torch.no_grad():
             expected = theirs.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :].tolist()
-        assert out.outputs[0].token_ids == expected[: len(out.outputs[0].token_ids)]
+        assert out.outputs[0].token_ids == expected
         assert out.outputs[0].finish_reason in ("stop", "length")

@@ -1,6 +1,8 @@
-"""PrefixCache and BlockPool on their own: a hypothesis state machine against a reference model."""
+"""The cache layer on its own: a hypothesis state machine against an independent reference model."""
 
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import settings
@@ -8,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.manager import KVCacheManager, SequenceBlocks
 from kvserve.cache.prefix_cache import PrefixCache
 
 BS = 4
@@ -16,95 +18,222 @@ NUM_BLOCKS = 24
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=5 * BS)
 namespaces = st.sampled_from(["", "tenant-a"])
 
+Key = tuple[str, tuple[int, ...]]
 
-def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
 
 
+@dataclass
+class _Entry:
+    block: int
+    last_use: int
+
+
+@dataclass
+class _Live:
+    seq: SequenceBlocks
+    tokens: list[int]
+    computed: int
+
+
+class Reference:
+    """What the prefix cache should hold, kept independently of it: a flat dict from (namespace, token
+    path from the root) to block and last use, with its own clock. Full paths have a multiple of BS
+    tokens; a partial path (a tail) has fewer in its last block."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Key, _Entry] = {}
+        self.clock = 0
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def children(self, namespace: str, parent: tuple[int, ...]) -> list[tuple[int, ...]]:
+        depth = len(parent)
+        return [
+            p
+            for ns, p in self.entries
+            if ns == namespace and depth < len(p) <= depth + BS and p[:depth] == parent
+        ]
+
+    def match(self, namespace: str, query: Sequence[int]) -> tuple[int, int | None]:
+        """(tokens matched, block copied for a partial last block); touches what it matches."""
+        now = self.tick()
+        k = 0
+        while len(query) >= (k + 1) * BS and (namespace, tuple(query[: (k + 1) * BS])) in self.entries:
+            k += 1
+            self.entries[(namespace, tuple(query[: k * BS]))].last_use = now
+        parent = tuple(query[: k * BS])
+        rest = query[k * BS : (k + 1) * BS]
+        scored = [
+            (_lcp(p[k * BS :], rest), self.entries[(namespace, p)].last_use, p)
+            for p in self.children(namespace, parent)
+        ]
+        best = max(scored, default=None)
+        if best is None or best[0] == 0:
+            return k * BS, None
+        entry = self.entries[(namespace, best[2])]
+        entry.last_use = now
+        return k * BS + best[0], entry.block
+
+    def insert(
+        self, namespace: str, path: Sequence[int], blocks: Sequence[int], locked: Counter[int]
+    ) -> None:
+        now = self.tick()
+        for j, block in enumerate(blocks):
+            key = tuple(path[: (j + 1) * BS])
+            parent = tuple(path[: j * BS])
+            tail = key[j * BS :]
+            siblings = self.children(namespace, parent)
+            if key in siblings:
+                self.entries[(namespace, key)].last_use = now
+                continue
+            if len(tail) < BS and any(s[j * BS :][: len(tail)] == tail for s in siblings):
+                return
+            for s in siblings:
+                # A partial sibling that the new block extends holds nothing more: it goes if unused.
+                if (
+                    len(s) < len(key)
+                    and key[: len(s)] == s
+                    and not locked[self.entries[(namespace, s)].block]
+                ):
+                    del self.entries[(namespace, s)]
+            self.entries[(namespace, key)] = _Entry(block, now)
+
+    def removable(self, locked: Counter[int]) -> set[Key]:
+        """Entries that eviction can reach: nothing in their subtree is locked."""
+        pinned = {k for k, e in self.entries.items() if locked[e.block]}
+        return {
+            (ns, p) for ns, p in self.entries if not any(ns == n2 and q[: len(p)] == p for n2, q in pinned)
+        }
+
+    def evictable_leaves(self, locked: Counter[int]) -> set[Key]:
+        return {
+            (ns, p)
+            for ns, p in self.entries
+            if not locked[self.entries[(ns, p)].block]
+            and not any(n2 == ns and len(q) > len(p) and q[: len(p)] == p for n2, q in self.entries)
+        }
+
+
 class CacheMachine(RuleBasedStateMachine):
-    """Requests run through the cache as the scheduler drives it: match, lock the hit, allocate the rest,
-    insert what was computed, and release (now, or later to model a request still running)."""
+    """Sequences run through the KVCacheManager as the scheduler drives it (admit, grow, compute and
+    publish, release) and the prefix cache is checked after every rule against `Reference`: the same
+    entries and blocks (so uncomputed KV is never visible and nothing computed is lost), the same match
+    lengths and copy sources, evictions in LRU order that spare locked blocks, and exact accounting."""
 
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, BS, enable_prefix_caching=True)
-        self.cache = self.kv.prefix_cache
-        assert self.cache is not None
-        # Reference: the token paths each namespace holds, as the tree lists them.
-        self.paths: dict[str, set[tuple[int, ...]]] = {"": set(), "tenant-a": set()}
-        self.held: list[list[int]] = []
+        cache = self.kv.prefix_cache
+        assert cache is not None
+        self.cache = cache
+        self.ref = Reference()
+        self.live: list[_Live] = []
 
-    def _reference_match(self, namespace: str, query: tuple[int, ...]) -> int:
-        return max((_lcp(p, query) for p in self.paths[namespace]), default=0)
+    def _locked(self) -> Counter[int]:
+        held: Counter[int] = Counter()
+        for live in self.live:
+            held.update(live.seq.blocks)
+            if live.seq.copy_source is not None:
+                held[live.seq.copy_source] += 1
+        return held
 
-    @rule(namespace=namespaces, seq=tokens, keep=st.booleans())
-    def run_request(self, namespace: str, seq: list[int], keep: bool) -> None:
-        match = self.kv.match(namespace, seq)
-        assert match.num_tokens == self._reference_match(namespace, tuple(seq))
-        assert len(match.blocks) == match.num_tokens // BS
-        self.kv.lock(match.blocks)
-        fresh = self.kv.allocate(-(-len(seq) // BS) - len(match.blocks))
-        # Allocation may have evicted under pressure; the locked prefix must have survived it.
-        self._sync()
-        assert all(self.kv.pool.ref_count(b) >= 2 for b in match.blocks)
-        if fresh is None:
-            self.kv.free(match.blocks)
+    def _tree(self) -> dict[Key, int]:
+        return {(ns, p): b for ns, p, b in self.cache.entries()}
+
+    def _follow_evictions(self, before: set[Key], locked: Counter[int], allowed: int) -> None:
+        """Entries the cache dropped since `before` must be LRU among what could go, and unlocked."""
+        gone = before - set(self._tree())
+        assert len(gone) <= allowed
+        survivors = self.ref.evictable_leaves(locked) - gone
+        for key in gone:
+            assert not locked[self.ref.entries[key].block], "a locked block was evicted"
+        newest_gone = max((self.ref.entries[k].last_use for k in gone), default=0)
+        oldest_left = min(
+            (self.ref.entries[k].last_use for k in survivors if k not in gone), default=newest_gone
+        )
+        assert newest_gone <= oldest_left, "eviction was not least recently used first"
+        for key in gone:
+            del self.ref.entries[key]
+
+    @rule(namespace=namespaces, seq=tokens, budget=st.integers(1, 3 * BS))
+    def admit(self, namespace: str, seq: list[int], budget: int) -> None:
+        before = set(self.ref.entries)
+        locked = self._locked()
+        expected, copied = self.ref.match(namespace, seq[:-1])
+        admission = self.kv.admit(namespace, seq, budget)
+        # Blocks a failed or successful admission evicted were unlocked and least recently used.
+        self._follow_evictions(before, locked, NUM_BLOCKS)
+        if admission is None:
             return
-        table = list(match.blocks) + fresh
-        self.kv.cache(namespace, seq, table)
-        self._sync()
-        if keep:
-            self.held.append(table)
+        if admission.copy is not None:
+            assert admission.num_cached_tokens == expected
+            assert admission.copy[0] == copied
         else:
-            self.kv.free(table)
+            # Without a copy, the hit is the full blocks of the match (the partial one was given up).
+            assert admission.num_cached_tokens in (expected, expected // BS * BS)
+            assert admission.num_cached_tokens % BS == 0 or copied is None
+        assert admission.num_new_tokens == min(len(seq) - admission.num_cached_tokens, budget)
+        self.live.append(_Live(admission.seq, seq, admission.num_cached_tokens))
 
-    @precondition(lambda self: self.held)
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100), n=st.integers(1, 2 * BS))
+    def compute(self, index: int, n: int) -> None:
+        live = self.live[index % len(self.live)]
+        target = min(live.computed + n, len(live.tokens))
+        before = set(self.ref.entries)
+        locked = self._locked()
+        if not self.kv.grow(live.seq, target):
+            self._follow_evictions(before, locked, NUM_BLOCKS)
+            return
+        self._follow_evictions(before, locked, NUM_BLOCKS)
+        published = live.seq.num_published
+        live.computed = target
+        self.kv.publish(live.seq, live.tokens, target)
+        full = target // BS
+        if full > published:
+            self.ref.insert(
+                live.seq.namespace, live.tokens[: full * BS], live.seq.blocks[:full], self._locked()
+            )
+
+    @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100))
-    def finish_held(self, index: int) -> None:
-        self.kv.free(self.held.pop(index % len(self.held)))
+    def release(self, index: int) -> None:
+        live = self.live.pop(index % len(self.live))
+        computed, blocks = live.computed, list(live.seq.blocks)
+        copying = live.seq.copy_source is not None
+        self.kv.release(live.seq, live.tokens, computed)
+        if computed and not copying:
+            self.ref.insert(
+                live.seq.namespace, live.tokens[:computed], blocks[: -(-computed // BS)], self._locked()
+            )
 
     @rule(n=st.integers(1, NUM_BLOCKS))
     def evict(self, n: int) -> None:
-        assert self.cache is not None
-        before = {(ns, p): b for ns, p, b in self.cache.entries()}
-        locked = {b for table in self.held for b in table}
-        evictable_before = sum(1 for b in before.values() if self.kv.pool.ref_count(b) == 1)
+        before = set(self.ref.entries)
+        locked = self._locked()
+        removable = len(self.ref.removable(locked))
         freed = self.cache.evict(n)
-        after = {(ns, p): b for ns, p, b in self.cache.entries()}
-        gone = set(before) - set(after)
-        assert len(gone) == freed
-        assert freed == min(n, evictable_before)
-        assert not {before[k] for k in gone} & locked, "a locked block was evicted"
-        self._sync()
-
-    def _sync(self) -> None:
-        assert self.cache is not None
-        self.paths = {"": set(), "tenant-a": set()}
-        for ns, path, _ in self.cache.entries():
-            self.paths[ns].add(path)
+        assert freed == min(n, removable)
+        self._follow_evictions(before, locked, n)
 
     @invariant()
-    def blocks_add_up(self) -> None:
-        assert self.cache is not None
-        refs: Counter[int] = Counter(b for _, _, b in self.cache.entries())
-        for table in self.held:
-            refs.update(table)
-        for block, count in refs.items():
-            assert self.kv.pool.ref_count(block) == count
-        assert self.kv.pool.num_free + len(refs) == NUM_BLOCKS
+    def cache_holds_exactly_the_reference(self) -> None:
+        assert self._tree() == {k: e.block for k, e in self.ref.entries.items()}
 
     @invariant()
-    def tree_is_closed_under_prefixes(self) -> None:
-        for paths in self.paths.values():
-            for p in paths:
-                assert len(p) <= BS or p[: (len(p) - 1) // BS * BS] in paths
+    def accounting_adds_up(self) -> None:
+        self.kv.check()
 
     @invariant()
     def namespaces_share_no_blocks(self) -> None:
-        assert self.cache is not None
         owners: dict[int, set[str]] = {}
         for ns, _, b in self.cache.entries():
             owners.setdefault(b, set()).add(ns)
@@ -112,7 +241,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestCacheMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 
 def test_partial_match_is_exact_to_the_token() -> None:

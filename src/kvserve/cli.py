@@ -34,7 +34,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

@@ -75,7 +75,10 @@ class EngineConfig:
             (self.max_waiting > 0, "max_waiting must be positive"),
             (self.cache_aware_scheduling_bound >= 0, "cache_aware_scheduling_bound must be >= 0"),
             (self.threads is None or self.threads > 0, "threads must be positive"),
-            (self.dtype in ("float32", "float16", "bfloat16"), "dtype must be float32, float16 or bfloat16"),
+            (
+                self.dtype in ("float32", "float16", "bfloat16", "float64"),
+                "dtype must be float32, float16, bfloat16 or float64",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -1,10 +1,46 @@
-"""KVCacheManager: the engine's one door to KV memory: match, lock, allocate (evicting if needed), free."""
+"""KVCacheManager: the one owner of KV block accounting.
 
+Every block decision is made here: match-and-lock a cached prefix, allocate (evicting when short), grow,
+copy on write, publish computed KV, release, evict. The scheduler above only decides who runs, in what
+order and with what token budget; it never touches a block id or a reference count.
+"""
+
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.prefix_cache import MatchResult, PrefixCache
+from kvserve.cache.prefix_cache import PrefixCache
+
+
+@dataclass(eq=False)
+class SequenceBlocks:
+    """One sequence's hold on KV memory; only the KVCacheManager changes it.
+
+    `blocks[j]` holds the sequence's tokens [j * block_size, (j + 1) * block_size), and the sequence owns
+    one pool reference to each. The first `num_published` blocks are full and findable in the prefix
+    cache. While `copy_source` is set, the sequence also holds a reference to that cached block: its first
+    tokens are being copied into `blocks[num_published]` (copy on write) by the step that runs next.
+    """
+
+    namespace: str
+    blocks: list[int] = field(default_factory=list)
+    num_published: int = 0
+    copy_source: int | None = None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A sequence admitted with its cached prefix locked and blocks for its first chunk allocated.
+
+    `num_cached_tokens` tokens need no computing; the first chunk is the next `num_new_tokens`. When
+    `copy` is set, the runner must copy block `copy[0]` into `copy[1]` before the step's forward pass.
+    """
+
+    seq: SequenceBlocks
+    num_cached_tokens: int
+    num_new_tokens: int
+    copy: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -21,36 +57,123 @@ class CacheUsage:
         return self.num_locked / self.num_blocks
 
 
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
 class KVCacheManager:
+    """Invariants (`check` verifies them):
+    - Every block's pool reference count equals the number of its holders: the prefix cache's node (one),
+      each live sequence whose block table has it, and each live sequence copying from it.
+    - A block is free exactly when nothing holds it, so free + held = the pool, and a block is never both
+      free and reachable from a sequence or the tree.
+    - A sequence's matched prefix is locked in the same call that finds it, before any allocation can
+      evict: a match is never used stale.
+    - Only computed KV is published, and a published block is never written again (copy on write).
+    """
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self._live: set[SequenceBlocks] = set()
 
-    def match(self, namespace: str, tokens: Sequence[int]) -> MatchResult:
+    def cached_prefix_len(self, namespace: str, tokens: Sequence[int]) -> int:
+        """How many leading tokens the cache holds now (a hint for ordering; nothing is locked)."""
         if self.prefix_cache is None:
-            return MatchResult()
-        return self.prefix_cache.match(namespace, tokens)
+            return 0
+        return self.prefix_cache.match(namespace, tokens).num_tokens
 
-    def lock(self, blocks: Sequence[int]) -> None:
+    def admit(self, namespace: str, tokens: Sequence[int], budget: int) -> Admission | None:
+        """Lock the longest cached prefix of `tokens[:-1]` and allocate blocks for the first chunk, up to
+        `budget` new tokens. The last token is always computed: its logits give the next token.
+
+        Returns None, holding nothing, when the pool cannot hold the first chunk even after evicting.
+        """
+        if budget < 1 or not tokens:
+            raise ValueError("admission needs a positive budget and at least one token")
+        seq = SequenceBlocks(namespace)
+        if self.prefix_cache is not None:
+            match = self.prefix_cache.match(namespace, tokens[: len(tokens) - 1])
+            seq.blocks = list(match.blocks)
+            self._lock(seq.blocks)
+            cached = match.num_tokens
+            if match.partial_block is not None:
+                self._lock([match.partial_block])
+                seq.copy_source = match.partial_block
+                n = min(len(tokens) - cached, budget)
+                if self._extend(seq, cached + n):
+                    return self._admitted(seq, cached, n)
+                # The copy source is one block more than the chunk itself needs; in a pool that can
+                # hold the chunk but not both, give up the partial hit rather than never admitting.
+                self.pool.release(match.partial_block)
+                seq.copy_source = None
+            cached = len(seq.blocks) * self.block_size
+        else:
+            cached = 0
+        n = min(len(tokens) - cached, budget)
+        if self._extend(seq, cached + n):
+            return self._admitted(seq, cached, n)
+        self._release_blocks(seq.blocks)
+        return None
+
+    def _admitted(self, seq: SequenceBlocks, cached: int, n: int) -> Admission:
+        seq.num_published = cached // self.block_size
+        self._live.add(seq)
+        copy = None
+        if seq.copy_source is not None:
+            copy = (seq.copy_source, seq.blocks[seq.num_published])
+        return Admission(seq, cached, n, copy)
+
+    def grow(self, seq: SequenceBlocks, num_tokens: int) -> bool:
+        """Make `seq.blocks` cover `num_tokens` tokens; False, with nothing taken, if the pool cannot."""
+        return self._extend(seq, num_tokens)
+
+    def _extend(self, seq: SequenceBlocks, num_tokens: int) -> bool:
+        need = _blocks_for(num_tokens, self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        short = need - self.pool.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        if need > self.pool.num_free:
+            return False
+        seq.blocks += self.pool.allocate(need)
+        return True
+
+    def publish(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:
+        """The KV of `tokens[:num_computed]` is computed: publish every newly full block, and let go of the
+        copy source (the step that copied it has run)."""
+        if seq.copy_source is not None:
+            self.pool.release(seq.copy_source)
+            seq.copy_source = None
+        full = num_computed // self.block_size
+        if full > seq.num_published:
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(seq.namespace, tokens[: full * self.block_size], seq.blocks[:full])
+            seq.num_published = full
+
+    def release(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:
+        """The sequence ends (finished, aborted or preempted): its computed KV, a partial last block
+        included, stays cached; every reference it held is dropped."""
+        if seq.copy_source is not None:
+            # Released before the step that copies: the block meant to receive the copy holds nothing,
+            # and every full block before it came from the tree, so there is nothing to publish.
+            self.pool.release(seq.copy_source)
+            seq.copy_source = None
+        elif self.prefix_cache is not None and num_computed:
+            blocks = seq.blocks[: _blocks_for(num_computed, self.block_size)]
+            self.prefix_cache.insert(seq.namespace, tokens[:num_computed], blocks)
+        self._release_blocks(seq.blocks)
+        seq.blocks = []
+        seq.num_published = 0
+        self._live.discard(seq)
+
+    def _lock(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             self.pool.ref(b)
 
-    def allocate(self, n: int) -> list[int] | None:
-        """n fresh blocks, evicting unlocked cached blocks if the free list is short; None if impossible."""
-        short = n - self.pool.num_free
-        if short > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(short)
-        if n > self.pool.num_free:
-            return None
-        return self.pool.allocate(n)
-
-    def cache(self, namespace: str, tokens: Sequence[int], blocks: Sequence[int]) -> None:
-        """Make computed KV findable: blocks[j] holds tokens[j*bs:(j+1)*bs]."""
-        if self.prefix_cache is not None and tokens:
-            self.prefix_cache.insert(namespace, tokens, blocks)
-
-    def free(self, blocks: Sequence[int]) -> None:
+    def _release_blocks(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             self.pool.release(b)
 
@@ -67,3 +190,24 @@ class KVCacheManager:
             num_locked=self.pool.num_used - unlocked_cached,
             num_evicted=self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
         )
+
+    def check(self) -> None:
+        """Assert the class invariants (for tests and debugging: walks the whole tree)."""
+        holders: Counter[int] = Counter()
+        tree_blocks: list[int] = []
+        if self.prefix_cache is not None:
+            tree_blocks = [b for _, _, b in self.prefix_cache.entries()]
+            if len(set(tree_blocks)) != len(tree_blocks):
+                raise AssertionError("one block holds two different token prefixes in the tree")
+        holders.update(tree_blocks)
+        for seq in self._live:
+            holders.update(seq.blocks)
+            if seq.copy_source is not None:
+                holders[seq.copy_source] += 1
+        for block in range(self.pool.num_blocks):
+            if self.pool.ref_count(block) != holders[block]:
+                raise AssertionError(
+                    f"block {block} has {self.pool.ref_count(block)} references but {holders[block]} holders"
+                )
+        if self.pool.num_free + len(holders) != self.pool.num_blocks:
+            raise AssertionError("free and held blocks do not add up to the pool")

@@ -74,7 +74,11 @@ class PrefixCache:
         return root
 
     def match(self, namespace: str, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of `tokens`; marks the matched nodes as recently used."""
+        """Longest cached prefix of `tokens`; marks the matched nodes as recently used.
+
+        Full blocks are followed by exact token tuple; the rest is matched against the last full node's
+        children by longest common prefix, ties to the most recently used child.
+        """
         bs = self.block_size
         node = self._roots.get(namespace)
         if node is None:
@@ -94,7 +98,11 @@ class PrefixCache:
         rest = tokens[i : i + bs]
         for child in node.children.values():
             n = _common_prefix(child.tokens, rest)
-            if n > best:
+            # Ties go to the most recently used child, so that which block is copied (and kept warm) is
+            # a rule, not an accident of dict order.
+            if n > best or (
+                n == best and best_node is not None and child.last_access > best_node.last_access
+            ):
                 best, best_node = n, child
         if best_node is None:
             return MatchResult(tuple(blocks), i)

@@ -2,9 +2,15 @@
 
 The engine thread is the only one that touches engine state. Callers on the event loop submit and abort
 through a thread-safe queue; each step's deltas come back with one call_soon_threadsafe per step.
+
+If anything raises on the engine thread, the engine is dead: its state may be half-updated, so it never
+steps again. Every request in flight fails with EngineFailedError, later calls fail at once, the error
+is logged with its traceback, and `on_failure` tells the owner (the server exits non-zero so that a
+supervisor restarts it). Nothing ever waits on a dead engine.
 """
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -23,7 +29,11 @@ log = logging.getLogger("kvserve.engine")
 
 
 class EngineDeadError(KVServeError):
-    """The engine thread failed while this request was in flight."""
+    """The engine no longer runs (the server is shutting down, or the engine failed)."""
+
+
+class EngineFailedError(EngineDeadError):
+    """The engine thread raised; the requests in flight and every later one fail with this."""
 
 
 @dataclass
@@ -48,9 +58,11 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.on_failure = on_failure
+        self.failure: EngineFailedError | None = None
         self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Submit] = {}
         self._in_flight = 0
@@ -78,6 +90,8 @@ class AsyncEngine:
         Raises InvalidRequestError before anything is queued if the request can never be served, and
         EngineOverloadedError if too many requests are already waiting.
         """
+        if self.failure is not None:
+            raise self.failure
         limit = self.engine.config.max_waiting + self.engine.config.max_num_seqs
         if self._in_flight >= limit:
             raise EngineOverloadedError(
@@ -107,6 +121,8 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (stats, cache reset) and return its result."""
+        if self.failure is not None:
+            raise self.failure
         future: Future[Any] = Future()
         self._commands.put(_Call(fn, future))
         return await asyncio.wrap_future(future)
@@ -135,27 +151,43 @@ class AsyncEngine:
                 command.future.set_exception(e)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:
+            log.exception("the engine failed; failing the requests in flight")
+            self.failure = EngineFailedError(
+                f"the engine failed ({type(e).__name__}); the server log has the details"
+            )
+            self._fail_all(self.failure)
+            if self.on_failure is not None:
+                self.on_failure(e)
+            self._refuse_until_shutdown(self.failure)
+
+    def _serve(self) -> None:
         while True:
             idle = not self.engine.has_unfinished_requests()
             try:
                 command = self._commands.get(block=idle)
                 while True:
                     if command is None:
+                        for rid in list(self._streams):
+                            self.engine.abort_request(rid)
                         self._fail_all(EngineDeadError("the server is shutting down"))
                         return
                     self._apply(command)
                     command = self._commands.get_nowait()
             except queue.Empty:
                 pass
-            if not self.engine.has_unfinished_requests():
-                continue
-            try:
-                deltas = self.engine.step()
-            except Exception as e:
-                log.exception("engine step failed; failing the requests in flight")
-                self._fail_all(EngineDeadError(f"the engine failed: {e}"))
-                continue
-            self._dispatch(deltas)
+            if self.engine.has_unfinished_requests():
+                self._dispatch(self.engine.step())
+
+    def _refuse_until_shutdown(self, error: EngineDeadError) -> None:
+        """A dead engine still answers every command, with the error, so that no caller waits forever."""
+        while (command := self._commands.get()) is not None:
+            if isinstance(command, _Submit):
+                _send(command.loop, command.out, error)
+            elif isinstance(command, _Call):
+                command.future.set_exception(error)
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestDelta]]] = {}
@@ -170,10 +202,15 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, error: BaseException) -> None:
-        for rid, stream in list(self._streams.items()):
-            self.engine.abort_request(rid)
-            stream.loop.call_soon_threadsafe(stream.out.put_nowait, error)
+        for stream in self._streams.values():
+            _send(stream.loop, stream.out, error)
         self._streams.clear()
+
+
+def _send(loop: asyncio.AbstractEventLoop, out: "asyncio.Queue[Any]", item: Any) -> None:
+    # The caller's loop may already be closed (a client gone at shutdown): nobody is left to tell.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(out.put_nowait, item)
 
 
 def _put_all(items: list[tuple["asyncio.Queue[Any]", RequestDelta]]) -> None:

@@ -176,6 +176,13 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
+            if self.scheduler.has_work() and not scheduled.preempted:
+                # Every request that passed validation fits the pool, so this is a scheduler bug: fail
+                # loudly rather than spin with requests that can never run.
+                raise RuntimeError(
+                    f"the scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
+                    f"{len(self.scheduler.running)} running requests"
+                )
             return []
         sampled = scheduled.sampled
         logits = self.runner.execute(scheduled.batch)

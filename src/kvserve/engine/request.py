@@ -4,6 +4,7 @@ import enum
 
 import torch
 
+from kvserve.cache.manager import SequenceBlocks
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.text_stream import TextStream
 
@@ -15,9 +16,9 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """`token_ids` is the prompt followed by the generated tokens. The KV of token_ids[:num_computed]
-    is in `block_table`; the last sampled token's KV is computed in the next step. `seed` drives sampling
-    when the params give none."""
+    """`token_ids` is the prompt followed by the generated tokens. While running, the KV of
+    token_ids[:num_computed] is in `kv.blocks`; the last sampled token's KV is computed in the next step.
+    `seed` drives sampling when the params give none."""
 
     def __init__(
         self,
@@ -39,11 +40,9 @@ class Request:
         self.arrival = arrival
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.block_table: list[int] = []
+        self.kv: SequenceBlocks | None = None
         self.num_computed = 0
-        self.num_cached_blocks = 0
         self.num_cached_tokens: int | None = None
-        self.cow_source: int | None = None
         self.num_skips = 0
         self.text_stream = text_stream
         self.generator: torch.Generator | None = None

@@ -6,6 +6,10 @@ When KV blocks run out, the newest running request not yet scheduled in this ste
 computed blocks go to the prefix cache, its blocks are freed, and it waits at the head of the queue to be
 recomputed (mostly from the cache). Requests are never failed for lack of memory once admitted.
 
+This is policy only: every block decision (match and lock, allocate, grow, copy on write, publish,
+release) belongs to the KVCacheManager, which admits one request at a time so that no match is used
+after another admission's eviction has changed the cache.
+
 Cache-aware order: among the first `_ORDERED_WINDOW` waiting requests, the one with the longest cached
 prefix goes first (its blocks are hot and it costs least). Bound: a request passed over
 `cache_aware_scheduling_bound` times goes before all others, in arrival order, so none waits forever.
@@ -19,7 +23,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.cache.manager import KVCacheManager
-from kvserve.cache.prefix_cache import MatchResult
 from kvserve.config import EngineConfig
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.model.runner import ForwardBatch, SequenceChunk
@@ -29,14 +32,25 @@ _ORDERED_WINDOW = 128
 
 @dataclass
 class ScheduledStep:
-    batch: ForwardBatch = field(default_factory=ForwardBatch)
-    decodes: list[Request] = field(default_factory=list)
-    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    """One step's work. Each chunk's own `sample` flag is the one record of whether it samples."""
+
+    decodes: list[tuple[Request, SequenceChunk]] = field(default_factory=list)
+    prefills: list[tuple[Request, SequenceChunk]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: bool = False
+
+    @property
+    def batch(self) -> ForwardBatch:
+        return ForwardBatch(
+            decodes=[c for _, c in self.decodes],
+            prefills=[c for _, c in self.prefills],
+            block_copies=list(self.block_copies),
+        )
 
     @property
     def sampled(self) -> list[Request]:
         """Requests whose next token this step samples, in the order of the runner's logits rows."""
-        return self.decodes + [r for r, n in self.prefills if r.num_computed + n == r.num_tokens]
+        return [r for r, c in (*self.decodes, *self.prefills) if c.sample]
 
     @property
     def empty(self) -> bool:
@@ -83,7 +97,6 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
-        preempted = False
         scheduled: set[str] = set()
         # Decodes first, so a long prefill never stalls the streams already running; oldest first within each.
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed > 1):
@@ -91,78 +104,80 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue
+            assert request.kv is not None
             n = min(request.num_tokens - request.num_computed, budget)
-            while not self._grow(request, request.num_computed + n):
+            while not self.kv.grow(request.kv, request.num_computed + n):
                 victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), request)
                 self.preempt(victim)
-                preempted = True
+                step.preempted = True
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
                 self._add_chunk(step, request, n)
                 scheduled.add(request.request_id)
                 budget -= n
-        if not preempted:
+        # Admitting now would hand the blocks just freed to a newcomer instead of the preempted request.
+        if not step.preempted:
             self._admit(step, budget)
         return step
 
     def _add_chunk(self, step: ScheduledStep, request: Request, n: int) -> None:
+        assert request.kv is not None
         start = request.num_computed
-        tokens = request.token_ids[start : start + n]
         sample = start + n == request.num_tokens
-        chunk = SequenceChunk(tokens, start, request.block_table, sample)
-        if n == 1 and start > 0:
-            step.batch.decodes.append(chunk)
-            step.decodes.append(request)
+        chunk = SequenceChunk(request.token_ids[start : start + n], start, request.kv.blocks, sample)
+        # The decode path is for one sampled token after computed context; any other chunk, a one-token
+        # piece of a prompt included, is a prefill chunk.
+        if n == 1 and start > 0 and sample:
+            step.decodes.append((request, chunk))
         else:
-            step.batch.prefills.append(chunk)
-            step.prefills.append((request, n))
+            step.prefills.append((request, chunk))
 
-    def _grow(self, request: Request, num_tokens: int) -> bool:
-        need = -(-num_tokens // self.block_size) - len(request.block_table)
-        if need <= 0:
-            return True
-        blocks = self.kv.allocate(need)
-        if blocks is None:
-            return False
-        request.block_table += blocks
-        return True
-
-    def _waiting_order(self) -> list[tuple[Request, MatchResult]]:
+    def _waiting_order(self) -> list[tuple[Request, int]]:
+        """The admission window with each request's cached prefix length now (a hint: nothing is locked)."""
         window = [self.waiting[i] for i in range(min(len(self.waiting), _ORDERED_WINDOW))]
-        matched = [(r, self._match(r)) for r in window]
-        if len(matched) > 1 and self.kv.prefix_cache is not None:
+        if self.kv.prefix_cache is None:
+            return [(r, 0) for r in window]
+        kv = self.kv
+        hinted = [(r, kv.cached_prefix_len(r.namespace, r.token_ids[: r.num_tokens - 1])) for r in window]
+        if len(hinted) > 1:
             bound = self.config.cache_aware_scheduling_bound
 
-            def priority(item: tuple[Request, MatchResult]) -> tuple[int, int, int]:
-                request, match = item
+            def priority(item: tuple[Request, int]) -> tuple[int, int, int]:
+                request, cached = item
                 if request.num_skips >= bound:
                     return (0, 0, request.arrival)
-                return (1, -match.num_tokens, request.arrival)
+                return (1, -cached, request.arrival)
 
-            matched.sort(key=priority)
-        return matched
-
-    def _match(self, request: Request) -> MatchResult:
-        # At least the last token is always computed: its logits give the next token.
-        return self.kv.match(request.namespace, request.token_ids[: request.num_tokens - 1])
+            hinted.sort(key=priority)
+        return hinted
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         if budget == 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return
         admitted: list[Request] = []
-        for request, match in self._waiting_order():
+        for request, cached_hint in self._waiting_order():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if self._waits_for_shared_prefill(request, match):
+            if self._waits_for_shared_prefill(request, cached_hint):
                 continue
-            n = min(request.num_tokens - match.num_tokens, budget)
-            if not self._start(request, match, match.num_tokens + n):
+            # Match, lock and allocate in one call per request: an earlier admission's eviction may
+            # have reused blocks that the hint above still points at.
+            admission = self.kv.admit(request.namespace, request.token_ids, budget)
+            if admission is None:
                 break
-            if request.cow_source is not None:
-                step.batch.block_copies.append((request.cow_source, request.block_table[len(match.blocks)]))
-            self._add_chunk(step, request, n)
-            budget -= n
+            request.kv = admission.seq
+            request.num_computed = admission.num_cached_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = admission.num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.counters.cache_queries += request.num_tokens
+            self.counters.cache_hits += admission.num_cached_tokens
+            if admission.copy is not None:
+                step.block_copies.append(admission.copy)
+            self._add_chunk(step, request, admission.num_new_tokens)
+            budget -= admission.num_new_tokens
             admitted.append(request)
         if admitted:
             last = max(r.arrival for r in admitted)
@@ -172,33 +187,7 @@ class Scheduler:
             for request in admitted:
                 self.waiting.remove(request)
 
-    def _start(self, request: Request, match: MatchResult, num_tokens: int) -> bool:
-        """Lock the matched prefix and allocate the rest of the first chunk.
-
-        Returns False, holding nothing, if there is no room."""
-        self.kv.lock(match.blocks)
-        if match.partial_block is not None:
-            self.kv.lock([match.partial_block])
-        need = -(-num_tokens // self.block_size) - len(match.blocks)
-        blocks = self.kv.allocate(need)
-        if blocks is None:
-            self.kv.free(match.blocks)
-            if match.partial_block is not None:
-                self.kv.free([match.partial_block])
-            return False
-        request.block_table = list(match.blocks) + blocks
-        request.cow_source = match.partial_block
-        request.num_computed = match.num_tokens
-        request.num_cached_blocks = len(match.blocks)
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = match.num_tokens
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        self.counters.cache_queries += request.num_tokens
-        self.counters.cache_hits += match.num_tokens
-        return True
-
-    def _waits_for_shared_prefill(self, request: Request, match: MatchResult) -> bool:
+    def _waits_for_shared_prefill(self, request: Request, cached: int) -> bool:
         if self.kv.prefix_cache is None:
             return False
         for other in self.running:
@@ -207,43 +196,24 @@ class Scheduler:
             if request.token_ids[0] != other.token_ids[0]:
                 continue
             shared = _common_prefix_len(request.token_ids, other.token_ids, other.num_prompt_tokens)
-            if shared - max(match.num_tokens, other.num_computed) >= self.block_size:
+            if shared - max(cached, other.num_computed) >= self.block_size:
                 return True
         return False
 
     def after_step(self, step: ScheduledStep) -> None:
         """The step's KV is computed: advance progress and publish every newly full block to the cache."""
-        for request in step.decodes:
-            self._advance(request, 1)
-        for request, n in step.prefills:
-            self._advance(request, n)
-            self.counters.prefill_tokens_computed += n
-
-    def _advance(self, request: Request, n: int) -> None:
-        request.num_computed += n
-        if request.cow_source is not None:
-            self.kv.free([request.cow_source])
-            request.cow_source = None
-        full = request.num_computed // self.block_size
-        if full > request.num_cached_blocks:
-            self.kv.cache(
-                request.namespace, request.token_ids[: full * self.block_size], request.block_table[:full]
-            )
-            request.num_cached_blocks = full
+        for request, chunk in (*step.decodes, *step.prefills):
+            assert request.kv is not None
+            request.num_computed += len(chunk.token_ids)
+            self.kv.publish(request.kv, request.token_ids, request.num_computed)
+        self.counters.prefill_tokens_computed += sum(len(c.token_ids) for _, c in step.prefills)
 
     def _release(self, request: Request) -> None:
         """Cache the request's computed KV (partial last block included), then drop its references."""
-        computed = request.num_computed
-        if computed:
-            blocks = request.block_table[: -(-computed // self.block_size)]
-            self.kv.cache(request.namespace, request.token_ids[:computed], blocks)
-        if request.cow_source is not None:
-            self.kv.free([request.cow_source])
-            request.cow_source = None
-        self.kv.free(request.block_table)
-        request.block_table = []
+        assert request.kv is not None
+        self.kv.release(request.kv, request.token_ids, request.num_computed)
+        request.kv = None
         request.num_computed = 0
-        request.num_cached_blocks = 0
 
     def preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -4,6 +4,8 @@ Chat prompts can reuse the exact token ids that the engine generated for earlier
 re-tokenizing a reply's text can never break the cached prefix of a conversation.
 """
 
+import re
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,27 +56,53 @@ class Tokenizer:
         """Token ids of the rendered conversation.
 
         Where `known_reply(content)` returns the ids the engine generated for an assistant message, those
-        ids are spliced in verbatim; the text between such replies is tokenized on its own, which is how
-        the original request saw it (its prompt ended where the reply began).
+        ids are spliced in verbatim, at that message and nowhere else (a user message may quote the
+        reply); the text between such replies is tokenized on its own, which is how the original request
+        saw it (its prompt ended where the reply began).
         """
         text = self.render_chat(messages, add_generation_prompt)
-        if known_reply is None:
+        replies: dict[int, Sequence[int]] = {}
+        if known_reply is not None:
+            for i, message in enumerate(messages):
+                content = message.get("content", "")
+                if message.get("role") == "assistant" and content:
+                    reply = known_reply(content)
+                    if reply is not None:
+                        replies[i] = reply
+        pieces = self._split_at_replies(messages, replies, add_generation_prompt, text)
+        if pieces is None:
             return self.encode(text, add_special_tokens=False)
-        ids: list[int] = []
-        pos = 0
-        for message in messages:
-            content = message.get("content", "")
-            if message.get("role") != "assistant" or not content:
-                continue
-            reply = known_reply(content)
-            at = text.find(content, pos) if reply is not None else -1
-            if reply is None or at < 0:
-                continue
-            ids += self.encode(text[pos:at], add_special_tokens=False)
-            ids += reply
-            pos = at + len(content)
-        ids += self.encode(text[pos:], add_special_tokens=False)
+        ids = self.encode(pieces[0], add_special_tokens=False)
+        for i, after in zip(sorted(replies), pieces[1:], strict=True):
+            ids += replies[i]
+            ids += self.encode(after, add_special_tokens=False)
         return ids
+
+    def _split_at_replies(
+        self,
+        messages: Sequence[ChatMessage],
+        replies: dict[int, Sequence[int]],
+        add_generation_prompt: bool,
+        text: str,
+    ) -> list[str] | None:
+        """The rendered text around each reply's content, found by rendering a unique marker in its place.
+
+        None when there is nothing to splice or the template does not render content verbatim, once,
+        in message order (then splicing could misplace ids, and plain tokenization is the safe answer).
+        """
+        if not replies:
+            return None
+        marker = f"\x00kvserve-reply-{uuid.uuid4().hex}-"
+        marked = [{**m, "content": f"{marker}{i}\x00"} if i in replies else m for i, m in enumerate(messages)]
+        parts = re.split(re.escape(marker) + r"(\d+)\x00", self.render_chat(marked, add_generation_prompt))
+        order = [int(i) for i in parts[1::2]]
+        pieces = parts[0::2]
+        if order != sorted(replies):
+            return None
+        rebuilt = pieces[0] + "".join(
+            messages[i]["content"] + after for i, after in zip(order, pieces[1:], strict=True)
+        )
+        return pieces if rebuilt == text else None
 
 
 class IncrementalDecoder:

@@ -66,6 +66,8 @@ api = APIRouter(dependencies=[Depends(_require_api_key)])
 
 @public.get("/health")
 async def health(ctx: Context) -> Response:
+    if ctx.async_engine.failure is not None:
+        raise APIError(503, f"The {ctx.async_engine.failure}.", "server_error", code="engine_failed")
     try:
         await asyncio.wait_for(ctx.async_engine.call(lambda engine: None), HEALTH_TIMEOUT_S)
     except TimeoutError as e:
@@ -169,7 +171,8 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, max_w
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
     (for up to GRACEFUL_SHUTDOWN_S), stop the engine."""
     engine = Engine(dataclasses.replace(config, max_waiting=max_waiting))
-    app = create_app(AsyncEngine(engine), api_key)
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, api_key)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -181,6 +184,15 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, max_w
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     )
+
+    def stop_on_engine_failure(error: BaseException) -> None:
+        # Runs on the engine thread; uvicorn polls should_exit, then lets the failed responses go out.
+        server.should_exit = True
+
+    async_engine.on_failure = stop_on_engine_failure
     with suppress(KeyboardInterrupt):
         server.run()
+    if async_engine.failure is not None:
+        log.error("exiting because the engine failed: %s", async_engine.failure)
+        return 1
     return 0 if server.started else 1

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.async_engine import EngineDeadError, EngineFailedError
 from kvserve.errors import EngineOverloadedError, InvalidRequestError
 
 log = logging.getLogger("kvserve.server")
@@ -105,6 +105,8 @@ def to_api_error(request: Request, exc: Exception) -> APIError:
         return APIError(
             503, str(exc), "server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
         )
+    if isinstance(exc, EngineFailedError):
+        return APIError(500, f"The {exc}; the server restarts.", "server_error", code="engine_failed")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "server_error", code="engine_unavailable")
     return APIError(500, "The server had an internal error; the server log has the details.", "server_error")

@@ -1,0 +1,117 @@
+"""The whole engine under random workloads and configs, token for token against a no-cache engine.
+
+Workloads mix shared system prompts, multi-turn chains, exact repeats, two namespaces, staggered arrivals
+and aborts at any point (mid-prefill, mid-decode); configs range over block sizes 1..32, pools from one
+that barely fits the largest request to large ones, token budgets from 1 and 1..64 sequences. Every step
+checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's
+blocks holding exactly the KV of their tokens.
+
+`make test` runs a fixed (derandomized) set of examples; `KVSERVE_DIFFERENTIAL_EXAMPLES=5000 pytest
+tests/test_differential.py` runs a longer, randomized search for nightly use.
+"""
+
+import os
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve.engine.engine import Engine
+from kvserve.model.loader import LoadedModel
+from tests.harness import (
+    MAX_MODEL_LEN,
+    Spec,
+    assert_cached_kv_is_fresh,
+    assert_matches_reference,
+    assert_no_leak,
+    drive,
+    engine_with_blocks,
+    reference_outputs,
+)
+
+_NIGHTLY = os.environ.get("KVSERVE_DIFFERENTIAL_EXAMPLES")
+EXAMPLES = int(_NIGHTLY) if _NIGHTLY else 300
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=_NIGHTLY is None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@dataclass
+class Case:
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_prefix_caching: bool
+    systems: list[list[int]]
+    specs: list[Spec]
+
+
+# A small alphabet makes accidental shared prefixes and partial-block hits common.
+_token = st.one_of(st.integers(100, 103), st.integers(100, 4095))
+_tokens = st.lists(_token, max_size=24)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))
+    systems = draw(st.lists(st.lists(_token, min_size=1, max_size=48), min_size=1, max_size=3))
+    specs: list[Spec] = []
+    for i in range(draw(st.integers(1, 10))):
+        kinds = ["system"] + (["repeat", "follow"] if i else [])
+        kind = draw(st.sampled_from(kinds))
+        k = draw(st.integers(0, len(systems) - 1)) if kind == "system" else draw(st.integers(0, i - 1))
+        specs.append(
+            Spec(
+                base=(kind, k),
+                suffix=draw(_tokens),
+                max_tokens=draw(st.integers(1, 8)),
+                arrival=draw(st.integers(0, 12)),
+                abort_after=draw(st.one_of(st.none(), st.integers(0, 12))),
+                namespace=draw(st.sampled_from(["", "", "", "other"])),
+            )
+        )
+    # From a pool that barely holds one request (prompts are clipped to fit it) up to a roomy one.
+    capacity = draw(st.integers(8, 160))
+    num_blocks = -(-capacity // block_size) + draw(st.sampled_from([0, 0, 1, 3, 40]))
+    return Case(
+        block_size=block_size,
+        num_blocks=min(num_blocks, MAX_MODEL_LEN),
+        max_num_batched_tokens=draw(st.one_of(st.integers(1, 6), st.integers(7, 300))),
+        max_num_seqs=draw(st.one_of(st.integers(1, 3), st.integers(4, 64))),
+        enable_prefix_caching=draw(st.booleans()) or draw(st.booleans()),
+        systems=systems,
+        specs=specs,
+    )
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: LoadedModel) -> Engine:
+    return engine_with_blocks(tiny_model, 1024, 16, enable_prefix_caching=False)
+
+
+@SETTINGS
+@given(case=cases())
+def test_engine_matches_a_no_cache_engine_token_for_token(
+    tiny_model: LoadedModel, reference: Engine, case: Case
+) -> None:
+    engine = engine_with_blocks(
+        tiny_model,
+        case.num_blocks,
+        case.block_size,
+        max_num_batched_tokens=case.max_num_batched_tokens,
+        max_num_seqs=case.max_num_seqs,
+        enable_prefix_caching=case.enable_prefix_caching,
+    )
+    run = drive(engine, case.systems, case.specs)
+    assert_matches_reference(run, reference_outputs(reference, run))
+    assert_no_leak(engine)
+    if case.enable_prefix_caching:
+        assert_cached_kv_is_fresh(engine, tiny_model, sample=6)
