@@ -85,7 +85,7 @@ def _tiny_pair(tmp_path: Any) -> tuple[ModelRunner, Any]:
     import transformers
 
     path = save_tiny_model(str(tmp_path / "m"), "llama")
-    ours = ModelRunner(load_model(path, default_cache_dir()), 64, 4, 512, "cpu", "float32")
+    ours = ModelRunner(load_model(path, default_cache_dir()), 512, 4, 512, "cpu", "float32")
     return ours, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -127,6 +127,29 @@ def test_batched_decodes_of_mixed_lengths_match_transformers_whole_sequences(tmp
         assert seq == full
         expected = _hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
         torch.testing.assert_close(torch.stack(rows), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_long_decodes_over_scattered_blocks_match_transformers(tmp_path: Any) -> None:
+    """Long contexts whose block tables are one run or several runs of adjacent blocks, out of order."""
+    runner, theirs = _tiny_pair(tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (260, 300)]
+    # Block size 4: 90 blocks each; the second table jumps around in three runs.
+    tables = [list(range(0, 90)), [*range(100, 130), *range(200, 240), *range(150, 170)]]
+    seqs = [list(p) for p in prompts]
+    logits = runner.execute(
+        ForwardBatch(prefills=[SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+    )
+    rows: list[list[torch.Tensor]] = [[], []]
+    for _ in range(4):
+        for i, row in enumerate(logits):
+            rows[i].append(row)
+            seqs[i].append(int(row.argmax()))
+        decodes = [SequenceChunk(s[-1:], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+        logits = runner.execute(ForwardBatch(decodes=decodes))
+    for prompt, seq, got in zip(prompts, seqs, rows, strict=True):
+        expected = _hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
+        torch.testing.assert_close(torch.stack(got), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_default_model_greedy_replies_match_transformers(default_model: LoadedModel) -> None:
