@@ -2,8 +2,14 @@
 
 import os
 import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import torch
 
 from kvserve.config import default_cache_dir
@@ -47,3 +53,36 @@ def save_tiny_model(path: str, architecture: str, **overrides: Any) -> str:
         if name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(os.path.join(default_dir, name), path)
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def server_process(argv: list[str], port: int) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Start `argv` (a kvserve server listening on `port`) as a child process, wait until /health answers,
+    yield (process, url); kill it at the end if it is still running."""
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.communicate()[0].decode()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -3,8 +3,6 @@ the failure is logged with its traceback, and `kvserve serve` exits non-zero for
 engine thread sleeps instead of spinning."""
 
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -18,6 +16,7 @@ from fastapi import FastAPI
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.server.app import create_app
+from tests.helpers import free_port, server_process
 
 SMALL = {"kv_cache_memory": 32 * 2**20, "max_model_len": 512}
 
@@ -121,35 +120,12 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_serve_exits_non_zero_when_the_engine_fails() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    port = free_port()
     args = ["serve", "--port", str(port), "--kv-cache-memory", "32MiB", "--max-model-len", "512"]
-    process = subprocess.Popen(
-        [sys.executable, "-c", INJECT, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.communicate()[0].decode()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    with server_process([sys.executable, "-c", INJECT, *args], port) as (process, url):
         body = {"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_failed"
         output = process.communicate(timeout=60)[0].decode()
         assert process.returncode == 1, output
         assert "simulated engine bug" in output and "Traceback" in output
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()

@@ -104,6 +104,27 @@ def test_chunks_after_cached_context_match_transformers_at_every_chunk_end(tmp_p
     assert start == len(ids)
 
 
+def _batched_greedy(
+    runner: ModelRunner, theirs: Any, prompts: list[list[int]], tables: list[list[int]], steps: int
+) -> list[list[int]]:
+    """Prefill the prompts together, then decode them together for `steps` steps, greedily; each step's
+    logits must equal transformers' for that sequence. Returns the whole sequences."""
+    seqs = [list(p) for p in prompts]
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    chunks = [SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
+    logits = runner.execute(ForwardBatch(prefills=chunks))
+    for _ in range(steps):
+        for i, row in enumerate(logits):
+            rows[i].append(row)
+            seqs[i].append(int(row.argmax()))
+        decodes = [SequenceChunk(s[-1:], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+        logits = runner.execute(ForwardBatch(decodes=decodes))
+    for prompt, seq, got in zip(prompts, seqs, rows, strict=True):
+        expected = _hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
+        torch.testing.assert_close(torch.stack(got), expected, atol=1e-4, rtol=1e-4)
+    return seqs
+
+
 def test_batched_decodes_of_mixed_lengths_match_transformers_whole_sequences(tmp_path: Any) -> None:
     """Decodes of different context lengths share one padded, masked attention call; each sequence's
     greedy continuation equals transformers' whole, and so do its logits at every step."""
@@ -111,22 +132,10 @@ def test_batched_decodes_of_mixed_lengths_match_transformers_whole_sequences(tmp
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (3, 17, 9, 30)]
     tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
-    seqs = [list(p) for p in prompts]
-    step_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    chunks = [SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
-    logits = runner.execute(ForwardBatch(prefills=chunks))
-    for _ in range(8):
-        for i, row in enumerate(logits):
-            step_logits[i].append(row)
-            seqs[i].append(int(row.argmax()))
-        decodes = [SequenceChunk(s[-1:], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
-        logits = runner.execute(ForwardBatch(decodes=decodes))
-    for prompt, seq, rows in zip(prompts, seqs, step_logits, strict=True):
+    for prompt, seq in zip(prompts, _batched_greedy(runner, theirs, prompts, tables, 8), strict=True):
         with torch.no_grad():
             full = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
         assert seq == full
-        expected = _hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
-        torch.testing.assert_close(torch.stack(rows), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_long_decodes_over_scattered_blocks_match_transformers(tmp_path: Any) -> None:
@@ -136,20 +145,7 @@ def test_long_decodes_over_scattered_blocks_match_transformers(tmp_path: Any) ->
     prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (260, 300)]
     # Block size 4: 90 blocks each; the second table jumps around in three runs.
     tables = [list(range(0, 90)), [*range(100, 130), *range(200, 240), *range(150, 170)]]
-    seqs = [list(p) for p in prompts]
-    logits = runner.execute(
-        ForwardBatch(prefills=[SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
-    )
-    rows: list[list[torch.Tensor]] = [[], []]
-    for _ in range(4):
-        for i, row in enumerate(logits):
-            rows[i].append(row)
-            seqs[i].append(int(row.argmax()))
-        decodes = [SequenceChunk(s[-1:], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
-        logits = runner.execute(ForwardBatch(decodes=decodes))
-    for prompt, seq, got in zip(prompts, seqs, rows, strict=True):
-        expected = _hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
-        torch.testing.assert_close(torch.stack(got), expected, atol=1e-4, rtol=1e-4)
+    _batched_greedy(runner, theirs, prompts, tables, 4)
 
 
 def test_default_model_greedy_replies_match_transformers(default_model: LoadedModel) -> None:

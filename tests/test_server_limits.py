@@ -2,10 +2,7 @@
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +15,7 @@ from fastapi import FastAPI
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.server.app import create_app
+from tests.helpers import free_port, server_process
 
 SMALL = {"kv_cache_memory": 32 * 2**20, "max_model_len": 512}
 
@@ -98,35 +96,10 @@ def test_full_queue_answers_503_with_retry_after(
         assert r.status_code == 200
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_sigterm_lets_the_stream_in_flight_finish_then_exits() -> None:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-cache-memory", "32MiB"]
-    process = subprocess.Popen(
-        [*command, "--max-model-len", "512"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.communicate()[0].decode()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
-
+    port = free_port()
+    argv = [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-cache-memory", "32MiB"]
+    with server_process([*argv, "--max-model-len", "512"], port) as (process, url):
         body = {
             "prompt": "Once upon a time",
             "max_tokens": 40,
@@ -160,7 +133,3 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits() -> None:
         assert process.returncode in (0, -signal.SIGTERM), output
         assert "Traceback" not in output
         assert "completion tokens, finish length" in output  # the per-request log line
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
