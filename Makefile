@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve chat test lint bench bench-engine bench-cache clean
+.PHONY: install serve chat test lint bench bench-engine bench-cache bench-overhead clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ bench-engine: install
 
 bench-cache: install
 	$(BIN)/python -m benchmarks.bench_prefix_cache
+
+bench-overhead: install
+	$(BIN)/python -m benchmarks.bench_overhead
 
 bench: install
 	$(BIN)/kvserve bench compare --out benchmarks/results
