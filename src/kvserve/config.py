@@ -51,7 +51,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    weight_dtype: str = "float32"
+    weight_dtype: str = "float16"
     block_size: int = 16
     kv_cache_memory: int = 2 * 2**30
     max_model_len: int | None = None
