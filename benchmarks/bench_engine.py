@@ -1,12 +1,16 @@
-"""kvserve's engine against Hugging Face transformers `generate`, same weights, same process, interleaved.
+"""kvserve's engine against Hugging Face transformers `generate`, and kvserve's weight precisions.
 
-Measures prefill tokens/s (512 and 2048 tokens), single-stream decode tokens/s, and kvserve's aggregate
-decode tokens/s at batch 8 and 32. Run: `make bench-engine` (writes benchmarks/results/engine.{json,md}).
+Same weights, same process, interleaved. Against transformers (both float32): prefill tokens/s (512 and
+2048 tokens), single-stream decode tokens/s, and kvserve's aggregate decode tokens/s at batch 8 and 32.
+Then the same kvserve measures for each `weight_dtype` (float32, float16, int8), with ratios to float32.
+Run: `make bench-engine` (writes benchmarks/results/engine.{json,md}).
 """
 
 import argparse
 import random
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,6 +76,44 @@ def ours_batch_decode(engine: Engine, batch: int, new_tokens: int, seed: int) ->
     return tokens / (time.perf_counter() - decode_start)
 
 
+WEIGHT_DTYPES = ("float32", "float16", "int8")
+
+
+def weight_dtype_table(
+    engines: dict[str, Engine], repeats: int, new_tokens: int
+) -> tuple[dict[str, Any], list[str]]:
+    """Each measure, each repeat, runs every mode on the same prompts one after another."""
+    measures: dict[str, Callable[[Engine, int], float]] = {
+        "prefill 512 tokens (tok/s)": lambda e, seed: ours_prefill(e, 512, seed),
+        "decode, 1 stream (tok/s)": lambda e, seed: ours_decode(e, new_tokens, seed),
+        "decode, batch 8 aggregate (tok/s)": lambda e, seed: ours_batch_decode(e, 8, new_tokens, seed),
+        "decode, batch 32 aggregate (tok/s)": lambda e, seed: ours_batch_decode(e, 32, new_tokens, seed),
+    }
+    samples: dict[tuple[str, str], list[float]] = {(n, m): [] for n in measures for m in engines}
+    for _ in range(repeats):
+        for name, measure in measures.items():
+            seed = random.randrange(10**6)
+            for mode, engine in engines.items():
+                samples[name, mode].append(measure(engine, seed))
+    results: dict[str, Any] = {}
+    others = [m for m in engines if m != "float32"]
+    lines = [
+        "| measure | " + " | ".join(engines) + " | " + " | ".join(f"{m} / float32" for m in others) + " |",
+        "|---|" + "---:|" * (len(engines) + len(others)),
+    ]
+    for name in measures:
+        med = {m: statistics.median(samples[name, m]) for m in engines}
+        results[name] = {m: {"tok_s": med[m], "vs_float32": med[m] / med["float32"]} for m in engines}
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{med[m]:.1f}" for m in engines)
+            + " | "
+            + " | ".join(f"{med[m] / med['float32']:.2f}x" for m in others)
+            + " |"
+        )
+    return results, lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
@@ -81,9 +123,21 @@ def main() -> None:
     import transformers
 
     model = default_model()
-    engine = make_engine(model, enable_prefix_caching=False, max_num_batched_tokens=2048)
+    engines = {
+        mode: make_engine(
+            model,
+            weight_dtype=mode,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=2048,
+            kv_cache_memory=512 * 2**20,
+        )
+        for mode in WEIGHT_DTYPES
+    }
+    for warm in engines.values():
+        ours_prefill(warm, 64, 0)
+    # Against transformers, which runs float32 weights: kvserve's float32 weights too.
+    engine = engines["float32"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
-    ours_prefill(engine, 64, 0)
     hf_generate_time(hf, random_prompt(64, 0), 2)
 
     results: dict[str, Any] = {"threads": threads, "model": model.name, "repeats": args.repeats}
@@ -133,6 +187,15 @@ def main() -> None:
         ratio = f"{ours / theirs:.2f}x" if theirs else f"{ours / ours_single:.1f}x single stream"
         lines.append(f"| {name} | {ours:.1f} | {theirs:.1f} |" if theirs else f"| {name} | {ours:.1f} | - |")
         lines[-1] += f" {ratio} |"
+
+    results["weight_dtype"], mode_lines = weight_dtype_table(engines, args.repeats, new)
+    lines += [
+        "",
+        f"kvserve by `weight_dtype`, {model.name}, {threads} threads, {new} decoded tokens per request, "
+        f"median of {args.repeats}, modes interleaved on the same prompts.",
+        "",
+        *mode_lines,
+    ]
     write_results("engine", results, "\n".join(lines) + "\n")
 
 

@@ -148,7 +148,8 @@ def main() -> None:
     os.makedirs(RESULTS, exist_ok=True)
     plot(turns, os.path.join(RESULTS, "prefix_cache_turns.png"))
     lines = [
-        f"Prefix cache on vs off, {model.name}, float32, {threads} threads, one process, interleaved.",
+        f"Prefix cache on vs off, {model.name}, {engines['cache on'].config.weight_dtype} weights, "
+        f"{threads} threads, one process, interleaved.",
         "",
         f"**{args.turns}-turn chat** ({args.system_tokens}-token system prompt, "
         f"{args.user_tokens}-token turns, {args.reply_tokens}-token replies): "

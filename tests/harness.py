@@ -29,6 +29,7 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
     """An engine on `model` whose KV pool has exactly `num_blocks` blocks."""
     config = EngineConfig(
         dtype=DTYPE,
+        weight_dtype="float32",
         block_size=block_size,
         kv_cache_memory=num_blocks * block_bytes(model, block_size),
         max_model_len=MAX_MODEL_LEN,

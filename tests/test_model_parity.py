@@ -56,7 +56,15 @@ def test_logits_match_transformers(tmp_path: Any, variant: str) -> None:
     path = save_tiny_model(str(tmp_path / variant), architecture, **overrides)
     ours = load_model(path, default_cache_dir())
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = ModelRunner(ours, num_blocks=32, block_size=4, max_model_len=512, device="cpu", dtype="float32")
+    runner = ModelRunner(
+        ours,
+        num_blocks=32,
+        block_size=4,
+        max_model_len=512,
+        device="cpu",
+        dtype="float32",
+        weight_dtype="float32",
+    )
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 49152, (37,), generator=gen).tolist()
     table = list(range(20))
@@ -71,7 +79,15 @@ def test_logits_match_transformers(tmp_path: Any, variant: str) -> None:
 def test_chunked_prefill_logits_match_one_pass(tmp_path: Any) -> None:
     path = save_tiny_model(str(tmp_path / "m"), "llama")
     model: LoadedModel = load_model(path, default_cache_dir())
-    runner = ModelRunner(model, num_blocks=32, block_size=4, max_model_len=512, device="cpu", dtype="float32")
+    runner = ModelRunner(
+        model,
+        num_blocks=32,
+        block_size=4,
+        max_model_len=512,
+        device="cpu",
+        dtype="float32",
+        weight_dtype="float32",
+    )
     ids = list(range(100, 150))
     whole = runner.execute(ForwardBatch(prefills=[SequenceChunk(ids, 0, list(range(13)), True)]))[0]
     table = list(range(13, 26))
@@ -158,7 +174,7 @@ def test_default_model_greedy_replies_match_transformers(default_model: LoadedMo
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32
     ).eval()
-    llm = LLM(kv_cache_memory="64MiB")
+    llm = LLM(kv_cache_memory="64MiB", weight_dtype="float32")
     questions = [
         "What is the capital of France?",
         "Give me two tips for sleeping well.",

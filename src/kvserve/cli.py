@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kvserve.config import EngineConfig, parse_bytes
+from kvserve.config import WEIGHT_DTYPES, EngineConfig, parse_bytes
 from kvserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,6 +35,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+    parser.add_argument(
+        "--weight-dtype",
+        default=EngineConfig.weight_dtype,
+        choices=WEIGHT_DTYPES,
+        help="storage of the linear weights: float32 (exact), float16 (half the bytes, float32's "
+        "predictions) or int8 (fastest for large batches and prefill, least exact); default %(default)s",
+    )
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -49,6 +56,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         threads=args.threads,
         device=args.device,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         **overrides,
     )
 

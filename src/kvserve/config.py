@@ -30,6 +30,9 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+WEIGHT_DTYPES = ("float32", "float16", "int8")
+
+
 def default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(base, "kvserve")
@@ -48,6 +51,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    weight_dtype: str = "float16"
     block_size: int = 16
     kv_cache_memory: int = 2 * 2**30
     max_model_len: int | None = None
@@ -78,6 +82,12 @@ class EngineConfig:
             (
                 self.dtype in ("float32", "float16", "bfloat16", "float64"),
                 "dtype must be float32, float16, bfloat16 or float64",
+            ),
+            (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype must be float32, float16 or int8"),
+            (
+                self.weight_dtype != "int8"
+                or (self.device.split(":")[0] == "cpu" and self.dtype == "float32"),
+                "weight_dtype int8 needs device cpu and dtype float32: use weight_dtype float32 or float16",
             ),
         ]
         for ok, message in checks:

@@ -59,7 +59,13 @@ class Engine:
                 f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block ({bytes_per_block})"
             )
         self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, self.max_model_len, config.device, config.dtype
+            self.model,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            config.device,
+            config.dtype,
+            config.weight_dtype,
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)

