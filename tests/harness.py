@@ -161,7 +161,7 @@ def assert_cached_kv_is_fresh(engine: Engine, model: LoadedModel, sample: int, s
     if not entries:
         return
     bs = engine.config.block_size
-    scratch = ModelRunner(model, MAX_MODEL_LEN, 1, MAX_MODEL_LEN, "cpu", DTYPE)
+    scratch = ModelRunner(model, MAX_MODEL_LEN, 1, MAX_MODEL_LEN, "cpu", DTYPE, "float32")
     for namespace, path, block in random.Random(seed).sample(entries, min(sample, len(entries))):
         del namespace
         scratch.execute(ForwardBatch(prefills=[SequenceChunk(list(path), 0, list(range(len(path))), False)]))

@@ -101,7 +101,7 @@ def _tiny_pair(tmp_path: Any) -> tuple[ModelRunner, Any]:
     import transformers
 
     path = save_tiny_model(str(tmp_path / "m"), "llama")
-    ours = ModelRunner(load_model(path, default_cache_dir()), 512, 4, 512, "cpu", "float32")
+    ours = ModelRunner(load_model(path, default_cache_dir()), 512, 4, 512, "cpu", "float32", "float32")
     return ours, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
