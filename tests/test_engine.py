@@ -265,3 +265,27 @@ def test_dtype_is_a_setting(tmp_path: Any, dtype: str) -> None:
     )
     assert len(out["a"]) == 5
     assert_no_leak(engine)
+
+
+def test_one_token_steps_run_on_their_own_thread_count(
+    make_engine: Callable[..., Engine], prompts: dict[str, list[int]], alone: dict[str, list[int]]
+) -> None:
+    """`single_token_threads` changes how a lone decode runs, never what it computes, and a step of more
+    tokens gets the engine's thread count back."""
+    import torch
+
+    engine = make_engine(enable_prefix_caching=False, single_token_threads=1)
+    threads = engine._threads
+    seen: list[int] = []
+    original = engine.runner.execute
+
+    def execute(batch: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return original(batch)
+
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    rid, ids = next(iter(prompts.items()))
+    assert run(engine, {rid: ids}) == {rid: alone[rid]}
+    # The prefill step runs on the engine's threads, every decode step after it on one.
+    assert seen[0] == threads and set(seen[1:]) == {1}
+    torch.set_num_threads(threads)

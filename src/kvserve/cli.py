@@ -137,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import serve
 
     return serve(
-        engine_config(args),
+        engine_config(args, single_token_threads=args.single_token_threads or None),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     _engine_arguments(serve)
+    serve.add_argument(
+        "--single-token-threads",
+        type=int,
+        default=1,
+        help="threads for a step of one token (one stream decoding alone), leaving the other cores to "
+        "HTTP; 0 uses --threads for every step (default %(default)s)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require this bearer token on every route but /health")

@@ -45,7 +45,10 @@ class EngineConfig:
     `kv_cache_memory` is the byte budget of the paged KV pool; `max_num_batched_tokens` bounds the tokens
     of one forward pass (decodes plus prefill chunks), which is what keeps long prefills from stalling
     running streams. `max_model_len=None` takes the model's own context length. `seed` seeds the sampling
-    of requests that bring no seed of their own.
+    of requests that bring no seed of their own. `single_token_threads`, when set, is the thread count
+    of a step that computes one token (one stream decoding alone): such a step is bound by memory and
+    gains little from more threads, while a server needs a core for its event loop; `kvserve serve`
+    sets 1 (see benchmarks/bench_overhead.py).
     """
 
     model: str | None = None
@@ -61,6 +64,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_aware_scheduling_bound: int = 32
     threads: int | None = None
+    single_token_threads: int | None = None
     seed: int = 0
     cache_dir: str = field(default_factory=default_cache_dir)
 
@@ -79,6 +83,10 @@ class EngineConfig:
             (self.max_waiting > 0, "max_waiting must be positive"),
             (self.cache_aware_scheduling_bound >= 0, "cache_aware_scheduling_bound must be >= 0"),
             (self.threads is None or self.threads > 0, "threads must be positive"),
+            (
+                self.single_token_threads is None or self.single_token_threads > 0,
+                "single_token_threads must be positive",
+            ),
             (
                 self.dtype in ("float32", "float16", "bfloat16", "float64"),
                 "dtype must be float32, float16, bfloat16 or float64",

@@ -47,6 +47,7 @@ class Engine:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
+        self._threads = torch.get_num_threads()
         started = time.monotonic()
         self.model = model or load_model(config.model, config.cache_dir)
         self.tokenizer = self.model.tokenizer
@@ -191,6 +192,9 @@ class Engine:
                 )
             return []
         sampled = scheduled.sampled
+        if self.config.single_token_threads is not None:
+            one = scheduled.num_tokens == 1
+            torch.set_num_threads(self.config.single_token_threads if one else self._threads)
         logits = self.runner.execute(scheduled.batch)
         tokens = sampler.sample(logits, sampled)
         self.scheduler.after_step(scheduled)

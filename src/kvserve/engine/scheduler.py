@@ -48,6 +48,10 @@ class ScheduledStep:
         )
 
     @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for _, c in (*self.decodes, *self.prefills))
+
+    @property
     def sampled(self) -> list[Request]:
         """Requests whose next token this step samples, in the order of the runner's logits rows."""
         return [r for r, c in (*self.decodes, *self.prefills) if c.sample]
