@@ -307,8 +307,10 @@ def test_multiturn_cached_tokens_grow_only_with_the_cache(servers: dict[str, str
     assert cache["cached_fraction"] > 0 and nocache["cached_fraction"] == 0
     assert cache["server_prefix_cache_hits"] > 0 and nocache["server_prefix_cache_hits"] == 0
     assert [t["turn"] for t in cache["per_turn"]] == [1, 2, 3]
+    assert all(t["itl_p50_s"] > 0 and t["e2e_p50_s"] > 0 for t in cache["per_turn"])
     check_png(tmp_path / "multiturn-ttft.png")
     check_png(tmp_path / "multiturn-cached.png")
+    check_png(tmp_path / "multiturn-latency.png")
     assert "| TTFT p50 / p90 / p99 (ms) |" in (tmp_path / "multiturn.md").read_text()
 
 

@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvserve.bench import workloads
 from kvserve.bench.client import Target, connect, parse_target
 from kvserve.bench.errors import BenchError
-from kvserve.bench.plots import plot_cached_fraction, plot_ttft
+from kvserve.bench.plots import is_multi_turn, plot_cached_fraction, plot_latency_per_turn, plot_ttft
 from kvserve.bench.report import TargetSummary, markdown, report_data, rich_table, summarize, write_json
 from kvserve.bench.runner import run_workload
 from kvserve.bench.servers import local_servers
@@ -244,6 +244,9 @@ def _run(
     images = [f"{workload.name}-ttft.png", f"{workload.name}-cached.png"]
     plot_ttft(workload.name, runs, summaries, out / images[0])
     plot_cached_fraction(workload.name, summaries, out / images[1])
+    if is_multi_turn(summaries):
+        images.append(f"{workload.name}-latency.png")
+        plot_latency_per_turn(workload.name, summaries, out / images[2])
     Console().print(rich_table(workload, summaries))
     return _Outcome(workload, summaries, markdown(workload, summaries, images))
 

@@ -5,26 +5,22 @@ the history, with it TTFT stays flat. A single-turn workload has no turns to plo
 a distribution and its cached fraction as one bar per target.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from kvserve.bench.report import TargetSummary
+from kvserve.bench.report import TargetSummary, TurnSummary
 from kvserve.bench.runner import TargetRun
 
 
 def plot_ttft(title: str, runs: Sequence[TargetRun], summaries: Sequence[TargetSummary], path: Path) -> None:
     fig, ax = _figure()
-    if _multi_turn(summaries):
-        for s in summaries:
-            points = [(t.turn, t.ttft_p50_s) for t in s.per_turn if t.ttft_p50_s is not None]
-            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=s.name)
-        ax.set_xlabel("turn")
+    if is_multi_turn(summaries):
+        _per_turn(ax, summaries, lambda t: t.ttft_p50_s)
         ax.set_ylabel("median time to first token (s)")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     else:
         for run in runs:
             ttfts = sorted(r.ttft_s for r in run.results if r.ttft_s is not None and r.error is None)
@@ -39,12 +35,8 @@ def plot_ttft(title: str, runs: Sequence[TargetRun], summaries: Sequence[TargetS
 
 def plot_cached_fraction(title: str, summaries: Sequence[TargetSummary], path: Path) -> None:
     fig, ax = _figure()
-    if _multi_turn(summaries):
-        for s in summaries:
-            points = [(t.turn, t.cached_fraction) for t in s.per_turn if t.cached_fraction is not None]
-            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=s.name)
-        ax.set_xlabel("turn")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if is_multi_turn(summaries):
+        _per_turn(ax, summaries, lambda t: t.cached_fraction)
     else:
         colors = [f"C{i}" for i in range(len(summaries))]  # the colors the TTFT plot gives the targets
         ax.bar([s.name for s in summaries], [s.cached_fraction or 0.0 for s in summaries], color=colors)
@@ -53,7 +45,33 @@ def plot_cached_fraction(title: str, summaries: Sequence[TargetSummary], path: P
     _finish(fig, ax, f"{title}: prompt tokens served from the cache", path)
 
 
-def _multi_turn(summaries: Sequence[TargetSummary]) -> bool:
+def plot_latency_per_turn(title: str, summaries: Sequence[TargetSummary], path: Path) -> None:
+    """Median inter-token latency and end-to-end time per turn, side by side: what a chat user waits for
+    once the first token is there, and for the whole reply."""
+    fig = Figure(figsize=(10, 4))
+    itl, e2e = fig.subplots(1, 2)
+    _per_turn(itl, summaries, lambda t: None if t.itl_p50_s is None else t.itl_p50_s * 1000)
+    itl.set_ylabel("median inter-token latency (ms)")
+    itl.set_ylim(bottom=0)
+    itl.set_title(f"{title}: inter-token latency")
+    itl.grid(alpha=0.3)
+    _per_turn(e2e, summaries, lambda t: t.e2e_p50_s)
+    e2e.set_ylabel("median end-to-end time (s)")
+    e2e.set_ylim(bottom=0)
+    _finish(fig, e2e, f"{title}: whole reply", path)
+
+
+def _per_turn(
+    ax: Axes, summaries: Sequence[TargetSummary], value: Callable[[TurnSummary], float | None]
+) -> None:
+    for s in summaries:
+        points = [(t.turn, v) for t in s.per_turn if (v := value(t)) is not None]
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=s.name)
+    ax.set_xlabel("turn")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def is_multi_turn(summaries: Sequence[TargetSummary]) -> bool:
     return any(len(s.per_turn) > 1 for s in summaries)
 
 

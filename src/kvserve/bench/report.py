@@ -43,12 +43,15 @@ class Distribution:
 
 @dataclass(frozen=True)
 class TurnSummary:
-    """One turn across a target's conversations: the median TTFT and the share of prompt tokens cached."""
+    """One turn across a target's conversations: median TTFT, inter-token latency and end-to-end time,
+    and the share of prompt tokens cached."""
 
     turn: int
     requests: int
     ttft_p50_s: float | None
     cached_fraction: float | None
+    itl_p50_s: float | None = None
+    e2e_p50_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,16 @@ def per_turn(results: Sequence[RequestResult]) -> list[TurnSummary]:
     for turn in turns:
         at_turn = [r for r in results if r.turn == turn]
         ttfts = [r.ttft_s for r in at_turn if r.ttft_s is not None]
-        summaries.append(TurnSummary(turn, len(at_turn), percentile(ttfts, 50), cached_fraction(at_turn)))
+        summaries.append(
+            TurnSummary(
+                turn,
+                len(at_turn),
+                percentile(ttfts, 50),
+                cached_fraction(at_turn),
+                itl_p50_s=percentile([gap for r in at_turn for gap in r.itl_s], 50),
+                e2e_p50_s=percentile([r.e2e_s for r in at_turn], 50),
+            )
+        )
     return summaries
 
 
