@@ -43,6 +43,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def _exact_runner(model: LoadedModel, num_blocks: int) -> ModelRunner:
+    """float32 compute and float32 weights, blocks of 4 tokens: the setting that matches transformers."""
+    return ModelRunner(model, num_blocks, 4, 512, "cpu", "float32", "float32")
+
+
 def _hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
@@ -56,15 +61,7 @@ def test_logits_match_transformers(tmp_path: Any, variant: str) -> None:
     path = save_tiny_model(str(tmp_path / variant), architecture, **overrides)
     ours = load_model(path, default_cache_dir())
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = ModelRunner(
-        ours,
-        num_blocks=32,
-        block_size=4,
-        max_model_len=512,
-        device="cpu",
-        dtype="float32",
-        weight_dtype="float32",
-    )
+    runner = _exact_runner(ours, 32)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 49152, (37,), generator=gen).tolist()
     table = list(range(20))
@@ -79,15 +76,7 @@ def test_logits_match_transformers(tmp_path: Any, variant: str) -> None:
 def test_chunked_prefill_logits_match_one_pass(tmp_path: Any) -> None:
     path = save_tiny_model(str(tmp_path / "m"), "llama")
     model: LoadedModel = load_model(path, default_cache_dir())
-    runner = ModelRunner(
-        model,
-        num_blocks=32,
-        block_size=4,
-        max_model_len=512,
-        device="cpu",
-        dtype="float32",
-        weight_dtype="float32",
-    )
+    runner = _exact_runner(model, 32)
     ids = list(range(100, 150))
     whole = runner.execute(ForwardBatch(prefills=[SequenceChunk(ids, 0, list(range(13)), True)]))[0]
     table = list(range(13, 26))
@@ -101,7 +90,7 @@ def _tiny_pair(tmp_path: Any) -> tuple[ModelRunner, Any]:
     import transformers
 
     path = save_tiny_model(str(tmp_path / "m"), "llama")
-    ours = ModelRunner(load_model(path, default_cache_dir()), 512, 4, 512, "cpu", "float32", "float32")
+    ours = _exact_runner(load_model(path, default_cache_dir()), 512)
     return ours, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
