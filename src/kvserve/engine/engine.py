@@ -193,8 +193,10 @@ class Engine:
             return []
         sampled = scheduled.sampled
         if self.config.single_token_threads is not None:
-            one = scheduled.num_tokens == 1
-            torch.set_num_threads(self.config.single_token_threads if one else self._threads)
+            threads = self.config.single_token_threads if scheduled.num_tokens == 1 else self._threads
+            # Only on a change: a stream decoding alone keeps one count step after step.
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         logits = self.runner.execute(scheduled.batch)
         tokens = sampler.sample(logits, sampled)
         self.scheduler.after_step(scheduled)
