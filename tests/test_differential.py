@@ -2,7 +2,8 @@
 
 Workloads mix shared system prompts, multi-turn chains, exact repeats, two namespaces, staggered arrivals
 and aborts at any point (mid-prefill, mid-decode); configs range over block sizes 1..32, pools from one
-that barely fits the largest request to large ones, token budgets from 1 and 1..64 sequences. Every step
+that barely fits the largest request to large ones, token budgets from 1, 1..64 sequences and both
+decode-attention backends (the reference runs the portable one). Every step
 checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's
 blocks holding exactly the KV of their tokens.
 
@@ -47,6 +48,7 @@ class Case:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_prefix_caching: bool
+    attention: str
     systems: list[list[int]]
     specs: list[Spec]
 
@@ -84,6 +86,7 @@ def cases(draw: st.DrawFn) -> Case:
         max_num_batched_tokens=draw(st.one_of(st.integers(1, 6), st.integers(7, 300))),
         max_num_seqs=draw(st.one_of(st.integers(1, 3), st.integers(4, 64))),
         enable_prefix_caching=draw(st.booleans()) or draw(st.booleans()),
+        attention=draw(st.sampled_from(["native", "torch"])),
         systems=systems,
         specs=specs,
     )
@@ -94,7 +97,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def reference(tiny_model: LoadedModel) -> Engine:
-    return engine_with_blocks(tiny_model, 1024, 16, enable_prefix_caching=False)
+    # The portable attention path, so that cases on the native kernel are checked against the other one.
+    return engine_with_blocks(tiny_model, 1024, 16, enable_prefix_caching=False, attention="torch")
 
 
 @SETTINGS
@@ -109,6 +113,7 @@ def test_engine_matches_a_no_cache_engine_token_for_token(
         max_num_batched_tokens=case.max_num_batched_tokens,
         max_num_seqs=case.max_num_seqs,
         enable_prefix_caching=case.enable_prefix_caching,
+        attention=case.attention,
     )
     run = drive(engine, case.systems, case.specs)
     assert_matches_reference(run, reference_outputs(reference, run))

@@ -42,6 +42,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="storage of the linear weights: float32 (exact), float16 (half the bytes, float32's "
         "predictions) or int8 (fastest for large batches and prefill, least exact); default %(default)s",
     )
+    parser.add_argument(
+        "--attention",
+        default=EngineConfig.attention,
+        choices=["auto", "native", "torch"],
+        help="decode attention: native (a C kernel built on first use, reads the paged cache in place, "
+        "bitwise batch-invariant), torch (portable) or auto (native where it can run); default %(default)s",
+    )
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -57,6 +64,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
+        attention=args.attention,
         **overrides,
     )
 

@@ -48,13 +48,16 @@ class EngineConfig:
     of requests that bring no seed of their own. `single_token_threads`, when set, is the thread count
     of a step that computes one token (one stream decoding alone): such a step is bound by memory and
     gains little from more threads, while a server needs a core for its event loop; `kvserve serve`
-    sets 1 (see benchmarks/bench_overhead.py).
+    sets 1 (see benchmarks/bench_overhead.py). `attention` is the decode-attention backend: "native"
+    (a C kernel built on first use; bitwise batch-invariant), "torch" (portable) or "auto" (native where
+    it can run: CPU, float32 or float64, a C compiler present).
     """
 
     model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     weight_dtype: str = "float16"
+    attention: str = "auto"
     block_size: int = 16
     kv_cache_memory: int = 2 * 2**30
     max_model_len: int | None = None
@@ -91,6 +94,7 @@ class EngineConfig:
                 self.dtype in ("float32", "float16", "bfloat16", "float64"),
                 "dtype must be float32, float16, bfloat16 or float64",
             ),
+            (self.attention in ("auto", "native", "torch"), "attention must be auto, native or torch"),
             (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype must be float32, float16 or int8"),
             (
                 self.weight_dtype != "int8"

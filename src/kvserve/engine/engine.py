@@ -67,6 +67,8 @@ class Engine:
             config.device,
             config.dtype,
             config.weight_dtype,
+            config.attention,
+            config.cache_dir,
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)

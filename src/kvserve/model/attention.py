@@ -5,14 +5,18 @@ The KV cache is one tensor per layer and per K/V, of shape [num_blocks * block_s
 one small copy per token. A step's tokens are laid out decodes first, then one span per prefill chunk;
 index and mask tensors are built once per step (AttentionMetadata) and shared by every layer.
 
-Grouped-query attention without copying K/V for decodes: the query heads that share a KV head are laid
-along the query-length axis, so one SDPA call serves the whole group.
+Decodes run through the native kernel (kvserve.model.native_attention) when the runner has one: it reads
+each row's blocks in place, unpadded, and is bitwise batch-invariant. The portable path gathers the
+decodes' blocks into one padded batch for SDPA; grouped-query attention there copies no K/V: the query
+heads that share a KV head are laid along the query-length axis, so one SDPA call serves the whole group.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.model.native_attention import NativeDecodeAttention
 
 
 @dataclass
@@ -34,8 +38,9 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    """`decode_tables` [decodes, max_blocks] and `decode_len` (longest context) describe the decodes;
-    `decode_mask` [decodes, 1, 1, decode_len] is None when every decode has the same context length."""
+    """`decode_tables` [decodes, max_blocks], `decode_lens` [decodes] and `decode_len` (the longest)
+    describe the decodes. With `native` set the kernel runs them; otherwise `decode_mask`
+    [decodes, 1, 1, decode_len] masks the padding, None when every decode has the same context length."""
 
     slot_mapping: torch.Tensor
     num_decodes: int
@@ -43,6 +48,8 @@ class AttentionMetadata:
     decode_len: int
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
+    decode_lens: torch.Tensor | None = None
+    native: NativeDecodeAttention | None = None
 
 
 class KVCache:
@@ -96,7 +103,12 @@ def paged_attention(
     group = heads // kv_heads
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.native is not None:
+        assert meta.decode_tables is not None and meta.decode_lens is not None
+        out[:nd] = meta.native(
+            q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_lens, block_size, scale
+        )
+    elif nd:
         assert meta.decode_tables is not None
         length = meta.decode_len
         kd = _gather(k_cache, meta.decode_tables, block_size)[:, :length].transpose(1, 2)

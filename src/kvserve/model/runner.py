@@ -1,11 +1,14 @@
 """ModelRunner: owns the weights and the KV memory, turns one scheduled step into one forward pass."""
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.config import default_cache_dir
 from kvserve.model.attention import AttentionMetadata, KVCache, PrefillSpan
 from kvserve.model.loader import LoadedModel
+from kvserve.model.native_attention import KernelUnavailableError, NativeDecodeAttention
 from kvserve.model.transformer import Transformer
 
 # float64 is for reference runs: rounding differences between batch shapes are then far too small to
@@ -16,6 +19,9 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
+ATTENTION_BACKENDS = ("auto", "native", "torch")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,8 +55,15 @@ class ModelRunner:
         device: str,
         dtype: str,
         weight_dtype: str,
+        attention: str = "auto",
+        cache_dir: str | None = None,
     ):
-        """`dtype` is the compute and KV dtype; `weight_dtype` the storage of the linear weights."""
+        """`dtype` is the compute and KV dtype; `weight_dtype` the storage of the linear weights.
+
+        `attention` picks the decode-attention backend: "native" (the C kernel, built into `cache_dir`,
+        by default kvserve's cache folder; an error if it cannot run here), "torch" (portable), or
+        "auto" (native where it can run).
+        """
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
@@ -60,6 +73,20 @@ class ModelRunner:
         self.kv_cache = KVCache(
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.dtype
         )
+        self.native = self._native_attention(attention, cache_dir)
+
+    def _native_attention(self, attention: str, cache_dir: str | None) -> NativeDecodeAttention | None:
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, not {attention!r}")
+        if attention == "torch":
+            return None
+        try:
+            return NativeDecodeAttention.load(cache_dir or default_cache_dir(), self.device, self.dtype)
+        except KernelUnavailableError as e:
+            if attention == "native":
+                raise
+            log.warning("decode attention falls back to the portable torch path: %s", e)
+            return None
 
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
@@ -73,7 +100,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_lens = None
         decode_len = 0
         if batch.decodes:
             lengths = [c.start + 1 for c in batch.decodes]
@@ -87,7 +114,9 @@ class ModelRunner:
                 # Padding points at block 0: it is read but masked out.
                 rows.append(c.block_table[:width] + [0] * (width - len(c.block_table[:width])))
             decode_tables = torch.tensor(rows, dtype=torch.long, device=dev)
-            if min(lengths) != decode_len:
+            if self.native is not None:
+                decode_lens = torch.tensor(lengths, dtype=torch.long)
+            elif min(lengths) != decode_len:
                 valid = torch.arange(decode_len) < torch.tensor(lengths).unsqueeze(1)
                 decode_mask = valid.view(len(lengths), 1, 1, decode_len).to(dev)
             sample_rows += [i for i, c in enumerate(batch.decodes) if c.sample]
@@ -118,6 +147,8 @@ class ModelRunner:
             decode_len=decode_len,
             decode_mask=decode_mask,
             prefills=spans,
+            decode_lens=decode_lens,
+            native=self.native,
         )
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, sample_rows
 

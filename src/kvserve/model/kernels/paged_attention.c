@@ -1,0 +1,100 @@
+/* Paged decode attention for the CPU, loaded through ctypes by kvserve/model/native_attention.py.
+ *
+ * Each query row attends to the first `lens[r]` positions of its own sequence, read in place from the
+ * paged cache (slot = block * block_size + offset, layout [slots, kv_heads, head_dim]): no context is
+ * gathered into a copy and no row is padded to the longest one. A row is one task, computed by one
+ * thread from start to end with reductions in position order, so its result depends only on its query,
+ * its context and its length: never on the other rows of the step or on the thread count. That is what
+ * makes decodes bitwise batch-invariant.
+ *
+ * The same code is built for float and double (double serves the float64 reference runs of the tests).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define DEFINE_PAGED_ATTENTION(T, EXP, NAME)                                                          \
+    static void NAME##_row(const T *restrict q, T *restrict out, const T *restrict kc,               \
+                           const T *restrict vc, const int64_t *restrict table, int64_t n,          \
+                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,       \
+                           T scale, T *restrict scores, T *restrict acc)                             \
+    {                                                                                                 \
+        const int64_t group = heads / kv_heads, stride = kv_heads * dim;                              \
+        for (int64_t start = 0; start < n; start += block_size) {                                     \
+            const int64_t len = n - start < block_size ? n - start : block_size;                      \
+            const T *k = kc + table[start / block_size] * block_size * stride;                        \
+            for (int64_t i = 0; i < len; i++, k += stride) {                                          \
+                for (int64_t h = 0; h < heads; h++) {                                                 \
+                    const T *qh = q + h * dim, *kh = k + (h / group) * dim;                           \
+                    T s = 0;                                                                          \
+                    for (int64_t d = 0; d < dim; d++)                                                 \
+                        s += qh[d] * kh[d];                                                           \
+                    scores[h * n + start + i] = s * scale;                                            \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+        for (int64_t h = 0; h < heads; h++) {                                                         \
+            T *sh = scores + h * n;                                                                   \
+            T m = sh[0];                                                                              \
+            for (int64_t p = 1; p < n; p++)                                                           \
+                m = sh[p] > m ? sh[p] : m;                                                            \
+            T sum = 0;                                                                                \
+            for (int64_t p = 0; p < n; p++) {                                                         \
+                sh[p] = EXP(sh[p] - m);                                                               \
+                sum += sh[p];                                                                         \
+            }                                                                                         \
+            const T inv = 1 / sum;                                                                    \
+            for (int64_t p = 0; p < n; p++)                                                           \
+                sh[p] *= inv;                                                                         \
+        }                                                                                             \
+        for (int64_t j = 0; j < heads * dim; j++)                                                     \
+            acc[j] = 0;                                                                               \
+        for (int64_t start = 0; start < n; start += block_size) {                                     \
+            const int64_t len = n - start < block_size ? n - start : block_size;                      \
+            const T *v = vc + table[start / block_size] * block_size * stride;                        \
+            for (int64_t i = 0; i < len; i++, v += stride) {                                          \
+                for (int64_t h = 0; h < heads; h++) {                                                 \
+                    const T w = scores[h * n + start + i], *vh = v + (h / group) * dim;               \
+                    T *ah = acc + h * dim;                                                            \
+                    for (int64_t d = 0; d < dim; d++)                                                 \
+                        ah[d] += w * vh[d];                                                           \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+        for (int64_t j = 0; j < heads * dim; j++)                                                     \
+            out[j] = acc[j];                                                                          \
+    }                                                                                                 \
+                                                                                                      \
+    /* q: rows of [heads, dim], `q_stride` elements apart; out: [rows, heads, dim] contiguous;        \
+     * tables: [rows, table_width] block ids; lens: [rows] context lengths, each >= 1.                \
+     * Returns 0, or -1 when scratch memory could not be allocated. */                                \
+    int NAME(const T *q, int64_t q_stride, T *out, const T *k_cache, const T *v_cache,                \
+             const int64_t *tables, int64_t table_width, const int64_t *lens, int64_t rows,           \
+             int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, double scale,          \
+             int threads)                                                                             \
+    {                                                                                                 \
+        int64_t longest = 0;                                                                          \
+        for (int64_t r = 0; r < rows; r++)                                                            \
+            longest = lens[r] > longest ? lens[r] : longest;                                          \
+        int failed = 0;                                                                               \
+        _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                            \
+        {                                                                                             \
+            T *scores = malloc(sizeof(T) * (size_t)(heads * (longest + dim)));                        \
+            /* Every thread must reach the worksharing loop: a failed allocation only skips work. */  \
+            _Pragma("omp for schedule(dynamic, 1)")                                                   \
+            for (int64_t r = 0; r < rows; r++) {                                                      \
+                if (!scores) {                                                                        \
+                    failed = 1;                                                                       \
+                    continue;                                                                         \
+                }                                                                                     \
+                NAME##_row(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,                 \
+                           tables + r * table_width, lens[r], heads, kv_heads, dim, block_size,       \
+                           (T)scale, scores, scores + heads * longest);                               \
+            }                                                                                         \
+            free(scores);                                                                             \
+        }                                                                                             \
+        return failed ? -1 : 0;                                                                       \
+    }
+
+DEFINE_PAGED_ATTENTION(float, expf, paged_decode_attention_f32)
+DEFINE_PAGED_ATTENTION(double, exp, paged_decode_attention_f64)

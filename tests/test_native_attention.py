@@ -1,0 +1,175 @@
+"""The native decode-attention kernel: equal to SDPA over each row's gathered context, bitwise
+batch-invariant, and optional (the engine falls back to the portable path where it cannot be built)."""
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import default_cache_dir
+from kvserve.model.loader import LoadedModel
+from kvserve.model.native_attention import KernelUnavailableError, NativeDecodeAttention
+from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def kernel(dtype: torch.dtype) -> NativeDecodeAttention:
+    return NativeDecodeAttention.load(default_cache_dir(), torch.device("cpu"), dtype)
+
+
+@dataclass
+class Case:
+    heads: int
+    kv_heads: int
+    dim: int
+    block_size: int
+    lens: list[int]
+    seed: int
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    heads, kv_heads = draw(st.sampled_from([(1, 1), (4, 2), (6, 3), (9, 3), (4, 4)]))
+    return Case(
+        heads=heads,
+        kv_heads=kv_heads,
+        dim=draw(st.sampled_from([4, 8, 64])),
+        block_size=draw(st.sampled_from([1, 2, 4, 16])),
+        lens=draw(st.lists(st.integers(1, 70), min_size=1, max_size=6)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _inputs(case: Case, dtype: torch.dtype) -> dict[str, Any]:
+    """Random caches, each row's blocks scattered over the pool in random order, and queries that are a
+    strided view (as the model's q is, beside k in one tensor)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    bs = case.block_size
+    widths = [-(-n // bs) for n in case.lens]
+    num_blocks = sum(widths) + 3
+    slots = num_blocks * bs
+    k_cache = torch.randn(slots, case.kv_heads, case.dim, generator=gen, dtype=dtype)
+    v_cache = torch.randn(slots, case.kv_heads, case.dim, generator=gen, dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(case.lens), max(widths), dtype=torch.long)
+    for r, width in enumerate(widths):
+        tables[r, :width] = torch.tensor([order.pop() for _ in range(width)])
+    qk = torch.randn(len(case.lens), case.heads + case.kv_heads, case.dim, generator=gen, dtype=dtype)
+    return {
+        "q": qk[:, : case.heads],
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "tables": tables,
+        "lens": torch.tensor(case.lens, dtype=torch.long),
+        "block_size": bs,
+        "scale": case.dim**-0.5,
+    }
+
+
+def _reference(args: dict[str, Any], case: Case) -> torch.Tensor:
+    bs, group = case.block_size, case.heads // case.kv_heads
+    rows = []
+    for r, n in enumerate(case.lens):
+        slots = torch.tensor([int(args["tables"][r, p // bs]) * bs + p % bs for p in range(n)])
+        k = args["k_cache"][slots].double().transpose(0, 1).repeat_interleave(group, dim=0)
+        v = args["v_cache"][slots].double().transpose(0, 1).repeat_interleave(group, dim=0)
+        q = args["q"][r].double().unsqueeze(1)
+        rows.append(F.scaled_dot_product_attention(q, k, v, scale=args["scale"]).squeeze(1))
+    return torch.stack(rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cases(), double=st.booleans())
+def test_kernel_equals_attention_over_each_rows_gathered_context(case: Case, double: bool) -> None:
+    dtype = torch.float64 if double else torch.float32
+    args = _inputs(case, dtype)
+    got = kernel(dtype)(**args)
+    tolerance = 1e-12 if double else 2e-5
+    torch.testing.assert_close(got.double(), _reference(args, case), atol=tolerance, rtol=tolerance)
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=cases())
+def test_a_row_is_bitwise_the_same_alone_in_any_batch_and_at_any_thread_count(case: Case) -> None:
+    args = _inputs(case, torch.float32)
+    batch = kernel(torch.float32)(**args)
+    for r in range(len(case.lens)):
+        alone = dict(
+            args, q=args["q"][r : r + 1], tables=args["tables"][r : r + 1], lens=args["lens"][r : r + 1]
+        )
+        assert torch.equal(kernel(torch.float32)(**alone)[0], batch[r])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(kernel(torch.float32)(**args), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _decode_logits(runner: ModelRunner, others: list[list[int]]) -> torch.Tensor:
+    """Logits of one fixed decode (sequence 0 at position 40), run together with prefill chunks and
+    decodes of other lengths whose prompts are `others`."""
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 4096, (41,), generator=gen).tolist()
+    table = list(range(0, 16))
+    runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt[:40], 0, table, False)]))
+    decodes = [SequenceChunk(prompt[40:], 40, table, True)]
+    prefills = []
+    for i, ids in enumerate(others):
+        other = list(range(16 * (i + 1), 16 * (i + 2)))
+        if i % 2:
+            prefills.append(SequenceChunk(ids, 0, other, True))
+        else:
+            runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[:-1], 0, other, False)]))
+            decodes.append(SequenceChunk(ids[-1:], len(ids) - 1, other, True))
+    return runner.execute(ForwardBatch(decodes=decodes, prefills=prefills))[0]
+
+
+@pytest.mark.parametrize("weight_dtype", ["float16", "int8"])
+def test_a_decodes_logits_are_bitwise_the_same_whatever_else_is_in_the_step(
+    tiny_model: LoadedModel, weight_dtype: str
+) -> None:
+    """The default path (row-invariant linears, the native kernel) makes a decode's logits independent
+    of the batch: here other decodes of 5..60 tokens of context and prefill chunks in the same step."""
+    runner = ModelRunner(tiny_model, 200, 4, 256, "cpu", "float32", weight_dtype, "native")
+    gen = torch.Generator().manual_seed(4)
+    alone = _decode_logits(runner, [])
+    for count in (1, 2, 5):
+        lengths = torch.randint(5, 60, (count,), generator=gen).tolist()
+        others = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]
+        assert torch.equal(_decode_logits(runner, others), alone)
+
+
+def test_the_portable_path_is_not_batch_invariant(tiny_model: LoadedModel) -> None:
+    """Why the kernel exists: the portable path pads decodes to the longest one, which changes the
+    reduction and so the last bits of the logits. (If this starts to hold, the README's note on what
+    varies can go.)"""
+    runner = ModelRunner(tiny_model, 200, 4, 256, "cpu", "float32", "float16", "torch")
+    gen = torch.Generator().manual_seed(4)
+    alone = _decode_logits(runner, [])
+    others = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (57, 9, 33)]
+    assert not torch.equal(_decode_logits(runner, others), alone)
+
+
+def test_without_a_compiler_auto_falls_back_and_native_refuses(
+    tiny_model: LoadedModel, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING):
+        runner = ModelRunner(tiny_model, 8, 4, 32, "cpu", "float32", "float32", "auto", str(tmp_path))
+    assert runner.native is None
+    assert "falls back to the portable torch path" in caplog.text
+    with pytest.raises(KernelUnavailableError):
+        ModelRunner(tiny_model, 8, 4, 32, "cpu", "float32", "float32", "native", str(tmp_path))
+
+
+def test_unsupported_dtypes_use_the_portable_path(tiny_model: LoadedModel) -> None:
+    assert ModelRunner(tiny_model, 8, 4, 32, "cpu", "bfloat16", "float32", "auto").native is None
+    with pytest.raises(KernelUnavailableError, match="float32 and float64"):
+        ModelRunner(tiny_model, 8, 4, 32, "cpu", "bfloat16", "float32", "native")
