@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve chat test lint bench bench-engine bench-cache bench-overhead bench-peer clean
+.PHONY: install serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-peer clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ test: lint
 
 bench-engine: install
 	$(BIN)/python -m benchmarks.bench_engine
+
+bench-attention: install
+	$(BIN)/python -m benchmarks.bench_attention
 
 bench-cache: install
 	$(BIN)/python -m benchmarks.bench_prefix_cache

@@ -173,3 +173,23 @@ def test_unsupported_dtypes_use_the_portable_path(tiny_model: LoadedModel) -> No
     assert ModelRunner(tiny_model, 8, 4, 32, "cpu", "bfloat16", "float32", "auto").native is None
     with pytest.raises(KernelUnavailableError, match="float32 and float64"):
         ModelRunner(tiny_model, 8, 4, 32, "cpu", "bfloat16", "float32", "native")
+
+
+def test_a_prefill_chunks_logits_are_bitwise_the_same_beside_any_decodes(tiny_model: LoadedModel) -> None:
+    """Each prefill chunk attends on its own and the linears are row-invariant, so a chunk's logits do
+    not depend on the decodes beside it (prefill and decode still reduce in different orders: a token's
+    logits from a prefill and from a decode may differ in the last bits; see the README)."""
+    runner = ModelRunner(tiny_model, 200, 4, 256, "cpu", "float32", "float16", "native")
+    gen = torch.Generator().manual_seed(6)
+    chunk = torch.randint(0, 4096, (23,), generator=gen).tolist()
+    alone = runner.execute(ForwardBatch(prefills=[SequenceChunk(chunk, 0, list(range(8)), True)]))
+    decodes = []
+    for i, n in enumerate((7, 40, 19)):
+        ids = torch.randint(0, 4096, (n,), generator=gen).tolist()
+        table = list(range(16 * (i + 1), 16 * (i + 2)))
+        runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[:-1], 0, table, False)]))
+        decodes.append(SequenceChunk(ids[-1:], n - 1, table, True))
+        chunked = ForwardBatch(
+            decodes=list(decodes), prefills=[SequenceChunk(chunk, 0, list(range(8)), True)]
+        )
+        assert torch.equal(runner.execute(chunked)[-1], alone[0])
