@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-peer clean
+.PHONY: install serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-peer test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,15 @@ lint: install
 
 test: lint
 	$(BIN)/pytest -q
+
+# The dashboard in a real headless Chromium; installs Debian's chromium and chromium-driver when missing.
+test-browser: install
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		echo "test-browser: installing chromium and chromium-driver with apt-get"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends chromium chromium-driver; \
+	fi
+	$(BIN)/pip install --quiet -e '.[browser]'
+	$(BIN)/pytest -q -m browser tests/browser
 
 bench-engine: install
 	$(BIN)/python -m benchmarks.bench_engine

@@ -11,6 +11,7 @@ from kvserve.config import WEIGHT_DTYPES, EngineConfig, parse_bytes
 from kvserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvserve.engine.engine import Engine
     from kvserve.llm import LLM
 
 
@@ -97,6 +98,27 @@ def _llm(args: argparse.Namespace) -> "LLM":
     return LLM(**asdict(engine_config(args)))
 
 
+def cache_stats_text(engine: "Engine") -> str:
+    """The numbers of the dashboard's JSON (GET /v1/cache/stats), for the terminal: pool, hit rate,
+    the heaviest prefixes (as text: it is the user's own chat) and requests."""
+    from kvserve.engine.snapshot import take_snapshot
+    from kvserve.server.dashboard import StatsHistory, render
+
+    stats = render(
+        take_snapshot(engine, max_branches=5), engine.model.name, StatsHistory.empty(), engine.tokenizer
+    )
+    p, c = stats.pool, stats.counters
+    lines = [
+        f"pool: {p.blocks} blocks of {p.block_size} tokens: {p.in_use} in use, {p.cached} cached, "
+        f"{p.free} free, {p.evicted} evicted",
+        f"prefix cache: {100 * c.hit_rate:.1f}% of {c.cache_queries} prompt tokens hit, "
+        f"{c.saved_prefill_tokens} prefill tokens saved, {c.prefill_tokens_computed} computed",
+    ]
+    for b in stats.branches:
+        lines.append(f"  {b.tokens:6d} tokens x {b.hits:4d} hits  {b.text!r}")
+    return "\n".join(lines)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """A terminal chat; after each reply: time to first token, decode speed, prompt and cached tokens."""
     from kvserve.model.tokenizer import ChatMessage
@@ -105,7 +127,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[ChatMessage] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("kvserve chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
+    print(
+        "kvserve chat: type a message, /reset to start over, /stats for the cache, Ctrl-D to quit.",
+        file=sys.stderr,
+    )
     while True:
         try:
             line = input("> ").strip()
@@ -116,6 +141,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if line == "/reset":
             messages = messages[:1] if args.system else []
+            continue
+        if line == "/stats":
+            print(cache_stats_text(llm.engine), file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         ids = llm.chat_token_ids(messages)
@@ -150,6 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         max_waiting=args.max_waiting,
+        dashboard_show_text=args.dashboard_show_text,
     )
 
 
@@ -173,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require this bearer token on every route but /health")
     serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
+    serve.add_argument(
+        "--dashboard-show-text",
+        action="store_true",
+        help="show the first tokens of cached prefixes as text on /dashboard (off: prompts are private)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="chat with the model in the terminal")

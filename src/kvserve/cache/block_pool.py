@@ -15,6 +15,8 @@ class BlockPool:
         self._refs = [0] * num_blocks
         # Popped from the end: the most recently freed block is reused first.
         self._free = list(range(num_blocks - 1, -1, -1))
+        # Blocks with two or more references, kept up to date so that usage needs no scan.
+        self.num_shared = 0
 
     @property
     def num_free(self) -> int:
@@ -37,12 +39,16 @@ class BlockPool:
         if self._refs[block] == 0:
             raise ValueError(f"block {block} is free and cannot gain a reference")
         self._refs[block] += 1
+        if self._refs[block] == 2:
+            self.num_shared += 1
 
     def release(self, block: int) -> None:
         if self._refs[block] == 0:
             raise ValueError(f"block {block} is already free")
         self._refs[block] -= 1
-        if self._refs[block] == 0:
+        if self._refs[block] == 1:
+            self.num_shared -= 1
+        elif self._refs[block] == 0:
             self._free.append(block)
 
     def ref_count(self, block: int) -> int:

@@ -70,6 +70,8 @@ class KVCacheManager:
     - A sequence's matched prefix is locked in the same call that finds it, before any allocation can
       evict: a match is never used stale.
     - Only computed KV is published, and a published block is never written again (copy on write).
+    - A block with several holders is a tree block (sequences share blocks only through the tree), which
+      is what lets `usage` count locked blocks without walking the tree.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -82,7 +84,7 @@ class KVCacheManager:
         """How many leading tokens the cache holds now (a hint for ordering; nothing is locked)."""
         if self.prefix_cache is None:
             return 0
-        return self.prefix_cache.match(namespace, tokens).num_tokens
+        return self.prefix_cache.match(namespace, tokens, record_hit=False).num_tokens
 
     def admit(self, namespace: str, tokens: Sequence[int], budget: int) -> Admission | None:
         """Lock the longest cached prefix of `tokens[:-1]` and allocate blocks for the first chunk, up to
@@ -181,12 +183,14 @@ class KVCacheManager:
         return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
     def usage(self) -> CacheUsage:
-        cached = [b for _, _, b in self.prefix_cache.entries()] if self.prefix_cache is not None else []
-        unlocked_cached = sum(1 for b in cached if self.pool.ref_count(b) == 1)
+        """The pool by state, in O(1): a block with two or more references is always a tree block
+        locked by a request (`check` asserts it), so the tree's unlocked blocks need no walk."""
+        cached = self.prefix_cache.num_nodes if self.prefix_cache is not None else 0
+        unlocked_cached = cached - self.pool.num_shared
         return CacheUsage(
             num_blocks=self.pool.num_blocks,
             num_free=self.pool.num_free,
-            num_cached=len(cached),
+            num_cached=cached,
             num_locked=self.pool.num_used - unlocked_cached,
             num_evicted=self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
         )
@@ -211,3 +215,6 @@ class KVCacheManager:
                 )
         if self.pool.num_free + len(holders) != self.pool.num_blocks:
             raise AssertionError("free and held blocks do not add up to the pool")
+        shared = {b for b in holders if holders[b] >= 2}
+        if self.pool.num_shared != len(shared) or not shared <= set(tree_blocks):
+            raise AssertionError("a block with several references is not a tree block, or the count drifted")

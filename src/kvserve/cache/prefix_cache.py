@@ -9,6 +9,7 @@ Hits are therefore exact to the token, not rounded down to a block boundary.
 
 import heapq
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,23 @@ class _Node:
     parent: "_Node | None"
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     last_access: int = 0
+    # Length of the prefix that ends at this node, and how often a match ended here (for `hot_branches`).
+    depth: int = 0
+    namespace: str = ""
+    hits: int = 0
+    last_hit: float = 0.0
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A cached prefix that requests hit: `num_tokens` long, hit `hits` times, last at `last_hit` (Unix
+    time); `head` is its first tokens."""
+
+    namespace: str
+    num_tokens: int
+    hits: int
+    last_hit: float
+    head: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -66,15 +84,19 @@ class PrefixCache:
         self._leaves: set[_Node] = set()
         self.num_nodes = 0
         self.num_evicted = 0
+        # Nodes where a match ended, kept so that the heaviest branches are found without a tree walk;
+        # pruned to HOT_LIMIT by score (tokens x hits) whenever it doubles.
+        self._hot: dict[_Node, None] = {}
 
     def _root(self, namespace: str) -> _Node:
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = _Node((), -1, None)
+            root = self._roots[namespace] = _Node((), -1, None, namespace=namespace)
         return root
 
-    def match(self, namespace: str, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of `tokens`; marks the matched nodes as recently used.
+    def match(self, namespace: str, tokens: Sequence[int], record_hit: bool = True) -> MatchResult:
+        """Longest cached prefix of `tokens`; marks the matched nodes as recently used and, with
+        `record_hit`, counts a hit where the match ended.
 
         Full blocks are followed by exact token tuple; the rest is matched against the last full node's
         children by longest common prefix, ties to the most recently used child.
@@ -105,9 +127,38 @@ class PrefixCache:
             ):
                 best, best_node = n, child
         if best_node is None:
+            if i and record_hit:
+                self._record_hit(node)
             return MatchResult(tuple(blocks), i)
         best_node.last_access = now
+        if record_hit:
+            self._record_hit(best_node)
         return MatchResult(tuple(blocks), i + best, best_node.block)
+
+    HOT_LIMIT = 1024
+
+    def _record_hit(self, node: _Node) -> None:
+        node.hits += 1
+        node.last_hit = time.time()
+        self._hot[node] = None
+        if len(self._hot) > 2 * self.HOT_LIMIT:
+            keep = heapq.nlargest(self.HOT_LIMIT, self._hot, key=lambda n: n.depth * n.hits)
+            self._hot = dict.fromkeys(keep)
+
+    def hot_branches(self, limit: int, namespace: str | None = None) -> list[Branch]:
+        """The `limit` heaviest hit prefixes by tokens x hits (of one namespace, or all), heaviest first.
+
+        Costs the number of distinct prefixes hit lately (at most 2 x HOT_LIMIT), not the tree's size.
+        A partial hit counts for the whole node it matched into.
+        """
+        nodes = (n for n in self._hot if namespace is None or n.namespace == namespace)
+        out = []
+        for node in heapq.nlargest(limit, nodes, key=lambda n: n.depth * n.hits):
+            first = node
+            while first.parent is not None and first.parent.parent is not None:
+                first = first.parent
+            out.append(Branch(node.namespace, node.depth, node.hits, node.last_hit, first.tokens))
+        return out
 
     def insert(self, namespace: str, tokens: Sequence[int], blocks: Sequence[int]) -> int:
         """Record that blocks[j] holds tokens[j*bs : (j+1)*bs] (the last block may be partial).
@@ -127,8 +178,8 @@ class PrefixCache:
             if child is None and len(key) < bs and self._covered(node, key):
                 return added
             if child is None:
-                self._drop_covered_partials(node, key)
-                child = _Node(key, block, node)
+                child = _Node(key, block, node, depth=node.depth + len(key), namespace=namespace)
+                self._drop_covered_partials(node, child)
                 node.children[key] = child
                 self._leaves.discard(node)
                 self._leaves.add(child)
@@ -142,11 +193,16 @@ class PrefixCache:
     def _covered(self, node: _Node, key: tuple[int, ...]) -> bool:
         return any(len(c.tokens) >= len(key) and c.tokens[: len(key)] == key for c in node.children.values())
 
-    def _drop_covered_partials(self, node: _Node, key: tuple[int, ...]) -> None:
-        """A partial leaf whose tokens begin the new key holds nothing the new node lacks: free it
-        if unused."""
+    def _drop_covered_partials(self, node: _Node, new: _Node) -> None:
+        """A partial leaf whose tokens begin the new node's holds nothing the new node lacks: free it
+        if unused. Its hits carry over to the new node (it is the same prefix, grown)."""
+        key = new.tokens
         for k, child in list(node.children.items()):
             if len(k) < len(key) and key[: len(k)] == k and self.pool.ref_count(child.block) == 1:
+                if child.hits:
+                    new.hits += child.hits
+                    new.last_hit = max(new.last_hit, child.last_hit)
+                    self._hot[new] = None
                 self._remove(child)
 
     def _remove(self, node: _Node) -> None:
@@ -154,6 +210,7 @@ class PrefixCache:
         assert parent is not None and not node.children
         del parent.children[node.tokens]
         self._leaves.discard(node)
+        self._hot.pop(node, None)
         if not parent.children and parent.parent is not None:
             self._leaves.add(parent)
         self.pool.release(node.block)

@@ -206,6 +206,8 @@ class Engine:
 
     def _append(self, request: Request, token: int) -> RequestDelta:
         request.token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.time()
         self.generation_tokens += 1
         params = request.params
         stop_token = token in params.stop_token_ids or (

@@ -1,6 +1,7 @@
 """Request: one generation's tokens, KV blocks and progress, as the scheduler and engine see it."""
 
 import enum
+import time
 
 import torch
 
@@ -44,6 +45,9 @@ class Request:
         self.num_computed = 0
         self.num_cached_tokens: int | None = None
         self.num_skips = 0
+        # Wall-clock times for introspection (the dashboard's TTFT column).
+        self.arrival_time = time.time()
+        self.first_token_time: float | None = None
         self.text_stream = text_stream
         self.generator: torch.Generator | None = None
         if not params.greedy:

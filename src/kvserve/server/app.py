@@ -17,6 +17,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.server.auth import cache_namespace, check_api_key
+from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
@@ -110,6 +111,27 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
     return await respond(ctx, request, CompletionFormat(), prompt, params, cache_namespace(request), body)
 
 
+@api.get("/v1/cache/stats")
+async def cache_stats(request: Request, ctx: Context) -> CacheStatsResponse:
+    """The prefix cache and the requests now, and the counters' history (the dashboard's data)."""
+    dashboard: Dashboard = request.app.state.dashboard
+    return await dashboard.stats(ctx.async_engine, ctx.model_name, None)
+
+
+# The page and its scripts are a static shell with no data in them: everything shown comes from
+# /v1/cache/stats, which needs the key when keys are set (the page asks for one on a 401).
+@public.get("/dashboard")
+async def dashboard_page() -> Response:
+    return Response(asset("dashboard.html"), media_type="text/html")
+
+
+@public.get("/dashboard/{name}")
+async def dashboard_asset(name: str) -> Response:
+    if name not in ASSETS:
+        raise APIError(404, f"No dashboard file {name!r}.", code="not_found")
+    return Response(asset(name), media_type=ASSETS[name])
+
+
 @api.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> TokenizeResponse:
     check_model(ctx, body.model)
@@ -135,14 +157,19 @@ async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeRespons
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
-def create_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
+def create_app(
+    async_engine: AsyncEngine, api_key: str | None = None, dashboard_show_text: bool = False
+) -> FastAPI:
     """The HTTP app around a running AsyncEngine; the app owns it and shuts it down when it stops."""
     engine = async_engine.engine
     name = engine.model.name
+    dashboard = Dashboard(StatsHistory.empty(), dashboard_show_text)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sampler = asyncio.create_task(dashboard.history.run(async_engine))
         yield
+        sampler.cancel()
         # Runs after the server stopped accepting and in-flight requests ended (or were cut off).
         async_engine.shutdown()
 
@@ -161,18 +188,26 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI
         api_key=api_key,
         created=int(time.time()),
     )
+    app.state.dashboard = dashboard
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)
     return app
 
 
-def serve(config: EngineConfig, host: str, port: int, api_key: str | None, max_waiting: int) -> int:
+def serve(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_waiting: int,
+    dashboard_show_text: bool = False,
+) -> int:
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
     (for up to GRACEFUL_SHUTDOWN_S), stop the engine."""
     engine = Engine(dataclasses.replace(config, max_waiting=max_waiting))
     async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, api_key)
+    app = create_app(async_engine, api_key, dashboard_show_text)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -1,0 +1,215 @@
+"""The cache dashboard: `GET /dashboard` (one static page, no build step, no CDN) and the JSON behind it,
+`GET /v1/cache/stats`.
+
+The page polls the JSON once a second. The JSON is an engine snapshot (`engine/snapshot.py`: pool by
+state, counters, the heaviest hit prefixes from the prefix cache's bounded hit set, requests) plus a
+history of the counters, sampled once a second by `StatsHistory` for as long as the server runs, so a page
+opened after a benchmark still shows the hit rate over it. Nothing here walks the radix tree.
+
+Prompts are private: a branch's first tokens are shown as text only when the server runs with
+`--dashboard-show-text`.
+"""
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass
+from importlib import resources
+
+from pydantic import BaseModel
+
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kvserve.engine.engine import EngineStats
+from kvserve.engine.snapshot import Snapshot, take_snapshot
+from kvserve.model.tokenizer import Tokenizer
+
+HISTORY_SECONDS = 600
+HEAD_TOKENS = 12
+
+
+class PoolStats(BaseModel):
+    """The KV pool by state, in blocks: free + cached + in_use = blocks. `cached` blocks hold a prefix
+    and no running request uses them (evictable); `in_use` blocks are held by running requests."""
+
+    blocks: int
+    block_size: int
+    free: int
+    cached: int
+    in_use: int
+    evicted: int
+    usage: float
+
+
+class Counters(BaseModel):
+    """Since start, in tokens. `saved_prefill_tokens` are prompt tokens served from the cache."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    cache_queries: int
+    cache_hits: int
+    prefill_tokens_computed: int
+    saved_prefill_tokens: int
+    hit_rate: float
+    preemptions: int
+
+
+class HistoryPoint(BaseModel):
+    time: float
+    cache_queries: int
+    cache_hits: int
+    prefill_tokens_computed: int
+    usage: float
+
+
+class BranchStats(BaseModel):
+    """A cached prefix that requests hit: `tokens` long, `hits` times, last at `last_hit` (Unix time);
+    `text` is its beginning, only with --dashboard-show-text."""
+
+    namespace: str
+    tokens: int
+    hits: int
+    last_hit: float
+    text: str | None
+
+
+class RequestStats(BaseModel):
+    id: str
+    status: str
+    namespace: str
+    prompt_tokens: int
+    cached_tokens: int | None
+    generated_tokens: int
+    ttft_s: float | None
+    age_s: float
+
+
+class CacheStatsResponse(BaseModel):
+    time: float
+    model: str
+    pool: PoolStats
+    counters: Counters
+    history: list[HistoryPoint]
+    branches: list[BranchStats]
+    requests: list[RequestStats]
+    num_requests: int
+
+
+def namespace_label(namespace: str) -> str:
+    """A short, stable name for a namespace (namespaces may be long derived hashes)."""
+    return namespace[:12] if namespace else "default"
+
+
+def pool_stats(stats: EngineStats, block_size: int) -> PoolStats:
+    c = stats.cache
+    evictable = c.num_blocks - c.num_free - c.num_locked
+    return PoolStats(
+        blocks=c.num_blocks,
+        block_size=block_size,
+        free=c.num_free,
+        cached=evictable,
+        in_use=c.num_locked,
+        evicted=c.num_evicted,
+        usage=c.usage,
+    )
+
+
+def counters(stats: EngineStats) -> Counters:
+    return Counters(
+        prompt_tokens=stats.prompt_tokens,
+        generation_tokens=stats.generation_tokens,
+        cache_queries=stats.cache_queries,
+        cache_hits=stats.cache_hits,
+        prefill_tokens_computed=stats.prefill_tokens_computed,
+        saved_prefill_tokens=stats.cache_hits,
+        hit_rate=stats.hit_rate,
+        preemptions=stats.preemptions,
+    )
+
+
+@dataclass
+class StatsHistory:
+    """The engine's counters once a second for the last HISTORY_SECONDS, sampled by `run`."""
+
+    points: "deque[HistoryPoint]"
+
+    @classmethod
+    def empty(cls) -> "StatsHistory":
+        return cls(deque(maxlen=HISTORY_SECONDS))
+
+    def add(self, time: float, stats: EngineStats) -> None:
+        self.points.append(
+            HistoryPoint(
+                time=time,
+                cache_queries=stats.cache_queries,
+                cache_hits=stats.cache_hits,
+                prefill_tokens_computed=stats.prefill_tokens_computed,
+                usage=stats.cache.usage,
+            )
+        )
+
+    async def run(self, async_engine: AsyncEngine, interval_s: float = 1.0) -> None:
+        """Sample until cancelled or the engine stops."""
+        with contextlib.suppress(EngineDeadError):
+            while True:
+                self.add(time.time(), await async_engine.stats())
+                await asyncio.sleep(interval_s)
+
+
+@dataclass
+class Dashboard:
+    """The dashboard's server-side state: the history and whether prompts may be shown as text."""
+
+    history: StatsHistory
+    show_text: bool
+
+    async def stats(self, async_engine: AsyncEngine, model: str, namespace: str | None) -> CacheStatsResponse:
+        """The JSON of `GET /v1/cache/stats`, for one namespace or (None) all."""
+        snapshot: Snapshot = await async_engine.call(lambda engine: take_snapshot(engine, namespace))
+        tokenizer = async_engine.tokenizer if self.show_text else None
+        return render(snapshot, model, self.history, tokenizer)
+
+
+def render(
+    snapshot: Snapshot, model: str, history: StatsHistory, tokenizer: Tokenizer | None
+) -> CacheStatsResponse:
+    """The JSON for one snapshot; `tokenizer` set means branch heads are shown as text."""
+    return CacheStatsResponse(
+        time=snapshot.time,
+        model=model,
+        pool=pool_stats(snapshot.stats, snapshot.block_size),
+        counters=counters(snapshot.stats),
+        history=list(history.points),
+        branches=[
+            BranchStats(
+                namespace=namespace_label(b.namespace),
+                tokens=b.num_tokens,
+                hits=b.hits,
+                last_hit=b.last_hit,
+                text=None if tokenizer is None else tokenizer.decode(list(b.head[:HEAD_TOKENS])),
+            )
+            for b in snapshot.branches
+        ],
+        requests=[
+            RequestStats(
+                id=r.request_id,
+                status=r.status,
+                namespace=namespace_label(r.namespace),
+                prompt_tokens=r.prompt_tokens,
+                cached_tokens=r.cached_tokens,
+                generated_tokens=r.generated_tokens,
+                ttft_s=r.ttft_s,
+                age_s=r.age_s,
+            )
+            for r in snapshot.requests
+        ],
+        num_requests=snapshot.num_requests,
+    )
+
+
+ASSETS = {"dashboard.html": "text/html", "dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+
+
+def asset(name: str) -> str:
+    """One of the page's files, shipped in the package (kvserve/server/static)."""
+    return resources.files("kvserve.server.static").joinpath(name).read_text()
