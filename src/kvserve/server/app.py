@@ -117,6 +117,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     namespace = cache_namespace(request)
     token_ids = chat_prompt(ctx, body.messages, namespace)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    if max_tokens is not None and max_tokens < 1:
+        # Only completions' echo has a use for a reply of no tokens.
+        raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
     fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs)
