@@ -213,7 +213,7 @@ def test_penalties_change_a_repetitive_reply(client: openai.OpenAI) -> None:
             "messages[0].content[0]",
         ),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_unsupported_chat_fields_are_refused_by_name(
