@@ -40,8 +40,10 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
     return engine
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def greedy(max_tokens: int, prompt_logprobs: int | None = None, n: int = 1) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=prompt_logprobs, n=n
+    )
 
 
 @dataclass
@@ -49,7 +51,9 @@ class Spec:
     """One request of a workload. Its prompt is `base` (see `prompt_of`) followed by `suffix`.
 
     base: ("system", k) a system prompt; ("repeat", j) request j's prompt; ("follow", j) request j's
-    prompt and output, as the next turn of a chat (submitted once j has ended).
+    prompt and output, as the next turn of a chat (submitted once j has ended). `n` samples run as n
+    requests submitted together; `prompt_logprobs` asks for the prompt's logprobs (computed at every
+    position, cached or not).
     """
 
     base: tuple[str, int]
@@ -58,14 +62,29 @@ class Spec:
     arrival: int = 0
     abort_after: int | None = None
     namespace: str = ""
+    n: int = 1
+    prompt_logprobs: bool = False
 
 
 @dataclass
 class Run:
+    """Outputs of sample 0 by spec index; the other samples' in `samples`, by (spec, sample)."""
+
     prompts: dict[int, list[int]] = field(default_factory=dict)
     outputs: dict[int, list[int]] = field(default_factory=dict)
+    samples: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)
     aborted: set[int] = field(default_factory=set)
     max_tokens: dict[int, int] = field(default_factory=dict)
+
+
+def _sample_id(i: int, j: int) -> str:
+    return str(i) if j == 0 else f"{i}.{j}"
+
+
+def _parse_id(request_id: str) -> tuple[int, int]:
+    i, _, j = request_id.partition(".")
+    return int(i), int(j or 0)
 
 
 def _depends_on(spec: Spec) -> int | None:
@@ -107,18 +126,28 @@ def drive(
             run.prompts[i] = prompt
             run.max_tokens[i] = max_tokens
             run.outputs[i] = []
-            engine.add_request(str(i), prompt, greedy(max_tokens), spec.namespace)
+            params = greedy(max_tokens, 0 if spec.prompt_logprobs else None, spec.n)
+            for j in range(spec.n):
+                run.samples[(i, j)] = []
+                engine.add_request(_sample_id(i, j), prompt, params.for_sample(j), spec.namespace)
             submitted_at[i] = step
         for delta in engine.step():
-            i = int(delta.request_id)
-            run.outputs[i] += delta.token_ids
-            if delta.finished:
+            i, j = _parse_id(delta.request_id)
+            run.samples[(i, j)] += delta.token_ids
+            if delta.prompt_logprobs is not None:
+                run.prompt_logprobs[i] = [lp.logprob for lp in delta.prompt_logprobs[1:] if lp is not None]
+            if delta.finished and not any(_sample_id(i, k) in engine.requests for k in range(specs[i].n)):
                 done.add(i)
+                run.outputs[i] = run.samples[(i, 0)]
         for i, at in submitted_at.items():
             after = specs[i].abort_after
-            if i not in done and after is not None and step - at >= after and engine.abort_request(str(i)):
+            if i in done or after is None or step - at < after:
+                continue
+            aborted = [engine.abort_request(_sample_id(i, j)) for j in range(specs[i].n)]
+            if any(aborted):
                 run.aborted.add(i)
                 done.add(i)
+                run.outputs[i] = run.samples[(i, 0)]
         if check_each_step:
             engine.kv.check()
         step += 1
@@ -126,23 +155,39 @@ def drive(
     return run
 
 
-def reference_outputs(reference: Engine, run: Run) -> dict[int, list[int]]:
-    """Every prompt of `run` generated in one batch by a no-cache engine."""
+@dataclass
+class Reference:
+    outputs: dict[int, list[int]]
+    prompt_logprobs: dict[int, list[float]]
+
+
+def reference_outputs(reference: Engine, run: Run) -> Reference:
+    """Every prompt of `run` generated in one batch by a no-cache engine, with its prompt logprobs."""
     for i, prompt in run.prompts.items():
-        reference.add_request(f"ref-{i}", prompt, greedy(run.max_tokens[i]))
-    out: dict[int, list[int]] = {i: [] for i in run.prompts}
+        reference.add_request(f"ref-{i}", prompt, greedy(run.max_tokens[i], 0))
+    out = Reference({i: [] for i in run.prompts}, {})
     while reference.has_unfinished_requests():
         for delta in reference.step():
-            out[int(delta.request_id[4:])] += delta.token_ids
+            i = int(delta.request_id[4:])
+            out.outputs[i] += delta.token_ids
+            if delta.prompt_logprobs is not None:
+                out.prompt_logprobs[i] = [lp.logprob for lp in delta.prompt_logprobs[1:] if lp is not None]
     return out
 
 
-def assert_matches_reference(run: Run, expected: dict[int, list[int]]) -> None:
-    for i, got in run.outputs.items():
+def assert_matches_reference(run: Run, expected: Reference) -> None:
+    """Every sample's tokens equal the reference's (greedy samples of one prompt are alike), and prompt
+    logprobs, computed whatever the cache held, equal the no-cache engine's."""
+    for (i, j), got in run.samples.items():
+        want = expected.outputs[i]
         if i in run.aborted:
-            assert got == expected[i][: len(got)], f"request {i} (aborted) diverged from the reference"
+            assert got == want[: len(got)], f"request {i} sample {j} (aborted) diverged from the reference"
         else:
-            assert got == expected[i], f"request {i} diverged from the reference"
+            assert got == want, f"request {i} sample {j} diverged from the reference"
+    for i, got_logprobs in run.prompt_logprobs.items():
+        want_logprobs = expected.prompt_logprobs[i]
+        assert len(got_logprobs) == len(want_logprobs) == len(run.prompts[i]) - 1
+        torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
 
 
 def assert_no_leak(engine: Engine) -> None:

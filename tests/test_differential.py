@@ -1,9 +1,11 @@
 """The whole engine under random workloads and configs, token for token against a no-cache engine.
 
-Workloads mix shared system prompts, multi-turn chains, exact repeats, two namespaces, staggered arrivals
-and aborts at any point (mid-prefill, mid-decode); configs range over block sizes 1..32, pools from one
-that barely fits the largest request to large ones, token budgets from 1, 1..64 sequences and both
-decode-attention backends (the reference runs the portable one). Every step
+Workloads mix shared system prompts, multi-turn chains, exact repeats, two namespaces, staggered arrivals,
+aborts at any point (mid-prefill, mid-decode), n > 1 samples of one prompt, and requests for prompt
+logprobs (which compute every prompt position whatever the cache holds, and must equal the no-cache
+engine's); configs range over block sizes 1..32, pools from one that barely fits the largest request to
+large ones, token budgets from 1, 1..64 sequences and both decode-attention backends (the reference runs
+the portable one). Every step
 checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's
 blocks holding exactly the KV of their tokens.
 
@@ -75,6 +77,8 @@ def cases(draw: st.DrawFn) -> Case:
                 arrival=draw(st.integers(0, 12)),
                 abort_after=draw(st.one_of(st.none(), st.integers(0, 12))),
                 namespace=draw(st.sampled_from(["", "", "", "other"])),
+                n=draw(st.sampled_from([1, 1, 1, 1, 2, 3])),
+                prompt_logprobs=draw(st.sampled_from([False, False, False, True])),
             )
         )
     # From a pool that barely holds one request (prompts are clipped to fit it) up to a roomy one.

@@ -65,11 +65,12 @@ def test_logits_match_transformers(tmp_path: Any, variant: str) -> None:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 49152, (37,), generator=gen).tolist()
     table = list(range(20))
-    logits = runner.execute(ForwardBatch(prefills=[SequenceChunk(ids, 0, table, True)]))[0]
+    logits = runner.execute(ForwardBatch(prefills=[SequenceChunk(ids, 0, table, True)])).sampled[0]
     torch.testing.assert_close(logits, _hf_logits(theirs, ids)[-1], atol=1e-4, rtol=1e-4)
     for _ in range(6):
         ids.append(int(logits.argmax()))
-        logits = runner.execute(ForwardBatch(decodes=[SequenceChunk(ids[-1:], len(ids) - 1, table, True)]))[0]
+        step = ForwardBatch(decodes=[SequenceChunk(ids[-1:], len(ids) - 1, table, True)])
+        logits = runner.execute(step).sampled[0]
         torch.testing.assert_close(logits, _hf_logits(theirs, ids)[-1], atol=1e-4, rtol=1e-4)
 
 
@@ -78,11 +79,11 @@ def test_chunked_prefill_logits_match_one_pass(tmp_path: Any) -> None:
     model: LoadedModel = load_model(path, default_cache_dir())
     runner = _exact_runner(model, 32)
     ids = list(range(100, 150))
-    whole = runner.execute(ForwardBatch(prefills=[SequenceChunk(ids, 0, list(range(13)), True)]))[0]
+    whole = runner.execute(ForwardBatch(prefills=[SequenceChunk(ids, 0, list(range(13)), True)])).sampled[0]
     table = list(range(13, 26))
     runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[:21], 0, table, False)]))
     runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[21:40], 21, table, False)]))
-    last = runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[40:], 40, table, True)]))[0]
+    last = runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[40:], 40, table, True)])).sampled[0]
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
 
 
@@ -103,7 +104,7 @@ def test_chunks_after_cached_context_match_transformers_at_every_chunk_end(tmp_p
     start = 0
     for size in (5, 1, 7, 3, 16, 13):
         chunk = SequenceChunk(ids[start : start + size], start, table, True)
-        logits = runner.execute(ForwardBatch(prefills=[chunk]))[0]
+        logits = runner.execute(ForwardBatch(prefills=[chunk])).sampled[0]
         start += size
         torch.testing.assert_close(logits, expected[start - 1], atol=1e-4, rtol=1e-4)
     assert start == len(ids)
@@ -117,13 +118,13 @@ def _batched_greedy(
     seqs = [list(p) for p in prompts]
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
     chunks = [SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
-    logits = runner.execute(ForwardBatch(prefills=chunks))
+    logits = runner.execute(ForwardBatch(prefills=chunks)).sampled
     for _ in range(steps):
         for i, row in enumerate(logits):
             rows[i].append(row)
             seqs[i].append(int(row.argmax()))
         decodes = [SequenceChunk(s[-1:], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
-        logits = runner.execute(ForwardBatch(decodes=decodes))
+        logits = runner.execute(ForwardBatch(decodes=decodes)).sampled
     for prompt, seq, got in zip(prompts, seqs, rows, strict=True):
         expected = _hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
         torch.testing.assert_close(torch.stack(got), expected, atol=1e-4, rtol=1e-4)

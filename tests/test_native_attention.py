@@ -128,7 +128,7 @@ def _decode_logits(runner: ModelRunner, others: list[list[int]]) -> torch.Tensor
         else:
             runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[:-1], 0, other, False)]))
             decodes.append(SequenceChunk(ids[-1:], len(ids) - 1, other, True))
-    return runner.execute(ForwardBatch(decodes=decodes, prefills=prefills))[0]
+    return runner.execute(ForwardBatch(decodes=decodes, prefills=prefills)).sampled[0]
 
 
 @pytest.mark.parametrize("weight_dtype", ["float16", "int8"])
@@ -182,7 +182,7 @@ def test_a_prefill_chunks_logits_are_bitwise_the_same_beside_any_decodes(tiny_mo
     runner = ModelRunner(tiny_model, 200, 4, 256, "cpu", "float32", "float16", "native")
     gen = torch.Generator().manual_seed(6)
     chunk = torch.randint(0, 4096, (23,), generator=gen).tolist()
-    alone = runner.execute(ForwardBatch(prefills=[SequenceChunk(chunk, 0, list(range(8)), True)]))
+    alone = runner.execute(ForwardBatch(prefills=[SequenceChunk(chunk, 0, list(range(8)), True)])).sampled
     decodes = []
     for i, n in enumerate((7, 40, 19)):
         ids = torch.randint(0, 4096, (n,), generator=gen).tolist()
@@ -192,4 +192,4 @@ def test_a_prefill_chunks_logits_are_bitwise_the_same_beside_any_decodes(tiny_mo
         chunked = ForwardBatch(
             decodes=list(decodes), prefills=[SequenceChunk(chunk, 0, list(range(8)), True)]
         )
-        assert torch.equal(runner.execute(chunked)[-1], alone[0])
+        assert torch.equal(runner.execute(chunked).sampled[-1], alone[0])

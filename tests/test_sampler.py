@@ -66,3 +66,46 @@ def test_the_same_seed_draws_the_same_tokens() -> None:
     first = [sample(LOGITS, [a])[0] for _ in range(50)]
     second = [sample(LOGITS.repeat(2, 1), [noise, b])[1] for _ in range(50)]
     assert first == second
+
+
+def _with_output(prompt: list[int], output: list[int], **params: Any) -> Request:
+    r = Request("r", prompt, SamplingParams(**params), 8, TextStream(None, []), seed=7)  # type: ignore[arg-type]
+    r.token_ids += output
+    return r
+
+
+def _processed(logits: torch.Tensor, requests: list[Request], eos: tuple[int, ...] = ()) -> torch.Tensor:
+    from kvserve.engine.sampler import _process
+
+    return _process(logits, requests, eos)
+
+
+def test_penalties_match_their_definitions_row_by_row() -> None:
+    """OpenAI's presence and frequency penalties on generated tokens, vLLM's repetition penalty on prompt
+    and generated tokens; a row that asks for none is left exactly as it was."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]] * 3)
+    rows = [
+        _with_output([0], [3, 3, 2], presence_penalty=0.5, frequency_penalty=0.25),
+        _with_output([0], [3, 1], repetition_penalty=2.0),
+        _with_output([0], [3, 3]),
+    ]
+    out = _processed(logits, rows)
+    torch.testing.assert_close(out[0], torch.tensor([2.0, -1.0, 0.5 - 0.75, 3.0 - 1.0, 1.0]))
+    torch.testing.assert_close(out[1], torch.tensor([1.0, -2.0, 0.5, 1.5, 1.0]))
+    assert torch.equal(out[2], logits[2])
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]] * 3)), "the input was changed"
+
+
+def test_logit_bias_and_min_tokens() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]] * 2)
+    biased = _with_output([0], [], logit_bias={1: 10.0, 3: -5.0})
+    held = _with_output([0], [4], min_tokens=3, stop_token_ids=[2], max_tokens=8)
+    out = _processed(logits, [biased, held], eos=(3,))
+    torch.testing.assert_close(out[0], torch.tensor([2.0, 9.0, 0.5, -2.0, 1.0]))
+    assert out[1, 2] == out[1, 3] == float("-inf") and out[1, 0] == 2.0
+    assert sample(logits[:1], [held], (3,)) == [0]
+    # Once min_tokens are out, the stop tokens come back.
+    held.token_ids += [4, 4]
+    assert sample(logits[:1], [held], (3,)) == [3]
+    # ignore_eos: the end-of-sequence token is not a stop, so min_tokens does not hold it back.
+    assert sample(logits[:1], [_with_output([0], [], min_tokens=3, ignore_eos=True)], (3,)) == [3]

@@ -108,7 +108,7 @@ def test_an_empty_step_with_work_left_is_an_error_not_a_spin(
     engine = engine_with_blocks(tiny_model, 8, 4)
     engine.add_request("a", _tokens(100, 5), greedy(2))
 
-    def refuse(namespace: str, tokens: Sequence[int], budget: int) -> None:
+    def refuse(namespace: str, tokens: Sequence[int], budget: int, max_cached: int | None) -> None:
         return None
 
     monkeypatch.setattr(engine.kv, "admit", refuse)

@@ -20,7 +20,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine, EngineStats
 from kvserve.server import app as app_module
 from kvserve.server.app import create_app
-from kvserve.server.serving import CompletionFormat, ResponseIds
+from kvserve.server.formats import CompletionFormat, ResponseIds
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 2048
@@ -220,7 +220,7 @@ HI = [{"role": "user", "content": "hi"}]
             CHAT,
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             400,
-            "messages.0.content",
+            "messages[0].content[0]",
         ),
         (CHAT, {"model": "gpt-4o", "messages": HI}, 404, "model"),
         (CHAT, {"messages": HI, "max_tokens": MAX_MODEL_LEN + 1}, 400, "max_tokens"),
@@ -233,7 +233,7 @@ HI = [{"role": "user", "content": "hi"}]
         (CHAT, {"messages": HI, "top_k": -2}, 400, "top_k"),
         (CHAT, {"messages": HI, "min_p": 1.5}, 400, "min_p"),
         (CHAT, {"messages": HI, "seed": -1}, 400, "seed"),
-        (CHAT, {"messages": HI, "n": 2}, 400, "n"),
+        (CHAT, {"messages": HI, "n": 0}, 400, "n"),
         (CHAT, {"messages": HI, "stop": [""]}, 400, "stop"),
         (CHAT, {"messages": HI, "stream": "sometimes"}, 400, "stream"),
         ("/v1/completions", {"prompt": LONG_PROMPT}, 400, ANY_PARAM),
@@ -291,7 +291,7 @@ def test_unexpected_errors_answer_500_without_details(
     def broken(*args: Any) -> list[int]:
         raise RuntimeError("internal detail")
 
-    monkeypatch.setattr(app_module, "text_prompt", broken)
+    monkeypatch.setattr(app_module, "completion_prompts", broken)
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=60)
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error"
@@ -308,12 +308,12 @@ def test_an_error_mid_stream_ends_it_with_an_error_event_and_aborts(
     original = CompletionFormat.chunk
     calls = 0
 
-    def fails_on_second_chunk(self: CompletionFormat, ids: ResponseIds, text: str, reason: str | None) -> Any:
+    def fails_on_second_chunk(self: CompletionFormat, ids: ResponseIds, *args: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 2:
             raise RuntimeError("internal detail")
-        return original(self, ids, text, reason)
+        return original(self, ids, *args)
 
     monkeypatch.setattr(CompletionFormat, "chunk", fails_on_second_chunk)
     before = server.call(lambda e: e.generation_tokens)

@@ -1,7 +1,9 @@
 """kvserve command line: serve | chat | generate | bench."""
 
 import argparse
+import json
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -179,7 +181,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         dashboard_show_text=args.dashboard_show_text,
+        admin_key=args.admin_key,
+        served_model_name=args.served_model_name,
+        allowed_origins=_origins(args.allowed_origins),
     )
+
+
+def _origins(value: str | None) -> list[str]:
+    """A JSON list (as vLLM takes it) or a comma-separated list of origins."""
+    if not value:
+        return []
+    if value.lstrip().startswith("["):
+        origins = json.loads(value)
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise SystemExit("kvserve: --allowed-origins must be a JSON list of strings")
+        return origins
+    return [o.strip() for o in value.split(",") if o.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,7 +217,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require this bearer token on every route but /health")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSERVE_API_KEY"),
+        help="require this bearer token on every route but /health (default: $KVSERVE_API_KEY, which "
+        "unlike an argument does not show in ps)",
+    )
+    serve.add_argument(
+        "--admin-key",
+        default=os.environ.get("KVSERVE_ADMIN_KEY"),
+        help="bearer token for admin routes (POST /reset_prefix_cache), needed there once keys are set "
+        "(default: $KVSERVE_ADMIN_KEY)",
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model name clients send and see (default: the model's)"
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="origins browsers may call from (CORS): a JSON list such as '[\"https://a.example\"]' or "
+        "a comma-separated list; '*' allows any",
+    )
     serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
     serve.add_argument(
         "--dashboard-show-text",

@@ -8,7 +8,14 @@ from typing import Any, TypedDict
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine, EngineStats
-from kvserve.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from kvserve.engine.logprobs import TokenLogprob
+from kvserve.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestDelta,
+    RequestOutput,
+)
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import ChatMessage
 
@@ -41,19 +48,23 @@ class LLM:
         )
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
+        """One output per prompt, with `params.n` completions each; `params` is one for all prompts or a
+        list with one per prompt."""
         batch = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        return self._run([self._tokens(p) for p in batch], params or SamplingParams())
+        return self._run([self._tokens(p) for p in batch], params)
 
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations; one output each."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([(None, self.chat_token_ids(c)) for c in conversations], params or SamplingParams())  # type: ignore[arg-type]
+        return self._run([(None, self.chat_token_ids(c)) for c in conversations], params)  # type: ignore[arg-type]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as tokens are decoded."""
@@ -77,33 +88,69 @@ class LLM:
         finally:
             self.engine.abort_request(rid)
 
+    def _params_per_prompt(
+        self, count: int, params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * count
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts: one, or one per prompt")
+        return list(params)
+
     def _run(
-        self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[RequestOutput]:
-        outputs: dict[str, RequestOutput] = {}
-        order: list[str] = []
+        """Every sample of every prompt in one continuous batch; the n samples of a prompt are n engine
+        requests, which read the prompt's KV from the prefix cache once the first has computed it."""
+        outputs: list[RequestOutput] = []
+        # Engine request id -> (its prompt's output, the sample's index).
+        samples: dict[str, tuple[RequestOutput, int]] = {}
         started = time.monotonic()
-        for text, ids in prompts:
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, replace(params))
-            order.append(rid)
-            outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [])], finished=False)
+        for (text, ids), p in zip(prompts, self._params_per_prompt(len(prompts), params), strict=True):
+            base = str(next(self._ids))
+            out = RequestOutput(base, text, ids, [], finished=False)
+            outputs.append(out)
+            for i in range(p.n):
+                rid = base if p.n == 1 else f"{base}-{i}"
+                self.engine.add_request(rid, ids, replace(p.for_sample(i)))
+                logprobs: list[PositionLogprobs] | None = [] if p.logprobs is not None else None
+                out.outputs.append(CompletionOutput(i, "", [], logprobs=logprobs))
+                samples[rid] = (out, i)
+        cached: dict[str, int] = {}
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
-                out = outputs.get(delta.request_id)
-                if out is None:
+                if delta.request_id not in samples:
                     continue
-                completion = out.outputs[0]
-                if not completion.token_ids:
+                out, i = samples[delta.request_id]
+                completion = out.outputs[i]
+                if "first_token_latency" not in out.metrics:
                     out.metrics["first_token_latency"] = time.monotonic() - started
                 completion.text += delta.text
                 completion.token_ids += delta.token_ids
-                out.num_cached_tokens = delta.num_cached_tokens
+                if completion.logprobs is not None:
+                    completion.logprobs += [self._position(lp) for lp in delta.logprobs]
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = [
+                        None if lp is None else self._position(lp) for lp in delta.prompt_logprobs
+                    ]
+                # What was cached before the request: its samples after the first find the prompt cached.
+                cached[delta.request_id] = delta.num_cached_tokens
+                out.num_cached_tokens = min(c for r, c in cached.items() if samples[r][0] is out)
                 if delta.finished:
                     completion.finish_reason = delta.finish_reason
-                    out.finished = True
-                    out.metrics["latency"] = time.monotonic() - started
-        return [outputs[rid] for rid in order]
+                    out.finished = all(c.finish_reason is not None for c in out.outputs)
+                    if out.finished:
+                        out.metrics["latency"] = time.monotonic() - started
+        return outputs
+
+    def _position(self, logprob: TokenLogprob) -> PositionLogprobs:
+        """vLLM's shape: the top-k tokens with their ranks, and the chosen token with its own rank."""
+        text = self.tokenizer.token_text
+        position = {t: Logprob(v, rank, text(t)) for rank, (t, v) in enumerate(logprob.top, start=1)}
+        position[logprob.token_id] = Logprob(logprob.logprob, logprob.rank, text(logprob.token_id))
+        return position
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()

@@ -86,9 +86,12 @@ class KVCacheManager:
             return 0
         return self.prefix_cache.match(namespace, tokens, record_hit=False).num_tokens
 
-    def admit(self, namespace: str, tokens: Sequence[int], budget: int) -> Admission | None:
+    def admit(
+        self, namespace: str, tokens: Sequence[int], budget: int, max_cached: int | None = None
+    ) -> Admission | None:
         """Lock the longest cached prefix of `tokens[:-1]` and allocate blocks for the first chunk, up to
         `budget` new tokens. The last token is always computed: its logits give the next token.
+        `max_cached` caps the prefix used (a request that needs logits at cached positions).
 
         Returns None, holding nothing, when the pool cannot hold the first chunk even after evicting.
         """
@@ -96,7 +99,8 @@ class KVCacheManager:
             raise ValueError("admission needs a positive budget and at least one token")
         seq = SequenceBlocks(namespace)
         if self.prefix_cache is not None:
-            match = self.prefix_cache.match(namespace, tokens[: len(tokens) - 1])
+            limit = len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)
+            match = self.prefix_cache.match(namespace, tokens[:limit])
             seq.blocks = list(match.blocks)
             self._lock(seq.blocks)
             cached = match.num_tokens

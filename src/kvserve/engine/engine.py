@@ -12,6 +12,7 @@ import torch
 from kvserve.cache.manager import CacheUsage, KVCacheManager
 from kvserve.config import EngineConfig
 from kvserve.engine import sampler
+from kvserve.engine.logprobs import TokenLogprob, token_logprobs
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.reply_memory import ReplyMemory
 from kvserve.engine.request import Request
@@ -148,13 +149,22 @@ class Engine:
         params: SamplingParams,
         namespace: str = "",
     ) -> Request:
-        """Queue a request; raises InvalidRequestError when it can never be served as asked."""
+        """Queue a request; raises InvalidRequestError when it can never be served as asked.
+
+        One request is one sample: callers run `n > 1` as n requests with `params.for_sample(i)`, which
+        share the prompt's KV through the prefix cache."""
+        if params.n != 1:
+            raise InvalidRequestError("an engine request is one sample: submit params.for_sample(i)", "n")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         prompt = [int(t) for t in prompt_token_ids]
         n = len(prompt)
         max_tokens = self.validate(prompt, params)
-        stream = TextStream(self.tokenizer.decode_stream(), params.stop)
+        stream = TextStream(
+            self.tokenizer.decode_stream(params.skip_special_tokens),
+            params.stop,
+            params.include_stop_str_in_output,
+        )
         request = Request(
             request_id,
             prompt,
@@ -200,20 +210,74 @@ class Engine:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         logits = self.runner.execute(scheduled.batch)
-        tokens = sampler.sample(logits, sampled)
+        scoring = [r for r, c in scheduled.prefills if c.all_logits]
+        for request, chunk, chunk_logits in zip(
+            scoring, [c for _, c in scheduled.prefills if c.all_logits], logits.chunks, strict=True
+        ):
+            self._score_prompt(request, chunk.start, chunk_logits)
+        tokens = sampler.sample(logits.sampled, sampled, self.tokenizer.eos_token_ids)
+        chosen = self._token_logprobs(logits.sampled, sampled, tokens)
         self.scheduler.after_step(scheduled)
-        return [self._append(request, token) for request, token in zip(sampled, tokens, strict=True)]
+        return [
+            self._append(request, token, logprob)
+            for request, token, logprob in zip(sampled, tokens, chosen, strict=True)
+        ]
 
-    def _append(self, request: Request, token: int) -> RequestDelta:
+    def _score_prompt(self, request: Request, start: int, logits: torch.Tensor) -> None:
+        """Logits at prompt positions start, start+1, ... score the prompt tokens after them; positions
+        scored before (a chunk recomputed after preemption) are skipped."""
+        scored = request.prompt_logprobs
+        assert scored is not None and request.params.prompt_logprobs is not None
+        first = len(scored) - 1 - start
+        # Admission never uses a cached prefix beyond the positions already scored.
+        assert first >= 0, "a prompt-logprobs chunk skipped positions that were never scored"
+        last = min(logits.shape[0], request.num_prompt_tokens - 1 - start)
+        if first >= last:
+            return
+        targets = request.token_ids[start + first + 1 : start + last + 1]
+        scored += token_logprobs(logits[first:last], targets, request.params.prompt_logprobs)
+
+    @staticmethod
+    def _token_logprobs(
+        logits: torch.Tensor, sampled: Sequence[Request], tokens: Sequence[int]
+    ) -> list[TokenLogprob | None]:
+        """Logprobs of the sampled tokens, for the rows that asked (none computed when none did)."""
+        rows = [i for i, r in enumerate(sampled) if r.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(sampled)
+        if not rows:
+            return out
+        # One top-k for all rows: the widest asked for, each row then keeps its own k.
+        widest = max(sampled[i].params.logprobs or 0 for i in rows)
+        for i, logprob in zip(
+            rows, token_logprobs(logits[rows], [tokens[i] for i in rows], widest), strict=True
+        ):
+            k = sampled[i].params.logprobs or 0
+            out[i] = TokenLogprob(logprob.token_id, logprob.logprob, logprob.rank, logprob.top[:k])
+        return out
+
+    def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestDelta:
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and request.num_output_tokens == 0:
+            prompt_logprobs = list(request.prompt_logprobs)
+        if request.max_tokens == 0:
+            # The prompt alone was asked for (its logprobs): the sampled token is not part of the reply.
+            self._finish(request, "length", False)
+            return self._delta(request, [], [], request.text_stream.flush(), "length", prompt_logprobs)
         request.token_ids.append(token)
         if request.first_token_time is None:
             request.first_token_time = time.time()
         self.generation_tokens += 1
         params = request.params
-        stop_token = token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.tokenizer.eos_token_ids
-        )
-        text = request.text_stream.flush() if stop_token else request.text_stream.push(token)
+        # Before min_tokens no stop applies (the sampler has kept stop tokens out already).
+        check_stop = request.num_output_tokens >= params.min_tokens
+        eos = not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        stop_token = check_stop and (token in params.stop_token_ids or eos)
+        if stop_token and not params.include_stop_str_in_output:
+            text = request.text_stream.flush()
+        else:
+            text = request.text_stream.push(token, check_stop)
+            if stop_token:
+                text += request.text_stream.flush()
         if stop_token or request.text_stream.stopped:
             reason: str | None = "stop"
         elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
@@ -223,15 +287,29 @@ class Engine:
             reason = None
         if reason is not None:
             self._finish(request, reason, stop_token)
+        logprobs = [] if logprob is None else [logprob]
+        return self._delta(request, [token], logprobs, text, reason, prompt_logprobs)
+
+    @staticmethod
+    def _delta(
+        request: Request,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob],
+        text: str,
+        reason: str | None,
+        prompt_logprobs: list[TokenLogprob | None] | None,
+    ) -> RequestDelta:
         return RequestDelta(
             request_id=request.request_id,
-            token_ids=[token],
+            token_ids=token_ids,
             text=text,
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=request.num_output_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _finish(self, request: Request, reason: str, stop_token: bool) -> None:
@@ -241,7 +319,11 @@ class Engine:
         # Unless a stop string cut it, the reply's text is its tokens (minus a stop token): remember them,
         # so that the next turn of the chat finds this reply in the cache token for token.
         reply = request.output_token_ids[:-1] if stop_token else request.output_token_ids
-        if not request.text_stream.stopped and self.tokenizer.decode(reply) == request.text_stream.text:
+        if (
+            reply
+            and not request.text_stream.stopped
+            and self.tokenizer.decode(reply) == request.text_stream.text
+        ):
             self.replies.remember(request.namespace, request.text_stream.text, reply)
 
     def reset_prefix_cache(self) -> int:

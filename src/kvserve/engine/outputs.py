@@ -2,10 +2,13 @@
 
 from dataclasses import dataclass, field
 
+from kvserve.engine.logprobs import TokenLogprob
+
 
 @dataclass
 class RequestDelta:
-    """What one step added to one request: new tokens and the text they completed."""
+    """What one step added to one request: new tokens and the text they completed, the new tokens'
+    logprobs when asked for, and in the request's first delta its prompt logprobs when asked for."""
 
     request_id: str
     token_ids: list[int]
@@ -15,6 +18,21 @@ class RequestDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's shape: a token's log probability, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: the token there and the top-k alternatives, by token id (vLLM's shape).
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -23,6 +41,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
@@ -34,3 +53,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -6,6 +6,7 @@ import time
 import torch
 
 from kvserve.cache.manager import SequenceBlocks
+from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.text_stream import TextStream
 
@@ -19,7 +20,10 @@ class RequestStatus(enum.Enum):
 class Request:
     """`token_ids` is the prompt followed by the generated tokens. While running, the KV of
     token_ids[:num_computed] is in `kv.blocks`; the last sampled token's KV is computed in the next step.
-    `seed` drives sampling when the params give none."""
+    `seed` drives sampling when the params give none.
+
+    With `params.prompt_logprobs`, `prompt_logprobs` grows as chunks compute logits at prompt positions:
+    entry p scores prompt token p (entry 0 is None: nothing precedes the first token)."""
 
     def __init__(
         self,
@@ -49,6 +53,9 @@ class Request:
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.text_stream = text_stream
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -65,3 +72,16 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether some prompt position still lacks the logits that score the token after it."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def max_cached_tokens(self) -> int | None:
+        """How much of a cached prefix admission may use: no more than the positions already scored,
+        since a cached token's KV is there but its logits are not."""
+        if self.prompt_logprobs is None or not self.needs_prompt_logits:
+            return None
+        return len(self.prompt_logprobs) - 1

@@ -83,6 +83,12 @@ def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
     return lo
 
 
+def _cache_limit(request: Request) -> int:
+    """How many leading tokens of the request a cache hit may cover."""
+    cap = request.max_cached_tokens
+    return request.num_tokens - 1 if cap is None else min(cap, request.num_tokens - 1)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -129,7 +135,8 @@ class Scheduler:
         assert request.kv is not None
         start = request.num_computed
         sample = start + n == request.num_tokens
-        chunk = SequenceChunk(request.token_ids[start : start + n], start, request.kv.blocks, sample)
+        tokens = request.token_ids[start : start + n]
+        chunk = SequenceChunk(tokens, start, request.kv.blocks, sample, request.needs_prompt_logits)
         # The decode path is for one sampled token after computed context; any other chunk, a one-token
         # piece of a prompt included, is a prefill chunk.
         if n == 1 and start > 0 and sample:
@@ -143,7 +150,7 @@ class Scheduler:
         if self.kv.prefix_cache is None:
             return [(r, 0) for r in window]
         kv = self.kv
-        hinted = [(r, kv.cached_prefix_len(r.namespace, r.token_ids[: r.num_tokens - 1])) for r in window]
+        hinted = [(r, kv.cached_prefix_len(r.namespace, r.token_ids[: _cache_limit(r)])) for r in window]
         if len(hinted) > 1:
             bound = self.config.cache_aware_scheduling_bound
 
@@ -167,7 +174,7 @@ class Scheduler:
                 continue
             # Match, lock and allocate in one call per request: an earlier admission's eviction may
             # have reused blocks that the hint above still points at.
-            admission = self.kv.admit(request.namespace, request.token_ids, budget)
+            admission = self.kv.admit(request.namespace, request.token_ids, budget, request.max_cached_tokens)
             if admission is None:
                 break
             request.kv = admission.seq
@@ -192,7 +199,8 @@ class Scheduler:
                 self.waiting.remove(request)
 
     def _waits_for_shared_prefill(self, request: Request, cached: int) -> bool:
-        if self.kv.prefix_cache is None:
+        # A request that needs the prompt's logits computes it whatever the cache holds.
+        if self.kv.prefix_cache is None or request.max_cached_tokens is not None:
             return False
         for other in self.running:
             if other.namespace != request.namespace or other.num_computed >= other.num_prompt_tokens:

@@ -29,13 +29,24 @@ class SequenceChunk:
     """Tokens of one request to run this step: `token_ids` sit at positions start, start+1, ...
 
     `block_table` must already cover every position up to start + len(token_ids). When `sample` is set,
-    the logits of the last token are returned.
+    the logits of the last token are returned; when `all_logits` is set (prompt logprobs), the logits
+    of every token of the chunk as well.
     """
 
     token_ids: list[int]
     start: int
     block_table: list[int]
     sample: bool
+    all_logits: bool = False
+
+
+@dataclass
+class StepLogits:
+    """Float32 CPU logits of one step: `sampled` [sampling chunks, vocab], decodes first, then prefills;
+    `chunks` [len(chunk), vocab] for each prefill chunk with `all_logits`, in batch order."""
+
+    sampled: torch.Tensor
+    chunks: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -153,16 +164,26 @@ class ModelRunner:
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step; returns float32 CPU logits [sampled chunks, vocab], decodes first, then prefills."""
+    def execute(self, batch: ForwardBatch) -> StepLogits:
+        """Run one step: logits where chunks sample, and at every position of `all_logits` chunks."""
         for src, dst in batch.block_copies:
             self.kv_cache.copy_block(src, dst)
         input_ids, positions, meta, rows = self._metadata(batch)
         hidden = self.transformer.forward(input_ids, positions, meta, self.kv_cache)
-        if not rows:
-            return torch.empty(0, self.transformer.config.vocab_size)
         # Sampling runs on the CPU with each request's own generator, whatever the model's device.
-        return self.transformer.logits(hidden[rows]).float().cpu()
+        sampled = (
+            self.transformer.logits(hidden[rows]).float().cpu()
+            if rows
+            else torch.empty(0, self.transformer.config.vocab_size)
+        )
+        chunks: list[torch.Tensor] = []
+        start = len(batch.decodes)
+        for c in batch.prefills:
+            end = start + len(c.token_ids)
+            if c.all_logits:
+                chunks.append(self.transformer.logits(hidden[start:end]).float().cpu())
+            start = end
+        return StepLogits(sampled, chunks)
 
     @torch.inference_mode()
     def prefill_logits(self, chunk: SequenceChunk) -> torch.Tensor:

@@ -13,6 +13,23 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
 ChatMessage = dict[str, str]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes each byte as one printable character; this maps them back."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 ReplyLookup = Callable[[str], Sequence[int] | None]
 
 
@@ -25,6 +42,7 @@ class Tokenizer:
             eos.append(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self.vocab_size: int = len(hf_tokenizer)
+        self._byte_level = type(self._rust.decoder).__name__ == "ByteLevel"
 
     @property
     def has_chat_template(self) -> bool:
@@ -36,8 +54,19 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._rust.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def decode_stream(self) -> "IncrementalDecoder":
-        return IncrementalDecoder(self._rust)
+    def decode_stream(self, skip_special_tokens: bool = True) -> "IncrementalDecoder":
+        return IncrementalDecoder(self._rust, skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for on its own (a piece of a multi-byte character may be a token)."""
+        piece = self._rust.id_to_token(token_id)
+        if self._byte_level and piece is not None and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, as logprobs show it (an incomplete UTF-8 piece becomes U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
@@ -108,9 +137,9 @@ class Tokenizer:
 class IncrementalDecoder:
     """Turns a stream of token ids into text deltas; never emits half of a multi-byte character."""
 
-    def __init__(self, tokenizer: RustTokenizer) -> None:
+    def __init__(self, tokenizer: RustTokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tokenizer, token_id) or ""

@@ -4,21 +4,25 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve import __version__
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
-from kvserve.server.auth import cache_namespace, check_api_key
+from kvserve.engine.sampling_params import MAX_LOGPROBS
+from kvserve.server.auth import cache_namespace, check_admin_key, check_api_key
 from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
 from kvserve.server.errors import APIError, install_error_handlers
+from kvserve.server.formats import ChatFormat, CompletionFormat, PromptInput
+from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -30,16 +34,17 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.server.request_id import RequestIdMiddleware
 from kvserve.server.serving import (
-    ChatFormat,
-    CompletionFormat,
     ServerContext,
     chat_prompt,
     check_model,
+    completion_prompts,
     respond,
     sampling_params,
     text_prompt,
 )
+from kvserve.server.unsupported import check_chat, check_completion
 
 log = logging.getLogger("kvserve.server")
 
@@ -58,11 +63,16 @@ Context = Annotated[ServerContext, Depends(_context)]
 
 
 def _require_api_key(request: Request, ctx: Context) -> None:
-    check_api_key(request, ctx.api_key)
+    check_api_key(request, ctx.api_key, ctx.admin_key)
+
+
+def _require_admin_key(request: Request, ctx: Context) -> None:
+    check_admin_key(request, ctx.api_key, ctx.admin_key)
 
 
 public = APIRouter()
 api = APIRouter(dependencies=[Depends(_require_api_key)])
+admin = APIRouter(dependencies=[Depends(_require_admin_key)])
 
 
 @public.get("/health")
@@ -93,22 +103,50 @@ async def metrics(ctx: Context) -> Response:
     return Response(await ctx.metrics.exposition(ctx.async_engine), media_type=CONTENT_TYPE_LATEST)
 
 
+@admin.post("/reset_prefix_cache")
+async def reset_prefix_cache(ctx: Context) -> dict[str, int]:
+    """Drop every cached block no request is using (as vLLM's route does, for benchmark clients)."""
+    freed: int = await ctx.async_engine.call(lambda engine: engine.reset_prefix_cache())
+    return {"freed_blocks": freed}
+
+
 @api.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
+    check_chat(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs")
     namespace = cache_namespace(request)
-    prompt = chat_prompt(ctx, body.messages, namespace)
+    token_ids = chat_prompt(ctx, body.messages, namespace)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-    params = sampling_params(body, max_tokens)
-    return await respond(ctx, request, ChatFormat(), prompt, params, namespace, body)
+    if max_tokens is not None and max_tokens < 1:
+        # Only completions' echo has a use for a reply of no tokens.
+        raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens, logprobs)
+    fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs)
+    prompt = PromptInput(token_ids, "")
+    return await respond(ctx, request, fmt, [prompt], params, namespace, body)
+
+
+# The legacy completions route reports at most this many alternatives per token, as OpenAI's does.
+MAX_COMPLETION_LOGPROBS = 5
 
 
 @api.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
-    prompt = text_prompt(ctx.async_engine.tokenizer, body.prompt)
-    params = sampling_params(body, body.max_tokens)
-    return await respond(ctx, request, CompletionFormat(), prompt, params, cache_namespace(request), body)
+    check_completion(body)
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise APIError(400, f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.", param="logprobs")
+    prompts = completion_prompts(ctx.async_engine.tokenizer, body.prompt)
+    # An echo with logprobs scores the prompt too, as evaluation harnesses expect.
+    prompt_logprobs = body.logprobs if body.echo else None
+    params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+    fmt = CompletionFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs is not None, body.echo)
+    return await respond(ctx, request, fmt, prompts, params, cache_namespace(request), body)
 
 
 @api.get("/v1/cache/stats")
@@ -158,11 +196,21 @@ async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeRespons
 
 
 def create_app(
-    async_engine: AsyncEngine, api_key: str | None = None, dashboard_show_text: bool = False
+    async_engine: AsyncEngine,
+    api_key: str | None = None,
+    *,
+    admin_key: str | None = None,
+    served_model_name: str | None = None,
+    allowed_origins: Sequence[str] = (),
+    dashboard_show_text: bool = False,
 ) -> FastAPI:
-    """The HTTP app around a running AsyncEngine; the app owns it and shuts it down when it stops."""
+    """The HTTP app around a running AsyncEngine; the app owns it and shuts it down when it stops.
+
+    `served_model_name` is the name clients use (default: the model's); `allowed_origins` lets browsers
+    on those origins call the API (CORS), `["*"]` any origin; `dashboard_show_text` lets /dashboard show
+    the first tokens of cached prefixes as text."""
     engine = async_engine.engine
-    name = engine.model.name
+    name = served_model_name or engine.model.name
     dashboard = Dashboard(StatsHistory.empty(), dashboard_show_text)
 
     @asynccontextmanager
@@ -187,11 +235,23 @@ def create_app(
         metrics=ServerMetrics(name),
         api_key=api_key,
         created=int(time.time()),
+        admin_key=admin_key,
     )
     app.state.dashboard = dashboard
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)
+    app.include_router(admin)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
+    # Outermost, so that every response carries the id, errors and CORS preflights included.
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -201,13 +261,24 @@ def serve(
     port: int,
     api_key: str | None,
     max_waiting: int,
+    *,
+    admin_key: str | None = None,
+    served_model_name: str | None = None,
+    allowed_origins: Sequence[str] = (),
     dashboard_show_text: bool = False,
 ) -> int:
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
     (for up to GRACEFUL_SHUTDOWN_S), stop the engine."""
     engine = Engine(dataclasses.replace(config, max_waiting=max_waiting))
     async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, api_key, dashboard_show_text)
+    app = create_app(
+        async_engine,
+        api_key,
+        admin_key=admin_key,
+        served_model_name=served_model_name,
+        allowed_origins=allowed_origins,
+        dashboard_show_text=dashboard_show_text,
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,

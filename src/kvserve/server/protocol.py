@@ -1,11 +1,13 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
-Requests ignore fields they do not know, so that any OpenAI client works unchanged; sampling values are
-only type-checked here, their ranges are SamplingParams' to judge. Responses carry OpenAI's exact field
-names, including the ones that are always null here (logprobs, refusal), because clients index them.
+Requests ignore fields they do not know, so that any OpenAI client works unchanged; fields that would
+change the answer and are not supported (tools, structured output, images, audio) are parsed so that
+`server/unsupported.py` can refuse them by name. Sampling values are only type-checked here, their ranges
+are SamplingParams' to judge. Responses carry OpenAI's exact field names, including the ones that are
+always null here (refusal), because clients index them.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,21 +16,23 @@ class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class TextContentPart(OpenAIRequest):
-    type: Literal["text"]
-    text: str
+class ContentPart(OpenAIRequest):
+    """A part of a message's content; only `text` parts are supported, the others are refused by name."""
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(OpenAIRequest):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextContentPart]
+    content: str | list[ContentPart]
 
     @property
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
         # Joined as vLLM joins them, so that both servers see the same prompt tokens.
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text or "" for part in self.content)
 
 
 class StreamOptions(OpenAIRequest):
@@ -52,17 +56,39 @@ class SamplingRequest(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # OpenAI sends token ids as JSON object keys, hence strings.
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras.
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Parsed only to be refused (see server/unsupported.py).
+    response_format: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int]
+    # One prompt (text or token ids) or a batch of them.
+    prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's legacy completions stop at 16 tokens unless told otherwise; an explicit null means no limit.
     max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -97,10 +123,35 @@ class AssistantMessage(BaseModel):
     refusal: None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token (the first prompt token of an
+    echo has no logprob)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -118,7 +169,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     # OpenAI sends only the keys that changed: role in the first chunk, then content.
     delta: dict[str, str]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -135,7 +186,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

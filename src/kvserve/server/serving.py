@@ -1,44 +1,34 @@
 """From an OpenAI request to engine input, and from engine deltas to OpenAI responses or SSE chunks.
 
 Chat and text completions differ only in how the prompt is built and how a choice is shaped (an
-`OutputFormat`); streaming, usage, latencies, disconnects and the per-request log line are written once.
+`OutputFormat`, server/formats.py); several choices (n samples, batched prompts), streaming, usage,
+latencies, disconnects and the per-choice log line are written once.
 """
 
 import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request, Response
 from jinja2 import TemplateError
-from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.server.errors import APIError, ClientDisconnected, ErrorResponse, to_api_error
+from kvserve.server.formats import Choice, OutputFormat, PromptInput, ResponseIds
 from kvserve.server.metrics import RequestTimer, ServerMetrics
-from kvserve.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatMessage,
-    CompletionChoice,
-    CompletionResponse,
-    PromptTokensDetails,
-    SamplingRequest,
-    Usage,
-)
+from kvserve.server.protocol import ChatMessage, PromptTokensDetails, SamplingRequest, Usage
 
 log = logging.getLogger("kvserve.server")
 
@@ -47,7 +37,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServerContext:
-    """What every route needs: the engine, the served model's name and limits, metrics and the API key."""
+    """What every route needs: the engine, the served model's name and limits, metrics and the keys."""
 
     async_engine: AsyncEngine
     model_name: str
@@ -55,6 +45,7 @@ class ServerContext:
     metrics: ServerMetrics
     api_key: str | None
     created: int
+    admin_key: str | None = None
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
@@ -68,7 +59,21 @@ def check_model(ctx: ServerContext, model: str | None) -> None:
         )
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
+
+
+def sampling_params(
+    body: SamplingRequest,
+    max_tokens: int | None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     """OpenAI's defaults for unset values; SamplingParams raises InvalidRequestError on a bad one."""
     return SamplingParams(
         max_tokens=max_tokens,
@@ -79,8 +84,17 @@ def sampling_params(body: SamplingRequest, max_tokens: int | None) -> SamplingPa
         seed=body.seed,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         stop_token_ids=list(body.stop_token_ids or []),
+        include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        skip_special_tokens=body.skip_special_tokens,
         n=body.n,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias),
     )
 
 
@@ -105,109 +119,47 @@ def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], add_special_token
     return tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
 
 
-@dataclass(frozen=True)
-class ResponseIds:
-    """What every chunk of one response repeats."""
-
-    id: str
-    created: int
-    model: str
-
-
-class OutputFormat(Protocol):
-    id_prefix: str
-    prompt_param: str
-
-    def opening(self, ids: ResponseIds) -> BaseModel | None: ...
-
-    def chunk(self, ids: ResponseIds, text: str, finish_reason: str | None) -> BaseModel: ...
-
-    def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel: ...
-
-    def response(self, ids: ResponseIds, text: str, finish_reason: str | None, usage: Usage) -> BaseModel: ...
-
-
-class ChatFormat:
-    id_prefix = "chatcmpl"
-    prompt_param = "messages"
-
-    def opening(self, ids: ResponseIds) -> BaseModel | None:
-        # OpenAI's first chunk names the role and nothing else.
-        return self._chunk(ids, [ChatChunkChoice(delta={"role": "assistant", "content": ""})])
-
-    def chunk(self, ids: ResponseIds, text: str, finish_reason: str | None) -> BaseModel:
-        delta = {"content": text} if text else {}
-        return self._chunk(ids, [ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
-
-    def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel:
-        return self._chunk(ids, [], usage)
-
-    def response(self, ids: ResponseIds, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-        return ChatCompletionResponse(
-            id=ids.id, created=ids.created, model=ids.model, choices=[choice], usage=usage
-        )
-
-    @staticmethod
-    def _chunk(
-        ids: ResponseIds, choices: list[ChatChunkChoice], usage: Usage | None = None
-    ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=ids.id, created=ids.created, model=ids.model, choices=choices, usage=usage
-        )
-
-
-class CompletionFormat:
-    id_prefix = "cmpl"
-    prompt_param = "prompt"
-
-    def opening(self, ids: ResponseIds) -> BaseModel | None:
-        return None
-
-    def chunk(self, ids: ResponseIds, text: str, finish_reason: str | None) -> BaseModel:
-        return self._response(ids, [CompletionChoice(text=text, finish_reason=finish_reason)])
-
-    def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel:
-        return self._response(ids, [], usage)
-
-    def response(self, ids: ResponseIds, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
-        return self._response(ids, [CompletionChoice(text=text, finish_reason=finish_reason)], usage)
-
-    @staticmethod
-    def _response(
-        ids: ResponseIds, choices: list[CompletionChoice], usage: Usage | None = None
-    ) -> CompletionResponse:
-        return CompletionResponse(
-            id=ids.id, created=ids.created, model=ids.model, choices=choices, usage=usage
-        )
+def completion_prompts(
+    tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]]
+) -> list[PromptInput]:
+    """A completions `prompt`: one text or token-id list, or a batch of either; each with its echo text."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
+        batch: list[str | list[int]] = [prompt]  # type: ignore[list-item]
+    else:
+        batch = list(prompt)  # type: ignore[arg-type]
+    return [
+        PromptInput(text_prompt(tokenizer, p), p if isinstance(p, str) else tokenizer.decode(p, False))
+        for p in batch
+    ]
 
 
 class Generation:
-    """One engine request as the server sees it: its deltas, usage, latencies and log line."""
+    """One engine request (one choice) as the server sees it: its deltas, usage, latencies and log line."""
 
     def __init__(
         self,
         ctx: ServerContext,
-        request_id: str,
-        prompt_token_ids: list[int],
+        log_id: str,
+        engine_id: str,
+        choice: Choice,
         params: SamplingParams,
         namespace: str,
     ) -> None:
-        self.request_id = request_id
+        self.log_id = log_id
+        self.choice = choice
         self._metrics = ctx.metrics
         self._timer = RequestTimer(ctx.metrics)
         # Closing this generator is what aborts the request.
-        self._deltas = ctx.async_engine.generate(prompt_token_ids, params, namespace, request_id)
+        self._deltas = ctx.async_engine.generate(choice.prompt.token_ids, params, namespace, engine_id)
         self._first: RequestDelta | None = None
         self._ended = False
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_prompt_tokens = len(choice.prompt.token_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
-        self.finish_reason: str | None = None
 
     async def start(self) -> None:
-        """Wait for the first token. A request the engine refuses (bad input, full queue) raises here,
-        while the HTTP status can still say so."""
+        """Wait for the first delta. A request the engine refuses (full queue) raises here, while the
+        HTTP status can still say so."""
         try:
             self._first = self._observe(await anext(self._deltas))
         except asyncio.CancelledError:
@@ -229,38 +181,37 @@ class Generation:
         await self._deltas.aclose()
         self._end()
 
-    async def text(self) -> str:
-        return "".join([delta.text async for delta in self.deltas()])
-
-    def usage(self) -> Usage:
-        return Usage(
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=self.num_output_tokens,
-            total_tokens=self.num_prompt_tokens + self.num_output_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
-        )
+    async def run(self) -> Choice:
+        """Run to the end; the choice then holds the whole text and logprobs."""
+        async for _ in self.deltas():
+            pass
+        return self.choice
 
     def _observe(self, delta: RequestDelta) -> RequestDelta:
         self._timer.tokens(len(delta.token_ids))
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_output_tokens = delta.num_output_tokens
-        self.finish_reason = delta.finish_reason
+        self.choice.text += delta.text
+        self.choice.logprobs += delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.choice.prompt_logprobs = delta.prompt_logprobs
+        self.choice.finish_reason = delta.finish_reason
         return delta
 
     def _end(self) -> None:
         if self._ended:
             return
         self._ended = True
-        reason = self.finish_reason or "abort"
+        reason = self.choice.finish_reason or "abort"
         elapsed = self._timer.elapsed()
-        if self.finish_reason is not None:
+        if self.choice.finish_reason is not None:
             self._metrics.e2e_latency.observe(elapsed)
         self._metrics.finished(reason)
         ttft = self._timer.ttft
         log.info(
             "%s: prompt %d tokens (%d cached), %d completion tokens, finish %s, ttft %s, total %.3fs",
-            self.request_id,
+            self.log_id,
             self.num_prompt_tokens,
             self.num_cached_tokens,
             self.num_output_tokens,
@@ -268,6 +219,24 @@ class Generation:
             "-" if ttft is None else f"{ttft:.3f}s",
             elapsed,
         )
+
+
+def usage(generations: Sequence[Generation]) -> Usage:
+    """Each prompt counts once however many samples share it; its cached tokens are what was cached
+    before the request (the fewest any of its samples found)."""
+    prompts: dict[int, tuple[int, int]] = {}
+    for g in generations:
+        key = id(g.choice.prompt)
+        tokens, cached = prompts.get(key, (g.num_prompt_tokens, g.num_cached_tokens))
+        prompts[key] = (tokens, min(cached, g.num_cached_tokens))
+    prompt_tokens = sum(t for t, _ in prompts.values())
+    completion_tokens = sum(g.num_output_tokens for g in generations)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(c for _, c in prompts.values())),
+    )
 
 
 async def _disconnected(request: Request) -> None:
@@ -293,55 +262,90 @@ async def cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, T]) -
     return task.result()
 
 
+async def _merged(
+    generations: Sequence[Generation],
+) -> AsyncGenerator[tuple[Generation, RequestDelta], None]:
+    """The deltas of every generation as they come; leaving early aborts those still running."""
+    queue: asyncio.Queue[tuple[Generation, RequestDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(g: Generation) -> None:
+        try:
+            async for delta in g.deltas():
+                queue.put_nowait((g, delta))
+        except Exception as e:
+            queue.put_nowait((g, e))
+        finally:
+            queue.put_nowait((g, None))
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in generations]
+    try:
+        running = len(tasks)
+        while running:
+            g, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield g, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
 async def _events(
     request: Request,
-    generation: Generation,
+    generations: Sequence[Generation],
     fmt: OutputFormat,
     ids: ResponseIds,
     include_usage: bool,
 ) -> AsyncGenerator[str, None]:
     # OpenAI's chunks carry "usage": null until the last one when usage is asked for, and no key otherwise.
     exclude = None if include_usage else {"usage"}
+    # Logprobs of tokens whose text is held back (a possible stop string) wait for the next chunk.
+    pending: dict[int, list[TokenLogprob]] = {g.choice.index: [] for g in generations}
     try:
-        opening = fmt.opening(ids)
-        if opening is not None:
+        for opening in fmt.opening(ids, [g.choice for g in generations]):
             yield _sse(opening.model_dump_json(exclude=exclude))
-        async with aclosing(generation.deltas()) as deltas:
-            async for delta in deltas:
+        async with aclosing(_merged(generations)) as deltas:
+            async for g, delta in deltas:
+                held = pending[g.choice.index]
+                held += delta.logprobs
                 if delta.text or delta.finished:
-                    yield _sse(
-                        fmt.chunk(ids, delta.text, delta.finish_reason).model_dump_json(exclude=exclude)
-                    )
+                    chunk = fmt.chunk(ids, g.choice, delta.text, held, delta.finish_reason)
+                    yield _sse(chunk.model_dump_json(exclude=exclude))
+                    held.clear()
         if include_usage:
-            yield _sse(fmt.usage_chunk(ids, generation.usage()).model_dump_json())
+            yield _sse(fmt.usage_chunk(ids, usage(generations)).model_dump_json())
     except Exception as exc:
         # The status line is long gone: the error can only travel as an event.
         error = to_api_error(request, exc)
         if error.status >= 500:
-            log.exception("%s failed while streaming", generation.request_id)
+            log.exception("%s failed while streaming", ids.id)
         yield _sse(ErrorResponse(error=error.detail).model_dump_json())
     yield _sse("[DONE]")
 
 
 class EventStreamResponse(StreamingResponse):
-    """Server-sent events of one generation, closed the moment the response ends, however it ends.
+    """Server-sent events of one response, closed the moment the response ends, however it ends.
 
     Starlette leaves a generator that it stopped iterating (client gone, shutdown) to the garbage
-    collector; closing it here aborts the engine request right away.
+    collector; closing it here aborts the engine requests right away.
     """
 
-    def __init__(self, events: AsyncGenerator[str, None], generation: Generation) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], generations: Sequence[Generation]) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._events = events
-        self._generation = generation
+        self._generations = generations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -349,30 +353,65 @@ class EventStreamResponse(StreamingResponse):
         finally:
             await self._events.aclose()
             # Also covers an event generator that was never started.
-            await self._generation.close()
+            for g in self._generations:
+                await g.close()
+
+
+async def _start_all(generations: Sequence[Generation]) -> None:
+    """Wait for every generation's first delta; if one fails, abort them all and raise its error."""
+    results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for g in generations:
+            await g.close()
+        raise errors[0]
+
+
+async def _run_all(generations: Sequence[Generation]) -> list[Choice]:
+    return list(await asyncio.gather(*(g.run() for g in generations)))
 
 
 async def respond(
     ctx: ServerContext,
     request: Request,
     fmt: OutputFormat,
-    prompt_token_ids: list[int],
+    prompts: Sequence[PromptInput],
     params: SamplingParams,
     namespace: str,
     body: SamplingRequest,
 ) -> Response:
-    """Run one request through the engine and answer it whole, or as a stream of chunks."""
+    """Run `params.n` samples of each prompt through the engine and answer with every choice, whole or
+    as a stream of chunks. The samples of a prompt are submitted together, so all but the first read
+    its KV from the prefix cache instead of computing it again."""
     ids = ResponseIds(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
-    generation = Generation(ctx, ids.id, prompt_token_ids, params, namespace)
+    log_id: str = getattr(request.state, "request_id", ids.id)
     try:
-        await cancel_on_disconnect(request, generation.start())
+        # Everything that can never run is refused before anything is queued.
+        for prompt in prompts:
+            ctx.async_engine.engine.validate(prompt.token_ids, params)
     except InvalidRequestError as e:
         if e.param != "prompt":
             raise
         raise InvalidRequestError(e.message, fmt.prompt_param) from None
+    many = len(prompts) * params.n > 1
+    generations = []
+    for i, prompt in enumerate(prompts):
+        for j in range(params.n):
+            index = i * params.n + j
+            generations.append(
+                Generation(
+                    ctx,
+                    f"{log_id}[{index}]" if many else log_id,
+                    f"{ids.id}-{index}",
+                    Choice(index, prompt),
+                    params.for_sample(j),
+                    namespace,
+                )
+            )
+    await cancel_on_disconnect(request, _start_all(generations))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventStreamResponse(_events(request, generation, fmt, ids, include_usage), generation)
-    text = await cancel_on_disconnect(request, generation.text())
-    result = fmt.response(ids, text, generation.finish_reason, generation.usage())
+        return EventStreamResponse(_events(request, generations, fmt, ids, include_usage), generations)
+    choices = await cancel_on_disconnect(request, _run_all(generations))
+    result = fmt.response(ids, choices, usage(generations))
     return Response(result.model_dump_json(), media_type="application/json")

@@ -1,0 +1,204 @@
+"""How chat and text completions shape their choices: whole responses and stream chunks.
+
+A response has one choice per prompt and sample (`index` = prompt * n + sample). Both formats share the
+streaming and usage code in serving.py and differ only here: chat sends a role chunk first and OpenAI's
+per-token logprobs; text completions echo the prompt on request and use the legacy logprobs lists.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from kvserve.engine.logprobs import TokenLogprob
+from kvserve.server.logprobs import LogprobRenderer
+from kvserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+)
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt: its token ids and the text an echo shows."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Choice:
+    """One choice as it grows: the text and logprobs so far, the prompt's logprobs once computed."""
+
+    index: int
+    prompt: PromptInput
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass(frozen=True)
+class ResponseIds:
+    """What every chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+class OutputFormat(Protocol):
+    id_prefix: str
+    prompt_param: str
+
+    def opening(self, ids: ResponseIds, choices: Sequence[Choice]) -> list[BaseModel]: ...
+
+    def chunk(
+        self,
+        ids: ResponseIds,
+        choice: Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        finish_reason: str | None,
+    ) -> BaseModel: ...
+
+    def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel: ...
+
+    def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: Usage) -> BaseModel: ...
+
+
+class ChatFormat:
+    id_prefix = "chatcmpl"
+    prompt_param = "messages"
+
+    def __init__(self, renderer: LogprobRenderer, logprobs: bool) -> None:
+        self._renderer = renderer
+        self._logprobs = logprobs
+
+    def _render(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
+        return self._renderer.chat(entries) if self._logprobs else None
+
+    def opening(self, ids: ResponseIds, choices: Sequence[Choice]) -> list[BaseModel]:
+        # OpenAI's first chunk of each choice names the role and nothing else.
+        return [
+            self._chunk(ids, [ChatChunkChoice(index=c.index, delta={"role": "assistant", "content": ""})])
+            for c in choices
+        ]
+
+    def chunk(
+        self,
+        ids: ResponseIds,
+        choice: Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        finish_reason: str | None,
+    ) -> BaseModel:
+        delta = {"content": text} if text else {}
+        piece = ChatChunkChoice(
+            index=choice.index, delta=delta, logprobs=self._render(logprobs), finish_reason=finish_reason
+        )
+        return self._chunk(ids, [piece])
+
+    def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel:
+        return self._chunk(ids, [], usage)
+
+    def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+        out = [
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                logprobs=self._render(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for c in choices
+        ]
+        return ChatCompletionResponse(
+            id=ids.id, created=ids.created, model=ids.model, choices=out, usage=usage
+        )
+
+    @staticmethod
+    def _chunk(
+        ids: ResponseIds, choices: list[ChatChunkChoice], usage: Usage | None = None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=ids.id, created=ids.created, model=ids.model, choices=choices, usage=usage
+        )
+
+
+class CompletionFormat:
+    id_prefix = "cmpl"
+    prompt_param = "prompt"
+
+    def __init__(self, renderer: LogprobRenderer, logprobs: bool, echo: bool) -> None:
+        self._renderer = renderer
+        self._logprobs = logprobs
+        self._echo = echo
+        # Per streamed choice: the character offset its next token starts at.
+        self._offsets: dict[int, int] = {}
+
+    def opening(self, ids: ResponseIds, choices: Sequence[Choice]) -> list[BaseModel]:
+        return []
+
+    def _piece(
+        self, choice: Choice, text: str, logprobs: Sequence[TokenLogprob], first: bool
+    ) -> tuple[str, CompletionLogprobs | None]:
+        """The choice's text and logprobs for this piece; the first piece of an echo starts with the
+        prompt."""
+        token_ids = [e.token_id for e in logprobs]
+        entries: list[TokenLogprob | None] = list(logprobs)
+        if first and self._echo:
+            text = choice.prompt.text + text
+            if choice.prompt_logprobs is not None:
+                token_ids = choice.prompt.token_ids + token_ids
+                entries = list(choice.prompt_logprobs) + entries
+        if not self._logprobs:
+            return text, None
+        rendered, self._offsets[choice.index] = self._renderer.legacy(
+            token_ids, entries, self._offsets.get(choice.index, 0)
+        )
+        return text, rendered
+
+    def chunk(
+        self,
+        ids: ResponseIds,
+        choice: Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        finish_reason: str | None,
+    ) -> BaseModel:
+        first = choice.index not in self._offsets
+        self._offsets.setdefault(choice.index, 0)
+        text, rendered = self._piece(choice, text, logprobs, first)
+        piece = CompletionChoice(
+            index=choice.index, text=text, logprobs=rendered, finish_reason=finish_reason
+        )
+        return self._response(ids, [piece])
+
+    def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel:
+        return self._response(ids, [], usage)
+
+    def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+        out = []
+        for c in choices:
+            text, rendered = self._piece(c, c.text, c.logprobs, first=True)
+            out.append(
+                CompletionChoice(index=c.index, text=text, logprobs=rendered, finish_reason=c.finish_reason)
+            )
+        return self._response(ids, out, usage)
+
+    @staticmethod
+    def _response(
+        ids: ResponseIds, choices: list[CompletionChoice], usage: Usage | None = None
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=ids.id, created=ids.created, model=ids.model, choices=choices, usage=usage
+        )
