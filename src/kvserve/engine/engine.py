@@ -57,11 +57,12 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         mc = self.model.config
         self.max_model_len = self._max_model_len()
-        bytes_per_block = mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize) * config.block_size
-        num_blocks = config.kv_cache_memory // bytes_per_block
+        self.bytes_per_block = mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize) * config.block_size
+        num_blocks = config.kv_cache_memory // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block ({bytes_per_block})"
+                f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block "
+                f"({self.bytes_per_block})"
             )
         self.runner = ModelRunner(
             self.model,
