@@ -71,4 +71,5 @@ def test_a_sigkilled_server_restarts_with_its_cache_on_disk(tmp_path: Path) -> N
         assert pin.status_code == 200, pin.text
         assert pin.json()["pinned_tokens"] >= SYSTEM_TOKENS
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        assert 'kvserve_prefix_cache_hits_by_tier_total{model_name="SmolLM2-135M-Instruct",tier="disk"}' in metrics
+        disk_hits = 'kvserve_prefix_cache_hits_by_tier_total{model_name="SmolLM2-135M-Instruct",tier="disk"}'
+        assert f"{disk_hits} {float(cached)}" in metrics
