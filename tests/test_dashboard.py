@@ -58,8 +58,13 @@ def test_stats_json_matches_the_engine_after_known_traffic(tiny_model: LoadedMod
         assert counters["prefill_tokens_computed"] == s.prefill_tokens_computed
         assert counters["hit_rate"] == pytest.approx(s.hit_rate)
         pool = body["pool"]
-        assert pool["free"] + pool["cached"] + pool["in_use"] == pool["blocks"] == engine.num_blocks
-        assert pool["in_use"] == 0 and pool["cached"] == s.cache.num_cached > 0
+        assert (
+            pool["free"] + pool["cached"] + pool["in_use"] + pool["pinned"]
+            == pool["blocks"]
+            == engine.num_blocks
+        )
+        assert pool["in_use"] == pool["pinned"] == 0 and pool["cached"] == s.cache.num_cached > 0
+        assert pool["tiers"] == []
         # The two later requests hit the shared system prompt: one branch, 64 tokens, 2 hits.
         top = body["branches"][0]
         assert (top["tokens"], top["hits"], top["namespace"], top["text"]) == (64, 2, "default", None)

@@ -4,8 +4,9 @@ Workloads mix shared system prompts, multi-turn chains, exact repeats, two names
 aborts at any point (mid-prefill, mid-decode), n > 1 samples of one prompt, and requests for prompt
 logprobs (which compute every prompt position whatever the cache holds, and must equal the no-cache
 engine's); configs range over block sizes 1..32, pools from one that barely fits the largest request to
-large ones, token budgets from 1, 1..64 sequences and both decode-attention backends (the reference runs
-the portable one). Every step
+large ones, token budgets from 1, 1..64 sequences, both decode-attention backends (the reference runs
+the portable one) and the disk tier on or off (with the tiny pools, most of its cases evict and load
+blocks back from disk). Every step
 checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's
 blocks holding exactly the KV of their tokens.
 
@@ -14,6 +15,7 @@ tests/test_differential.py` runs a longer, randomized search for nightly use.
 """
 
 import os
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -51,6 +53,7 @@ class Case:
     max_num_seqs: int
     enable_prefix_caching: bool
     attention: str
+    disk_tier: bool
     systems: list[list[int]]
     specs: list[Spec]
 
@@ -81,16 +84,21 @@ def cases(draw: st.DrawFn) -> Case:
                 prompt_logprobs=draw(st.sampled_from([False, False, False, True])),
             )
         )
-    # From a pool that barely holds one request (prompts are clipped to fit it) up to a roomy one.
-    capacity = draw(st.integers(8, 160))
-    num_blocks = -(-capacity // block_size) + draw(st.sampled_from([0, 0, 1, 3, 40]))
+    enable_prefix_caching = draw(st.booleans()) or draw(st.booleans())
+    disk_tier = enable_prefix_caching and draw(st.booleans())
+    # From a pool that barely holds one request (prompts are clipped to fit it) up to a roomy one; with
+    # the disk tier the pool stays tiny, so that blocks are evicted and loaded back.
+    capacity = draw(st.integers(8, 40 if disk_tier else 160))
+    spare = draw(st.sampled_from([0, 1] if disk_tier else [0, 0, 1, 3, 40]))
+    num_blocks = -(-capacity // block_size) + spare
     return Case(
         block_size=block_size,
         num_blocks=min(num_blocks, MAX_MODEL_LEN),
         max_num_batched_tokens=draw(st.one_of(st.integers(1, 6), st.integers(7, 300))),
         max_num_seqs=draw(st.one_of(st.integers(1, 3), st.integers(4, 64))),
-        enable_prefix_caching=draw(st.booleans()) or draw(st.booleans()),
+        enable_prefix_caching=enable_prefix_caching,
         attention=draw(st.sampled_from(["native", "torch"])),
+        disk_tier=disk_tier,
         systems=systems,
         specs=specs,
     )
@@ -110,17 +118,22 @@ def reference(tiny_model: LoadedModel) -> Engine:
 def test_engine_matches_a_no_cache_engine_token_for_token(
     tiny_model: LoadedModel, reference: Engine, case: Case
 ) -> None:
-    engine = engine_with_blocks(
-        tiny_model,
-        case.num_blocks,
-        case.block_size,
-        max_num_batched_tokens=case.max_num_batched_tokens,
-        max_num_seqs=case.max_num_seqs,
-        enable_prefix_caching=case.enable_prefix_caching,
-        attention=case.attention,
-    )
-    run = drive(engine, case.systems, case.specs)
-    assert_matches_reference(run, reference_outputs(reference, run))
-    assert_no_leak(engine)
-    if case.enable_prefix_caching:
-        assert_cached_kv_is_fresh(engine, tiny_model, sample=6)
+    with tempfile.TemporaryDirectory(prefix="kvserve-disk-") as disk:
+        engine = engine_with_blocks(
+            tiny_model,
+            case.num_blocks,
+            case.block_size,
+            max_num_batched_tokens=case.max_num_batched_tokens,
+            max_num_seqs=case.max_num_seqs,
+            enable_prefix_caching=case.enable_prefix_caching,
+            attention=case.attention,
+            kv_disk=disk if case.disk_tier else None,
+        )
+        try:
+            run = drive(engine, case.systems, case.specs)
+            assert_matches_reference(run, reference_outputs(reference, run))
+            assert_no_leak(engine)
+            if case.enable_prefix_caching:
+                assert_cached_kv_is_fresh(engine, tiny_model, sample=6)
+        finally:
+            engine.close()

@@ -34,6 +34,19 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-prefix-cache", action="store_true", help="disable prefix caching (for baselines)"
     )
     parser.add_argument(
+        "--kv-disk",
+        default=None,
+        metavar="DIR",
+        help="disk tier: keep KV blocks in DIR too, found again after eviction or a restart",
+    )
+    parser.add_argument("--kv-disk-size", default="20GiB", help="disk tier budget, e.g. 20GiB")
+    parser.add_argument(
+        "--max-pinned-tokens",
+        type=int,
+        default=0,
+        help="KV tokens that POST /v1/cache/pin may hold in memory (held back from requests); 0: off",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
@@ -63,6 +76,9 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_cache,
+        kv_disk=args.kv_disk,
+        kv_disk_size=parse_bytes(args.kv_disk_size),
+        max_pinned_tokens=args.max_pinned_tokens,
         threads=args.threads,
         device=args.device,
         dtype=args.dtype,

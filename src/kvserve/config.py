@@ -51,6 +51,11 @@ class EngineConfig:
     sets 1 (see benchmarks/bench_overhead.py). `attention` is the decode-attention backend: "native"
     (a C kernel built on first use; bitwise batch-invariant), "torch" (portable) or "auto" (native where
     it can run: CPU, float32 or float64, a C compiler present).
+
+    `kv_disk`, when set, is the folder of the disk tier: blocks computed in memory are also written
+    there (behind the step) and found again after eviction or a restart; `kv_disk_size` bounds it.
+    `max_pinned_tokens` is how much of the pool prefixes may be pinned in (0: pinning off); it is held
+    back from the largest request the engine accepts, so that pins never starve a request.
     """
 
     model: str | None = None
@@ -70,16 +75,26 @@ class EngineConfig:
     single_token_threads: int | None = None
     seed: int = 0
     cache_dir: str = field(default_factory=default_cache_dir)
+    kv_disk: str | None = None
+    kv_disk_size: int = 20 * 2**30
+    max_pinned_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.kv_cache_memory, str):
-            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        for name in ("kv_cache_memory", "kv_disk_size"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, parse_bytes(getattr(self, name)))
         checks: list[tuple[bool, str]] = [
             (
                 self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                 "block_size must be a power of 2",
             ),
             (self.kv_cache_memory > 0, "kv_cache_memory must be positive"),
+            (self.kv_disk_size > 0, "kv_disk_size must be positive"),
+            (
+                self.kv_disk is None or self.enable_prefix_caching,
+                "kv_disk needs the prefix cache: drop --no-prefix-cache or --kv-disk",
+            ),
+            (self.max_pinned_tokens >= 0, "max_pinned_tokens must be >= 0"),
             (self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive"),
             (self.max_num_seqs > 0, "max_num_seqs must be positive"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"),

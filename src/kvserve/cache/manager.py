@@ -1,16 +1,26 @@
 """KVCacheManager: the one owner of KV block accounting.
 
 Every block decision is made here: match-and-lock a cached prefix, allocate (evicting when short), grow,
-copy on write, publish computed KV, release, evict. The scheduler above only decides who runs, in what
-order and with what token budget; it never touches a block id or a reference count.
+copy on write, publish computed KV, release, evict, pin. The scheduler above only decides who runs, in
+what order and with what token budget; it never touches a block id or a reference count.
+
+Below memory there may be lower tiers (disk): every newly published full block is offered to them, and
+an admission continues its memory match there, loading the blocks it finds into fresh memory blocks that
+join the tree as if they had just been computed.
 """
 
+import itertools
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.lower_tiers import LowerTiers
+from kvserve.cache.prefix_cache import MatchResult, PrefixCache
+from kvserve.cache.tiers import TierUsage
+
+MEMORY_TIER = "memory"
 
 
 @dataclass(eq=False)
@@ -27,6 +37,8 @@ class SequenceBlocks:
     blocks: list[int] = field(default_factory=list)
     num_published: int = 0
     copy_source: int | None = None
+    # Chain keys of the first full blocks, computed as far as needed (only with lower tiers).
+    keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -35,12 +47,30 @@ class Admission:
 
     `num_cached_tokens` tokens need no computing; the first chunk is the next `num_new_tokens`. When
     `copy` is set, the runner must copy block `copy[0]` into `copy[1]` before the step's forward pass.
+    `hits` splits the cached tokens by the tier they were found in.
     """
 
     seq: SequenceBlocks
     num_cached_tokens: int
     num_new_tokens: int
     copy: tuple[int, int] | None = None
+    hits: dict[str, int] = field(default_factory=dict)
+
+
+class PinRefused(ValueError):
+    """A pin that the cache cannot take (pinning off, over the cap, shorter than a block)."""
+
+
+@dataclass(eq=False)
+class Pin:
+    """A prefix held in memory until `expires_at` (the manager's clock): it owns one pool reference to
+    each of `blocks`, the full blocks of `tokens`."""
+
+    pin_id: str
+    namespace: str
+    tokens: tuple[int, ...]
+    blocks: list[int]
+    expires_at: float
 
 
 @dataclass(frozen=True)
@@ -50,6 +80,11 @@ class CacheUsage:
     num_cached: int
     num_locked: int
     num_evicted: int
+    num_pinned: int = 0
+    max_pinned: int = 0
+    tiers: tuple[TierUsage, ...] = ()
+    # Cached blocks nothing holds but the tree: what eviction may take.
+    num_evictable: int = 0
 
     @property
     def usage(self) -> float:
@@ -72,13 +107,33 @@ class KVCacheManager:
     - Only computed KV is published, and a published block is never written again (copy on write).
     - A block with several holders is a tree block (sequences share blocks only through the tree), which
       is what lets `usage` count locked blocks without walking the tree.
+    - A pin owns one reference to each of its blocks, so a pinned block is never evictable; the distinct
+      pinned blocks never exceed `max_pinned_blocks`.
+    - A block loaded from a lower tier is verified there first and is written before it joins the tree.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        lower: LowerTiers | None = None,
+        max_pinned_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lower is not None and not enable_prefix_caching:
+            raise ValueError("lower cache tiers need the prefix cache")
+        if not 0 <= max_pinned_blocks < num_blocks:
+            raise ValueError("the pinned blocks must leave at least one block of the pool unpinned")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.lower = lower
+        self.max_pinned_blocks = max_pinned_blocks
+        self.clock = clock
         self._live: set[SequenceBlocks] = set()
+        self._pins: dict[str, Pin] = {}
+        self._pin_ids = itertools.count(1)
 
     def cached_prefix_len(self, namespace: str, tokens: Sequence[int]) -> int:
         """How many leading tokens the cache holds now (a hint for ordering; nothing is locked)."""
@@ -98,38 +153,78 @@ class KVCacheManager:
         if budget < 1 or not tokens:
             raise ValueError("admission needs a positive budget and at least one token")
         seq = SequenceBlocks(namespace)
+        hits: dict[str, int] = {}
         if self.prefix_cache is not None:
             limit = len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)
-            match = self.prefix_cache.match(namespace, tokens[:limit])
+            prompt = tokens[:limit]
+            match = self.prefix_cache.match(namespace, prompt)
             seq.blocks = list(match.blocks)
             self._lock(seq.blocks)
+            hits[MEMORY_TIER] = match.num_tokens
+            if self._load_from_lower_tiers(seq, prompt, hits):
+                # The loaded blocks are new leaves: nothing in memory continues them.
+                match = MatchResult(tuple(seq.blocks), len(seq.blocks) * self.block_size)
             cached = match.num_tokens
             if match.partial_block is not None:
                 self._lock([match.partial_block])
                 seq.copy_source = match.partial_block
                 n = min(len(tokens) - cached, budget)
                 if self._extend(seq, cached + n):
-                    return self._admitted(seq, cached, n)
+                    return self._admitted(seq, cached, n, hits)
                 # The copy source is one block more than the chunk itself needs; in a pool that can
                 # hold the chunk but not both, give up the partial hit rather than never admitting.
                 self.pool.release(match.partial_block)
                 seq.copy_source = None
+                hits[MEMORY_TIER] = len(match.blocks) * self.block_size
             cached = len(seq.blocks) * self.block_size
         else:
             cached = 0
         n = min(len(tokens) - cached, budget)
         if self._extend(seq, cached + n):
-            return self._admitted(seq, cached, n)
+            return self._admitted(seq, cached, n, hits)
         self._release_blocks(seq.blocks)
         return None
 
-    def _admitted(self, seq: SequenceBlocks, cached: int, n: int) -> Admission:
+    def _load_from_lower_tiers(self, seq: SequenceBlocks, tokens: Sequence[int], hits: dict[str, int]) -> int:
+        """Continue `seq`'s memory match of `tokens` with full blocks from the lower tiers: each one
+        found intact is loaded into a fresh block (evicting if needed), joins the tree and is locked for
+        `seq`. Stops at the first block no tier holds intact; returns how many were loaded."""
+        if self.lower is None or self.prefix_cache is None:
+            return 0
+        bs = self.block_size
+        start = len(seq.blocks)
+        end = len(tokens) // bs
+        if start == end or not self.lower.holds(self._key(seq, tokens, start)):
+            return 0
+        for j in range(start, end):
+            self.lower.extend_keys(seq.keys, seq.namespace, tokens, j + 1)
+            if not self.lower.holds(seq.keys[j]) or not self._extend(seq, (j + 1) * bs):
+                break
+            found = self.lower.fetch(self.lower.record(seq.keys, seq.namespace, tokens, j))
+            if found is None:
+                self.pool.release(seq.blocks.pop())
+                break
+            tier, kv = found
+            self.lower.io.write_block(seq.blocks[j], kv)
+            self.prefix_cache.insert(seq.namespace, tokens[: (j + 1) * bs], seq.blocks)
+            hits[tier] = hits.get(tier, 0) + bs
+        loaded = len(seq.blocks) - start
+        if loaded:
+            hits[MEMORY_TIER] = start * bs
+        return loaded
+
+    def _key(self, seq: SequenceBlocks, tokens: Sequence[int], j: int) -> bytes:
+        assert self.lower is not None
+        self.lower.extend_keys(seq.keys, seq.namespace, tokens, j + 1)
+        return seq.keys[j]
+
+    def _admitted(self, seq: SequenceBlocks, cached: int, n: int, hits: dict[str, int]) -> Admission:
         seq.num_published = cached // self.block_size
         self._live.add(seq)
         copy = None
         if seq.copy_source is not None:
             copy = (seq.copy_source, seq.blocks[seq.num_published])
-        return Admission(seq, cached, n, copy)
+        return Admission(seq, cached, n, copy, {tier: n for tier, n in hits.items() if n})
 
     def grow(self, seq: SequenceBlocks, num_tokens: int) -> bool:
         """Make `seq.blocks` cover `num_tokens` tokens; False, with nothing taken, if the pool cannot."""
@@ -157,6 +252,11 @@ class KVCacheManager:
         if full > seq.num_published:
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq.namespace, tokens[: full * self.block_size], seq.blocks[:full])
+            if self.lower is not None:
+                self.lower.extend_keys(seq.keys, seq.namespace, tokens, full)
+                for j in range(seq.num_published, full):
+                    record = self.lower.record(seq.keys, seq.namespace, tokens, j)
+                    self.lower.offer(record, seq.blocks[j])
             seq.num_published = full
 
     def release(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:
@@ -186,18 +286,102 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
+    def pin(self, namespace: str, tokens: Sequence[int], ttl_s: float) -> Pin | None:
+        """Hold the full blocks of `tokens` in memory for `ttl_s` seconds. A pin of the same prefix in
+        the same namespace is extended instead. Returns None, holding nothing, when the prefix is not
+        wholly cached (in memory or a lower tier): compute it, then pin again.
+
+        Raises PinRefused when pinning is off, the prefix is shorter than a block, or the pinned blocks
+        would exceed `max_pinned_blocks`.
+        """
+        if self.prefix_cache is None or self.max_pinned_blocks == 0:
+            raise PinRefused("pinning is off: start the server with --max-pinned-tokens")
+        bs = self.block_size
+        n = len(tokens) // bs
+        if n == 0:
+            raise PinRefused(f"the prefix is shorter than one KV block ({bs} tokens): nothing to pin")
+        if n > self.max_pinned_blocks:
+            raise PinRefused(
+                f"the prefix needs {n * bs} pinned tokens, over the cap of {self.max_pinned_blocks * bs}"
+            )
+        prefix = tuple(tokens[: n * bs])
+        expires_at = self.clock() + ttl_s
+        for pin in self._pins.values():
+            if pin.namespace == namespace and pin.tokens == prefix:
+                pin.expires_at = max(pin.expires_at, expires_at)
+                return pin
+        seq = SequenceBlocks(namespace)
+        match = self.prefix_cache.match(namespace, prefix)
+        seq.blocks = list(match.blocks)
+        self._lock(seq.blocks)
+        self._load_from_lower_tiers(seq, prefix, {})
+        if len(seq.blocks) < n:
+            self._release_blocks(seq.blocks)
+            return None
+        pinned = self.pinned_blocks()
+        total = len(pinned | set(seq.blocks))
+        if total > self.max_pinned_blocks:
+            self._release_blocks(seq.blocks)
+            raise PinRefused(
+                f"pinning {n * bs} more tokens would hold {total * bs} pinned tokens, over the cap of "
+                f"{self.max_pinned_blocks * bs}; unpin something first"
+            )
+        pin = Pin(f"pin-{next(self._pin_ids)}", namespace, prefix, seq.blocks, expires_at)
+        self._pins[pin.pin_id] = pin
+        return pin
+
+    def unpin(self, namespace: str, pin_id: str) -> bool:
+        """Let go of a pin of `namespace`; False if there is none by that id (or it is another's)."""
+        pin = self._pins.get(pin_id)
+        if pin is None or pin.namespace != namespace:
+            return False
+        del self._pins[pin_id]
+        self._release_blocks(pin.blocks)
+        return True
+
+    def expire_pins(self) -> int:
+        """Drop every pin whose time is over; its blocks stay cached, evictable. Returns how many."""
+        now = self.clock()
+        expired = [p for p in self._pins.values() if p.expires_at <= now]
+        for pin in expired:
+            self.unpin(pin.namespace, pin.pin_id)
+        return len(expired)
+
+    def pins(self, namespace: str) -> list[Pin]:
+        return [p for p in self._pins.values() if p.namespace == namespace]
+
+    def pinned_blocks(self) -> set[int]:
+        return {b for p in self._pins.values() for b in p.blocks}
+
     def usage(self) -> CacheUsage:
-        """The pool by state, in O(1): a block with two or more references is always a tree block
-        locked by a request (`check` asserts it), so the tree's unlocked blocks need no walk."""
+        """The pool by state without walking the tree: a block with two or more references is always a
+        tree block (`check` asserts it), so the tree's unlocked blocks are its nodes minus the shared
+        blocks; pinned blocks that no request holds are counted from the pins (bounded by the cap)."""
         cached = self.prefix_cache.num_nodes if self.prefix_cache is not None else 0
         unlocked_cached = cached - self.pool.num_shared
+        pin_refs = Counter(b for p in self._pins.values() for b in p.blocks)
+        pinned_only = sum(1 for b, k in pin_refs.items() if self.pool.ref_count(b) == 1 + k)
         return CacheUsage(
             num_blocks=self.pool.num_blocks,
             num_free=self.pool.num_free,
             num_cached=cached,
-            num_locked=self.pool.num_used - unlocked_cached,
+            num_locked=self.pool.num_used - unlocked_cached - pinned_only,
             num_evicted=self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
+            num_pinned=len(pin_refs),
+            num_evictable=unlocked_cached,
+            max_pinned=self.max_pinned_blocks,
+            tiers=tuple(self.lower.usage()) if self.lower is not None else (),
         )
+
+    def flush(self) -> None:
+        """Wait until the lower tiers have written every block offered so far."""
+        if self.lower is not None:
+            self.lower.flush()
+
+    def close(self) -> None:
+        """Write what the lower tiers have queued and stop them."""
+        if self.lower is not None:
+            self.lower.close()
 
     def check(self) -> None:
         """Assert the class invariants (for tests and debugging: walks the whole tree)."""
@@ -212,6 +396,8 @@ class KVCacheManager:
             holders.update(seq.blocks)
             if seq.copy_source is not None:
                 holders[seq.copy_source] += 1
+        for pin in self._pins.values():
+            holders.update(pin.blocks)
         for block in range(self.pool.num_blocks):
             if self.pool.ref_count(block) != holders[block]:
                 raise AssertionError(
@@ -222,3 +408,13 @@ class KVCacheManager:
         shared = {b for b in holders if holders[b] >= 2}
         if self.pool.num_shared != len(shared) or not shared <= set(tree_blocks):
             raise AssertionError("a block with several references is not a tree block, or the count drifted")
+        pinned = self.pinned_blocks()
+        if len(pinned) > self.max_pinned_blocks:
+            raise AssertionError("more blocks are pinned than the cap allows")
+        if any(self.pool.ref_count(b) < 2 for b in pinned & set(tree_blocks)):
+            raise AssertionError("a pinned block is evictable")
+        locked = {b for seq in self._live for b in seq.blocks}
+        locked.update(seq.copy_source for seq in self._live if seq.copy_source is not None)
+        usage = self.usage()
+        if (usage.num_locked, usage.num_cached) != (len(locked), len(tree_blocks)):
+            raise AssertionError(f"usage {usage} disagrees with the walk: {len(locked)} locked")

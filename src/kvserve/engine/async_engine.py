@@ -75,8 +75,10 @@ class AsyncEngine:
         return self._in_flight
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then let the cache tiers write what they have queued."""
         self._commands.put(None)
         self._thread.join(timeout=30)
+        self.engine.close()
 
     async def generate(
         self,

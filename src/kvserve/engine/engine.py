@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.manager import CacheUsage, KVCacheManager
+from kvserve.cache.disk_tier import DiskTier
+from kvserve.cache.lower_tiers import LowerTiers
+from kvserve.cache.manager import CacheUsage, KVCacheManager, Pin
 from kvserve.config import EngineConfig
 from kvserve.engine import sampler
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
@@ -20,6 +22,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.text_stream import TextStream
 from kvserve.errors import InvalidRequestError
+from kvserve.model.fingerprint import model_fingerprint
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.runner import DTYPES, ModelRunner
 
@@ -34,6 +37,7 @@ class EngineStats:
     generation_tokens: int
     cache_queries: int
     cache_hits: int
+    hits_by_tier: dict[str, int]
     prefill_tokens_computed: int
     preemptions: int
     cache: CacheUsage
@@ -54,11 +58,12 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         mc = self.model.config
         self.max_model_len = self._max_model_len()
-        bytes_per_block = mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize) * config.block_size
-        num_blocks = config.kv_cache_memory // bytes_per_block
+        self.bytes_per_block = mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize) * config.block_size
+        num_blocks = config.kv_cache_memory // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block ({bytes_per_block})"
+                f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block "
+                f"({self.bytes_per_block})"
             )
         self.runner = ModelRunner(
             self.model,
@@ -71,7 +76,19 @@ class Engine:
             config.attention,
             config.cache_dir,
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        max_pinned_blocks = config.max_pinned_tokens // config.block_size
+        if max_pinned_blocks >= num_blocks:
+            raise ValueError(
+                f"max_pinned_tokens={config.max_pinned_tokens} leaves no room in a pool of "
+                f"{num_blocks * config.block_size} tokens; lower it or raise kv_cache_memory"
+            )
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self._lower_tiers(),
+            max_pinned_blocks,
+        )
         self.scheduler = Scheduler(config, self.kv)
         self.replies = ReplyMemory()
         self.requests: dict[str, Request] = {}
@@ -82,7 +99,7 @@ class Engine:
         self.generation_tokens = 0
         log.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-            "prefix cache %s",
+            "prefix cache %s, disk tier %s",
             time.monotonic() - started,
             self.model.name,
             num_blocks,
@@ -90,7 +107,16 @@ class Engine:
             num_blocks * config.block_size,
             self.max_model_len,
             "on" if config.enable_prefix_caching else "off",
+            config.kv_disk or "off",
         )
+
+    def _lower_tiers(self) -> LowerTiers | None:
+        c = self.config
+        if c.kv_disk is None:
+            return None
+        fingerprint = model_fingerprint(self.model, c.weight_dtype, c.block_size, c.dtype)
+        disk = DiskTier(c.kv_disk, c.kv_disk_size, fingerprint)
+        return LowerTiers([disk], self.runner.kv_cache, fingerprint, c.block_size)
 
     def _max_model_len(self) -> int:
         mc = self.model.config
@@ -107,6 +133,11 @@ class Engine:
     def num_blocks(self) -> int:
         return self.kv.pool.num_blocks
 
+    @property
+    def request_pool_tokens(self) -> int:
+        """The KV tokens one request may use: the pool less what pins may hold."""
+        return (self.num_blocks - self.kv.max_pinned_blocks) * self.config.block_size
+
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
         """The request's effective max_tokens; raises InvalidRequestError if it can never be served.
 
@@ -118,8 +149,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        # A request's KV must fit in the pool as well as in the context window.
-        limit = min(self.max_model_len, self.num_blocks * self.config.block_size)
+        # A request's KV must fit in the pool as well as in the context window, beside the most that
+        # pins may hold.
+        limit = min(self.max_model_len, self.request_pool_tokens)
         if n >= limit:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens, "
@@ -193,6 +225,7 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestDelta]:
+        self.kv.expire_pins()
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
             if self.scheduler.has_work() and not scheduled.preempted:
@@ -329,6 +362,23 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
 
+    def pin(self, namespace: str, tokens: Sequence[int], ttl_s: float) -> Pin | None:
+        """Pin the full blocks of `tokens` in memory for `ttl_s` seconds; None if they are not all cached
+        (run the prompt first). Raises PinRefused (a ValueError) when the cache cannot take the pin."""
+        self.kv.expire_pins()
+        return self.kv.pin(namespace, tokens, ttl_s)
+
+    def unpin(self, namespace: str, pin_id: str) -> bool:
+        return self.kv.unpin(namespace, pin_id)
+
+    def pins(self, namespace: str) -> list[Pin]:
+        self.kv.expire_pins()
+        return self.kv.pins(namespace)
+
+    def close(self) -> None:
+        """Write what the lower cache tiers have queued and stop their threads."""
+        self.kv.close()
+
     def stats(self) -> EngineStats:
         c = self.scheduler.counters
         return EngineStats(
@@ -338,6 +388,7 @@ class Engine:
             generation_tokens=self.generation_tokens,
             cache_queries=c.cache_queries,
             cache_hits=c.cache_hits,
+            hits_by_tier=dict(c.hits_by_tier),
             prefill_tokens_computed=c.prefill_tokens_computed,
             preemptions=c.preemptions,
             cache=self.kv.usage(),

@@ -19,7 +19,7 @@ request still prefilling waits for that prefill, then finds the shared part in t
 computing it a second time.
 """
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kvserve.cache.manager import KVCacheManager
@@ -65,6 +65,8 @@ class ScheduledStep:
 class SchedulerCounters:
     cache_queries: int = 0
     cache_hits: int = 0
+    # The hits split by the cache tier that held them (memory, disk).
+    hits_by_tier: Counter[str] = field(default_factory=Counter)
     prefill_tokens_computed: int = 0
     preemptions: int = 0
 
@@ -185,6 +187,7 @@ class Scheduler:
             self.running.append(request)
             self.counters.cache_queries += request.num_tokens
             self.counters.cache_hits += admission.num_cached_tokens
+            self.counters.hits_by_tier.update(admission.hits)
             if admission.copy is not None:
                 step.block_copies.append(admission.copy)
             self._add_chunk(step, request, admission.num_new_tokens)

@@ -66,6 +66,7 @@ class KVCache:
         dtype: torch.dtype,
     ) -> None:
         self.block_size = block_size
+        self.dtype = dtype
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -74,6 +75,27 @@ class KVCache:
         bs = self.block_size
         self.k[:, dst * bs : (dst + 1) * bs] = self.k[:, src * bs : (src + 1) * bs]
         self.v[:, dst * bs : (dst + 1) * bs] = self.v[:, src * bs : (src + 1) * bs]
+
+    def read_block(self, block: int) -> torch.Tensor:
+        """A CPU copy of one block's K and V in every layer, [2, layers, block_size, kv_heads, head_dim].
+
+        The copy's layout is the exchange format of the cache tiers, whatever the cache's own layout, so
+        that a block written by one layout reads back under another.
+        """
+        bs = self.block_size
+        rows = slice(block * bs, (block + 1) * bs)
+        return torch.stack((self.k[:, rows], self.v[:, rows])).to("cpu", copy=True)
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        """Overwrite one block's K and V with `data` as `read_block` returns it."""
+        bs = self.block_size
+        rows = slice(block * bs, (block + 1) * bs)
+        self.k[:, rows] = data[0].to(self.k.device)
+        self.v[:, rows] = data[1].to(self.v.device)
+
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of `read_block`'s result."""
+        return (2, self.k.shape[0], self.block_size, self.k.shape[2], self.k.shape[3])
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -24,13 +24,18 @@ from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.formats import ChatFormat, CompletionFormat, PromptInput
 from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.pinning import cache_status, pin_prefix, unpin
 from kvserve.server.protocol import (
+    CacheStatus,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PinDeleted,
+    PinInfo,
+    PinRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -193,6 +198,34 @@ async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeRespons
         )
     # Special tokens are kept so that detokenize(tokenize(text)) gives the text back.
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+@api.post("/v1/cache/pin")
+async def pin(body: PinRequest, request: Request, ctx: Context) -> PinInfo:
+    check_model(ctx, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(
+            400, "Send either 'prompt' (text or token ids) or 'messages' (a chat), not both or neither."
+        )
+    namespace = cache_namespace(request)
+    if body.messages is not None:
+        tokens = chat_prompt(ctx, body.messages, namespace, add_generation_prompt=False)
+    else:
+        tokens = text_prompt(ctx.async_engine.tokenizer, body.prompt or "")
+    if not tokens:
+        raise APIError(400, "The prefix to pin is empty.", param="prompt")
+    return await pin_prefix(ctx, namespace, tokens, body.ttl_s)
+
+
+@api.delete("/v1/cache/pin/{pin_id}")
+async def delete_pin(pin_id: str, request: Request, ctx: Context) -> PinDeleted:
+    await unpin(ctx, cache_namespace(request), pin_id)
+    return PinDeleted(id=pin_id)
+
+
+@api.get("/v1/cache")
+async def cache(request: Request, ctx: Context) -> CacheStatus:
+    return await cache_status(ctx, cache_namespace(request))
 
 
 def create_app(

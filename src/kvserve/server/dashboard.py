@@ -28,17 +28,29 @@ HISTORY_SECONDS = 600
 HEAD_TOKENS = 12
 
 
+class TierStats(BaseModel):
+    """A lower tier (the disk) below the memory pool."""
+
+    name: str
+    blocks: int
+    bytes_used: int
+    capacity_bytes: int
+
+
 class PoolStats(BaseModel):
-    """The KV pool by state, in blocks: free + cached + in_use = blocks. `cached` blocks hold a prefix
-    and no running request uses them (evictable); `in_use` blocks are held by running requests."""
+    """The KV pool by state, in blocks: free + cached + in_use + pinned = blocks. `cached` blocks hold a
+    prefix and nothing else holds them (evictable); `in_use` blocks are held by running requests;
+    `pinned` blocks are held only by pins. `tiers` are the lower tiers, if any."""
 
     blocks: int
     block_size: int
     free: int
     cached: int
     in_use: int
+    pinned: int
     evicted: int
     usage: float
+    tiers: list[TierStats]
 
 
 class Counters(BaseModel):
@@ -102,15 +114,21 @@ def namespace_label(namespace: str) -> str:
 
 def pool_stats(stats: EngineStats, block_size: int) -> PoolStats:
     c = stats.cache
-    evictable = c.num_blocks - c.num_free - c.num_locked
     return PoolStats(
         blocks=c.num_blocks,
         block_size=block_size,
         free=c.num_free,
-        cached=evictable,
+        cached=c.num_evictable,
         in_use=c.num_locked,
+        pinned=c.num_blocks - c.num_free - c.num_locked - c.num_evictable,
         evicted=c.num_evicted,
         usage=c.usage,
+        tiers=[
+            TierStats(
+                name=t.name, blocks=t.num_blocks, bytes_used=t.bytes_used, capacity_bytes=t.capacity_bytes
+            )
+            for t in c.tiers
+        ],
     )
 
 

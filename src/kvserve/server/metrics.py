@@ -7,11 +7,17 @@ exposed with vLLM's types and units: `vllm:prefix_cache_queries_total` and `vllm
 """
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
+from kvserve.cache.tiers import LatencySnapshot, TierUsage
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import EngineStats
 
@@ -120,10 +126,75 @@ class EngineStatsCollector:
                 c.usage,
             ),
         ]
+        families.append(
+            (GaugeMetricFamily, "kvserve_kv_cache_pinned_blocks", "KV blocks held by pins.", c.num_pinned)
+        )
         for family_type, name, doc, value in families:
             family = family_type(name, doc, labels=_LABELS)
             family.add_metric([self.model_name], value)
             yield family
+        yield from self._tiers(s)
+
+    def _tiers(self, s: EngineStats) -> Iterable[Metric]:
+        """Hits per tier (memory, disk) and each lower tier's usage and latencies, labelled by tier."""
+        labels = [*_LABELS, "tier"]
+        hits = CounterMetricFamily(
+            "kvserve_prefix_cache_hits_by_tier",
+            "Prompt tokens found in the cache, by the tier that held them.",
+            labels=labels,
+        )
+        for tier in ("memory", *(t.name for t in s.cache.tiers)):
+            hits.add_metric([self.model_name, tier], s.hits_by_tier.get(tier, 0))
+        yield hits
+        gauges: list[tuple[str, str, Callable[[TierUsage], float]]] = [
+            ("kvserve_kv_tier_bytes_used", "Bytes a lower cache tier holds.", lambda t: t.bytes_used),
+            (
+                "kvserve_kv_tier_capacity_bytes",
+                "Byte budget of a lower cache tier.",
+                lambda t: t.capacity_bytes,
+            ),
+            ("kvserve_kv_tier_blocks", "KV blocks a lower cache tier holds.", lambda t: t.num_blocks),
+        ]
+        counters: list[tuple[str, str, Callable[[TierUsage], float]]] = [
+            ("kvserve_kv_tier_stores", "Blocks written to a lower cache tier.", lambda t: t.stores),
+            (
+                "kvserve_kv_tier_stores_dropped",
+                "Blocks not written to a lower cache tier (queue full or write error).",
+                lambda t: t.stores_dropped,
+            ),
+            ("kvserve_kv_tier_loads", "Blocks loaded from a lower cache tier.", lambda t: t.loads),
+            (
+                "kvserve_kv_tier_loads_failed",
+                "Block files dropped on load (missing, truncated, corrupt or foreign); recomputed.",
+                lambda t: t.loads_failed,
+            ),
+        ]
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            for t in s.cache.tiers:
+                gauge.add_metric([self.model_name, t.name], value(t))
+            yield gauge
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            for t in s.cache.tiers:
+                counter.add_metric([self.model_name, t.name], value(t))
+            yield counter
+        histograms: list[tuple[str, str, Callable[[TierUsage], LatencySnapshot]]] = [
+            ("kvserve_kv_tier_load_seconds", "Time to load and verify one block.", lambda t: t.load_latency),
+            (
+                "kvserve_kv_tier_store_seconds",
+                "Time to write one block (off the step).",
+                lambda t: t.store_latency,
+            ),
+        ]
+        for name, doc, snapshot in histograms:
+            histogram = HistogramMetricFamily(name, doc, labels=labels)
+            for t in s.cache.tiers:
+                h = snapshot(t)
+                buckets = [(str(b), float(c)) for b, c in zip(h.buckets, h.cumulative, strict=False)]
+                buckets.append(("+Inf", float(h.count)))
+                histogram.add_metric([self.model_name, t.name], buckets, h.total)
+            yield histogram
 
 
 class ServerMetrics:

@@ -223,3 +223,47 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# A pin outliving a week is a configuration, not a cache decision.
+MAX_PIN_TTL_S = 7 * 24 * 3600
+
+
+class PinRequest(OpenAIRequest):
+    """A prefix to hold in memory: a text prompt (or token ids) or chat messages, rendered without the
+    generation prompt so that every later chat that starts with them shares the pinned blocks."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    ttl_s: float = Field(gt=0, le=MAX_PIN_TTL_S)
+
+
+class PinInfo(BaseModel):
+    id: str
+    object: Literal["cache.pin"] = "cache.pin"
+    pinned_tokens: int
+    expires_at: int
+    expires_in_s: float
+
+
+class PinDeleted(BaseModel):
+    id: str
+    object: Literal["cache.pin"] = "cache.pin"
+    deleted: bool = True
+
+
+class TierInfo(BaseModel):
+    name: str
+    blocks: int
+    bytes_used: int
+    capacity_bytes: int
+    pinned_blocks: int | None = None
+    max_pinned_blocks: int | None = None
+
+
+class CacheStatus(BaseModel):
+    object: Literal["cache"] = "cache"
+    block_size: int
+    pins: list[PinInfo]
+    tiers: list[TierInfo]

@@ -44,8 +44,7 @@ function drawPool(pool) {
   legend.replaceChildren();
   let x = 0;
   for (const [key, label, color] of POOL_PARTS) {
-    const blocks = pool[key] ?? 0;
-    if (key === "pinned" && pool.pinned === undefined) continue;
+    const blocks = pool[key];
     const width = pool.blocks ? (1000 * blocks) / pool.blocks : 0;
     svg.append(svgElement("rect", { x, y: 0, width, height: 36, fill: color }));
     x += width;
@@ -59,6 +58,13 @@ function drawPool(pool) {
   const total = document.createElement("li");
   total.textContent = `${formatCount(pool.blocks)} blocks of ${pool.block_size} tokens, ${formatCount(pool.evicted)} evicted`;
   legend.append(total);
+  for (const tier of pool.tiers) {
+    const item = document.createElement("li");
+    item.dataset.tier = tier.name;
+    const gib = (bytes) => (bytes / 2 ** 30).toFixed(2) + " GiB";
+    item.textContent = `${tier.name} tier: ${formatCount(tier.blocks)} blocks, ${gib(tier.bytes_used)} of ${gib(tier.capacity_bytes)}`;
+    legend.append(item);
+  }
 }
 
 function drawHitRate(counters, history) {

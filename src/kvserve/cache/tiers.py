@@ -1,0 +1,123 @@
+"""The interface of the cache tiers below memory (disk now, a shared remote tier later).
+
+Memory is the first tier: the BlockPool and the PrefixCache. A lower tier keeps copies of full blocks
+under chained keys (`block_key.py`) and gives them back verified, or not at all. The KVCacheManager is
+the only caller: it offers every newly published block to each lower tier, and on admission it looks
+below memory for the blocks that continue the memory match, loading them into fresh memory blocks. Above
+the manager nobody knows which tier a block came from; only the hit counters are kept per tier.
+"""
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+# Seconds; the upper bounds of the latency histograms of every tier.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """What identifies one stored block, and what a tier checks on load besides the payload checksum:
+    the chained key, its parent's key, the namespace and the block's exact token ids."""
+
+    key: bytes
+    parent: bytes
+    namespace: str
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LatencySnapshot:
+    """Cumulative counts per bucket (Prometheus' convention), their sum and count."""
+
+    buckets: tuple[float, ...]
+    cumulative: tuple[int, ...]
+    total: float
+    count: int
+
+
+class LatencyHistogram:
+    """A thread-safe latency histogram; tiers record from their own threads, scrapes read snapshots."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self._buckets = tuple(buckets)
+        self._counts = [0] * (len(self._buckets) + 1)
+        self._total = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        i = next((i for i, b in enumerate(self._buckets) if seconds <= b), len(self._buckets))
+        with self._lock:
+            self._counts[i] += 1
+            self._total += seconds
+
+    def snapshot(self) -> LatencySnapshot:
+        with self._lock:
+            counts, total = list(self._counts), self._total
+        cumulative: list[int] = []
+        running = 0
+        for c in counts:
+            running += c
+            cumulative.append(running)
+        return LatencySnapshot(self._buckets, tuple(cumulative), total, running)
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """One lower tier's occupancy and counters, for metrics and `GET /v1/cache`."""
+
+    name: str
+    num_blocks: int
+    bytes_used: int
+    capacity_bytes: int
+    stores: int
+    stores_dropped: int
+    loads: int
+    loads_failed: int
+    load_latency: LatencySnapshot = field(default_factory=lambda: LatencyHistogram().snapshot())
+    store_latency: LatencySnapshot = field(default_factory=lambda: LatencyHistogram().snapshot())
+
+
+class LowerTier(Protocol):
+    """A cache tier below memory. Every method is called from the engine thread and returns quickly:
+    `store` only queues the copy, `load` is one bounded read of one block."""
+
+    name: str
+
+    def contains(self, key: bytes) -> bool:
+        """Whether the tier holds (or is about to hold) the block: a hint, `load` may still miss."""
+        ...
+
+    def store(self, record: BlockRecord, kv: torch.Tensor) -> None:
+        """Keep a copy of `kv` (the tier owns it from now on); the tier may drop it when full or busy."""
+        ...
+
+    def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The block's KV if the tier holds it intact and it is exactly `record`'s block; otherwise None,
+        after dropping what it held under that key."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until every queued store has been written (tests, shutdown)."""
+        ...
+
+    def usage(self) -> TierUsage: ...
+
+    def close(self) -> None:
+        """Write what is queued and stop; the tier is unusable afterwards."""
+        ...
+
+
+class BlockIO(Protocol):
+    """Reads and writes one memory block's KV (the model's KVCache), whatever its tensor layout."""
+
+    dtype: torch.dtype
+
+    def read_block(self, block: int) -> torch.Tensor: ...
+
+    def write_block(self, block: int, data: torch.Tensor) -> None: ...
+
+    def block_shape(self) -> tuple[int, ...]: ...
