@@ -150,6 +150,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         max_waiting=args.max_waiting,
+        api_key_file=args.api_key_file,
+        max_request_bytes=parse_bytes(args.max_request_bytes),
+        max_in_flight_per_tenant=args.max_in_flight_per_tenant,
     )
 
 
@@ -172,7 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require this bearer token on every route but /health")
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        help="one 'tenant:key' or 'tenant:key:shared-group' per line; each tenant gets its own prefix-cache "
+        "namespace (members of a shared group share one); re-read on SIGHUP",
+    )
     serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
+    serve.add_argument(
+        "--max-request-bytes", default="8MiB", help="largest request body, e.g. 8MiB (413 above it)"
+    )
+    serve.add_argument(
+        "--max-in-flight-per-tenant",
+        type=int,
+        default=256,
+        help="requests one tenant may have in flight before answering 429 (default %(default)s)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="chat with the model in the terminal")

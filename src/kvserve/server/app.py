@@ -4,7 +4,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated
 
@@ -16,8 +16,15 @@ from kvserve import __version__
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
-from kvserve.server.auth import cache_namespace, check_api_key
+from kvserve.server.auth import authenticate, cache_namespace, caller
 from kvserve.server.errors import APIError, install_error_handlers
+from kvserve.server.limits import (
+    DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    BodySizeLimit,
+    InFlightLimiter,
+    PromptGuard,
+)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -39,6 +46,7 @@ from kvserve.server.serving import (
     sampling_params,
     text_prompt,
 )
+from kvserve.server.tenants import Tenants, load_or_create_secret
 
 log = logging.getLogger("kvserve.server")
 
@@ -56,12 +64,19 @@ def _context(request: Request) -> ServerContext:
 Context = Annotated[ServerContext, Depends(_context)]
 
 
-def _require_api_key(request: Request, ctx: Context) -> None:
-    check_api_key(request, ctx.api_key)
+def _authenticate(request: Request, ctx: Context) -> None:
+    authenticate(request, ctx.tenants)
+
+
+def _in_flight_slot(request: Request, ctx: Context) -> Iterator[None]:
+    # Exits once the response has been sent, stream included.
+    with ctx.in_flight.slot(caller(request).tenant.name):
+        yield
 
 
 public = APIRouter()
-api = APIRouter(dependencies=[Depends(_require_api_key)])
+api = APIRouter(dependencies=[Depends(_authenticate)])
+InFlight = Depends(_in_flight_slot)
 
 
 @public.get("/health")
@@ -92,22 +107,26 @@ async def metrics(ctx: Context) -> Response:
     return Response(await ctx.metrics.exposition(ctx.async_engine), media_type=CONTENT_TYPE_LATEST)
 
 
-@api.post("/v1/chat/completions")
+@api.post("/v1/chat/completions", dependencies=[InFlight])
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
-    namespace = cache_namespace(request)
-    prompt = chat_prompt(ctx, body.messages, namespace)
+    namespace = cache_namespace(request, body.cache_salt)
+    # Templating and tokenizing a long chat takes a while: off the event loop, which serves every stream.
+    prompt = await asyncio.to_thread(chat_prompt, ctx, body.messages, namespace)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     params = sampling_params(body, max_tokens)
     return await respond(ctx, request, ChatFormat(), prompt, params, namespace, body)
 
 
-@api.post("/v1/completions")
+@api.post("/v1/completions", dependencies=[InFlight])
 async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
-    prompt = text_prompt(ctx.async_engine.tokenizer, body.prompt)
+    if isinstance(body.prompt, str):
+        ctx.prompt_guard.check([body.prompt], "prompt")
+    prompt = await asyncio.to_thread(text_prompt, ctx.async_engine.tokenizer, body.prompt)
     params = sampling_params(body, body.max_tokens)
-    return await respond(ctx, request, CompletionFormat(), prompt, params, cache_namespace(request), body)
+    namespace = cache_namespace(request, body.cache_salt)
+    return await respond(ctx, request, CompletionFormat(), prompt, params, namespace, body)
 
 
 @api.post("/tokenize")
@@ -116,9 +135,16 @@ async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> Tok
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "Send either 'prompt' (a string) or 'messages' (a chat), not both or neither.")
     if body.messages is not None:
-        tokens = chat_prompt(ctx, body.messages, cache_namespace(request), body.add_generation_prompt)
+        namespace = cache_namespace(request, body.cache_salt)
+        tokens = await asyncio.to_thread(
+            chat_prompt, ctx, body.messages, namespace, body.add_generation_prompt
+        )
     else:
-        tokens = text_prompt(ctx.async_engine.tokenizer, body.prompt or "", body.add_special_tokens)
+        prompt = body.prompt or ""
+        ctx.prompt_guard.check([prompt], "prompt")
+        tokens = await asyncio.to_thread(
+            text_prompt, ctx.async_engine.tokenizer, prompt, body.add_special_tokens
+        )
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len)
 
 
@@ -135,9 +161,19 @@ async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeRespons
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
-def create_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
-    """The HTTP app around a running AsyncEngine; the app owns it and shuts it down when it stops."""
+def create_app(
+    async_engine: AsyncEngine,
+    api_key: str | None = None,
+    tenants: Tenants | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_in_flight_per_tenant: int = DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
+) -> FastAPI:
+    """The HTTP app around a running AsyncEngine; the app owns it and shuts it down when it stops.
+
+    `tenants` defaults to one tenant: `api_key`'s, or everyone when it is None."""
     engine = async_engine.engine
+    if tenants is None:
+        tenants = Tenants(load_or_create_secret(engine.config.cache_dir), api_key)
     name = engine.model.name
 
     @asynccontextmanager
@@ -151,28 +187,49 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None) -> FastAPI
         title="kvserve",
         version=__version__,
         lifespan=lifespan,
-        openapi_url=None if api_key else "/openapi.json",
+        openapi_url="/openapi.json" if tenants.single_tenant else None,
     )
     app.state.context = ServerContext(
         async_engine=async_engine,
         model_name=name,
         max_model_len=engine.max_model_len,
         metrics=ServerMetrics(name),
-        api_key=api_key,
+        tenants=tenants,
         created=int(time.time()),
+        in_flight=InFlightLimiter(max_in_flight_per_tenant),
+        prompt_guard=PromptGuard(engine.max_model_len, engine.tokenizer.max_token_chars()),
     )
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)
     return app
 
 
-def serve(config: EngineConfig, host: str, port: int, api_key: str | None, max_waiting: int) -> int:
+def serve(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_waiting: int,
+    api_key_file: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_in_flight_per_tenant: int = DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
+) -> int:
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
-    (for up to GRACEFUL_SHUTDOWN_S), stop the engine."""
+    (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file."""
+    # Keys first: a bad key file fails in a second, not after the model has loaded.
+    tenants = Tenants(load_or_create_secret(config.cache_dir), api_key, api_key_file)
+    log.info("tenancy: %s", tenants.describe())
+    tenants.install_sighup_reload()
     engine = Engine(dataclasses.replace(config, max_waiting=max_waiting))
     async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, api_key)
+    app = create_app(
+        async_engine,
+        tenants=tenants,
+        max_request_bytes=max_request_bytes,
+        max_in_flight_per_tenant=max_in_flight_per_tenant,
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,

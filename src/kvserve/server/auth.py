@@ -1,28 +1,46 @@
-"""Who is calling: the bearer-token check, and the cache namespace a request may read and write."""
+"""Who is calling: the bearer token names a tenant, and the tenant (not the client) picks the cache
+namespace that a request may read and write."""
 
-import secrets
+from dataclasses import dataclass
 
 from fastapi import Request
 
 from kvserve.server.errors import APIError
+from kvserve.server.tenants import Tenant, Tenants
 
 
-def check_api_key(request: Request, api_key: str | None) -> None:
-    """Raises a 401 unless the request carries `Authorization: Bearer <api_key>` (or no key is set)."""
-    if api_key is None:
-        return
+@dataclass(frozen=True)
+class Caller:
+    tenant: Tenant
+    tenants: Tenants
+
+    def namespace(self, cache_salt: str | None) -> str:
+        return self.tenants.namespace(self.tenant, cache_salt)
+
+
+def authenticate(request: Request, tenants: Tenants) -> Caller:
+    """The caller of a request, kept on `request.state`; a 401 unless it carries
+    `Authorization: Bearer <key>` with a key of the server (or the server has no keys)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    # compare_digest takes the same time whatever the prefix match, so the key cannot be guessed by timing.
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+    tenant = tenants.authenticate(token.strip() if scheme.lower() == "bearer" else None)
+    if tenant is None:
         raise APIError(
             401,
             "Missing or incorrect API key: send the header 'Authorization: Bearer <key>' "
-            "with the key the server was started with (--api-key).",
+            "with a key the server was started with (--api-key or --api-key-file).",
             code="invalid_api_key",
         )
+    caller = Caller(tenant, tenants)
+    request.state.caller = caller
+    return caller
 
 
-def cache_namespace(request: Request) -> str:
-    """The prefix-cache namespace of a request. Everyone shares one for now; tenant isolation will
-    derive it from the caller's identity here, and everything downstream already keys on it."""
-    return ""
+def caller(request: Request) -> Caller:
+    known: Caller = request.state.caller
+    return known
+
+
+def cache_namespace(request: Request, cache_salt: str | None = None) -> str:
+    """The prefix-cache namespace of a request: its tenant's (or shared group's), split by its
+    cache_salt if it sends one. Nothing a client sends can name another tenant's."""
+    return caller(request).namespace(cache_salt)

@@ -4,13 +4,13 @@ One mapping (`to_api_error`) turns any exception into its status and body, so th
 response and an error event inside a stream say the same thing.
 """
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
@@ -53,9 +53,10 @@ class APIError(Exception):
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
         self.headers = dict(headers or {})
 
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=self.detail).model_dump()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII-escaped: a message may quote client text holding a lone surrogate, which UTF-8 cannot encode.
+        body = json.dumps(ErrorResponse(error=self.detail).model_dump(), ensure_ascii=True)
+        return Response(body, status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 class ClientDisconnected(Exception):

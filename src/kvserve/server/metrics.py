@@ -160,6 +160,24 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+        # Per tenant, from each request's usage: one tenant's hit rate, without the others' traffic.
+        self._tenant_queries = Counter(
+            "kvserve_tenant_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache, per tenant.",
+            [*_LABELS, "tenant"],
+            registry=self.registry,
+        )
+        self._tenant_hits = Counter(
+            "kvserve_tenant_prefix_cache_hits",
+            "Prompt tokens found in the tenant's own namespace of the prefix cache, per tenant.",
+            [*_LABELS, "tenant"],
+            registry=self.registry,
+        )
+
+    def tenant_prefix_cache(self, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self._tenant_queries.labels(self.model_name, tenant).inc(prompt_tokens)
+        self._tenant_hits.labels(self.model_name, tenant).inc(cached_tokens)
+
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
 

@@ -5,9 +5,21 @@ only type-checked here, their ranges are SamplingParams' to judge. Responses car
 names, including the ones that are always null here (logprobs, refusal), because clients index them.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.server.limits import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+)
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+# vLLM's field: splits a request's cache namespace further, within its tenant's (never across tenants).
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class OpenAIRequest(BaseModel):
@@ -21,7 +33,7 @@ class TextContentPart(OpenAIRequest):
 
 class ChatMessage(OpenAIRequest):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextContentPart]
+    content: str | Annotated[list[TextContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
     @property
     def text(self) -> str:
@@ -45,17 +57,18 @@ class SamplingRequest(OpenAIRequest):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | list[StopString] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
 
 
@@ -70,7 +83,8 @@ class TokenizeRequest(OpenAIRequest):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    cache_salt: CacheSalt | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -24,7 +24,9 @@ from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.auth import caller
 from kvserve.server.errors import APIError, ClientDisconnected, ErrorResponse, to_api_error
+from kvserve.server.limits import InFlightLimiter, PromptGuard
 from kvserve.server.metrics import RequestTimer, ServerMetrics
 from kvserve.server.protocol import (
     AssistantMessage,
@@ -39,6 +41,7 @@ from kvserve.server.protocol import (
     SamplingRequest,
     Usage,
 )
+from kvserve.server.tenants import Tenants
 
 log = logging.getLogger("kvserve.server")
 
@@ -47,14 +50,16 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServerContext:
-    """What every route needs: the engine, the served model's name and limits, metrics and the API key."""
+    """What every route needs: the engine, the served model's name and limits, metrics and the tenants."""
 
     async_engine: AsyncEngine
     model_name: str
     max_model_len: int
     metrics: ServerMetrics
-    api_key: str | None
+    tenants: Tenants
     created: int
+    in_flight: InFlightLimiter
+    prompt_guard: PromptGuard
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
@@ -89,6 +94,7 @@ def chat_prompt(
 ) -> list[int]:
     """Token ids of a conversation; earlier replies of this engine come back as their exact ids, so the
     next turn of a chat finds its whole history in the prefix cache."""
+    ctx.prompt_guard.check([m.text for m in messages], "messages")
     engine = ctx.async_engine.engine
     conversation = [{"role": m.role, "content": m.text} for m in messages]
     try:
@@ -192,9 +198,11 @@ class Generation:
         prompt_token_ids: list[int],
         params: SamplingParams,
         namespace: str,
+        tenant: str,
     ) -> None:
         self.request_id = request_id
         self._metrics = ctx.metrics
+        self._tenant = tenant
         self._timer = RequestTimer(ctx.metrics)
         # Closing this generator is what aborts the request.
         self._deltas = ctx.async_engine.generate(prompt_token_ids, params, namespace, request_id)
@@ -210,6 +218,7 @@ class Generation:
         while the HTTP status can still say so."""
         try:
             self._first = self._observe(await anext(self._deltas))
+            self._metrics.tenant_prefix_cache(self._tenant, self.num_prompt_tokens, self.num_cached_tokens)
         except asyncio.CancelledError:
             self._end()
             raise
@@ -363,7 +372,7 @@ async def respond(
 ) -> Response:
     """Run one request through the engine and answer it whole, or as a stream of chunks."""
     ids = ResponseIds(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
-    generation = Generation(ctx, ids.id, prompt_token_ids, params, namespace)
+    generation = Generation(ctx, ids.id, prompt_token_ids, params, namespace, caller(request).tenant.name)
     try:
         await cancel_on_disconnect(request, generation.start())
     except InvalidRequestError as e:
