@@ -63,14 +63,19 @@ class ClientDisconnected(Exception):
     """The client hung up before its response was ready; its engine request has been aborted."""
 
 
-# Pydantic names the member of a union that failed ("str", "list[int]") in the error location; a user
-# thinks in field paths, so those labels are dropped.
+# Pydantic names the member of a union that failed ("str", "list[int]", "constrained-str") in the error
+# location; a user thinks in field paths, so those labels are dropped.
 _UNION_MEMBER_LABELS = {"str", "int", "float", "bool", "none"}
 
 
+def _is_union_label(part: object) -> bool:
+    return isinstance(part, str) and (
+        "[" in part or part in _UNION_MEMBER_LABELS or part.startswith("constrained-")
+    )
+
+
 def _field_path(loc: Sequence[Any]) -> str:
-    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and ("[" in p or p in _UNION_MEMBER_LABELS))]
-    return ".".join(parts)
+    return ".".join(str(p) for p in loc[1:] if not _is_union_label(p))
 
 
 def validation_error(errors: Sequence[Any]) -> APIError:
