@@ -4,7 +4,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated
 
@@ -68,8 +68,9 @@ def _authenticate(request: Request, ctx: Context) -> None:
     authenticate(request, ctx.tenants)
 
 
-def _in_flight_slot(request: Request, ctx: Context) -> Iterator[None]:
-    # Exits once the response has been sent, stream included.
+async def _in_flight_slot(request: Request, ctx: Context) -> AsyncIterator[None]:
+    # Async so that it runs on the event loop, the limiter's only thread; exits once the response has
+    # been sent, a stream included.
     with ctx.in_flight.slot(caller(request).tenant.name):
         yield
 
