@@ -133,3 +133,5 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits() -> None:
         assert process.returncode in (0, -signal.SIGTERM), output
         assert "Traceback" not in output
         assert "completion tokens, finish length" in output  # the per-request log line
+        # Without keys, the server says that every client shares one cache namespace.
+        assert "tenancy: single-tenant" in output

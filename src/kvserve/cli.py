@@ -200,6 +200,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_key=args.admin_key,
         served_model_name=args.served_model_name,
         allowed_origins=_origins(args.allowed_origins),
+        api_key_file=args.api_key_file,
+        max_request_bytes=parse_bytes(args.max_request_bytes),
+        max_in_flight_per_tenant=args.max_in_flight_per_tenant,
     )
 
 
@@ -259,6 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--dashboard-show-text",
         action="store_true",
         help="show the first tokens of cached prefixes as text on /dashboard (off: prompts are private)",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        help="one 'tenant:key' or 'tenant:key:shared-group' per line; each tenant gets its own prefix-cache "
+        "namespace (members of a shared group share one); re-read on SIGHUP",
+    )
+    serve.add_argument(
+        "--max-request-bytes", default="8MiB", help="largest request body, e.g. 8MiB (413 above it)"
+    )
+    serve.add_argument(
+        "--max-in-flight-per-tenant",
+        type=int,
+        default=256,
+        help="requests one tenant may have in flight before answering 429 (default %(default)s)",
     )
     serve.set_defaults(func=cmd_serve)
 

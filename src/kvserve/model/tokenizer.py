@@ -44,6 +44,11 @@ class Tokenizer:
         self.vocab_size: int = len(hf_tokenizer)
         self._byte_level = type(self._rust.decoder).__name__ == "ByteLevel"
 
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (a byte-level token's name has one
+        character per byte, at least as many as the text it decodes to)."""
+        return max(len(name) for name in self._rust.get_vocab(with_added_tokens=True))
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)

@@ -18,10 +18,17 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import MAX_LOGPROBS
-from kvserve.server.auth import cache_namespace, check_admin_key, check_api_key
+from kvserve.server.auth import authenticate, cache_namespace, caller, check_admin_key, stats_scope
 from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.formats import ChatFormat, CompletionFormat, PromptInput
+from kvserve.server.limits import (
+    DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    BodySizeLimit,
+    InFlightLimiter,
+    PromptGuard,
+)
 from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.pinning import cache_status, pin_prefix, unpin
@@ -49,6 +56,7 @@ from kvserve.server.serving import (
     sampling_params,
     text_prompt,
 )
+from kvserve.server.tenants import Tenants, load_or_create_secret
 from kvserve.server.unsupported import check_chat, check_completion
 
 log = logging.getLogger("kvserve.server")
@@ -67,17 +75,25 @@ def _context(request: Request) -> ServerContext:
 Context = Annotated[ServerContext, Depends(_context)]
 
 
-def _require_api_key(request: Request, ctx: Context) -> None:
-    check_api_key(request, ctx.api_key, ctx.admin_key)
+def _authenticate(request: Request, ctx: Context) -> None:
+    authenticate(request, ctx.tenants, ctx.admin_key)
 
 
 def _require_admin_key(request: Request, ctx: Context) -> None:
-    check_admin_key(request, ctx.api_key, ctx.admin_key)
+    check_admin_key(request, ctx.tenants, ctx.admin_key)
+
+
+async def _in_flight_slot(request: Request, ctx: Context) -> AsyncIterator[None]:
+    # Async so that it runs on the event loop, the limiter's only thread; exits once the response has
+    # been sent, a stream included.
+    with ctx.in_flight.slot(caller(request).tenant.name):
+        yield
 
 
 public = APIRouter()
-api = APIRouter(dependencies=[Depends(_require_api_key)])
+api = APIRouter(dependencies=[Depends(_authenticate)])
 admin = APIRouter(dependencies=[Depends(_require_admin_key)])
+InFlight = Depends(_in_flight_slot)
 
 
 @public.get("/health")
@@ -115,7 +131,7 @@ async def reset_prefix_cache(ctx: Context) -> dict[str, int]:
     return {"freed_blocks": freed}
 
 
-@api.post("/v1/chat/completions")
+@api.post("/v1/chat/completions", dependencies=[InFlight])
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     check_chat(body)
@@ -123,8 +139,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs")
-    namespace = cache_namespace(request)
-    token_ids = chat_prompt(ctx, body.messages, namespace)
+    namespace = cache_namespace(request, body.cache_salt)
+    # Templating and tokenizing a long chat takes a while: off the event loop, which serves every stream.
+    token_ids = await asyncio.to_thread(chat_prompt, ctx, body.messages, namespace)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     if max_tokens is not None and max_tokens < 1:
         # Only completions' echo has a use for a reply of no tokens.
@@ -140,29 +157,39 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
 MAX_COMPLETION_LOGPROBS = 5
 
 
-@api.post("/v1/completions")
+@api.post("/v1/completions", dependencies=[InFlight])
 async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     check_completion(body)
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise APIError(400, f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.", param="logprobs")
-    prompts = completion_prompts(ctx.async_engine.tokenizer, body.prompt)
+    if isinstance(body.prompt, str):
+        ctx.prompt_guard.check([body.prompt], "prompt")
+    elif body.prompt and all(isinstance(p, str) for p in body.prompt):
+        ctx.prompt_guard.check([p for p in body.prompt if isinstance(p, str)], "prompt")
+    prompts = await asyncio.to_thread(completion_prompts, ctx.async_engine.tokenizer, body.prompt)
     # An echo with logprobs scores the prompt too, as evaluation harnesses expect.
     prompt_logprobs = body.logprobs if body.echo else None
     params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
     fmt = CompletionFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs is not None, body.echo)
-    return await respond(ctx, request, fmt, prompts, params, cache_namespace(request), body)
+    namespace = cache_namespace(request, body.cache_salt)
+    return await respond(ctx, request, fmt, prompts, params, namespace, body)
 
 
 @api.get("/v1/cache/stats")
 async def cache_stats(request: Request, ctx: Context) -> CacheStatsResponse:
-    """The prefix cache and the requests now, and the counters' history (the dashboard's data)."""
+    """The prefix cache and the requests now, and the counters' history (the dashboard's data): all
+    namespaces for the admin key (or a server without keys), only its own for a tenant's key."""
     dashboard: Dashboard = request.app.state.dashboard
-    return await dashboard.stats(ctx.async_engine, ctx.model_name, None)
+    namespace = stats_scope(request)
+    if namespace is None:
+        return await dashboard.stats(ctx.async_engine, ctx.model_name)
+    queries, hits = ctx.metrics.tenant_totals.get(caller(request).tenant.name, [0, 0])
+    return await dashboard.stats(ctx.async_engine, ctx.model_name, namespace, (queries, hits))
 
 
 # The page and its scripts are a static shell with no data in them: everything shown comes from
-# /v1/cache/stats, which needs the key when keys are set (the page asks for one on a 401).
+# /v1/cache/stats, which needs a key when keys are set (the page asks for one on a 401).
 @public.get("/dashboard")
 async def dashboard_page() -> Response:
     return Response(asset("dashboard.html"), media_type="text/html")
@@ -181,9 +208,16 @@ async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> Tok
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "Send either 'prompt' (a string) or 'messages' (a chat), not both or neither.")
     if body.messages is not None:
-        tokens = chat_prompt(ctx, body.messages, cache_namespace(request), body.add_generation_prompt)
+        namespace = cache_namespace(request, body.cache_salt)
+        tokens = await asyncio.to_thread(
+            chat_prompt, ctx, body.messages, namespace, body.add_generation_prompt
+        )
     else:
-        tokens = text_prompt(ctx.async_engine.tokenizer, body.prompt or "", body.add_special_tokens)
+        prompt = body.prompt or ""
+        ctx.prompt_guard.check([prompt], "prompt")
+        tokens = await asyncio.to_thread(
+            text_prompt, ctx.async_engine.tokenizer, prompt, body.add_special_tokens
+        )
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len)
 
 
@@ -232,17 +266,23 @@ def create_app(
     async_engine: AsyncEngine,
     api_key: str | None = None,
     *,
+    tenants: Tenants | None = None,
     admin_key: str | None = None,
     served_model_name: str | None = None,
     allowed_origins: Sequence[str] = (),
     dashboard_show_text: bool = False,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_in_flight_per_tenant: int = DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
 ) -> FastAPI:
     """The HTTP app around a running AsyncEngine; the app owns it and shuts it down when it stops.
 
-    `served_model_name` is the name clients use (default: the model's); `allowed_origins` lets browsers
-    on those origins call the API (CORS), `["*"]` any origin; `dashboard_show_text` lets /dashboard show
-    the first tokens of cached prefixes as text."""
+    `tenants` defaults to one tenant: `api_key`'s, or everyone when it is None. `admin_key` opens the
+    admin routes and the whole dashboard. `served_model_name` is the name clients use (default: the
+    model's); `allowed_origins` lets browsers on those origins call the API (CORS), `["*"]` any origin;
+    `dashboard_show_text` lets /dashboard show the first tokens of cached prefixes as text."""
     engine = async_engine.engine
+    if tenants is None:
+        tenants = Tenants(load_or_create_secret(engine.config.cache_dir), api_key)
     name = served_model_name or engine.model.name
     dashboard = Dashboard(StatsHistory.empty(), dashboard_show_text)
 
@@ -259,18 +299,21 @@ def create_app(
         title="kvserve",
         version=__version__,
         lifespan=lifespan,
-        openapi_url=None if api_key else "/openapi.json",
+        openapi_url="/openapi.json" if tenants.single_tenant else None,
     )
     app.state.context = ServerContext(
         async_engine=async_engine,
         model_name=name,
         max_model_len=engine.max_model_len,
         metrics=ServerMetrics(name),
-        api_key=api_key,
+        tenants=tenants,
         created=int(time.time()),
         admin_key=admin_key,
+        in_flight=InFlightLimiter(max_in_flight_per_tenant),
+        prompt_guard=PromptGuard(engine.max_model_len, engine.tokenizer.max_token_chars()),
     )
     app.state.dashboard = dashboard
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)
@@ -295,22 +338,31 @@ def serve(
     api_key: str | None,
     max_waiting: int,
     *,
+    api_key_file: str | None = None,
     admin_key: str | None = None,
     served_model_name: str | None = None,
     allowed_origins: Sequence[str] = (),
     dashboard_show_text: bool = False,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_in_flight_per_tenant: int = DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
 ) -> int:
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
-    (for up to GRACEFUL_SHUTDOWN_S), stop the engine."""
+    (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file."""
+    # Keys first: a bad key file fails in a second, not after the model has loaded.
+    tenants = Tenants(load_or_create_secret(config.cache_dir), api_key, api_key_file)
+    log.info("tenancy: %s", tenants.describe())
+    tenants.install_sighup_reload()
     engine = Engine(dataclasses.replace(config, max_waiting=max_waiting))
     async_engine = AsyncEngine(engine)
     app = create_app(
         async_engine,
-        api_key,
+        tenants=tenants,
         admin_key=admin_key,
         served_model_name=served_model_name,
         allowed_origins=allowed_origins,
         dashboard_show_text=dashboard_show_text,
+        max_request_bytes=max_request_bytes,
+        max_in_flight_per_tenant=max_in_flight_per_tenant,
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -1,10 +1,26 @@
-"""Who is calling: the bearer-token checks, and the cache namespace a request may read and write."""
+"""Who is calling: the bearer token names a tenant (or is the operator's admin key), and the tenant (not
+the client) picks the cache namespace that a request may read and write."""
 
 import secrets
+from dataclasses import dataclass
 
 from fastapi import Request
 
 from kvserve.server.errors import APIError
+from kvserve.server.tenants import Tenant, Tenants
+
+# The admin key's own tenant: '@' cannot appear in a key file's tenant names, so no tenant shares it.
+ADMIN_TENANT = Tenant("@admin")
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: Tenant
+    tenants: Tenants
+    is_admin: bool = False
+
+    def namespace(self, cache_salt: str | None) -> str:
+        return self.tenants.namespace(self.tenant, cache_salt)
 
 
 def _bearer(request: Request) -> str | None:
@@ -12,30 +28,38 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def _matches(token: str | None, key: str | None) -> bool:
-    # compare_digest takes the same time whatever the prefix match, so a key cannot be guessed by timing.
-    return token is not None and key is not None and secrets.compare_digest(token.encode(), key.encode())
+def _is_admin_key(token: str | None, admin_key: str | None) -> bool:
+    # compare_digest takes the same time whatever the prefix match, so the key cannot be guessed by timing.
+    if token is None or admin_key is None:
+        return False
+    return secrets.compare_digest(token.encode(), admin_key.encode())
 
 
-def check_api_key(request: Request, api_key: str | None, admin_key: str | None = None) -> None:
-    """Raises a 401 unless the request carries `Authorization: Bearer <key>` with the API key or the
-    admin key (or no API key is set)."""
-    if api_key is None:
-        return
+def authenticate(request: Request, tenants: Tenants, admin_key: str | None = None) -> Caller:
+    """The caller of a request, kept on `request.state`; a 401 unless it carries
+    `Authorization: Bearer <key>` with a key of the server (or the server has no keys). The admin key
+    is accepted too, as its own tenant."""
     token = _bearer(request)
-    if not (_matches(token, api_key) or _matches(token, admin_key)):
-        raise APIError(
-            401,
-            "Missing or incorrect API key: send the header 'Authorization: Bearer <key>' "
-            "with the key the server was started with (--api-key).",
-            code="invalid_api_key",
-        )
+    if _is_admin_key(token, admin_key):
+        caller = Caller(ADMIN_TENANT, tenants, is_admin=True)
+    else:
+        tenant = tenants.authenticate(token)
+        if tenant is None:
+            raise APIError(
+                401,
+                "Missing or incorrect API key: send the header 'Authorization: Bearer <key>' "
+                "with a key the server was started with (--api-key or --api-key-file).",
+                code="invalid_api_key",
+            )
+        caller = Caller(tenant, tenants)
+    request.state.caller = caller
+    return caller
 
 
-def check_admin_key(request: Request, api_key: str | None, admin_key: str | None) -> None:
+def check_admin_key(request: Request, tenants: Tenants, admin_key: str | None) -> None:
     """Admin routes (cache reset) are open on a server without keys; once keys are set they need the
     admin key, and without one set they are closed to everyone."""
-    if api_key is None and admin_key is None:
+    if tenants.single_tenant and admin_key is None:
         return
     if admin_key is None:
         raise APIError(
@@ -44,7 +68,7 @@ def check_admin_key(request: Request, api_key: str | None, admin_key: str | None
             "(or KVSERVE_ADMIN_KEY).",
             code="admin_key_required",
         )
-    if not _matches(_bearer(request), admin_key):
+    if not _is_admin_key(_bearer(request), admin_key):
         raise APIError(
             401,
             "Missing or incorrect admin key: send 'Authorization: Bearer <admin key>' (--admin-key).",
@@ -52,7 +76,21 @@ def check_admin_key(request: Request, api_key: str | None, admin_key: str | None
         )
 
 
-def cache_namespace(request: Request) -> str:
-    """The prefix-cache namespace of a request. Everyone shares one for now; tenant isolation will
-    derive it from the caller's identity here, and everything downstream already keys on it."""
-    return ""
+def caller(request: Request) -> Caller:
+    known: Caller = request.state.caller
+    return known
+
+
+def cache_namespace(request: Request, cache_salt: str | None = None) -> str:
+    """The prefix-cache namespace of a request: its tenant's (or shared group's), split by its
+    cache_salt if it sends one. Nothing a client sends can name another tenant's."""
+    return caller(request).namespace(cache_salt)
+
+
+def stats_scope(request: Request) -> str | None:
+    """Which namespace a caller may watch on the dashboard: all (None) for the admin key or a server
+    without keys, otherwise only its own tenant's."""
+    who = caller(request)
+    if who.is_admin or who.tenants.single_tenant:
+        return None
+    return who.namespace(None)

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from importlib import resources
+from typing import Literal
 
 from pydantic import BaseModel
 
@@ -54,16 +55,17 @@ class PoolStats(BaseModel):
 
 
 class Counters(BaseModel):
-    """Since start, in tokens. `saved_prefill_tokens` are prompt tokens served from the cache."""
+    """Since start, in tokens. `saved_prefill_tokens` are prompt tokens served from the cache. For one
+    tenant's view only its own cache queries and hits are known: the server-wide fields are null."""
 
-    prompt_tokens: int
-    generation_tokens: int
+    prompt_tokens: int | None
+    generation_tokens: int | None
     cache_queries: int
     cache_hits: int
     prefill_tokens_computed: int
     saved_prefill_tokens: int
     hit_rate: float
-    preemptions: int
+    preemptions: int | None
 
 
 class HistoryPoint(BaseModel):
@@ -97,6 +99,10 @@ class RequestStats(BaseModel):
 
 
 class CacheStatsResponse(BaseModel):
+    """`scope` is "all", or "tenant" when a tenant's key sees only its own namespace (its counters,
+    prefixes and requests; no server-wide history)."""
+
+    scope: Literal["all", "tenant"]
     time: float
     model: str
     pool: PoolStats
@@ -129,6 +135,19 @@ def pool_stats(stats: EngineStats, block_size: int) -> PoolStats:
             )
             for t in c.tiers
         ],
+    )
+
+
+def tenant_counters(queries: int, hits: int) -> Counters:
+    return Counters(
+        prompt_tokens=None,
+        generation_tokens=None,
+        cache_queries=queries,
+        cache_hits=hits,
+        prefill_tokens_computed=queries - hits,
+        saved_prefill_tokens=hits,
+        hit_rate=hits / queries if queries else 0.0,
+        preemptions=None,
     )
 
 
@@ -181,11 +200,23 @@ class Dashboard:
     history: StatsHistory
     show_text: bool
 
-    async def stats(self, async_engine: AsyncEngine, model: str, namespace: str | None) -> CacheStatsResponse:
-        """The JSON of `GET /v1/cache/stats`, for one namespace or (None) all."""
+    async def stats(
+        self,
+        async_engine: AsyncEngine,
+        model: str,
+        namespace: str | None = None,
+        tenant_totals: tuple[int, int] = (0, 0),
+    ) -> CacheStatsResponse:
+        """The JSON of `GET /v1/cache/stats`: everything (`namespace` None), or one tenant's namespace
+        with its own (queries, hits) totals."""
         snapshot: Snapshot = await async_engine.call(lambda engine: take_snapshot(engine, namespace))
         tokenizer = async_engine.tokenizer if self.show_text else None
-        return render(snapshot, model, self.history, tokenizer)
+        full = render(snapshot, model, self.history, tokenizer)
+        if namespace is None:
+            return full
+        return full.model_copy(
+            update={"scope": "tenant", "counters": tenant_counters(*tenant_totals), "history": []}
+        )
 
 
 def render(
@@ -193,6 +224,7 @@ def render(
 ) -> CacheStatsResponse:
     """The JSON for one snapshot; `tokenizer` set means branch heads are shown as text."""
     return CacheStatsResponse(
+        scope="all",
         time=snapshot.time,
         model=model,
         pool=pool_stats(snapshot.stats, snapshot.block_size),

@@ -4,13 +4,13 @@ One mapping (`to_api_error`) turns any exception into its status and body, so th
 response and an error event inside a stream say the same thing.
 """
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
@@ -53,23 +53,29 @@ class APIError(Exception):
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
         self.headers = dict(headers or {})
 
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=self.detail).model_dump()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII-escaped: a message may quote client text holding a lone surrogate, which UTF-8 cannot encode.
+        body = json.dumps(ErrorResponse(error=self.detail).model_dump(), ensure_ascii=True)
+        return Response(body, status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 class ClientDisconnected(Exception):
     """The client hung up before its response was ready; its engine request has been aborted."""
 
 
-# Pydantic names the member of a union that failed ("str", "list[int]") in the error location; a user
-# thinks in field paths, so those labels are dropped.
+# Pydantic names the member of a union that failed ("str", "list[int]", "constrained-str") in the error
+# location; a user thinks in field paths, so those labels are dropped.
 _UNION_MEMBER_LABELS = {"str", "int", "float", "bool", "none"}
 
 
+def _is_union_label(part: object) -> bool:
+    return isinstance(part, str) and (
+        "[" in part or part in _UNION_MEMBER_LABELS or part.startswith("constrained-")
+    )
+
+
 def _field_path(loc: Sequence[Any]) -> str:
-    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and ("[" in p or p in _UNION_MEMBER_LABELS))]
-    return ".".join(parts)
+    return ".".join(str(p) for p in loc[1:] if not _is_union_label(p))
 
 
 def validation_error(errors: Sequence[Any]) -> APIError:

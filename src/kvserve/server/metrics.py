@@ -231,6 +231,29 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+        # Per tenant, from each request's usage: one tenant's hit rate, without the others' traffic.
+        # Also kept as plain [queries, hits] for the dashboard's view of one tenant.
+        self.tenant_totals: dict[str, list[int]] = {}
+        self._tenant_queries = Counter(
+            "kvserve_tenant_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache, per tenant.",
+            [*_LABELS, "tenant"],
+            registry=self.registry,
+        )
+        self._tenant_hits = Counter(
+            "kvserve_tenant_prefix_cache_hits",
+            "Prompt tokens found in the tenant's own namespace of the prefix cache, per tenant.",
+            [*_LABELS, "tenant"],
+            registry=self.registry,
+        )
+
+    def tenant_prefix_cache(self, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self._tenant_queries.labels(self.model_name, tenant).inc(prompt_tokens)
+        self._tenant_hits.labels(self.model_name, tenant).inc(cached_tokens)
+        totals = self.tenant_totals.setdefault(tenant, [0, 0])
+        totals[0] += prompt_tokens
+        totals[1] += cached_tokens
+
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
 

@@ -7,9 +7,21 @@ are SamplingParams' to judge. Responses carry OpenAI's exact field names, includ
 always null here (refusal), because clients index them.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.server.limits import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+)
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+# vLLM's field: splits a request's cache namespace further, within its tenant's (never across tenants).
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class OpenAIRequest(BaseModel):
@@ -25,7 +37,7 @@ class ContentPart(OpenAIRequest):
 
 class ChatMessage(OpenAIRequest):
     role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
     @property
     def text(self) -> str:
@@ -49,8 +61,8 @@ class SamplingRequest(OpenAIRequest):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | list[StopString] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
@@ -67,10 +79,11 @@ class SamplingRequest(OpenAIRequest):
     skip_special_tokens: bool = True
     # Parsed only to be refused (see server/unsupported.py).
     response_format: dict[str, Any] | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -96,7 +109,8 @@ class TokenizeRequest(OpenAIRequest):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    cache_salt: CacheSalt | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -25,10 +25,13 @@ from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.auth import caller
 from kvserve.server.errors import APIError, ClientDisconnected, ErrorResponse, to_api_error
 from kvserve.server.formats import Choice, OutputFormat, PromptInput, ResponseIds
+from kvserve.server.limits import InFlightLimiter, PromptGuard
 from kvserve.server.metrics import RequestTimer, ServerMetrics
 from kvserve.server.protocol import ChatMessage, PromptTokensDetails, SamplingRequest, Usage
+from kvserve.server.tenants import Tenants
 
 log = logging.getLogger("kvserve.server")
 
@@ -37,14 +40,17 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServerContext:
-    """What every route needs: the engine, the served model's name and limits, metrics and the keys."""
+    """What every route needs: the engine, the served model's name and limits, metrics, the tenants
+    and the admin key."""
 
     async_engine: AsyncEngine
     model_name: str
     max_model_len: int
     metrics: ServerMetrics
-    api_key: str | None
+    tenants: Tenants
     created: int
+    in_flight: InFlightLimiter
+    prompt_guard: PromptGuard
     admin_key: str | None = None
 
 
@@ -103,6 +109,7 @@ def chat_prompt(
 ) -> list[int]:
     """Token ids of a conversation; earlier replies of this engine come back as their exact ids, so the
     next turn of a chat finds its whole history in the prefix cache."""
+    ctx.prompt_guard.check([m.text for m in messages], "messages")
     engine = ctx.async_engine.engine
     conversation = [{"role": m.role, "content": m.text} for m in messages]
     try:
@@ -144,10 +151,12 @@ class Generation:
         choice: Choice,
         params: SamplingParams,
         namespace: str,
+        tenant: str,
     ) -> None:
         self.log_id = log_id
         self.choice = choice
         self._metrics = ctx.metrics
+        self._tenant = tenant
         self._timer = RequestTimer(ctx.metrics)
         # Closing this generator is what aborts the request.
         self._deltas = ctx.async_engine.generate(choice.prompt.token_ids, params, namespace, engine_id)
@@ -162,6 +171,7 @@ class Generation:
         HTTP status can still say so."""
         try:
             self._first = self._observe(await anext(self._deltas))
+            self._metrics.tenant_prefix_cache(self._tenant, self.num_prompt_tokens, self.num_cached_tokens)
         except asyncio.CancelledError:
             self._end()
             raise
@@ -385,6 +395,7 @@ async def respond(
     its KV from the prefix cache instead of computing it again."""
     ids = ResponseIds(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
     log_id: str = getattr(request.state, "request_id", ids.id)
+    tenant = caller(request).tenant.name
     try:
         # Everything that can never run is refused before anything is queued.
         for prompt in prompts:
@@ -406,6 +417,7 @@ async def respond(
                     Choice(index, prompt),
                     params.for_sample(j),
                     namespace,
+                    tenant,
                 )
             )
     await cancel_on_disconnect(request, _start_all(generations))

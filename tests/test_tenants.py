@@ -1,0 +1,320 @@
+"""Tenants: namespaces derived from API keys keep one tenant's prompts out of another's cache hits, reply
+memory, /tokenize and metrics; shared groups share on purpose; the timing audit cannot tell a prompt that
+another tenant cached from one that nobody did."""
+
+import asyncio
+import os
+import random
+import signal
+import stat
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+from scipy.stats import ks_2samp
+
+from kvserve.config import default_cache_dir
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.engine import Engine
+from kvserve.server.app import create_app
+from kvserve.server.tenants import (
+    KeyFileError,
+    Tenant,
+    Tenants,
+    load_or_create_secret,
+    parse_key_file,
+)
+from tests.helpers import free_port, server_process
+
+KEYS = {"a": "key-aaaaaaaa", "b": "key-bbbbbbbb", "c": "key-cccccccc", "d": "key-dddddddd"}
+KEY_FILE = f"""# tenants a and b are isolated; c and d share the group "public"
+a:{KEYS["a"]}
+b:{KEYS["b"]}
+c:{KEYS["c"]}:public
+d:{KEYS["d"]}:public
+"""
+# Prompt length and probe count of the timing audit: long enough that a hit is plain in the time to
+# first token on the real model (with int8 weights, its fastest prefill), enough probes for the KS test,
+# small enough for a 2-core machine.
+AUDIT_TOKENS = 64
+AUDIT_PROBES = 30
+
+
+@dataclass
+class TenantServer:
+    url: str
+    tenants: Tenants
+    async_engine: AsyncEngine
+
+    def post(self, tenant: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=120)
+
+    def complete(self, tenant: str, prompt: str | list[int], **extra: Any) -> dict[str, Any]:
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
+        r = self.post(tenant, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        result: dict[str, Any] = r.json()
+        return result
+
+
+def cached(result: dict[str, Any]) -> int:
+    value: int = result["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return value
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory,
+    make_engine: Callable[..., Engine],
+    serve_app: Callable[[FastAPI], AbstractContextManager[str]],
+) -> Iterator[TenantServer]:
+    folder = tmp_path_factory.mktemp("tenants")
+    key_file = folder / "keys"
+    key_file.write_text(KEY_FILE)
+    tenants = Tenants(load_or_create_secret(str(folder)), key_file=str(key_file))
+    async_engine = AsyncEngine(
+        make_engine(kv_cache_memory=256 * 2**20, max_model_len=2048, weight_dtype="int8")
+    )
+    with serve_app(create_app(async_engine, tenants=tenants)) as url:
+        yield TenantServer(url, tenants, async_engine)
+
+
+def test_key_file_parses_tenants_groups_and_comments() -> None:
+    keys = parse_key_file(KEY_FILE + "a:key-a-rotated  # a second key for a\n\n")
+    assert keys[KEYS["a"]] == keys["key-a-rotated"] == Tenant("a")
+    assert keys[KEYS["c"]] == Tenant("c", "public")
+    for bad, reason in [
+        ("a", "expected tenant:key"),
+        ("a:short", "8-512 printable"),
+        ("a b:key-aaaaaaaa", "names are"),
+        ("a:key-aaaaaaaa\nb:key-aaaaaaaa", "already given"),
+        ("a:key-aaaaaaaa:g1\na:key-a2222222:g2", "two different shared groups"),
+        ("# nothing\n", "no keys"),
+    ]:
+        with pytest.raises(KeyFileError, match=reason) as error:
+            parse_key_file(bad)
+        assert "key-aaaa" not in str(error.value)  # errors never echo a key
+
+
+def test_secret_is_created_once_private_and_kept(tmp_path: Path) -> None:
+    secret = load_or_create_secret(str(tmp_path / "cache"))
+    path = tmp_path / "cache" / "tenant-secret"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create_secret(str(tmp_path / "cache")) == secret and len(secret) == 32
+    # The same secret gives the same namespaces after a restart; another secret gives others.
+    again = Tenants(secret, api_key="sesame-key")
+    assert again.namespace(Tenant("a")) == Tenants(secret).namespace(Tenant("a"))
+    assert Tenants(os.urandom(32)).namespace(Tenant("a")) != again.namespace(Tenant("a"))
+    path.chmod(0o644)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_or_create_secret(str(tmp_path / "cache"))
+
+
+def test_namespaces_come_from_the_tenant_not_the_client(server: TenantServer) -> None:
+    t = server.tenants
+    a, b, c, d = (t.authenticate(KEYS[name]) for name in "abcd")
+    assert a is not None and b is not None and c is not None and d is not None
+    assert t.authenticate("key-wrong") is None and t.authenticate(None) is None
+    assert t.namespace(a) != t.namespace(b)
+    assert t.namespace(c) == t.namespace(d) != t.namespace(a)
+    # A salt splits a tenant's namespace, and no salt of b's reaches a's namespace (or a's salted one).
+    assert t.namespace(a, "s") not in {t.namespace(a), t.namespace(b, "s"), t.namespace(c, "s")}
+    assert len({t.namespace(x, s) for x in (a, b, c) for s in (None, "", "a", "b", "public")}) == 15
+
+
+def test_every_route_needs_a_tenant_key(server: TenantServer) -> None:
+    for headers in ({}, {"Authorization": "Bearer key-wrong"}, {"Authorization": KEYS["a"]}):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # The generated docs would describe the API to anyone: off when the server has keys.
+    assert httpx.get(f"{server.url}/openapi.json").status_code == 404
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_another_tenants_prompt_never_hits_but_a_shared_group_does(server: TenantServer) -> None:
+    prompt = "Tenant isolation check: the quick brown fox jumps over the lazy dog, then naps in the sun."
+    first = server.complete("a", prompt)
+    assert cached(first) == 0
+    # b sends a's exact prompt: a miss, and the same greedy reply (computed afresh, the same way).
+    other = server.complete("b", prompt)
+    assert cached(other) == 0
+    assert other["choices"][0]["text"] == first["choices"][0]["text"]
+    # a's repeat hits its own namespace: everything but the last prompt token.
+    repeat = server.complete("a", prompt)
+    assert cached(repeat) == repeat["usage"]["prompt_tokens"] - 1
+    assert repeat["choices"][0]["text"] == first["choices"][0]["text"]
+
+    shared = "Shared group check: a public system prompt that the members of one group may all reuse."
+    assert cached(server.complete("c", shared)) == 0
+    hit = server.complete("d", shared)
+    assert cached(hit) == hit["usage"]["prompt_tokens"] - 1
+    # The group's namespace is its members' only.
+    for outsider in "ab":
+        assert cached(server.complete(outsider, shared)) == 0
+
+    # A cache_salt splits a tenant's own namespace further.
+    salted = "Salt check: one tenant splits its own namespace in two with a salt of its choosing."
+    assert cached(server.complete("a", salted, cache_salt="s1")) == 0
+    assert cached(server.complete("a", salted, cache_salt="s2")) == 0
+    assert cached(server.complete("a", salted)) == 0
+    hit = server.complete("a", salted, cache_salt="s1")
+    assert cached(hit) == hit["usage"]["prompt_tokens"] - 1
+    assert cached(server.complete("b", salted, cache_salt="s1")) == 0
+
+
+def test_reply_memory_and_tokenize_are_per_namespace(server: TenantServer) -> None:
+    reply = "A remembered reply, spelled in tokens of its own."
+    spliced = [7, 8, 9]
+    namespace_a = server.tenants.namespace(Tenant("a"))
+    asyncio.run(server.async_engine.call(lambda e: e.replies.remember(namespace_a, reply, spliced)))
+    chat = {
+        "messages": [
+            {"role": "user", "content": "Say something."},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Again."},
+        ]
+    }
+
+    def tokens(tenant: str, **extra: Any) -> list[int]:
+        r = server.post(tenant, "/tokenize", {**chat, **extra})
+        assert r.status_code == 200, r.text
+        ids: list[int] = r.json()["tokens"]
+        return ids
+
+    def contains(ids: list[int], part: list[int]) -> bool:
+        return any(ids[i : i + len(part)] == part for i in range(len(ids)))
+
+    assert contains(tokens("a"), spliced)
+    # Other tenants, and a's own salted namespace, tokenize the reply's text as text.
+    for other in (tokens("b"), tokens("c"), tokens("a", cache_salt="x")):
+        assert not contains(other, spliced)
+        assert other == tokens("b")
+
+
+def test_prefix_cache_metrics_per_tenant(server: TenantServer) -> None:
+    prompt = "Metrics per tenant: count my cached tokens and nobody else's, please."
+    before = _tenant_hits(server)
+    server.complete("b", prompt)
+    hit = server.complete("b", prompt)
+    server.complete("a", prompt + " And more.")
+    after = _tenant_hits(server)
+    assert after["b"][1] - before.get("b", (0, 0))[1] == cached(hit) > 0
+    assert after["b"][0] - before.get("b", (0, 0))[0] == 2 * hit["usage"]["prompt_tokens"]
+    assert after["a"][1] == before.get("a", (0, 0))[1]
+
+
+def _tenant_hits(server: TenantServer) -> dict[str, tuple[float, float]]:
+    r = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEYS['a']}"})
+    queries: dict[str, float] = {}
+    hits: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == "kvserve_tenant_prefix_cache_queries_total":
+                queries[sample.labels["tenant"]] = sample.value
+            elif sample.name == "kvserve_tenant_prefix_cache_hits_total":
+                hits[sample.labels["tenant"]] = sample.value
+    return {t: (queries[t], hits.get(t, 0.0)) for t in queries}
+
+
+def test_timing_audit_finds_no_hit_across_tenants_and_finds_one_within_a_group(
+    server: TenantServer,
+) -> None:
+    """Gu et al.'s audit as a test: the time to first token of tenant B's probes on prompts that tenant
+    A has just cached, against probes on prompts nobody has cached. Isolated tenants (a, b) must look
+    the same to a two-sample Kolmogorov-Smirnov test; tenants of one shared group (c, d) must not,
+    which shows that the audit can fail. Rounds interleave every kind of probe, in random order, so
+    that the machine's noise falls on all samples alike."""
+    rng = random.Random(11)
+    vocab = range(1000, 40000)
+    # Every prompt starts with a token no other prompt starts with, so probes never hit each other.
+    firsts = rng.sample(vocab, 4 * AUDIT_PROBES)
+
+    def prompt(i: int) -> list[int]:
+        return [firsts[i], *rng.choices(vocab, k=AUDIT_TOKENS - 1)]
+
+    client_headers = {name: {"Authorization": f"Bearer {key}"} for name, key in KEYS.items()}
+    samples: dict[str, list[float]] = {
+        "isolated-hit": [],
+        "isolated-miss": [],
+        "shared-hit": [],
+        "shared-miss": [],
+    }
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+
+        def ttft(tenant: str, ids: list[int]) -> tuple[float, int]:
+            body = {"prompt": ids, "max_tokens": 1, "temperature": 0}
+            start = time.perf_counter()
+            r = client.post("/v1/completions", json=body, headers=client_headers[tenant])
+            elapsed = time.perf_counter() - start
+            assert r.status_code == 200, r.text
+            return elapsed, cached(r.json())
+
+        for i in range(AUDIT_PROBES):
+            owner_isolated, fresh_isolated, owner_shared, fresh_shared = (prompt(4 * i + j) for j in range(4))
+            ttft("a", owner_isolated)
+            ttft("c", owner_shared)
+            probes = [
+                ("isolated-hit", "b", owner_isolated),
+                ("isolated-miss", "b", fresh_isolated),
+                ("shared-hit", "d", owner_shared),
+                ("shared-miss", "d", fresh_shared),
+            ]
+            rng.shuffle(probes)
+            for kind, tenant, ids in probes:
+                elapsed, hit = ttft(tenant, ids)
+                assert hit == (AUDIT_TOKENS - 1 if kind == "shared-hit" else 0), kind
+                samples[kind].append(elapsed)
+
+    isolated = ks_2samp(samples["isolated-hit"], samples["isolated-miss"])
+    shared = ks_2samp(samples["shared-hit"], samples["shared-miss"])
+    print(f"\ntiming audit: isolated KS p = {isolated.pvalue:.3g}, shared group KS p = {shared.pvalue:.3g}")
+    assert isolated.pvalue > 0.01, samples
+    assert shared.pvalue < 0.001, samples
+
+
+def test_sighup_reloads_the_key_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("a:key-aaaaaaaa\n")
+    port = free_port()
+    argv = [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-cache-memory", "32MiB"]
+    argv += ["--max-model-len", "256", "--api-key-file", str(key_file)]
+    with server_process(argv, port) as (process, url):
+        assert process.stdout is not None
+
+        def status(key: str) -> int:
+            headers = {"Authorization": f"Bearer {key}"}
+            return httpx.get(f"{url}/v1/models", headers=headers, timeout=30).status_code
+
+        def log_until(text: str) -> str:
+            assert process.stdout is not None
+            seen = ""
+            while text not in seen:
+                line = process.stdout.readline().decode()
+                assert line, f"the server exited before logging {text!r}: {seen}"
+                seen += line
+            return seen
+
+        startup = log_until("tenancy:")
+        assert "tenancy: 1 tenants" in startup
+        assert status("key-aaaaaaaa") == 200 and status("key-bbbbbbbb") == 401
+        # A broken file is refused, and the keys in force stay.
+        key_file.write_text("a:short\n")
+        process.send_signal(signal.SIGHUP)
+        refused = log_until("key file not reloaded")
+        assert "key-aaaaaaaa" not in refused and "short" not in refused  # the log never shows a key
+        assert status("key-aaaaaaaa") == 200
+        key_file.write_text("b:key-bbbbbbbb\n")
+        process.send_signal(signal.SIGHUP)
+        log_until("key file reloaded")
+        assert status("key-bbbbbbbb") == 200 and status("key-aaaaaaaa") == 401
+    secret = Path(default_cache_dir()) / "tenant-secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
