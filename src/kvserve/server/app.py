@@ -18,7 +18,14 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import MAX_LOGPROBS
-from kvserve.server.auth import authenticate, cache_namespace, caller, check_admin_key, stats_scope
+from kvserve.server.auth import (
+    ADMIN_TENANT,
+    authenticate,
+    cache_namespace,
+    caller,
+    check_admin_key,
+    stats_scope,
+)
 from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.formats import ChatFormat, CompletionFormat, PromptInput
@@ -182,10 +189,14 @@ async def cache_stats(request: Request, ctx: Context) -> CacheStatsResponse:
     namespaces for the admin key (or a server without keys), only its own for a tenant's key."""
     dashboard: Dashboard = request.app.state.dashboard
     namespace = stats_scope(request)
+
+    def label(namespace: str) -> str:
+        return ctx.tenants.label(namespace, [ADMIN_TENANT])
+
     if namespace is None:
-        return await dashboard.stats(ctx.async_engine, ctx.model_name)
+        return await dashboard.stats(ctx.async_engine, ctx.model_name, label=label)
     queries, hits = ctx.metrics.tenant_totals.get(caller(request).tenant.name, [0, 0])
-    return await dashboard.stats(ctx.async_engine, ctx.model_name, namespace, (queries, hits))
+    return await dashboard.stats(ctx.async_engine, ctx.model_name, namespace, (queries, hits), label)
 
 
 # The page and its scripts are a static shell with no data in them: everything shown comes from

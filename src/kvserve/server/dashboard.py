@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Literal
@@ -113,8 +114,8 @@ class CacheStatsResponse(BaseModel):
     num_requests: int
 
 
-def namespace_label(namespace: str) -> str:
-    """A short, stable name for a namespace (namespaces may be long derived hashes)."""
+def short_label(namespace: str) -> str:
+    """A short, stable name for a namespace when nothing better is known (namespaces may be long hashes)."""
     return namespace[:12] if namespace else "default"
 
 
@@ -206,12 +207,13 @@ class Dashboard:
         model: str,
         namespace: str | None = None,
         tenant_totals: tuple[int, int] = (0, 0),
+        label: Callable[[str], str] = short_label,
     ) -> CacheStatsResponse:
         """The JSON of `GET /v1/cache/stats`: everything (`namespace` None), or one tenant's namespace
         with its own (queries, hits) totals."""
         snapshot: Snapshot = await async_engine.call(lambda engine: take_snapshot(engine, namespace))
         tokenizer = async_engine.tokenizer if self.show_text else None
-        full = render(snapshot, model, self.history, tokenizer)
+        full = render(snapshot, model, self.history, tokenizer, label)
         if namespace is None:
             return full
         return full.model_copy(
@@ -220,9 +222,14 @@ class Dashboard:
 
 
 def render(
-    snapshot: Snapshot, model: str, history: StatsHistory, tokenizer: Tokenizer | None
+    snapshot: Snapshot,
+    model: str,
+    history: StatsHistory,
+    tokenizer: Tokenizer | None,
+    label: Callable[[str], str] = short_label,
 ) -> CacheStatsResponse:
-    """The JSON for one snapshot; `tokenizer` set means branch heads are shown as text."""
+    """The JSON for one snapshot; `tokenizer` set means branch heads are shown as text, `label` names
+    namespaces."""
     return CacheStatsResponse(
         scope="all",
         time=snapshot.time,
@@ -232,7 +239,7 @@ def render(
         history=list(history.points),
         branches=[
             BranchStats(
-                namespace=namespace_label(b.namespace),
+                namespace=label(b.namespace),
                 tokens=b.num_tokens,
                 hits=b.hits,
                 last_hit=b.last_hit,
@@ -244,7 +251,7 @@ def render(
             RequestStats(
                 id=r.request_id,
                 status=r.status,
-                namespace=namespace_label(r.namespace),
+                namespace=label(r.namespace),
                 prompt_tokens=r.prompt_tokens,
                 cached_tokens=r.cached_tokens,
                 generated_tokens=r.generated_tokens,

@@ -134,6 +134,10 @@ def completion_prompts(
         batch: list[str | list[int]] = [prompt]  # type: ignore[list-item]
     else:
         batch = list(prompt)  # type: ignore[arg-type]
+    vocab = tokenizer.vocab_size
+    # Checked before the echo text is decoded from them: the tokenizer cannot decode what is out of range.
+    if any(not isinstance(p, str) and any(not 0 <= t < vocab for t in p) for p in batch):
+        raise APIError(400, f"Prompt token ids must be in [0, {vocab}).", param="prompt")
     return [
         PromptInput(text_prompt(tokenizer, p), p if isinstance(p, str) else tokenizer.decode(p, False))
         for p in batch

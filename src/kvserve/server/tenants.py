@@ -20,6 +20,7 @@ import re
 import secrets
 import signal
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
 
@@ -132,6 +133,14 @@ class Tenants:
         owner = ["group", tenant.group] if tenant.group is not None else ["tenant", tenant.name]
         message = json.dumps([*owner, cache_salt]).encode()
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def label(self, namespace: str, others: Iterable[Tenant] = ()) -> str:
+        """A readable name for a namespace (the dashboard's): its tenant's or shared group's among the
+        known tenants and `others`; for a salted or unknown one, the start of its hash."""
+        for tenant in {*self._keys.values(), Tenant(DEFAULT_TENANT), *others}:
+            if hmac.compare_digest(self.namespace(tenant), namespace):
+                return f"group {tenant.group}" if tenant.group is not None else tenant.name
+        return namespace[:12]
 
     def reload(self) -> None:
         """Re-read the key file (SIGHUP); on any error the keys in force stay."""
