@@ -25,18 +25,11 @@ from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.engine import EngineStats
 from kvserve.engine.snapshot import Snapshot, take_snapshot
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.pinning import lower_tiers
+from kvserve.server.protocol import TierInfo
 
 HISTORY_SECONDS = 600
 HEAD_TOKENS = 12
-
-
-class TierStats(BaseModel):
-    """A lower tier (the disk) below the memory pool."""
-
-    name: str
-    blocks: int
-    bytes_used: int
-    capacity_bytes: int
 
 
 class PoolStats(BaseModel):
@@ -52,7 +45,7 @@ class PoolStats(BaseModel):
     pinned: int
     evicted: int
     usage: float
-    tiers: list[TierStats]
+    tiers: list[TierInfo]
 
 
 class Counters(BaseModel):
@@ -130,12 +123,7 @@ def pool_stats(stats: EngineStats, block_size: int) -> PoolStats:
         pinned=c.num_blocks - c.num_free - c.num_locked - c.num_evictable,
         evicted=c.num_evicted,
         usage=c.usage,
-        tiers=[
-            TierStats(
-                name=t.name, blocks=t.num_blocks, bytes_used=t.bytes_used, capacity_bytes=t.capacity_bytes
-            )
-            for t in c.tiers
-        ],
+        tiers=lower_tiers(c),
     )
 
 

@@ -2,7 +2,7 @@
 
 import time
 
-from kvserve.cache.manager import Pin, PinRefused
+from kvserve.cache.manager import CacheUsage, Pin, PinRefused
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.errors import APIError
@@ -69,14 +69,17 @@ async def cache_status(ctx: ServerContext, namespace: str) -> CacheStatus:
             pinned_blocks=usage.num_pinned,
             max_pinned_blocks=usage.max_pinned,
         )
-        lower = [
-            TierInfo(
-                name=t.name, blocks=t.num_blocks, bytes_used=t.bytes_used, capacity_bytes=t.capacity_bytes
-            )
-            for t in usage.tiers
-        ]
+        lower = lower_tiers(usage)
         pins = [_info(engine, p) for p in engine.pins(namespace)]
         return CacheStatus(block_size=bs, pins=pins, tiers=[memory, *lower])
 
     result: CacheStatus = await ctx.async_engine.call(status)
     return result
+
+
+def lower_tiers(usage: CacheUsage) -> list[TierInfo]:
+    """The tiers below memory (the disk), as `GET /v1/cache` and the dashboard show them."""
+    return [
+        TierInfo(name=t.name, blocks=t.num_blocks, bytes_used=t.bytes_used, capacity_bytes=t.capacity_bytes)
+        for t in usage.tiers
+    ]
