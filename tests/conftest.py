@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,3 +83,10 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/browser needs selenium and Chromium (`make test-browser`): collected only under `-m browser`."""
+    if collection_path.name == "browser" and config.getoption("markexpr") != "browser":
+        return True
+    return None
