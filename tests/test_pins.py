@@ -139,3 +139,21 @@ def test_pin_api(url: str) -> None:
         assert metrics[("kvserve_kv_tier_bytes_used", "disk")] >= 0
         assert ("kvserve_kv_tier_load_seconds_count", "disk") in metrics
         assert ("kvserve_kv_tier_store_seconds_bucket", "disk") in metrics
+
+
+def test_one_namespace_cannot_take_every_pinnable_block(tiny_model: LoadedModel) -> None:
+    """Per tenant: namespaces are tenants (or shared groups), each capped below the total."""
+    engine = engine_with_blocks(
+        tiny_model, 40, BLOCK, max_pinned_tokens=20 * BLOCK, max_pinned_tokens_per_tenant=10 * BLOCK
+    )
+    drive(
+        engine,
+        [PINNED],
+        [Spec(base=("system", 0), suffix=[], max_tokens=1, namespace=ns) for ns in ("a", "b")],
+    )
+    drive(engine, [FLOOD[0]], [Spec(base=("system", 0), suffix=[], max_tokens=1, namespace="a")])
+    assert engine.pin("a", PINNED, 10) is not None
+    with pytest.raises(PinRefused, match="in this namespace, over its cap of 40"):
+        engine.pin("a", FLOOD[0], 10)
+    assert engine.pin("b", PINNED, 10) is not None, "another namespace has its own share"
+    engine.kv.check()

@@ -47,6 +47,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV tokens that POST /v1/cache/pin may hold in memory (held back from requests); 0: off",
     )
     parser.add_argument(
+        "--max-pinned-tokens-per-tenant",
+        type=int,
+        default=None,
+        help="of those, what one tenant (or shared group) may pin (default: all of them)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
@@ -79,6 +85,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         kv_disk=args.kv_disk,
         kv_disk_size=parse_bytes(args.kv_disk_size),
         max_pinned_tokens=args.max_pinned_tokens,
+        max_pinned_tokens_per_tenant=args.max_pinned_tokens_per_tenant,
         threads=args.threads,
         device=args.device,
         dtype=args.dtype,

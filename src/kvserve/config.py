@@ -56,6 +56,8 @@ class EngineConfig:
     there (behind the step) and found again after eviction or a restart; `kv_disk_size` bounds it.
     `max_pinned_tokens` is how much of the pool prefixes may be pinned in (0: pinning off); it is held
     back from the largest request the engine accepts, so that pins never starve a request.
+    `max_pinned_tokens_per_tenant` caps one cache namespace's pins (a tenant's, or a shared group's;
+    None: the whole `max_pinned_tokens`).
     """
 
     model: str | None = None
@@ -78,6 +80,7 @@ class EngineConfig:
     kv_disk: str | None = None
     kv_disk_size: int = 20 * 2**30
     max_pinned_tokens: int = 0
+    max_pinned_tokens_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "kv_disk_size"):
@@ -95,6 +98,10 @@ class EngineConfig:
                 "kv_disk needs the prefix cache: drop --no-prefix-cache or --kv-disk",
             ),
             (self.max_pinned_tokens >= 0, "max_pinned_tokens must be >= 0"),
+            (
+                self.max_pinned_tokens_per_tenant is None or self.max_pinned_tokens_per_tenant >= 0,
+                "max_pinned_tokens_per_tenant must be >= 0",
+            ),
             (self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive"),
             (self.max_num_seqs > 0, "max_num_seqs must be positive"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"),

@@ -108,7 +108,8 @@ class KVCacheManager:
     - A block with several holders is a tree block (sequences share blocks only through the tree), which
       is what lets `usage` count locked blocks without walking the tree.
     - A pin owns one reference to each of its blocks, so a pinned block is never evictable; the distinct
-      pinned blocks never exceed `max_pinned_blocks`.
+      pinned blocks never exceed `max_pinned_blocks`, nor those of one namespace (a tenant or shared
+      group) `max_pinned_blocks_per_namespace`.
     - A block loaded from a lower tier is verified there first and is written before it joins the tree.
     """
 
@@ -120,6 +121,7 @@ class KVCacheManager:
         lower: LowerTiers | None = None,
         max_pinned_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        max_pinned_blocks_per_namespace: int | None = None,
     ) -> None:
         if lower is not None and not enable_prefix_caching:
             raise ValueError("lower cache tiers need the prefix cache")
@@ -130,6 +132,10 @@ class KVCacheManager:
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
         self.lower = lower
         self.max_pinned_blocks = max_pinned_blocks
+        # Namespaces are tenants (or shared groups): one tenant's pins cannot take every pinnable block.
+        self.max_pinned_blocks_per_namespace = (
+            max_pinned_blocks if max_pinned_blocks_per_namespace is None else max_pinned_blocks_per_namespace
+        )
         self.clock = clock
         self._live: set[SequenceBlocks] = set()
         self._pins: dict[str, Pin] = {}
@@ -326,6 +332,13 @@ class KVCacheManager:
                 f"pinning {n * bs} more tokens would hold {total * bs} pinned tokens, over the cap of "
                 f"{self.max_pinned_blocks * bs}; unpin something first"
             )
+        mine = len(self._pinned_in(namespace) | set(seq.blocks))
+        if mine > self.max_pinned_blocks_per_namespace:
+            self._release_blocks(seq.blocks)
+            raise PinRefused(
+                f"pinning {n * bs} more tokens would hold {mine * bs} pinned tokens in this namespace, over "
+                f"its cap of {self.max_pinned_blocks_per_namespace * bs}; unpin something first"
+            )
         pin = Pin(f"pin-{next(self._pin_ids)}", namespace, prefix, seq.blocks, expires_at)
         self._pins[pin.pin_id] = pin
         return pin
@@ -349,6 +362,9 @@ class KVCacheManager:
 
     def pins(self, namespace: str) -> list[Pin]:
         return [p for p in self._pins.values() if p.namespace == namespace]
+
+    def _pinned_in(self, namespace: str) -> set[int]:
+        return {b for p in self._pins.values() if p.namespace == namespace for b in p.blocks}
 
     def pinned_blocks(self) -> set[int]:
         return {b for p in self._pins.values() for b in p.blocks}
@@ -411,6 +427,9 @@ class KVCacheManager:
         pinned = self.pinned_blocks()
         if len(pinned) > self.max_pinned_blocks:
             raise AssertionError("more blocks are pinned than the cap allows")
+        for namespace in {p.namespace for p in self._pins.values()}:
+            if len(self._pinned_in(namespace)) > self.max_pinned_blocks_per_namespace:
+                raise AssertionError(f"namespace {namespace!r} pins more blocks than its cap")
         if any(self.pool.ref_count(b) < 2 for b in pinned & set(tree_blocks)):
             raise AssertionError("a pinned block is evictable")
         locked = {b for seq in self._live for b in seq.blocks}

@@ -88,6 +88,11 @@ class Engine:
             config.enable_prefix_caching,
             self._lower_tiers(),
             max_pinned_blocks,
+            max_pinned_blocks_per_namespace=(
+                None
+                if config.max_pinned_tokens_per_tenant is None
+                else config.max_pinned_tokens_per_tenant // config.block_size
+            ),
         )
         self.scheduler = Scheduler(config, self.kv)
         self.replies = ReplyMemory()
