@@ -195,8 +195,8 @@ async def cache_stats(request: Request, ctx: Context) -> CacheStatsResponse:
 
     if namespace is None:
         return await dashboard.stats(ctx.async_engine, ctx.model_name, label=label)
-    queries, hits = ctx.metrics.tenant_totals.get(caller(request).tenant.name, [0, 0])
-    return await dashboard.stats(ctx.async_engine, ctx.model_name, namespace, (queries, hits), label)
+    totals = ctx.metrics.tenant_prefix_cache_totals(caller(request).tenant.name)
+    return await dashboard.stats(ctx.async_engine, ctx.model_name, namespace, totals, label)
 
 
 # The page and its scripts are a static shell with no data in them: everything shown comes from

@@ -15,11 +15,11 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.engine import EngineStats
@@ -82,7 +82,9 @@ class BranchStats(BaseModel):
 
 
 class RequestStats(BaseModel):
-    id: str
+    """Built from the engine's `RequestInfo` (`snapshot.py`), field for field."""
+
+    id: str = Field(validation_alias="request_id")
     status: str
     namespace: str
     prompt_tokens: int
@@ -236,16 +238,7 @@ def render(
             for b in snapshot.branches
         ],
         requests=[
-            RequestStats(
-                id=r.request_id,
-                status=r.status,
-                namespace=label(r.namespace),
-                prompt_tokens=r.prompt_tokens,
-                cached_tokens=r.cached_tokens,
-                generated_tokens=r.generated_tokens,
-                ttft_s=r.ttft_s,
-                age_s=r.age_s,
-            )
+            RequestStats.model_validate(replace(r, namespace=label(r.namespace)), from_attributes=True)
             for r in snapshot.requests
         ],
         num_requests=snapshot.num_requests,

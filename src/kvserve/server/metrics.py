@@ -232,8 +232,6 @@ class ServerMetrics:
         )
 
         # Per tenant, from each request's usage: one tenant's hit rate, without the others' traffic.
-        # Also kept as plain [queries, hits] for the dashboard's view of one tenant.
-        self.tenant_totals: dict[str, list[int]] = {}
         self._tenant_queries = Counter(
             "kvserve_tenant_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache, per tenant.",
@@ -250,9 +248,13 @@ class ServerMetrics:
     def tenant_prefix_cache(self, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
         self._tenant_queries.labels(self.model_name, tenant).inc(prompt_tokens)
         self._tenant_hits.labels(self.model_name, tenant).inc(cached_tokens)
-        totals = self.tenant_totals.setdefault(tenant, [0, 0])
-        totals[0] += prompt_tokens
-        totals[1] += cached_tokens
+
+    def tenant_prefix_cache_totals(self, tenant: str) -> tuple[int, int]:
+        """One tenant's (prompt tokens looked up, tokens hit) so far, read back from its counters."""
+        labels = {"model_name": self.model_name, "tenant": tenant}
+        queries = self.registry.get_sample_value("kvserve_tenant_prefix_cache_queries_total", labels)
+        hits = self.registry.get_sample_value("kvserve_tenant_prefix_cache_hits_total", labels)
+        return int(queries or 0), int(hits or 0)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
