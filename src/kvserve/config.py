@@ -58,6 +58,11 @@ class EngineConfig:
     back from the largest request the engine accepts, so that pins never starve a request.
     `max_pinned_tokens_per_tenant` caps one cache namespace's pins (a tenant's, or a shared group's;
     None: the whole `max_pinned_tokens`).
+
+    `max_sequences_per_request` caps the sequences one request may start: its `n`, and prompts x n for a
+    batch of prompts (each sequence is one engine request, counted in the queue and its tenant's share).
+    `max_waiting + max_num_seqs` is how many sequences may be in flight; each tenant is guaranteed an
+    equal share of them (see the scheduling policy in docs/design.md).
     """
 
     model: str | None = None
@@ -71,6 +76,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_waiting: int = 1024
+    max_sequences_per_request: int = 256
     enable_prefix_caching: bool = True
     cache_aware_scheduling_bound: int = 32
     threads: int | None = None
@@ -106,6 +112,7 @@ class EngineConfig:
             (self.max_num_seqs > 0, "max_num_seqs must be positive"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"),
             (self.max_waiting > 0, "max_waiting must be positive"),
+            (self.max_sequences_per_request > 0, "max_sequences_per_request must be positive"),
             (self.cache_aware_scheduling_bound >= 0, "cache_aware_scheduling_bound must be >= 0"),
             (self.threads is None or self.threads > 0, "threads must be positive"),
             (

@@ -3,7 +3,6 @@
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from typing import Any, TypedDict
 
 from kvserve.config import EngineConfig
@@ -108,13 +107,19 @@ class LLM:
         # Engine request id -> (its prompt's output, the sample's index).
         samples: dict[str, tuple[RequestOutput, int]] = {}
         started = time.monotonic()
-        for (text, ids), p in zip(prompts, self._params_per_prompt(len(prompts), params), strict=True):
+        per_prompt = self._params_per_prompt(len(prompts), params)
+        # Every prompt is checked before any is queued, so a bad one leaves nothing running. Each prompt is
+        # its own request: the cap on prompts x n is for one network request, not an offline batch.
+        checked = [
+            self.engine.validate_request([ids], p)[0] for (_, ids), p in zip(prompts, per_prompt, strict=True)
+        ]
+        for (text, _), p, prompt in zip(prompts, per_prompt, checked, strict=True):
             base = str(next(self._ids))
-            out = RequestOutput(base, text, ids, [], finished=False)
+            out = RequestOutput(base, text, prompt.token_ids, [], finished=False)
             outputs.append(out)
             for i in range(p.n):
                 rid = base if p.n == 1 else f"{base}-{i}"
-                self.engine.add_request(rid, ids, replace(p.for_sample(i)))
+                self.engine.add_request(rid, prompt, p.for_sample(i))
                 logprobs: list[PositionLogprobs] | None = [] if p.logprobs is not None else None
                 out.outputs.append(CompletionOutput(i, "", [], logprobs=logprobs))
                 samples[rid] = (out, i)

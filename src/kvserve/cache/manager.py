@@ -6,10 +6,12 @@ what order and with what token budget; it never touches a block id or a referenc
 
 Below memory there may be lower tiers (disk): every newly published full block is offered to them, and
 an admission continues its memory match there, loading the blocks it finds into fresh memory blocks that
-join the tree as if they had just been computed.
+join the tree as if they had just been computed. A lower tier that fails while a block is looked up or
+loaded is a miss: the match stops there and holds nothing of the failed block.
 """
 
 import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,6 +23,8 @@ from kvserve.cache.prefix_cache import MatchResult, PrefixCache
 from kvserve.cache.tiers import TierUsage
 
 MEMORY_TIER = "memory"
+
+log = logging.getLogger("kvserve.cache")
 
 
 @dataclass(eq=False)
@@ -194,35 +198,42 @@ class KVCacheManager:
     def _load_from_lower_tiers(self, seq: SequenceBlocks, tokens: Sequence[int], hits: dict[str, int]) -> int:
         """Continue `seq`'s memory match of `tokens` with full blocks from the lower tiers: each one
         found intact is loaded into a fresh block (evicting if needed), joins the tree and is locked for
-        `seq`. Stops at the first block no tier holds intact; returns how many were loaded."""
+        `seq`. Stops at the first block no tier holds intact, or whose lookup or load fails (a miss: the
+        fresh block is freed); returns how many were loaded."""
         if self.lower is None or self.prefix_cache is None:
             return 0
+        lower = self.lower
         bs = self.block_size
         start = len(seq.blocks)
-        end = len(tokens) // bs
-        if start == end or not self.lower.holds(self._key(seq, tokens, start)):
-            return 0
-        for j in range(start, end):
-            self.lower.extend_keys(seq.keys, seq.namespace, tokens, j + 1)
-            if not self.lower.holds(seq.keys[j]) or not self._extend(seq, (j + 1) * bs):
+        for j in range(start, len(tokens) // bs):
+            if not self._lower_holds(seq, tokens, j) or not self._extend(seq, (j + 1) * bs):
                 break
-            found = self.lower.fetch(self.lower.record(seq.keys, seq.namespace, tokens, j))
+            try:
+                found = lower.fetch(lower.record(seq.keys, seq.namespace, tokens, j))
+                if found is not None:
+                    lower.io.write_block(seq.blocks[j], found[1])
+            except Exception:
+                log.warning("loading a KV block from a lower tier failed; treated as a miss", exc_info=True)
+                found = None
             if found is None:
                 self.pool.release(seq.blocks.pop())
                 break
-            tier, kv = found
-            self.lower.io.write_block(seq.blocks[j], kv)
             self.prefix_cache.insert(seq.namespace, tokens[: (j + 1) * bs], seq.blocks)
-            hits[tier] = hits.get(tier, 0) + bs
+            hits[found[0]] = hits.get(found[0], 0) + bs
         loaded = len(seq.blocks) - start
         if loaded:
             hits[MEMORY_TIER] = start * bs
         return loaded
 
-    def _key(self, seq: SequenceBlocks, tokens: Sequence[int], j: int) -> bytes:
+    def _lower_holds(self, seq: SequenceBlocks, tokens: Sequence[int], j: int) -> bool:
+        """Whether a lower tier holds block j of `tokens` (computing its key); a failure is a miss."""
         assert self.lower is not None
-        self.lower.extend_keys(seq.keys, seq.namespace, tokens, j + 1)
-        return seq.keys[j]
+        try:
+            self.lower.extend_keys(seq.keys, seq.namespace, tokens, j + 1)
+            return self.lower.holds(seq.keys[j])
+        except Exception:
+            log.warning("looking up a KV block in a lower tier failed; treated as a miss", exc_info=True)
+            return False
 
     def _admitted(self, seq: SequenceBlocks, cached: int, n: int, hits: dict[str, int]) -> Admission:
         seq.num_published = cached // self.block_size
@@ -317,31 +328,34 @@ class KVCacheManager:
                 pin.expires_at = max(pin.expires_at, expires_at)
                 return pin
         seq = SequenceBlocks(namespace)
-        match = self.prefix_cache.match(namespace, prefix)
-        seq.blocks = list(match.blocks)
-        self._lock(seq.blocks)
-        self._load_from_lower_tiers(seq, prefix, {})
-        if len(seq.blocks) < n:
-            self._release_blocks(seq.blocks)
-            return None
-        pinned = self.pinned_blocks()
-        total = len(pinned | set(seq.blocks))
-        if total > self.max_pinned_blocks:
-            self._release_blocks(seq.blocks)
-            raise PinRefused(
-                f"pinning {n * bs} more tokens would hold {total * bs} pinned tokens, over the cap of "
-                f"{self.max_pinned_blocks * bs}; unpin something first"
-            )
-        mine = len(self._pinned_in(namespace) | set(seq.blocks))
-        if mine > self.max_pinned_blocks_per_namespace:
-            self._release_blocks(seq.blocks)
-            raise PinRefused(
-                f"pinning {n * bs} more tokens would hold {mine * bs} pinned tokens in this namespace, over "
-                f"its cap of {self.max_pinned_blocks_per_namespace * bs}; unpin something first"
-            )
-        pin = Pin(f"pin-{next(self._pin_ids)}", namespace, prefix, seq.blocks, expires_at)
-        self._pins[pin.pin_id] = pin
-        return pin
+        made: Pin | None = None
+        try:
+            match = self.prefix_cache.match(namespace, prefix)
+            seq.blocks = list(match.blocks)
+            self._lock(seq.blocks)
+            self._load_from_lower_tiers(seq, prefix, {})
+            if len(seq.blocks) < n:
+                return None
+            total = len(self.pinned_blocks() | set(seq.blocks))
+            if total > self.max_pinned_blocks:
+                raise PinRefused(
+                    f"pinning {n * bs} more tokens would hold {total * bs} pinned tokens, over the cap of "
+                    f"{self.max_pinned_blocks * bs}; unpin something first"
+                )
+            mine = len(self._pinned_in(namespace) | set(seq.blocks))
+            if mine > self.max_pinned_blocks_per_namespace:
+                raise PinRefused(
+                    f"pinning {n * bs} more tokens would hold {mine * bs} pinned tokens in this namespace, "
+                    f"over its cap of {self.max_pinned_blocks_per_namespace * bs}; unpin something first"
+                )
+            made = Pin(f"pin-{next(self._pin_ids)}", namespace, prefix, seq.blocks, expires_at)
+            self._pins[made.pin_id] = made
+            return made
+        finally:
+            # However the pin ends short of being made (not cached, refused, or anything raising), the
+            # blocks it locked are let go: a leaked lock would shrink the pool for good.
+            if made is None:
+                self._release_blocks(seq.blocks)
 
     def unpin(self, namespace: str, pin_id: str) -> bool:
         """Let go of a pin of `namespace`; False if there is none by that id (or it is another's)."""

@@ -7,6 +7,11 @@ If anything raises on the engine thread, the engine is dead: its state may be ha
 steps again. Every request in flight fails with EngineFailedError, later calls fail at once, the error
 is logged with its traceback, and `on_failure` tells the owner (the server exits non-zero so that a
 supervisor restarts it). Nothing ever waits on a dead engine.
+
+Capacity is counted in sequences (each of a request's n samples is one generate call) and shared between
+tenants: `max_waiting + max_num_seqs` sequences may be in flight, and a tenant under its equal share of
+them (that total over the tenants in flight, itself included) is admitted even when others have filled
+the rest. So one tenant's flood can neither turn another away nor grow the queue past twice the limit.
 """
 
 import asyncio
@@ -15,6 +20,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -22,7 +28,9 @@ from typing import Any
 
 from kvserve.engine.engine import Engine, EngineStats
 from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.request import DEFAULT_TENANT
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import EngineOverloadedError, KVServeError
 
 log = logging.getLogger("kvserve.engine")
@@ -39,9 +47,10 @@ class EngineFailedError(EngineDeadError):
 @dataclass
 class _Submit:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt: CheckedPrompt
     params: SamplingParams
     namespace: str
+    tenant: str
     loop: asyncio.AbstractEventLoop
     out: "asyncio.Queue[RequestDelta | BaseException]"
 
@@ -66,6 +75,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Submit] = {}
         self._in_flight = 0
+        self._in_flight_by_tenant: Counter[str] = Counter()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
@@ -80,32 +90,47 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self.engine.close()
 
+    def in_flight(self, tenant: str) -> int:
+        """The sequences of `tenant` in flight (queued or running, until their stream ends)."""
+        return self._in_flight_by_tenant[tenant]
+
+    def _check_capacity(self, tenant: str) -> None:
+        limit = self.engine.config.max_waiting + self.engine.config.max_num_seqs
+        if self._in_flight < limit:
+            return
+        mine = self._in_flight_by_tenant[tenant]
+        tenants = len(self._in_flight_by_tenant) + (0 if mine else 1)
+        share = limit // tenants
+        if mine < share:
+            return
+        raise EngineOverloadedError(
+            f"the server is at capacity ({limit} sequences in flight, {share} for this tenant); retry later"
+        )
+
     async def generate(
         self,
-        prompt_token_ids: Sequence[int],
+        prompt: Sequence[int] | CheckedPrompt,
         params: SamplingParams,
         namespace: str = "",
         request_id: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> AsyncGenerator[RequestDelta, None]:
-        """Stream a request's deltas; leaving the iteration early (or cancelling) aborts the request.
+        """Stream a request's deltas (one sample: n > 1 runs as n calls with `params.for_sample(i)`);
+        leaving the iteration early (or cancelling) aborts the request.
 
         Raises InvalidRequestError before anything is queued if the request can never be served, and
-        EngineOverloadedError if too many requests are already waiting.
+        EngineOverloadedError if the engine is at capacity and `tenant` holds its share of it. A
+        prompt from `Engine.validate_request` is not scanned again.
         """
         if self.failure is not None:
             raise self.failure
-        limit = self.engine.config.max_waiting + self.engine.config.max_num_seqs
-        if self._in_flight >= limit:
-            raise EngineOverloadedError(
-                f"the server is at capacity ({limit} requests in flight); retry later"
-            )
-        self.engine.validate(prompt_token_ids, params)
+        self._check_capacity(tenant)
+        (checked,) = self.engine.validate_request([prompt], params)
         rid = request_id or f"req-{next(self._ids)}"
         out: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._in_flight += 1
-        self._commands.put(
-            _Submit(rid, list(prompt_token_ids), params, namespace, asyncio.get_running_loop(), out)
-        )
+        self._in_flight_by_tenant[tenant] += 1
+        self._commands.put(_Submit(rid, checked, params, namespace, tenant, asyncio.get_running_loop(), out))
         finished = False
         try:
             while True:
@@ -118,6 +143,9 @@ class AsyncEngine:
                     return
         finally:
             self._in_flight -= 1
+            self._in_flight_by_tenant[tenant] -= 1
+            if not self._in_flight_by_tenant[tenant]:
+                del self._in_flight_by_tenant[tenant]
             if not finished:
                 self._commands.put(_Abort(rid))
 
@@ -137,7 +165,7 @@ class AsyncEngine:
         if isinstance(command, _Submit):
             try:
                 self.engine.add_request(
-                    command.request_id, command.prompt_token_ids, command.params, command.namespace
+                    command.request_id, command.prompt, command.params, command.namespace, command.tenant
                 )
             except Exception as e:
                 command.loop.call_soon_threadsafe(command.out.put_nowait, e)

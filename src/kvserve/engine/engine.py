@@ -17,10 +17,11 @@ from kvserve.engine import sampler
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.reply_memory import ReplyMemory
-from kvserve.engine.request import Request
+from kvserve.engine.request import DEFAULT_TENANT, Request
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.text_stream import TextStream
+from kvserve.engine.validation import CheckedPrompt, RequestLimits, validate_request, validate_token_ids
 from kvserve.errors import InvalidRequestError
 from kvserve.model.fingerprint import model_fingerprint
 from kvserve.model.loader import LoadedModel, load_model
@@ -95,6 +96,12 @@ class Engine:
             ),
         )
         self.scheduler = Scheduler(config, self.kv)
+        self.limits = RequestLimits(
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            max_request_tokens=self.request_pool_tokens,
+            max_sequences_per_request=config.max_sequences_per_request,
+        )
         self.replies = ReplyMemory()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -143,60 +150,34 @@ class Engine:
         """The KV tokens one request may use: the pool less what pins may hold."""
         return (self.num_blocks - self.kv.max_pinned_blocks) * self.config.block_size
 
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        """The request's effective max_tokens; raises InvalidRequestError if it can never be served.
-
-        Reads only fixed settings, so any thread may call it.
-        """
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        # A request's KV must fit in the pool as well as in the context window, beside the most that
-        # pins may hold.
-        limit = min(self.max_model_len, self.request_pool_tokens)
-        if n >= limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens, "
-                f"but the prompt has {n} tokens; shorten the prompt.",
-                "prompt",
-            )
-        max_tokens = limit - n if params.max_tokens is None else params.max_tokens
-        if n + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
-                "Reduce the prompt or max_tokens.",
-                "max_tokens",
-            )
-        if n + max_tokens > limit:
-            raise InvalidRequestError(
-                f"the request needs {n + max_tokens} tokens of KV memory but the whole cache holds {limit}; "
-                "reduce max_tokens or start the server with a larger kv_cache_memory",
-                "max_tokens",
-            )
-        return max_tokens
+    def validate_request(
+        self, prompts: Sequence[Sequence[int] | CheckedPrompt], params: SamplingParams
+    ) -> list[CheckedPrompt]:
+        """Check a request (its prompts, each run params.n times) against what this engine holds: see
+        engine/validation.py. Reads only fixed settings, so any thread may call it."""
+        return validate_request(self.limits, prompts, params)
 
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        prompt: Sequence[int] | CheckedPrompt,
         params: SamplingParams,
         namespace: str = "",
+        tenant: str = DEFAULT_TENANT,
     ) -> Request:
         """Queue a request; raises InvalidRequestError when it can never be served as asked.
 
         One request is one sample: callers run `n > 1` as n requests with `params.for_sample(i)`, which
-        share the prompt's KV through the prefix cache."""
-        if params.n != 1:
+        share the prompt's KV through the prefix cache; a prompt from `validate_request` is not scanned
+        again. `tenant` is whose share of the queue and the running slots the request counts in (see
+        the scheduler); `namespace` is the cache namespace its KV lives in."""
+        if not isinstance(params, SamplingParams) or params.n != 1:
             raise InvalidRequestError("an engine request is one sample: submit params.for_sample(i)", "n")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        prompt = [int(t) for t in prompt_token_ids]
-        n = len(prompt)
-        max_tokens = self.validate(prompt, params)
+        (checked,) = self.validate_request([prompt], params)
+        n = len(checked.token_ids)
+        max_tokens = checked.max_tokens
         stream = TextStream(
             self.tokenizer.decode_stream(params.skip_special_tokens),
             params.stop,
@@ -204,13 +185,14 @@ class Engine:
         )
         request = Request(
             request_id,
-            prompt,
+            checked.token_ids,
             params,
             max_tokens,
             stream,
             namespace,
             arrival=next(self._arrivals),
             seed=self._seeds.randrange(2**63),
+            tenant=tenant,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -369,9 +351,12 @@ class Engine:
 
     def pin(self, namespace: str, tokens: Sequence[int], ttl_s: float) -> Pin | None:
         """Pin the full blocks of `tokens` in memory for `ttl_s` seconds; None if they are not all cached
-        (run the prompt first). Raises PinRefused (a ValueError) when the cache cannot take the pin."""
+        (run the prompt first). Raises PinRefused (a ValueError) when the cache cannot take the pin, and
+        InvalidRequestError (also a ValueError), before touching the cache, for token ids that no prompt
+        could hold."""
+        ids = validate_token_ids(self.limits, tokens)
         self.kv.expire_pins()
-        return self.kv.pin(namespace, tokens, ttl_s)
+        return self.kv.pin(namespace, ids, ttl_s)
 
     def unpin(self, namespace: str, pin_id: str) -> bool:
         return self.kv.unpin(namespace, pin_id)

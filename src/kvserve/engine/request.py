@@ -10,6 +10,9 @@ from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.text_stream import TextStream
 
+# The fairness key of requests that name no tenant (one tenant: first come, first served).
+DEFAULT_TENANT = "default"
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -20,7 +23,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """`token_ids` is the prompt followed by the generated tokens. While running, the KV of
     token_ids[:num_computed] is in `kv.blocks`; the last sampled token's KV is computed in the next step.
-    `seed` drives sampling when the params give none.
+    `seed` drives sampling when the params give none. `tenant` is the fairness key: the scheduler shares
+    admission between tenants (see scheduler.py).
 
     With `params.prompt_logprobs`, `prompt_logprobs` grows as chunks compute logits at prompt positions:
     entry p scores prompt token p (entry 0 is None: nothing precedes the first token)."""
@@ -35,6 +39,7 @@ class Request:
         namespace: str = "",
         arrival: int = 0,
         seed: int = 0,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -42,6 +47,7 @@ class Request:
         self.params = params
         self.max_tokens = max_tokens
         self.namespace = namespace
+        self.tenant = tenant
         self.arrival = arrival
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
@@ -56,6 +62,9 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if params.prompt_logprobs is None else [None]
         )
+        # The tokens min_tokens holds back (stop tokens, end of sequence), built by the sampler when first
+        # needed and kept for the request's life.
+        self.held_back_ids: torch.Tensor | None = None
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()

@@ -48,7 +48,9 @@ def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     vocab = probs.shape[-1]
     threshold = torch.zeros(len(params))
     if any(0 < p.top_k < vocab for p in params):
-        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        # Clamped before the tensor is built: validation bounds top_k by the vocabulary, and this keeps
+        # a value past int64 from ever reaching torch.
+        k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
         threshold = torch.maximum(threshold, _top_k_threshold(probs, k))
     if any(p.top_p < 1.0 for p in params):
         threshold = torch.maximum(threshold, _top_p_threshold(probs, torch.tensor([p.top_p for p in params])))
@@ -60,17 +62,23 @@ def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
 
 
-def _held_back(request: Request, eos_token_ids: Sequence[int]) -> set[int]:
-    """The stop tokens that min_tokens still forbids this request to sample."""
-    p = request.params
-    if request.num_output_tokens >= p.min_tokens:
-        return set()
-    return {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
+def _holds_back(request: Request) -> bool:
+    """Whether min_tokens still forbids this request its stop tokens."""
+    return request.num_output_tokens < request.params.min_tokens
 
 
-def _needs_processing(request: Request, eos_token_ids: Sequence[int]) -> bool:
+def _held_back_ids(request: Request, eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """The stop tokens min_tokens forbids, built once per request."""
+    if request.held_back_ids is None:
+        p = request.params
+        ids = sorted({*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)})
+        request.held_back_ids = torch.tensor(ids, dtype=torch.long)
+    return request.held_back_ids
+
+
+def _needs_processing(request: Request) -> bool:
     p = request.params
-    return bool(p.has_penalties or p.logit_bias or _held_back(request, eos_token_ids))
+    return bool(p.has_penalties or p.logit_bias or _holds_back(request))
 
 
 def _padded(rows: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +93,7 @@ def _padded(rows: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _process(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int]) -> torch.Tensor:
     """The rows' logits after penalties, logit biases and min_tokens (rows that ask none are skipped)."""
-    rows = [i for i, r in enumerate(requests) if _needs_processing(r, eos_token_ids)]
+    rows = [i for i, r in enumerate(requests) if _needs_processing(r)]
     if not rows:
         return logits
     chosen = [requests[i] for i in rows]
@@ -107,14 +115,23 @@ def _process(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: S
             [p.presence_penalty if r.num_output_tokens else 0.0 for p, r in zip(params, chosen, strict=True)]
         )
         sub.scatter_(1, ids, sub.gather(1, ids) - present.unsqueeze(1))
-    bias = [(j, t, b) for j, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab]
-    if bias:
-        row, token, value = zip(*bias, strict=True)
-        sub = sub.index_put((torch.tensor(row), torch.tensor(token)), torch.tensor(value), accumulate=True)
-    banned = [(j, t) for j, r in enumerate(chosen) for t in _held_back(r, eos_token_ids) if t < vocab]
+    # Each request's bias tensors were built once, when it was validated; a step only concatenates them.
+    biased = [(j, t) for j, p in enumerate(params) if (t := p.logit_bias_tensors) is not None]
+    if biased:
+        row = torch.cat([torch.full_like(ids, j) for j, (ids, _) in biased])
+        token = torch.cat([ids for _, (ids, _) in biased])
+        value = torch.cat([values for _, (_, values) in biased]).to(sub.dtype)
+        keep = token < vocab
+        sub = sub.index_put((row[keep], token[keep]), value[keep], accumulate=True)
+    banned = [(j, _held_back_ids(r, eos_token_ids)) for j, r in enumerate(chosen) if _holds_back(r)]
     if banned:
-        row, token = zip(*banned, strict=True)
-        sub = sub.index_put((torch.tensor(row), torch.tensor(token)), torch.tensor(float("-inf")))
+        row = torch.cat([torch.full_like(ids, j) for j, ids in banned])
+        token = torch.cat([ids for _, ids in banned])
+        keep = token < vocab
+        held = sub.index_put((row[keep], token[keep]), torch.tensor(float("-inf"), dtype=sub.dtype))
+        # A row whose every token is held back keeps its logits: a stop token sampled before min_tokens
+        # is no stop (see Engine._append), while a row of -inf would sample from NaN.
+        sub = torch.where(held.isneginf().all(dim=1, keepdim=True), sub, held)
     return logits.index_copy(0, torch.tensor(rows), sub)
 
 

@@ -1,22 +1,62 @@
-"""SamplingParams: how a request picks its tokens, what it reports and when it stops (shaped like vLLM's)."""
+"""SamplingParams: how a request picks its tokens, what it reports and when it stops (shaped like vLLM's).
 
-from dataclasses import dataclass, field, replace
+A SamplingParams checks its own fields when it is made (types, ranges, finiteness: whatever needs no
+engine), and is frozen, so that what was checked stays true. What depends on the engine (the vocabulary,
+the context, the caps of one request) is checked by `validate_request` (engine/validation.py), the one
+door every request goes through.
+"""
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
 
 from kvserve.errors import InvalidRequestError
 
 # As in vLLM: top-k lists of sampled and prompt tokens go up to 20 entries.
 MAX_LOGPROBS = 20
-# Seeds of the samples of one request (n > 1) are derived from its seed, modulo this.
-_SEED_SPACE = 2**63
+# Seeds are unsigned 64-bit integers; the seeds of the samples of one request (n > 1) wrap around.
+SEED_SPACE = 2**64
+MAX_STOP_STRINGS = 16
+# stop_token_ids are held back from sampling until min_tokens: a bounded set, kept far from the vocabulary.
+MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's range for one logit bias.
+MAX_LOGIT_BIAS = 100.0
+MAX_TEMPERATURE = 100.0
+# Below this a temperature is sampled greedily: dividing logits by it would overflow float32 (as vLLM).
+MIN_SAMPLED_TEMPERATURE = 1e-5
+# Bounds that keep penalized logits finite in float32 (logits divided or multiplied by at most 100).
+MAX_PENALTY = 2.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
-@dataclass
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """A finite number (a bool is not one; a huge int is finite and compares exactly)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _optional_int(value: object) -> bool:
+    return value is None or _is_int(value)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """`max_tokens=None` means up to the model's context length; 0 computes only the prompt (for
-    `prompt_logprobs`). `temperature=0` is greedy.
+    `prompt_logprobs`). `temperature=0` is greedy, and so is any temperature below 1e-5.
 
-    `top_k <= 0`, `top_p = 1` and `min_p = 0` disable those filters. A `seed` makes sampling reproducible
-    for this request whatever else runs in the same batch; with `n > 1`, sample i uses `seed + i`.
+    `top_k <= 0`, `top_p = 1` and `min_p = 0` disable those filters. A `seed` (0 .. 2**64 - 1) makes
+    sampling reproducible for this request whatever else runs in the same batch; with `n > 1`, sample i
+    uses `seed + i` (modulo 2**64).
 
     `logprobs=k` reports each sampled token's log probability and the k most likely tokens at its step;
     `prompt_logprobs=k` the same for every prompt token (the first has none). Both are of the model's
@@ -50,71 +90,158 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        # Frozen: the normalizing assignments below are the only ones a SamplingParams ever sees.
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            object.__setattr__(self, "stop", [self.stop])
+        elif isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", list(self.stop))
+        if isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
+        if self.logit_bias is not None and not self.logit_bias:
+            object.__setattr__(self, "logit_bias", None)
+        # In order, stopping at the first failure: a later check relies on the types earlier ones proved.
+        for name, ok, message in self._checks():
+            if not ok():
+                raise InvalidRequestError(message, name)
+
+    def _checks(self) -> list[tuple[str, Callable[[], bool], str]]:
         top_n = (None, *range(MAX_LOGPROBS + 1))
-        bias = self.logit_bias or {}
-        checks: list[tuple[bool, str, str]] = [
-            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "max_tokens must be at least 0"),
-            (0.0 <= self.temperature <= 100.0, "temperature", "temperature must be between 0 and 100"),
-            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
-            (self.top_k >= -1, "top_k", "top_k must be -1 or 0 (disabled) or a positive integer"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
-            (1 <= self.n <= 128, "n", "n must be between 1 and 128"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty"),
-            (len(self.stop) <= 16, "stop", "at most 16 stop strings are supported"),
+        return [
             (
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "max_tokens",
+                lambda: self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+                "max_tokens must be a non-negative integer",
+            ),
+            (
+                "temperature",
+                lambda: _is_real(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+                f"temperature must be between 0 and {MAX_TEMPERATURE:g}",
+            ),
+            ("top_p", lambda: _is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (
+                "top_k",
+                lambda: _is_int(self.top_k) and self.top_k >= -1,
+                "top_k must be -1 or 0 (disabled) or a positive integer",
+            ),
+            ("min_p", lambda: _is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            ("n", lambda: _is_int(self.n) and self.n >= 1, "n must be a positive integer"),
+            (
+                "stop",
+                lambda: (
+                    isinstance(self.stop, list)
+                    and len(self.stop) <= MAX_STOP_STRINGS
+                    and all(isinstance(s, str) and s for s in self.stop)
+                ),
+                f"stop must be at most {MAX_STOP_STRINGS} non-empty strings",
+            ),
+            (
                 "stop_token_ids",
-                "stop_token_ids must be non-negative integers",
+                lambda: (
+                    isinstance(self.stop_token_ids, list)
+                    and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+                    and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+                ),
+                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative integers",
             ),
             (
-                self.seed is None or 0 <= self.seed < _SEED_SPACE,
                 "seed",
-                "seed must be a non-negative 64-bit integer",
+                lambda: self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEED_SPACE),
+                "seed must be an unsigned 64-bit integer (0 to 2**64 - 1)",
             ),
-            (self.min_tokens >= 0, "min_tokens", "min_tokens must be at least 0"),
             (
-                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "include_stop_str_in_output",
+                lambda: isinstance(self.include_stop_str_in_output, bool),
+                "must be a boolean",
+            ),
+            ("ignore_eos", lambda: isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean"),
+            (
                 "min_tokens",
+                lambda: _is_int(self.min_tokens) and self.min_tokens >= 0,
+                "min_tokens must be a non-negative integer",
+            ),
+            (
+                "min_tokens",
+                lambda: self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 "min_tokens must not exceed max_tokens",
             ),
-            (self.logprobs in top_n, "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}"),
+            ("skip_special_tokens", lambda: isinstance(self.skip_special_tokens, bool), "must be a boolean"),
             (
-                self.prompt_logprobs in top_n,
+                "logprobs",
+                lambda: _optional_int(self.logprobs) and self.logprobs in top_n,
+                f"logprobs must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (
                 "prompt_logprobs",
+                lambda: _optional_int(self.prompt_logprobs) and self.prompt_logprobs in top_n,
                 f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
             ),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
             (
-                -2.0 <= self.frequency_penalty <= 2.0,
+                "presence_penalty",
+                lambda: (
+                    _is_real(self.presence_penalty) and -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY
+                ),
+                f"presence_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+            ),
+            (
                 "frequency_penalty",
-                "frequency_penalty must be in [-2, 2]",
+                lambda: (
+                    _is_real(self.frequency_penalty) and -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY
+                ),
+                f"frequency_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
             ),
             (
-                0.0 < self.repetition_penalty <= 100.0,
                 "repetition_penalty",
-                "repetition_penalty must be in (0, 100]",
+                lambda: (
+                    _is_real(self.repetition_penalty)
+                    and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+                ),
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
             ),
             (
-                all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in bias.items()),
                 "logit_bias",
-                "logit_bias maps token ids (non-negative integers) to biases in [-100, 100]",
+                lambda: (
+                    self.logit_bias is None
+                    or (
+                        isinstance(self.logit_bias, dict)
+                        and all(
+                            _is_int(t) and t >= 0 and _is_real(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                            for t, b in self.logit_bias.items()
+                        )
+                    )
+                ),
+                "logit_bias maps token ids (non-negative integers) to finite biases in [-100, 100]",
             ),
         ]
-        for ok, param, message in checks:
-            if not ok:
-                raise InvalidRequestError(message, param)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLED_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @cached_property
+    def max_token_id(self) -> int:
+        """The largest token id the params name (logit_bias keys, stop_token_ids); -1 if none. Cached, so
+        that checking against a vocabulary costs nothing per sample."""
+        return max((*(self.logit_bias or ()), *self.stop_token_ids), default=-1)
+
+    @cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token ids, biases) of `logit_bias`, built once and shared by every sample and step."""
+        if not self.logit_bias:
+            return None
+        ids = torch.tensor(list(self.logit_bias.keys()), dtype=torch.long)
+        values = torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
+        return ids, values
+
     def for_sample(self, index: int) -> "SamplingParams":
-        """The params of sample `index` of n: one sample, its own seed (so n seeded samples differ)."""
-        seed = None if self.seed is None else (self.seed + index) % _SEED_SPACE
-        return replace(self, n=1, seed=seed)
+        """The params of sample `index` of n: one sample, its own seed (so n seeded samples differ).
+
+        A shallow copy, not a new construction: the fields were checked once, and the copy shares the
+        big ones (logit_bias) and what was derived from them (its tensors) with every other sample."""
+        sample = copy.copy(self)
+        object.__setattr__(sample, "n", 1)
+        object.__setattr__(sample, "seed", None if self.seed is None else (self.seed + index) % SEED_SPACE)
+        return sample

@@ -10,15 +10,23 @@ This is policy only: every block decision (match and lock, allocate, grow, copy 
 release) belongs to the KVCacheManager, which admits one request at a time so that no match is used
 after another admission's eviction has changed the cache.
 
-Cache-aware order: among the first `_ORDERED_WINDOW` waiting requests, the one with the longest cached
-prefix goes first (its blocks are hot and it costs least). Bound: a request passed over
-`cache_aware_scheduling_bound` times goes before all others, in arrival order, so none waits forever.
+Cache-aware order: among a tenant's first waiting requests (`_ORDERED_WINDOW` of them, shared out
+between the tenants waiting), the one with the longest cached prefix goes first (its blocks are hot and
+it costs least). Bound: a request passed over `cache_aware_scheduling_bound` times by later requests of
+its own tenant goes before the others of its tenant, in arrival order, so none waits forever.
+
+Fairness between tenants: admission takes the tenants in turns, one request (one sequence: each of n
+samples is a request) per tenant per turn, each tenant's requests in its cache-aware order. The turn
+goes first to the tenant admitted least recently, and after every tenant holding fewer running slots
+than its share (max_num_seqs over the tenants present). A tenant that queues a thousand sequences thus
+delays another's next request by at most one admission per tenant, not by its whole backlog.
 
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
 request still prefilling waits for that prefill, then finds the shared part in the cache instead of
 computing it a second time.
 """
 
+import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -28,6 +36,8 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.model.runner import ForwardBatch, SequenceChunk
 
 _ORDERED_WINDOW = 128
+# However many tenants wait, each has at least this many requests in the admission window.
+_MIN_TENANT_WINDOW = 8
 
 
 @dataclass
@@ -99,9 +109,19 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
+        self._waiting_by_tenant: Counter[str] = Counter()
+        # Tenant -> when it last had a request admitted (a turn number): the least recent goes first.
+        self._last_turn: dict[str, int] = {}
+        self._turns = itertools.count()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self._waiting_by_tenant[request.tenant] += 1
+
+    def _left_waiting(self, request: Request) -> None:
+        self._waiting_by_tenant[request.tenant] -= 1
+        if not self._waiting_by_tenant[request.tenant]:
+            del self._waiting_by_tenant[request.tenant]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -146,24 +166,55 @@ class Scheduler:
         else:
             step.prefills.append((request, chunk))
 
+    def _window(self) -> list[Request]:
+        """The waiting requests admission considers: the first of each tenant, in queue order, the
+        window shared out between the tenants so that one tenant's backlog cannot hide another."""
+        tenants = len(self._waiting_by_tenant)
+        if tenants <= 1:
+            return [self.waiting[i] for i in range(min(len(self.waiting), _ORDERED_WINDOW))]
+        quota = max(_MIN_TENANT_WINDOW, _ORDERED_WINDOW // tenants)
+        wanted = sum(min(quota, k) for k in self._waiting_by_tenant.values())
+        taken: Counter[str] = Counter()
+        window = []
+        for request in self.waiting:
+            if taken[request.tenant] < quota:
+                taken[request.tenant] += 1
+                window.append(request)
+                if len(window) == wanted:
+                    break
+        return window
+
     def _waiting_order(self) -> list[tuple[Request, int]]:
-        """The admission window with each request's cached prefix length now (a hint: nothing is locked)."""
-        window = [self.waiting[i] for i in range(min(len(self.waiting), _ORDERED_WINDOW))]
-        if self.kv.prefix_cache is None:
-            return [(r, 0) for r in window]
+        """The admission window with each request's cached prefix length now (a hint: nothing is locked),
+        in the order admission tries them: tenants in turns, each tenant's requests cache-aware."""
         kv = self.kv
-        hinted = [(r, kv.cached_prefix_len(r.namespace, r.token_ids[: _cache_limit(r)])) for r in window]
-        if len(hinted) > 1:
-            bound = self.config.cache_aware_scheduling_bound
+        if kv.prefix_cache is None:
+            hinted = [(r, 0) for r in self._window()]
+        else:
+            hinted = [
+                (r, kv.cached_prefix_len(r.namespace, r.token_ids[: _cache_limit(r)])) for r in self._window()
+            ]
+        bound = self.config.cache_aware_scheduling_bound
 
-            def priority(item: tuple[Request, int]) -> tuple[int, int, int]:
-                request, cached = item
-                if request.num_skips >= bound:
-                    return (0, 0, request.arrival)
-                return (1, -cached, request.arrival)
+        def priority(item: tuple[Request, int]) -> tuple[int, int, int]:
+            request, cached = item
+            if request.num_skips >= bound:
+                return (0, 0, request.arrival)
+            return (1, -cached, request.arrival)
 
-            hinted.sort(key=priority)
-        return hinted
+        by_tenant: dict[str, list[tuple[Request, int]]] = {}
+        for item in hinted:
+            by_tenant.setdefault(item[0].tenant, []).append(item)
+        for items in by_tenant.values():
+            items.sort(key=priority)
+        if len(by_tenant) <= 1:
+            return [item for items in by_tenant.values() for item in items]
+        running = Counter(r.tenant for r in self.running)
+        present = set(by_tenant) | set(running)
+        share = -(-self.config.max_num_seqs // len(present))
+        turns = sorted(by_tenant, key=lambda t: (running[t] >= share, self._last_turn.get(t, -1)))
+        rounds = itertools.zip_longest(*(by_tenant[t] for t in turns))
+        return [item for group in rounds for item in group if item is not None]
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         if budget == 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
@@ -194,12 +245,26 @@ class Scheduler:
             budget -= admission.num_new_tokens
             admitted.append(request)
         if admitted:
-            last = max(r.arrival for r in admitted)
+            # Passed over counts only within a tenant: between tenants the turns bound the wait.
+            last: dict[str, int] = {}
+            for request in admitted:
+                last[request.tenant] = max(last.get(request.tenant, -1), request.arrival)
+                self._last_turn[request.tenant] = next(self._turns)
+            ids = {r.request_id for r in admitted}
             for request in self.waiting:
-                if request.arrival < last and request not in admitted:
+                if request.arrival < last.get(request.tenant, -1) and request.request_id not in ids:
                     request.num_skips += 1
             for request in admitted:
                 self.waiting.remove(request)
+                self._left_waiting(request)
+            self._forget_idle_tenants()
+
+    def _forget_idle_tenants(self) -> None:
+        """Drop the turns of tenants with nothing waiting or running, so the table stays as small as
+        the tenants present (a tenant back from idle goes first: it holds nothing)."""
+        if len(self._last_turn) > 2 * (len(self._waiting_by_tenant) + len(self.running)) + 64:
+            present = {*self._waiting_by_tenant, *(r.tenant for r in self.running)}
+            self._last_turn = {t: turn for t, turn in self._last_turn.items() if t in present}
 
     def _waits_for_shared_prefill(self, request: Request, cached: int) -> bool:
         # A request that needs the prompt's logits computes it whatever the cache holds.
@@ -235,6 +300,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+        self._waiting_by_tenant[request.tenant] += 1
         self.counters.preemptions += 1
 
     def finish(self, request: Request) -> None:
@@ -244,4 +310,5 @@ class Scheduler:
             self._release(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+            self._left_waiting(request)
         request.status = RequestStatus.FINISHED

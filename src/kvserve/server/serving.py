@@ -23,6 +23,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.server.auth import caller
@@ -153,6 +154,7 @@ class Generation:
         log_id: str,
         engine_id: str,
         choice: Choice,
+        prompt: CheckedPrompt,
         params: SamplingParams,
         namespace: str,
         tenant: str,
@@ -163,7 +165,7 @@ class Generation:
         self._tenant = tenant
         self._timer = RequestTimer(ctx.metrics)
         # Closing this generator is what aborts the request.
-        self._deltas = ctx.async_engine.generate(choice.prompt.token_ids, params, namespace, engine_id)
+        self._deltas = ctx.async_engine.generate(prompt, params, namespace, engine_id, tenant)
         self._first: RequestDelta | None = None
         self._ended = False
         self.num_prompt_tokens = len(choice.prompt.token_ids)
@@ -401,9 +403,8 @@ async def respond(
     log_id: str = getattr(request.state, "request_id", ids.id)
     tenant = caller(request).tenant.name
     try:
-        # Everything that can never run is refused before anything is queued.
-        for prompt in prompts:
-            ctx.async_engine.engine.validate(prompt.token_ids, params)
+        # Everything that can never run is refused before anything is queued, once for every sample.
+        checked = ctx.async_engine.engine.validate_request([p.token_ids for p in prompts], params)
     except InvalidRequestError as e:
         if e.param != "prompt":
             raise
@@ -419,6 +420,7 @@ async def respond(
                     f"{log_id}[{index}]" if many else log_id,
                     f"{ids.id}-{index}",
                     Choice(index, prompt),
+                    checked[i],
                     params.for_sample(j),
                     namespace,
                     tenant,

@@ -1,0 +1,139 @@
+"""validate_request: the one check every request passes before the engine queues anything of it.
+
+Every door calls it: the engine's add_request (so `LLM` too), the server's chat and completions routes
+(once for all prompts and samples of an HTTP request), and pins (`validate_token_ids`, the part that
+checks token ids). It bounds every field to what the engine can hold, so that nothing a client sends can
+raise on the engine thread, where any exception stops the engine for everyone:
+
+- the fields of SamplingParams (checked when it is made: types, ranges, finiteness);
+- `n`, and prompts x n, at most `max_sequences_per_request` (an EngineConfig setting);
+- `top_k` at most the vocabulary; `logit_bias` at most the vocabulary's size, its token ids in it;
+  `stop_token_ids` in it;
+- every prompt non-empty, its token ids integers in the vocabulary, its length and max_tokens within
+  the context window and the KV pool; `min_tokens` at most the effective max_tokens.
+
+Its cost is linear in the prompts and bounded before the linear part runs: counts and lengths are checked
+first. The samples of one request share one validation (see CheckedPrompt).
+"""
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one engine can hold. `max_request_tokens` is the KV one request may use (the pool less what
+    pins may hold); `max_sequences_per_request` caps n, and prompts x n."""
+
+    vocab_size: int
+    max_model_len: int
+    max_request_tokens: int
+    max_sequences_per_request: int
+
+    @property
+    def max_sequence_len(self) -> int:
+        """The longest prompt plus completion: within the context window and the pool alike."""
+        return min(self.max_model_len, self.max_request_tokens)
+
+
+@dataclass(frozen=True)
+class CheckedPrompt:
+    """A prompt that `validate_request` accepted: its token ids, plain ints in the vocabulary, and its
+    effective max_tokens. Passed back to validate_request (with a sample's params), only the checks
+    that cost no more than a constant run again: n samples of a long prompt scan its ids once."""
+
+    token_ids: list[int]
+    max_tokens: int
+
+
+def validate_token_ids(limits: RequestLimits, token_ids: Sequence[int], param: str = "prompt") -> list[int]:
+    """The token ids as plain ints, if each is an integer in the vocabulary and there are fewer than the
+    context holds; raises InvalidRequestError otherwise."""
+    try:
+        length = len(token_ids)
+    except TypeError:
+        raise InvalidRequestError("token ids must be a list of integers", param) from None
+    if isinstance(token_ids, str | bytes):
+        raise InvalidRequestError("token ids must be a list of integers", param)
+    if length >= limits.max_sequence_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limits.max_sequence_len} tokens, "
+            f"but the prompt has {length} tokens; shorten the prompt.",
+            param,
+        )
+    try:
+        ids = [operator.index(t) for t in token_ids]
+    except TypeError:
+        raise InvalidRequestError("token ids must be integers", param) from None
+    if ids and (min(ids) < 0 or max(ids) >= limits.vocab_size):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {limits.vocab_size})", param)
+    return ids
+
+
+def _check_params(limits: RequestLimits, num_prompts: int, params: SamplingParams) -> None:
+    cap = limits.max_sequences_per_request
+    if params.n > cap:
+        raise InvalidRequestError(f"n must be at most {cap}", "n")
+    if num_prompts * params.n > cap:
+        raise InvalidRequestError(
+            f"{num_prompts} prompts x n={params.n} is {num_prompts * params.n} sequences; one request may "
+            f"run at most {cap}",
+            "n",
+        )
+    vocab = limits.vocab_size
+    if params.top_k > vocab:
+        raise InvalidRequestError(f"top_k must be at most the vocabulary size ({vocab})", "top_k")
+    if params.logit_bias is not None and len(params.logit_bias) > vocab:
+        raise InvalidRequestError(f"logit_bias may name at most {vocab} tokens", "logit_bias")
+    if params.max_token_id >= vocab:
+        bad = "logit_bias" if max(params.logit_bias or (-1,)) >= vocab else "stop_token_ids"
+        raise InvalidRequestError(f"{bad} token ids must be in [0, {vocab})", bad)
+
+
+def _max_tokens(limits: RequestLimits, num_prompt_tokens: int, params: SamplingParams) -> int:
+    n = num_prompt_tokens
+    limit = limits.max_sequence_len
+    max_tokens = limit - n if params.max_tokens is None else params.max_tokens
+    if n + max_tokens > limits.max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+            "Reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
+    if n + max_tokens > limit:
+        raise InvalidRequestError(
+            f"the request needs {n + max_tokens} tokens of KV memory but the whole cache holds {limit}; "
+            "reduce max_tokens or start the server with a larger kv_cache_memory",
+            "max_tokens",
+        )
+    if params.min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
+        )
+    return max_tokens
+
+
+def validate_request(
+    limits: RequestLimits, prompts: Sequence[Sequence[int] | CheckedPrompt], params: SamplingParams
+) -> list[CheckedPrompt]:
+    """Check a request of `prompts`, each run `params.n` times, against what the engine can hold; one
+    CheckedPrompt per prompt, or InvalidRequestError naming the first bad field."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError("params must be a SamplingParams", "params")
+    if not prompts:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    _check_params(limits, len(prompts), params)
+    # Shared by every sample; built here, before the engine thread steps with it.
+    _ = params.logit_bias_tensors
+    checked = []
+    for prompt in prompts:
+        ids = prompt.token_ids if isinstance(prompt, CheckedPrompt) else validate_token_ids(limits, prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        checked.append(CheckedPrompt(ids, _max_tokens(limits, len(ids), params)))
+    return checked
