@@ -28,6 +28,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
     parser.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=256,
+        help="sequences one request may start at most: n, and prompts x n",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens", type=int, default=1024, help="tokens per forward pass at most"
     )
     parser.add_argument(
@@ -80,6 +86,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_sequences_per_request=args.max_sequences_per_request,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_cache,
         kv_disk=args.kv_disk,

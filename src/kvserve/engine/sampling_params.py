@@ -151,7 +151,7 @@ class SamplingParams:
             (
                 "include_stop_str_in_output",
                 lambda: isinstance(self.include_stop_str_in_output, bool),
-                "must be a boolean",
+                "include_stop_str_in_output must be a boolean",
             ),
             ("ignore_eos", lambda: isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean"),
             (
@@ -164,7 +164,11 @@ class SamplingParams:
                 lambda: self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 "min_tokens must not exceed max_tokens",
             ),
-            ("skip_special_tokens", lambda: isinstance(self.skip_special_tokens, bool), "must be a boolean"),
+            (
+                "skip_special_tokens",
+                lambda: isinstance(self.skip_special_tokens, bool),
+                "skip_special_tokens must be a boolean",
+            ),
             (
                 "logprobs",
                 lambda: _optional_int(self.logprobs) and self.logprobs in top_n,
