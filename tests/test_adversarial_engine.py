@@ -150,14 +150,18 @@ def test_accepted_values_never_stop_the_engine_nor_change_other_requests(
     ordinary: list[int],
     ordinary_first: bool,
 ) -> None:
-    submissions: list[tuple[str, list[int], SamplingParams]] = []
+    # Adversarial requests come from two tenants besides the ordinary ones', so admission takes turns.
+    submissions: list[tuple[str, list[int], SamplingParams, str]] = []
     for j, (params, prompt) in enumerate(batch):
         (checked,) = engine.validate_request([prompt], params)
-        submissions += [(f"adv{j}.{i}", checked.token_ids, params.for_sample(i)) for i in range(params.n)]
-    plain = [(f"ord{i}", ORDINARY[k], _greedy()) for i, k in enumerate(ordinary)]
+        submissions += [
+            (f"adv{j}.{i}", checked.token_ids, params.for_sample(i), f"tenant{j % 2}")
+            for i in range(params.n)
+        ]
+    plain = [(f"ord{i}", ORDINARY[k], _greedy(), "default") for i, k in enumerate(ordinary)]
     submissions = plain + submissions if ordinary_first else submissions + plain
-    for request_id, prompt, params in submissions:
-        engine.add_request(request_id, prompt, params)
+    for request_id, prompt, params, tenant in submissions:
+        engine.add_request(request_id, prompt, params, tenant=tenant)
     out: dict[str, list[int]] = {}
     steps = 0
     while engine.has_unfinished_requests():
