@@ -91,7 +91,7 @@ def _check_params(limits: RequestLimits, num_prompts: int, params: SamplingParam
         raise InvalidRequestError(f"logit_bias may name at most {vocab} tokens", "logit_bias")
     if params.max_token_id >= vocab:
         bad = "logit_bias" if max(params.logit_bias or (-1,)) >= vocab else "stop_token_ids"
-        raise InvalidRequestError(f"{bad} token ids must be in [0, {vocab})", bad)
+        raise InvalidRequestError(f"{bad} must name token ids in [0, {vocab})", bad)
 
 
 def _max_tokens(limits: RequestLimits, num_prompt_tokens: int, params: SamplingParams) -> int:
