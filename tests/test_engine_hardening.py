@@ -4,18 +4,25 @@ Each test is named after the finding it reproduces; each failed on the code befo
 """
 
 import asyncio
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
+from fastapi import FastAPI
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import EngineOverloadedError, InvalidRequestError
 from kvserve.model.loader import LoadedModel
+from kvserve.server.app import create_app
+from kvserve.server.tenants import Tenants, load_or_create_secret
 from tests.harness import Spec, drive, engine_with_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -239,3 +246,54 @@ def test_refused_values_raise_invalid_request_error_only(make_engine: Callable[.
             engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4, **{field: value}))
         assert e.value.param == field, field
     assert not engine.has_unfinished_requests()
+
+
+def test_finding_5_over_http_a_tenant_is_served_while_another_holds_the_whole_queue(
+    tiny_model: LoadedModel,
+    tmp_path: Path,
+    serve_app: Callable[[FastAPI], AbstractContextManager[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server passes the caller's tenant to the engine: tenant a's one n=8 stream holds all 8
+    sequences the engine takes in flight, and tenant b is still served (the old engine answered 503)."""
+    keys = {"a": "key-aaaaaaaa", "b": "key-bbbbbbbb"}
+    key_file = tmp_path / "keys"
+    key_file.write_text("".join(f"{t}:{k}\n" for t, k in keys.items()))
+    tenants = Tenants(load_or_create_secret(str(tmp_path)), key_file=str(key_file))
+    engine = engine_with_blocks(tiny_model, 128, BLOCK, max_num_seqs=2, max_waiting=6)
+    # The engine's steps wait at a gate, so the flood stays in flight however fast the tiny model is.
+    gate = threading.Event()
+    step = engine.step
+
+    def gated_step() -> list[Any]:
+        gate.wait(120)
+        return step()
+
+    monkeypatch.setattr(engine, "step", gated_step)
+    async_engine = AsyncEngine(engine)
+    with serve_app(create_app(async_engine, tenants=tenants)) as url, ThreadPoolExecutor(2) as pool:
+
+        def post(tenant: str, body: dict[str, Any]) -> httpx.Response:
+            auth = {"Authorization": f"Bearer {keys[tenant]}"}
+            return httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=120)
+
+        def in_flight(count: int, answered: Future[httpx.Response] | None = None) -> None:
+            for _ in range(6000):
+                if async_engine.num_in_flight == count:
+                    return
+                if answered is not None and answered.done():
+                    raise AssertionError(f"answered before it was queued: {answered.result().text}")
+                threading.Event().wait(0.01)
+            raise AssertionError(f"{async_engine.num_in_flight} sequences in flight, expected {count}")
+
+        short = {"prompt": PROMPT, "max_tokens": 2}
+        flood = pool.submit(post, "a", {"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "n": 8})
+        in_flight(8)
+        refused = post("a", short)
+        assert refused.status_code == 503, refused.text
+        served = pool.submit(post, "b", short)
+        in_flight(9, served)
+        gate.set()
+        assert served.result().status_code == 200, served.result().text
+        assert served.result().json()["usage"]["completion_tokens"] == 2
+        assert flood.result().status_code == 200
