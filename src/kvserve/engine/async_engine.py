@@ -90,11 +90,8 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self.engine.close()
 
-    def in_flight(self, tenant: str) -> int:
-        """The sequences of `tenant` in flight (queued or running, until their stream ends)."""
-        return self._in_flight_by_tenant[tenant]
-
     def _check_capacity(self, tenant: str) -> None:
+        """Refuse a sequence of `tenant` once the total is reached, unless it is under its equal share."""
         limit = self.engine.config.max_waiting + self.engine.config.max_num_seqs
         if self._in_flight < limit:
             return

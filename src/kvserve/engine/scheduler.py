@@ -16,10 +16,10 @@ it costs least). Bound: a request passed over `cache_aware_scheduling_bound` tim
 its own tenant goes before the others of its tenant, in arrival order, so none waits forever.
 
 Fairness between tenants: admission takes the tenants in turns, one request (one sequence: each of n
-samples is a request) per tenant per turn, each tenant's requests in its cache-aware order. The turn
-goes first to the tenant admitted least recently, and after every tenant holding fewer running slots
-than its share (max_num_seqs over the tenants present). A tenant that queues a thousand sequences thus
-delays another's next request by at most one admission per tenant, not by its whole backlog.
+samples is a request) per tenant per turn, each tenant's requests in its cache-aware order. Tenants
+holding fewer running slots than their share (max_num_seqs over the tenants present) take their turn
+first, and among those alike the one admitted least recently. A tenant that queues a thousand sequences
+thus delays another's next request by one admission per tenant, not by its whole backlog.
 
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
 request still prefilling waits for that prefill, then finds the shared part in the cache instead of
