@@ -11,16 +11,32 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvserve.cache.disk_tier import MAGIC, MAX_FILE_BYTES
+from kvserve.cache.disk_tier import MAGIC, MAX_FILE_BYTES, DiskTier
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
 from tests.harness import engine_with_blocks
-from tests.test_disk_tier import BLOCK, DOCUMENTS, block_files, disk_engine, rounds, run_and_check
+from tests.test_disk_tier import (
+    BLOCK,
+    DOCUMENTS,
+    MAC_KEY,
+    block_files,
+    disk_engine,
+    kv,
+    record,
+    rounds,
+    run_and_check,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAC_BYTES = 32
+# KVSERVE_LONG_TESTS=1 runs the property below on many more files.
+EXAMPLES = 2000 if os.environ.get("KVSERVE_LONG_TESTS") else 150
+SHAPE = (2, 2, BLOCK, 2, 8)
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +237,55 @@ def test_the_folder_and_files_are_private(
     folders = [tmp_path / "kv", *{p.parent for p in block_files(tmp_path / "kv")}]
     assert {stat.S_IMODE(f.stat().st_mode) for f in folders} == {0o700}
     assert {stat.S_IMODE(p.stat().st_mode) for p in block_files(tmp_path / "kv")} == {0o600}
+
+
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DiskTier, Path, bytes]]:
+    """A tier holding one valid block file: (tier, that file's path, its bytes)."""
+    tier = DiskTier(str(tmp_path_factory.mktemp("tier")), 2**20, b"fp", MAC_KEY)
+    tier.store(record((1, 2, 3, 4)), kv(0))
+    tier.flush()
+    path = Path(tier._path(record((1, 2, 3, 4)).key))
+    yield tier, path, path.read_bytes()
+    tier.close()
+
+
+def _xor(data: bytes, flips: list[tuple[int, int]]) -> bytes:
+    out = bytearray(data)
+    for offset, mask in flips:
+        out[offset] ^= mask
+    return bytes(out)
+
+
+def _edits(valid: bytes) -> st.SearchStrategy[bytes]:
+    size = len(valid)
+    flips = st.lists(st.tuples(st.integers(0, size - 1), st.integers(1, 255)), min_size=1, max_size=4)
+    return st.one_of(
+        st.binary(max_size=2 * size),
+        st.integers(0, size - 1).map(lambda n: valid[:n]),
+        st.binary(min_size=1, max_size=64).map(lambda tail: valid + tail),
+        flips.map(lambda fs: _xor(valid, fs)),
+        st.integers(0, 200_000).map(lambda n: MAGIC + n.to_bytes(4, "little") + b"[" * n),
+    )
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_any_bytes_in_a_block_file_are_a_miss_with_a_warning_or_the_block_itself(
+    tier: tuple[DiskTier, Path, bytes], data: st.DataObject, caplog: pytest.LogCaptureFixture
+) -> None:
+    disk, path, valid = tier
+    content = data.draw(_edits(valid))
+    block = record((1, 2, 3, 4))
+    with disk._lock:
+        disk._index[block.key] = len(content)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.write_bytes(content)
+    path.chmod(0o600)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvserve.cache"):
+        loaded = disk.load(block, SHAPE, torch.float32)
+    if content == valid:
+        assert loaded is not None and torch.equal(loaded, kv(0))
+    else:
+        assert loaded is None and any("dropped block" in m for m in _warnings(caplog))

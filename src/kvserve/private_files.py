@@ -75,14 +75,14 @@ def open_private_file(path: str) -> int:
             raise PrivatePathError(f"{path} is a symlink; put the file itself there") from e
         raise
     try:
-        check_private_fd(fd, path)
+        _check_private_fd(fd, path)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def check_private_fd(fd: int, path: str) -> os.stat_result:
+def _check_private_fd(fd: int, path: str) -> os.stat_result:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise PrivatePathError(f"{path} is not a regular file")
