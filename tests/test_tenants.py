@@ -405,3 +405,14 @@ def test_a_key_file_without_a_final_newline_is_refused_on_reload(tmp_path: Path)
     tenants.reload()
     assert tenants.authenticate("key-bbbb") is None
     assert tenants.authenticate("key-aaaaaaaa") == Tenant("a")
+
+
+def test_a_fifo_in_place_of_the_key_file_does_not_block_the_reload(tmp_path: Path) -> None:
+    """SIGHUP's reload runs on the event loop's thread: opening a FIFO there would freeze the server."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("a:key-aaaaaaaa\n")
+    tenants = Tenants(os.urandom(32), key_file=str(key_file))
+    key_file.unlink()
+    os.mkfifo(key_file)
+    tenants.reload()
+    assert tenants.authenticate("key-aaaaaaaa") == Tenant("a")

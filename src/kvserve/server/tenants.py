@@ -22,9 +22,11 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import re
 import secrets
 import signal
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
@@ -205,7 +207,10 @@ class Tenants:
 
 def read_key_file(path: str) -> str:
     """The text of a key file that is whole: UTF-8, at most MAX_KEY_FILE_BYTES, ending with a newline."""
-    with open(path, "rb") as f:
+    # Symlinks are followed (a Kubernetes secret volume is one); a FIFO must not block the reload.
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise KeyFileError(f"{path} is not a regular file")
         data = f.read(MAX_KEY_FILE_BYTES + 1)
     if len(data) > MAX_KEY_FILE_BYTES:
         raise KeyFileError(f"{path} is larger than {MAX_KEY_FILE_BYTES} bytes")
