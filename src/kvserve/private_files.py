@@ -59,7 +59,11 @@ def _check_dir(path: str) -> None:
             f"chmod 700 {path}"
         )
     if st.st_mode & _OTHERS_ANY:
-        os.chmod(path, 0o700, follow_symlinks=False)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
         log.warning("%s was readable by other users; it is now 0700", path)
 
 
