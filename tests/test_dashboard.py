@@ -121,7 +121,7 @@ def test_running_and_waiting_requests_are_listed_running_first(tiny_model: Loade
 def test_the_page_and_its_files_are_served_and_the_data_needs_the_key(
     tiny_model: LoadedModel, serve_app: Serve
 ) -> None:
-    with serve_app(create_app(AsyncEngine(_engine(tiny_model)), api_key="sesame")) as url:
+    with serve_app(create_app(AsyncEngine(_engine(tiny_model)), api_key="sesame-key")) as url:
         page = httpx.get(f"{url}/dashboard")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         for section in ("pool-usage", "hit-rate", "prefix-tree", "requests"):
@@ -132,7 +132,7 @@ def test_the_page_and_its_files_are_served_and_the_data_needs_the_key(
         assert httpx.get(f"{url}/dashboard/dashboard.css").status_code == 200
         assert httpx.get(f"{url}/dashboard/secrets.txt").status_code == 404
         assert _stats(url).status_code == 401
-        assert _stats(url, Authorization="Bearer sesame").status_code == 200
+        assert _stats(url, Authorization="Bearer sesame-key").status_code == 200
 
 
 def test_hot_branches_are_bounded_ranked_and_forget_evicted_prefixes() -> None:

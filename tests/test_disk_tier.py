@@ -31,6 +31,7 @@ from tests.harness import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 4
+MAC_KEY = bytes(range(32))
 # Eight 40-token documents (80 blocks in all) against a 24-block pool: most hits must come from disk.
 DOCUMENTS = [[100 + (d * 37 + i * 11) % 3900 for i in range(40)] for d in range(8)]
 
@@ -196,7 +197,7 @@ def kv(seed: int) -> torch.Tensor:
 
 
 def test_disk_space_is_least_recently_used_within_its_size(tmp_path: Path) -> None:
-    tier = DiskTier(str(tmp_path), 2**20, b"fp")
+    tier = DiskTier(str(tmp_path), 2**20, b"fp", MAC_KEY)
     records = [record((i, i, i, i)) for i in range(4)]
     for i in range(3):
         tier.store(records[i], kv(i))
@@ -216,7 +217,7 @@ def test_disk_space_is_least_recently_used_within_its_size(tmp_path: Path) -> No
 def test_a_killed_writer_leaves_only_whole_files(tmp_path: Path) -> None:
     """A crash mid-write leaves a temporary (removed at startup) or a whole file, never a half file
     under a block's name; a new tier indexes the whole files without reading them."""
-    tier = DiskTier(str(tmp_path), 2**20, b"fp")
+    tier = DiskTier(str(tmp_path), 2**20, b"fp", MAC_KEY)
     records = [record((i, 0, 0, 0)) for i in range(3)]
     for i, r in enumerate(records):
         tier.store(r, kv(i))
@@ -224,7 +225,7 @@ def test_a_killed_writer_leaves_only_whole_files(tmp_path: Path) -> None:
     final = block_files(tmp_path)[0]
     stray = final.with_name(final.name + ".123.tmp")
     stray.write_bytes(final.read_bytes()[:100])
-    reopened = DiskTier(str(tmp_path), 2**20, b"fp")
+    reopened = DiskTier(str(tmp_path), 2**20, b"fp", MAC_KEY)
     assert not stray.exists()
     assert reopened.usage().num_blocks == 3 and reopened.usage().loads == 0
     for i, r in enumerate(records):
@@ -235,7 +236,7 @@ def test_a_killed_writer_leaves_only_whole_files(tmp_path: Path) -> None:
     target = Path(reopened._path(child.key))
     target.parent.mkdir(exist_ok=True)
     os.replace(reopened._path(records[1].key), target)
-    again = DiskTier(str(tmp_path), 2**20, b"fp")
+    again = DiskTier(str(tmp_path), 2**20, b"fp", MAC_KEY)
     assert again.contains(child.key)
     assert again.load(child, (2, 2, BLOCK, 2, 8), torch.float32) is None
     assert not again.contains(child.key) and not target.exists()

@@ -35,12 +35,15 @@ PROMPTS = [
 ]
 
 
+ADMIN_KEY = "admin-key-load"
+
+
 def _key(tenant: int) -> str:
     return f"key-tenant-{tenant}"
 
 
 def _gauges(url: str) -> dict[str, float]:
-    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {_key(0)}"}, timeout=60)
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
     assert r.status_code == 200
     return {
         sample.name: sample.value
@@ -90,7 +93,7 @@ def test_64_streams_over_4_tenants_with_random_hang_ups(
     tenants = Tenants(load_or_create_secret(str(tmp_path)), key_file=str(tmp_path / "keys"))
     async_engine = AsyncEngine(make_engine(kv_cache_memory=128 * 2**20, max_model_len=512))
     rng = random.Random(6)
-    with serve_app(create_app(async_engine, tenants=tenants)) as url:
+    with serve_app(create_app(async_engine, tenants=tenants, admin_key=ADMIN_KEY)) as url:
         # The greedy text of each prompt, run alone.
         alone = {p: asyncio.run(_client(url, 0, p, None, rng)) for p in PROMPTS}
 

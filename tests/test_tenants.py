@@ -24,6 +24,7 @@ from scipy.stats import ks_2samp
 from kvserve.config import default_cache_dir
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
+from kvserve.errors import KVServeError
 from kvserve.server.app import create_app
 from kvserve.server.tenants import (
     KeyFileError,
@@ -35,6 +36,7 @@ from kvserve.server.tenants import (
 from tests.helpers import free_port, server_process
 
 KEYS = {"a": "key-aaaaaaaa", "b": "key-bbbbbbbb", "c": "key-cccccccc", "d": "key-dddddddd"}
+ADMIN_KEY = "admin-key-0000"
 KEY_FILE = f"""# tenants a and b are isolated; c and d share the group "public"
 a:{KEYS["a"]}
 b:{KEYS["b"]}
@@ -84,7 +86,7 @@ def server(
     async_engine = AsyncEngine(
         make_engine(kv_cache_memory=256 * 2**20, max_model_len=2048, weight_dtype="int8")
     )
-    with serve_app(create_app(async_engine, tenants=tenants)) as url:
+    with serve_app(create_app(async_engine, tenants=tenants, admin_key=ADMIN_KEY)) as url:
         yield TenantServer(url, tenants, async_engine)
 
 
@@ -115,7 +117,7 @@ def test_secret_is_created_once_private_and_kept(tmp_path: Path) -> None:
     assert again.namespace(Tenant("a")) == Tenants(secret).namespace(Tenant("a"))
     assert Tenants(os.urandom(32)).namespace(Tenant("a")) != again.namespace(Tenant("a"))
     path.chmod(0o644)
-    with pytest.raises(KeyFileError, match="chmod 600"):
+    with pytest.raises(KVServeError, match="chmod 600"):
         load_or_create_secret(str(tmp_path / "cache"))
 
 
@@ -212,8 +214,20 @@ def test_prefix_cache_metrics_per_tenant(server: TenantServer) -> None:
     assert after["a"][1] == before.get("a", (0, 0))[1]
 
 
+def test_metrics_need_the_admin_key_once_keys_are_set(server: TenantServer) -> None:
+    """/metrics has a row per tenant (names, cached tokens request by request): the operator's view, not
+    a tenant's."""
+    server.complete("b", "A prompt of b's, to put b's name into the metrics.")
+    for headers in ({"Authorization": f"Bearer {KEYS['a']}"}, {}, {"Authorization": "Bearer"}):
+        r = httpx.get(f"{server.url}/metrics", headers=headers)
+        assert r.status_code == 401 and 'tenant="b"' not in r.text, headers
+    r = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert r.status_code == 200 and 'tenant="b"' in r.text
+
+
 def _tenant_hits(server: TenantServer) -> dict[str, tuple[float, float]]:
-    r = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEYS['a']}"})
+    r = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert r.status_code == 200
     queries: dict[str, float] = {}
     hits: dict[str, float] = {}
     for family in text_string_to_metric_families(r.text):
@@ -330,3 +344,75 @@ def test_sighup_reloads_the_key_file(tmp_path: Path) -> None:
         assert status("key-bbbbbbbb") == 200 and status("key-aaaaaaaa") == 401
     secret = Path(default_cache_dir()) / "tenant-secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--api-key", ""], {}, "--api-key"),
+        ([], {"KVSERVE_API_KEY": " "}, "KVSERVE_API_KEY"),
+        ([], {"KVSERVE_ADMIN_KEY": ""}, "KVSERVE_ADMIN_KEY"),
+        (["--admin-key", "  "], {}, "--admin-key"),
+        (["--admin-key", "short"], {}, "8-512"),
+        (["--api-key", "same-key-1", "--admin-key", "same-key-1"], {}, "differ"),
+    ],
+)
+def test_an_empty_or_bad_key_is_refused_at_startup(
+    argv: list[str],
+    env: dict[str, str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    """docker-compose writes `KVSERVE_ADMIN_KEY=` for an unset variable: that empty key would make a bare
+    `Authorization: Bearer` an admin. Every such key stops the server before the model loads."""
+    from kvserve.cli import main
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    for name in ("KVSERVE_API_KEY", "KVSERVE_ADMIN_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--port", str(free_port()), *argv]) == 2
+    error = capsys.readouterr().err
+    assert message in error and "same-key-1" not in error
+
+
+def test_the_admin_key_differs_from_every_tenant_key_also_on_reload(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("a:key-aaaaaaaa\n")
+    with pytest.raises(KVServeError, match="admin key"):
+        Tenants(os.urandom(32), key_file=str(key_file), admin_key="key-aaaaaaaa")
+    tenants = Tenants(os.urandom(32), key_file=str(key_file), admin_key="admin-key-1")
+    key_file.write_text("a:key-aaaaaaaa\nb:admin-key-1\n")
+    tenants.reload()
+    assert tenants.authenticate("admin-key-1") is None
+    assert tenants.authenticate("key-aaaaaaaa") == Tenant("a")
+
+
+def test_a_hash_inside_a_key_is_part_of_the_key() -> None:
+    keys = parse_key_file("# comment\na:key#with#hash:group1\nb:key-bbbbbbbb # comment\n  # indented\n")
+    assert keys == {"key#with#hash": Tenant("a", "group1"), "key-bbbbbbbb": Tenant("b")}
+
+
+def test_a_key_file_without_a_final_newline_is_refused_on_reload(tmp_path: Path) -> None:
+    """A file caught half-written (a key cut short that still parses) must not become the keys."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("a:key-aaaaaaaa\n")
+    tenants = Tenants(os.urandom(32), key_file=str(key_file))
+    key_file.write_text("a:key-aaaaaaaa\nb:key-bbbb")  # b's key-bbbbbbbbbbbb, cut short
+    tenants.reload()
+    assert tenants.authenticate("key-bbbb") is None
+    assert tenants.authenticate("key-aaaaaaaa") == Tenant("a")
+
+
+def test_a_fifo_in_place_of_the_key_file_does_not_block_the_reload(tmp_path: Path) -> None:
+    """SIGHUP's reload runs on the event loop's thread: opening a FIFO there would freeze the server."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("a:key-aaaaaaaa\n")
+    tenants = Tenants(os.urandom(32), key_file=str(key_file))
+    key_file.unlink()
+    os.mkfifo(key_file)
+    tenants.reload()
+    assert tenants.authenticate("key-aaaaaaaa") == Tenant("a")

@@ -63,6 +63,11 @@ class EngineConfig:
     batch of prompts (each sequence is one engine request, counted in the queue and its tenant's share).
     `max_waiting + max_num_seqs` is how many sequences may be in flight; each tenant is guaranteed an
     equal share of them (see the scheduling policy in docs/design.md).
+
+    `secret` is the server secret (kvserve.secret): the disk tier's files carry a MAC under a key derived
+    from it. None takes the cache folder's (created on first use), the one `kvserve serve` uses too, so
+    the server and offline `LLM` runs on one cache folder read each other's disk tier. It never shows in
+    the config's repr.
     """
 
     model: str | None = None
@@ -87,6 +92,7 @@ class EngineConfig:
     kv_disk_size: int = 20 * 2**30
     max_pinned_tokens: int = 0
     max_pinned_tokens_per_tenant: int | None = None
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "kv_disk_size"):
@@ -104,6 +110,7 @@ class EngineConfig:
                 "kv_disk needs the prefix cache: drop --no-prefix-cache or --kv-disk",
             ),
             (self.max_pinned_tokens >= 0, "max_pinned_tokens must be >= 0"),
+            (self.secret is None or len(self.secret) >= 16, "secret must be at least 16 bytes"),
             (
                 self.max_pinned_tokens_per_tenant is None or self.max_pinned_tokens_per_tenant >= 0,
                 "max_pinned_tokens_per_tenant must be >= 0",

@@ -1,61 +1,78 @@
-"""DiskTier: full KV blocks as files in one directory, written behind, verified on every load.
+"""DiskTier: full KV blocks as files in one private directory, written behind, verified on every load.
 
-Layout: DIR/<first two hex digits of the key>/<key in hex>.kv. A file is
+Layout: DIR/<first two hex digits of the key>/<key in hex>.kv, folders 0700 and files 0600. A file is
 
-    MAGIC (8 bytes) | header length (4 bytes, little endian) | header (JSON) | payload
+    MAGIC (8 bytes) | header length (4 bytes, little endian) | header (JSON) | payload | MAC (32 bytes)
 
-where the header names the format version, the model fingerprint, the namespace, the parent key, the
-block's token ids, the payload's dtype, shape, size and blake2b checksum, and the payload is the block's
-K and V (`KVCache.read_block`'s layout). A load checks every one of them against what the caller
-expects, and recomputes the key from the header: a missing, truncated, corrupted or foreign file is
-dropped with a warning and reported as a miss, never served.
+The header names the format version, the payload's dtype, shape and size; the payload is the block's K
+and V (`KVCache.read_block`'s layout); the MAC is HMAC-SHA256 under a key derived from the server secret,
+over the block key and everything before it (block_mac.py). Nothing in a file names its tokens, prefix or
+namespace: the key (the file's name) binds them, as a hash, and the loader recomputes the key from the
+request it serves, so a file is only ever found by a request that holds its tokens already.
+
+A load trusts nothing in the file. It opens it without following a symlink and without blocking on a
+FIFO, reads it only if it is a private regular file of exactly the size this block's file has, compares
+the header byte for byte with the one it would write (nothing is parsed), and checks the MAC. Any
+failure is a miss: the file is dropped with a warning and the block recomputed, never served, and the
+engine thread never sees an exception.
 
 Writes are atomic: a temporary file in the same folder is written, fsynced and renamed over the final
 name, so `kill -9` at any moment leaves only whole files (and stray temporaries, removed at startup).
 The index (key -> size, least recently used first) lives in memory and is rebuilt at startup from the
 file names and sizes alone; no KV is read until a request matches it. Space is kept within
-`capacity_bytes` by deleting the least recently stored or loaded files.
+`capacity_bytes` by deleting the least recently stored or loaded files. Files of other models (or
+settings) may share the folder: they are indexed, and evicted, like this model's, but never found.
 
 The engine thread only queues a copy of the block (`store`); one writer thread does the disk work. A
 store that finds the queue over `queue_bytes` is dropped (counted): the block is then simply not on disk.
 """
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
+import stat
+import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any
 
 import torch
 
 from kvserve.cache.block_key import chain_key
+from kvserve.cache.block_mac import MAC_BYTES, seal, unseal
 from kvserve.cache.tiers import BlockRecord, LatencyHistogram, TierUsage
+from kvserve.private_files import open_private_file, private_dir
 
 log = logging.getLogger("kvserve.cache")
 
 MAGIC = b"KVSBLOCK"
-VERSION = 1
+VERSION = 2
 _SUFFIX = ".kv"
 _TMP = ".tmp"
 _LENGTH_BYTES = 4
-# A header holds a block's token ids and a few short fields: anything longer is not ours.
-_MAX_HEADER = 1 << 20
+# Files above this size are not block files (a block of a large model is a few MB), whatever their name:
+# a sparse file of a terabyte must not count against the capacity and evict everything else.
+MAX_FILE_BYTES = 1 << 30
 
 
 class CorruptBlock(Exception):
     """A block file that must not be served; the message says why."""
 
 
-def _checksum(payload: memoryview) -> str:
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()
-
-
 def _payload_bytes(kv: torch.Tensor) -> memoryview:
     return kv.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def file_layout(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
+    """(MAGIC, the header's length and the header; the payload's size) of every file of blocks of this
+    shape and dtype: a file's first bytes are known before it is read."""
+    payload_bytes = dtype.itemsize
+    for d in shape:
+        payload_bytes *= d
+    header = {"version": VERSION, "dtype": str(dtype), "shape": list(shape), "payload_bytes": payload_bytes}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    return MAGIC + len(encoded).to_bytes(_LENGTH_BYTES, "little") + encoded, payload_bytes
 
 
 class DiskTier:
@@ -66,11 +83,14 @@ class DiskTier:
         directory: str,
         capacity_bytes: int,
         fingerprint: bytes,
+        mac_key: bytes,
         queue_bytes: int = 256 * 2**20,
     ) -> None:
+        """`mac_key` keys the files' MACs (derive it from the server secret: secret.derive_key)."""
         self.directory = os.path.abspath(directory)
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
+        self._mac_key = mac_key
         self.queue_bytes = queue_bytes
         self._lock = threading.Condition()
         self._index: OrderedDict[bytes, int] = OrderedDict()
@@ -83,7 +103,7 @@ class DiskTier:
         self.stores = self.stores_dropped = self.loads = self.loads_failed = 0
         self.load_latency = LatencyHistogram()
         self.store_latency = LatencyHistogram()
-        os.makedirs(self.directory, exist_ok=True)
+        private_dir(self.directory)
         started = time.monotonic()
         self._scan()
         log.info(
@@ -103,10 +123,14 @@ class DiskTier:
 
     def _scan(self) -> None:
         """Index every block file by name and size, oldest modification first; remove temporaries that a
-        killed writer left behind."""
+        killed writer left behind. Nothing is followed or opened: symlinks, FIFOs, folders and files too
+        large to be blocks are skipped with a warning."""
         found: list[tuple[float, bytes, int]] = []
         for sub in os.scandir(self.directory):
-            if not sub.is_dir() or len(sub.name) != 2:
+            if len(sub.name) != 2:
+                continue
+            if not sub.is_dir(follow_symlinks=False):
+                log.warning("disk tier: skipped %s: not a folder", sub.path)
                 continue
             for entry in os.scandir(sub.path):
                 if entry.name.endswith(_TMP):
@@ -117,8 +141,11 @@ class DiskTier:
                     continue
                 try:
                     key = bytes.fromhex(stem)
-                    st = entry.stat()
+                    st = entry.stat(follow_symlinks=False)
                 except (ValueError, OSError):
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+                    log.warning("disk tier: skipped %s: not a regular file of a block's size", entry.path)
                     continue
                 found.append((st.st_mtime, key, st.st_size))
         for _, key, size in sorted(found):
@@ -165,7 +192,9 @@ class DiskTier:
             return None
         try:
             kv = self._read(record, shape, dtype)
-        except (OSError, CorruptBlock) as e:
+        # A load changes nothing but this tier's index, so any failure, whatever the file held, is a
+        # miss: the engine thread must never stop on a file.
+        except Exception as e:
             self._drop(record.key, e)
             return None
         self._loaded(record.key, started)
@@ -179,48 +208,30 @@ class DiskTier:
         self.load_latency.observe(time.monotonic() - started)
 
     def _read(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        with open(self._path(record.key), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            buf = bytearray(size)
-            if f.readinto(buf) != size:
-                raise CorruptBlock("short read")
-        view = memoryview(buf)
-        head = len(MAGIC) + _LENGTH_BYTES
-        if size < head or view[: len(MAGIC)] != MAGIC:
-            raise CorruptBlock("not a kvserve block file")
-        header_len = int.from_bytes(view[len(MAGIC) : head], "little")
-        if header_len > _MAX_HEADER or head + header_len > size:
-            raise CorruptBlock("truncated header")
-        try:
-            header: dict[str, Any] = json.loads(bytes(view[head : head + header_len]))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptBlock("unreadable header") from e
-        payload = view[head + header_len :]
-        numel = 1
-        for d in shape:
-            numel *= d
-        expected = {
-            "version": VERSION,
-            "fingerprint": self.fingerprint.hex(),
-            "namespace": record.namespace,
-            "parent": record.parent.hex(),
-            "tokens": list(record.tokens),
-            "dtype": str(dtype),
-            "shape": list(shape),
-            "payload_bytes": numel * dtype.itemsize,
-        }
-        if not isinstance(header, dict):
-            raise CorruptBlock("unreadable header")
-        for name, value in expected.items():
-            if header.get(name) != value:
-                raise CorruptBlock(f"{name} differs from the key's")
-        if len(payload) != expected["payload_bytes"]:
-            raise CorruptBlock(f"payload is {len(payload)} bytes, expected {expected['payload_bytes']}")
-        if header.get("checksum") != _checksum(payload):
-            raise CorruptBlock("payload checksum mismatch")
         if chain_key(self.fingerprint, record.namespace, record.parent, record.tokens) != record.key:
-            raise CorruptBlock("the key does not match the header")
-        flat = torch.frombuffer(buf, dtype=torch.uint8, offset=head + header_len, count=len(payload))
+            raise CorruptBlock("the key does not match the block's tokens")
+        head, payload_bytes = file_layout(shape, dtype)
+        size = len(head) + payload_bytes + MAC_BYTES
+        fd = open_private_file(self._path(record.key))
+        try:
+            found = os.fstat(fd).st_size
+            if found != size:
+                raise CorruptBlock(f"{found} bytes, a block's file has {size}")
+            buf = bytearray(size)
+            with open(fd, "rb", buffering=0, closefd=False) as f:
+                done = 0
+                while done < size:
+                    n = f.readinto(memoryview(buf)[done:])
+                    if not n:
+                        raise CorruptBlock("short read")
+                    done += n
+        finally:
+            os.close(fd)
+        view = memoryview(buf)
+        if view[: len(head)] != head:
+            raise CorruptBlock("not a block file of this format, dtype and shape")
+        unseal(self._mac_key, record.key, view)
+        flat = torch.frombuffer(buf, dtype=torch.uint8, offset=len(head), count=payload_bytes)
         return flat.view(dtype).reshape(shape)
 
     def _drop(self, key: bytes, reason: Exception) -> None:
@@ -230,41 +241,28 @@ class DiskTier:
                 self._bytes_used -= size
             self.loads_failed += 1
         self._unlink(self._path(key))
-        why = "missing" if isinstance(reason, FileNotFoundError) else str(reason)
+        why = "missing" if isinstance(reason, FileNotFoundError) else f"{type(reason).__name__}: {reason}"
         log.warning("disk tier: dropped block %s (%s); it will be recomputed", key.hex()[:16], why)
-
-    def _encode(self, record: BlockRecord, kv: torch.Tensor) -> tuple[bytes, memoryview]:
-        payload = _payload_bytes(kv)
-        header = {
-            "version": VERSION,
-            "fingerprint": self.fingerprint.hex(),
-            "namespace": record.namespace,
-            "parent": record.parent.hex(),
-            "tokens": list(record.tokens),
-            "dtype": str(kv.dtype),
-            "shape": list(kv.shape),
-            "payload_bytes": len(payload),
-            "checksum": _checksum(payload),
-        }
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        return MAGIC + len(encoded).to_bytes(_LENGTH_BYTES, "little") + encoded, payload
 
     def _write(self, record: BlockRecord, kv: torch.Tensor) -> int:
         path = self._path(record.key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        head, payload = self._encode(record, kv)
-        tmp = f"{path}.{os.getpid()}{_TMP}"
+        folder = private_dir(self.directory, os.path.basename(os.path.dirname(path)))
+        head, _ = file_layout(tuple(kv.shape), kv.dtype)
+        payload = _payload_bytes(kv)
+        mac = seal(self._mac_key, record.key, [head, payload])
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=_TMP)
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 f.write(head)
                 f.write(payload)
+                f.write(mac)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             self._unlink(tmp)
             raise
-        return len(head) + len(payload)
+        return len(head) + len(payload) + len(mac)
 
     def _write_loop(self) -> None:
         while True:

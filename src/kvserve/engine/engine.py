@@ -26,6 +26,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.model.fingerprint import model_fingerprint
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.runner import DTYPES, ModelRunner
+from kvserve.secret import DISK_TIER_PURPOSE, derive_key, load_or_create_secret
 
 log = logging.getLogger("kvserve.engine")
 
@@ -127,7 +128,8 @@ class Engine:
         if c.kv_disk is None:
             return None
         fingerprint = model_fingerprint(self.model, c.weight_dtype, c.block_size, c.dtype)
-        disk = DiskTier(c.kv_disk, c.kv_disk_size, fingerprint)
+        secret = c.secret if c.secret is not None else load_or_create_secret(c.cache_dir)
+        disk = DiskTier(c.kv_disk, c.kv_disk_size, fingerprint, derive_key(secret, DISK_TIER_PURPOSE))
         return LowerTiers([disk], self.runner.kv_cache, fingerprint, c.block_size)
 
     def _max_model_len(self) -> int:

@@ -8,8 +8,10 @@ which makes a decode's output bitwise independent of the rest of the batch (see 
 The library is compiled with the system C compiler (`cc`, override with $CC) into
 `<cache_dir>/kernels/`, named by a hash of the source, the flags and the CPU's feature flags, so an edited
 kernel or a different machine builds its own; the build is written to a temporary name and renamed, so
-concurrent processes never load a half-written file. `-ffast-math` is given to the compile step only:
-linking with it would add a constructor that changes the whole process's denormal handling.
+concurrent processes never load a half-written file. The folder and the library are private (0700, 0600,
+no symlink, this user's; see private_files.py): a library that is not is rebuilt, never loaded.
+`-ffast-math` is given to the compile step only: linking with it would add a constructor that changes
+the whole process's denormal handling.
 """
 
 import ctypes
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from importlib import resources
 
 import torch
+
+from kvserve.private_files import private_cached_file
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,6 @@ def _cpu_flags() -> str:
 
 
 def _build(source: str, target: str, compiler: str) -> None:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
         src = os.path.join(tmp, "paged_attention.c")
         obj = os.path.join(tmp, "paged_attention.o")
@@ -66,6 +69,7 @@ def _build(source: str, target: str, compiler: str) -> None:
                 raise KernelUnavailableError(f"cannot run {argv[0]}: {e}") from e
             if done.returncode != 0:
                 raise KernelUnavailableError(f"{' '.join(argv)} failed: {done.stderr.strip()[-2000:]}")
+        os.chmod(lib, 0o600)
         os.replace(lib, target)
 
 
@@ -78,8 +82,11 @@ def load_library(cache_dir: str) -> ctypes.CDLL:
     key = hashlib.sha256(
         "\0".join([source, compiler, *COMPILE_FLAGS, *LINK_FLAGS, *LIBS, _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    target = os.path.join(cache_dir, "kernels", f"paged_attention-{key}.so")
-    if not os.path.exists(target):
+    try:
+        target, built = private_cached_file(cache_dir, "kernels", f"paged_attention-{key}.so")
+    except OSError as e:
+        raise KernelUnavailableError(f"the kernels folder cannot be used: {e}") from e
+    if not built:
         log.info("building the native attention kernel into %s", target)
         _build(source, target, compiler)
     lib = ctypes.CDLL(target)

@@ -126,7 +126,9 @@ async def models(ctx: Context) -> ModelList:
     )
 
 
-@api.get("/metrics")
+# Every tenant's rows (names, cached tokens request by request): the operator's view, so the admin key's
+# once the server has keys (see check_admin_key).
+@admin.get("/metrics")
 async def metrics(ctx: Context) -> Response:
     return Response(await ctx.metrics.exposition(ctx.async_engine), media_type=CONTENT_TYPE_LATEST)
 
@@ -293,7 +295,10 @@ def create_app(
     `dashboard_show_text` lets /dashboard show the first tokens of cached prefixes as text."""
     engine = async_engine.engine
     if tenants is None:
-        tenants = Tenants(load_or_create_secret(engine.config.cache_dir), api_key)
+        tenants = Tenants(load_or_create_secret(engine.config.cache_dir), api_key, admin_key=admin_key)
+    elif admin_key is not None:
+        tenants.set_admin_key(admin_key)
+    admin_key = tenants.admin_key
     name = served_model_name or engine.model.name
     dashboard = Dashboard(StatsHistory.empty(), dashboard_show_text)
 
@@ -360,10 +365,11 @@ def serve(
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
     (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file."""
     # Keys first: a bad key file fails in a second, not after the model has loaded.
-    tenants = Tenants(load_or_create_secret(config.cache_dir), api_key, api_key_file)
+    secret = load_or_create_secret(config.cache_dir)
+    tenants = Tenants(secret, api_key, api_key_file, admin_key)
     log.info("tenancy: %s", tenants.describe())
     tenants.install_sighup_reload()
-    engine = Engine(dataclasses.replace(config, max_waiting=max_waiting))
+    engine = Engine(dataclasses.replace(config, max_waiting=max_waiting, secret=secret))
     async_engine = AsyncEngine(engine)
     app = create_app(
         async_engine,

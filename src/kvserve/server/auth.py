@@ -25,7 +25,8 @@ class Caller:
 
 def _bearer(request: Request) -> str | None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
+    # No key is empty (tenants.check_key), so neither is a token that could match one.
+    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 def _is_admin_key(token: str | None, admin_key: str | None) -> bool:
