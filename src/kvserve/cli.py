@@ -210,7 +210,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key_file=args.api_key_file,
         max_request_bytes=parse_bytes(args.max_request_bytes),
         max_in_flight_per_tenant=args.max_in_flight_per_tenant,
+        max_sequences_per_request=args.max_sequences_per_request,
     )
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
+    return number
 
 
 def _origins(value: str | None) -> list[str]:
@@ -284,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="requests one tenant may have in flight before answering 429 (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-sequences-per-request",
+        type=_positive_int,
+        default=256,
+        help="prompts x n one request may ask for before answering 400 (default %(default)s)",
     )
     serve.set_defaults(func=cmd_serve)
 
