@@ -216,3 +216,11 @@ def test_the_params_of_each_sample_are_built_once_per_request(
     r = server.post("/v1/completions", body)
     assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text
     assert sorted(samples) == [0, 1, 2]
+
+
+def test_the_cap_is_a_positive_setting() -> None:
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--max-sequences-per-request", "0"])
+    assert exit_.value.code == 2
