@@ -224,3 +224,39 @@ def test_the_cap_is_a_positive_setting() -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--max-sequences-per-request", "0"])
     assert exit_.value.code == 2
+
+
+def test_a_health_check_that_times_out_does_not_stop_the_engine(
+    server: BoundsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A /health whose engine call timed out used to cancel that call's future; the engine thread then
+    failed setting its result (InvalidStateError) and stopped for everyone."""
+    import kvserve.server.app
+
+    monkeypatch.setattr(kvserve.server.app, "HEALTH_TIMEOUT_S", 0.05)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(engine: Engine) -> None:
+        holding.set()
+        release.wait(60)
+
+    async def scenario() -> None:
+        held = asyncio.ensure_future(server.async_engine.call(hold))
+        while not holding.is_set():
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            r = await client.get("/health")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+        release.set()
+        await held
+        # The engine thread has run the timed-out health call by now.
+        await server.async_engine.call(lambda engine: None)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+    assert server.async_engine.failure is None
+    assert server.health() == 200
+    r = server.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 1})
+    assert r.status_code == 200, r.text

@@ -112,7 +112,8 @@ async def health(ctx: Context) -> Response:
     if ctx.async_engine.failure is not None:
         raise APIError(503, f"The {ctx.async_engine.failure}.", "server_error", code="engine_failed")
     try:
-        await asyncio.wait_for(ctx.async_engine.call(lambda engine: None), HEALTH_TIMEOUT_S)
+        # Shielded: a timeout must not cancel the call's future, which the engine thread completes later.
+        await asyncio.wait_for(asyncio.shield(ctx.async_engine.call(lambda engine: None)), HEALTH_TIMEOUT_S)
     except TimeoutError as e:
         raise APIError(503, "The engine is not answering.", "server_error", code="engine_unavailable") from e
     return Response(status_code=200)
