@@ -260,3 +260,13 @@ def test_a_health_check_that_times_out_does_not_stop_the_engine(
     assert server.health() == 200
     r = server.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 1})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "prompt", [[[1, 2], "text"], ["text", [1, 2]], [[1, 2], [-1.5]], [[1], 5], [None], [[]], [""]]
+)
+def test_a_mixed_or_malformed_batch_is_a_400_on_its_prompt(server: BoundsServer, prompt: Any) -> None:
+    """A batch is validated as the kind its first prompt is (one pass, not one per kind of prompt)."""
+    r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert str(r.json()["error"]["param"]).startswith("prompt"), r.text
