@@ -2,6 +2,8 @@
 the failure is logged with its traceback, and `kvserve serve` exits non-zero for its supervisor. An idle
 engine thread sleeps instead of spinning."""
 
+import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -101,6 +103,39 @@ def test_an_idle_engine_thread_does_not_spin(make_engine: Callable[..., Engine])
     finally:
         async_engine.shutdown()
 
+
+
+def test_a_call_cancelled_before_it_runs_is_skipped_not_fatal(make_engine: Callable[..., Engine]) -> None:
+    """A caller that stops waiting (a /health timeout) cancelled its call's future; the engine thread
+    then raised completing it and stopped for everyone."""
+    async_engine = AsyncEngine(make_engine(**SMALL))
+    busy, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def hold(_: Engine) -> None:
+        busy.set()
+        release.wait(60)
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(async_engine.call(hold))
+        assert await asyncio.to_thread(busy.wait, 60)
+        # Queued behind `hold`, so it is cancelled before the engine thread picks it up.
+        cancelled = asyncio.ensure_future(async_engine.call(lambda e: ran.append("cancelled")))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancelled
+        release.set()
+        await first
+        assert await async_engine.call(lambda e: "alive") == "alive"
+
+    try:
+        asyncio.run(scenario())
+        assert async_engine.failure is None
+        assert ran == []
+    finally:
+        release.set()
+        async_engine.shutdown()
 
 INJECT = """
 import sys

@@ -29,9 +29,9 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
     parser.add_argument(
         "--max-sequences-per-request",
-        type=int,
+        type=_positive_int,
         default=256,
-        help="sequences one request may start at most: n, and prompts x n",
+        help="sequences (prompts x n) one request may start before answering 400 (default %(default)s)",
     )
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=1024, help="tokens per forward pass at most"
@@ -218,6 +218,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=parse_bytes(args.max_request_bytes),
         max_in_flight_per_tenant=args.max_in_flight_per_tenant,
     )
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
+    return number
 
 
 def _origins(value: str | None) -> list[str]:

@@ -171,7 +171,9 @@ class AsyncEngine:
         elif isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
                 self.engine.abort_request(command.request_id)
-        else:
+        # A call whose caller stopped waiting (a /health timeout) is skipped: completing a cancelled
+        # future raises, and on this thread that would stop the engine for everyone.
+        elif command.future.set_running_or_notify_cancel():
             try:
                 command.future.set_result(command.fn(self.engine))
             except Exception as e:
@@ -213,7 +215,7 @@ class AsyncEngine:
         while (command := self._commands.get()) is not None:
             if isinstance(command, _Submit):
                 _send(command.loop, command.out, error)
-            elif isinstance(command, _Call):
+            elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(error)
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:

@@ -17,7 +17,7 @@ from kvserve import __version__
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling_params import MAX_LOGPROBS
+from kvserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.server.auth import (
     ADMIN_TENANT,
     authenticate,
@@ -35,10 +35,12 @@ from kvserve.server.limits import (
     BodySizeLimit,
     InFlightLimiter,
     PromptGuard,
+    SequenceAdmission,
+    check_sequences,
 )
 from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.pinning import cache_status, pin_prefix, unpin
+from kvserve.server.pinning import cache_status, check_pinning_on, pin_prefix, pin_tokens, unpin
 from kvserve.server.protocol import (
     CacheStatus,
     ChatCompletionRequest,
@@ -59,6 +61,7 @@ from kvserve.server.serving import (
     chat_prompt,
     check_model,
     completion_prompts,
+    prompt_batch,
     respond,
     sampling_params,
     text_prompt,
@@ -108,7 +111,8 @@ async def health(ctx: Context) -> Response:
     if ctx.async_engine.failure is not None:
         raise APIError(503, f"The {ctx.async_engine.failure}.", "server_error", code="engine_failed")
     try:
-        await asyncio.wait_for(ctx.async_engine.call(lambda engine: None), HEALTH_TIMEOUT_S)
+        # Shielded: a timeout must not cancel the call's future, which the engine thread completes later.
+        await asyncio.wait_for(asyncio.shield(ctx.async_engine.call(lambda engine: None)), HEALTH_TIMEOUT_S)
     except TimeoutError as e:
         raise APIError(503, "The engine is not answering.", "server_error", code="engine_unavailable") from e
     return Response(status_code=200)
@@ -144,22 +148,28 @@ async def reset_prefix_cache(ctx: Context) -> dict[str, int]:
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     check_chat(body)
+    check_sequences(1, body.n, ctx.max_sequences_per_request)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs")
     namespace = cache_namespace(request, body.cache_salt)
-    # Templating and tokenizing a long chat takes a while: off the event loop, which serves every stream.
-    token_ids = await asyncio.to_thread(chat_prompt, ctx, body.messages, namespace)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     if max_tokens is not None and max_tokens < 1:
         # Only completions' echo has a use for a reply of no tokens.
         raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, logprobs)
+
+    def prepare() -> tuple[PromptInput, SamplingParams]:
+        token_ids = chat_prompt(ctx, body.messages, namespace)
+        return PromptInput(token_ids, ""), sampling_params(body, max_tokens, logprobs)
+
     fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs)
-    prompt = PromptInput(token_ids, "")
-    return await respond(ctx, request, fmt, [prompt], params, namespace, body)
+    with ctx.admission.reserve(body.n, ctx.async_engine.num_in_flight) as room:
+        # Templating and tokenizing a long chat takes a while, and a logit_bias may have as many
+        # entries as the vocabulary: off the event loop, which serves every stream.
+        prompt, params = await asyncio.to_thread(prepare)
+        return await respond(ctx, request, fmt, [prompt], params, namespace, body, room)
 
 
 # The legacy completions route reports at most this many alternatives per token, as OpenAI's does.
@@ -172,17 +182,26 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
     check_completion(body)
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise APIError(400, f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.", param="logprobs")
+    # Before anything is done per prompt: a batch's size is bounded by the body alone.
+    num_prompts = len(prompt_batch(body.prompt))
+    check_sequences(num_prompts, body.n, ctx.max_sequences_per_request)
     if isinstance(body.prompt, str):
         ctx.prompt_guard.check([body.prompt], "prompt")
     elif body.prompt and all(isinstance(p, str) for p in body.prompt):
         ctx.prompt_guard.check([p for p in body.prompt if isinstance(p, str)], "prompt")
-    prompts = await asyncio.to_thread(completion_prompts, ctx.async_engine.tokenizer, body.prompt)
     # An echo with logprobs scores the prompt too, as evaluation harnesses expect.
     prompt_logprobs = body.logprobs if body.echo else None
-    params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+
+    def prepare() -> tuple[list[PromptInput], SamplingParams]:
+        prompts = completion_prompts(ctx.async_engine.tokenizer, body.prompt)
+        return prompts, sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+
     fmt = CompletionFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs is not None, body.echo)
     namespace = cache_namespace(request, body.cache_salt)
-    return await respond(ctx, request, fmt, prompts, params, namespace, body)
+    with ctx.admission.reserve(num_prompts * body.n, ctx.async_engine.num_in_flight) as room:
+        # Tokenizing, decoding echo texts and checking a logit_bias grow with the request: off the loop.
+        prompts, params = await asyncio.to_thread(prepare)
+        return await respond(ctx, request, fmt, prompts, params, namespace, body, room)
 
 
 @api.get("/v1/cache/stats")
@@ -247,20 +266,17 @@ async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeRespons
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
-@api.post("/v1/cache/pin")
+@api.post("/v1/cache/pin", dependencies=[InFlight])
 async def pin(body: PinRequest, request: Request, ctx: Context) -> PinInfo:
     check_model(ctx, body.model)
+    # First, so that a server with pinning off does no work for a pin.
+    check_pinning_on(ctx)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(
             400, "Send either 'prompt' (text or token ids) or 'messages' (a chat), not both or neither."
         )
     namespace = cache_namespace(request)
-    if body.messages is not None:
-        tokens = chat_prompt(ctx, body.messages, namespace, add_generation_prompt=False)
-    else:
-        tokens = text_prompt(ctx.async_engine.tokenizer, body.prompt or "")
-    if not tokens:
-        raise APIError(400, "The prefix to pin is empty.", param="prompt")
+    tokens = await pin_tokens(ctx, body, namespace)
     return await pin_prefix(ctx, namespace, tokens, body.ttl_s)
 
 
@@ -292,7 +308,8 @@ def create_app(
     `tenants` defaults to one tenant: `api_key`'s, or everyone when it is None. `admin_key` opens the
     admin routes and the whole dashboard. `served_model_name` is the name clients use (default: the
     model's); `allowed_origins` lets browsers on those origins call the API (CORS), `["*"]` any origin;
-    `dashboard_show_text` lets /dashboard show the first tokens of cached prefixes as text."""
+    `dashboard_show_text` lets /dashboard show the first tokens of cached prefixes as text.
+    Prompts x n of one request are bounded by the engine's `max_sequences_per_request`."""
     engine = async_engine.engine
     if tenants is None:
         tenants = Tenants(load_or_create_secret(engine.config.cache_dir), api_key, admin_key=admin_key)
@@ -327,6 +344,9 @@ def create_app(
         admin_key=admin_key,
         in_flight=InFlightLimiter(max_in_flight_per_tenant),
         prompt_guard=PromptGuard(engine.max_model_len, engine.tokenizer.max_token_chars()),
+        # What AsyncEngine.generate admits: the waiting queue and the running batch.
+        admission=SequenceAdmission(engine.config.max_waiting + engine.config.max_num_seqs),
+        max_sequences_per_request=engine.config.max_sequences_per_request,
     )
     app.state.dashboard = dashboard
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)

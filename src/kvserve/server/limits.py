@@ -1,5 +1,6 @@
 """Limits on what one request may ask, checked before any work starts, so that no input can stall or
-break the server: body size, prompt length before rendering, and requests in flight per tenant.
+break the server: body size, prompt length before rendering, sequences (prompts x n) per request and
+room for them in the engine's queue, and requests in flight per tenant.
 
 Every refusal is an OpenAI-shaped 4xx and happens before the engine sees the request: nothing is
 half-done.
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import EngineOverloadedError, InvalidRequestError
 from kvserve.server.errors import RETRY_AFTER_S, APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
@@ -152,3 +153,69 @@ class PromptGuard:
                     raise InvalidRequestError(
                         "The text is not valid Unicode (it has a lone surrogate escape).", param
                     ) from None
+
+
+def check_sequences(num_prompts: int, n: int, limit: int) -> None:
+    """Refuses a request of more than `limit` sequences (prompts x n) before any of them is built: the
+    work and memory of a request grow with its sequences, and its body alone does not bound them."""
+    if num_prompts * n > limit:
+        raise APIError(
+            400,
+            f"This request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; this "
+            f"server takes at most {limit} per request (--max-sequences-per-request). Send fewer prompts "
+            "or a smaller n.",
+            param="n" if n > limit else "prompt",
+            code="too_many_sequences",
+        )
+
+
+@dataclass
+class Reservation:
+    """Room held in the engine's queue for one request's sequences until they reach the engine."""
+
+    admission: "SequenceAdmission"
+    count: int
+
+    def release(self) -> None:
+        """Hand the room back: the sequences are in the engine (counted there) or will never be; a
+        second release does nothing."""
+        self.admission.reserved -= self.count
+        self.count = 0
+
+
+@dataclass
+class SequenceAdmission:
+    """Room in the engine's queue for a whole request, taken before any of its sequences is built.
+
+    `capacity` is what the engine takes in flight (waiting plus running). A request's sequences are
+    reserved here until they have reached the engine, so that two requests checked at once cannot both
+    count the same room; sequences already in the engine are `in_flight`. Runs on the event loop only.
+    """
+
+    capacity: int
+    reserved: int = 0
+
+    @contextmanager
+    def reserve(self, count: int, in_flight: int) -> Iterator[Reservation]:
+        """Hold room for `count` sequences until released or the block ends: a 400 for a request
+        larger than the whole queue (it can never run), a 503 with Retry-After when the queue has no
+        room for all of it now."""
+        if count > self.capacity:
+            raise APIError(
+                400,
+                f"This request has {count} sequences (prompts x n); the server queues at most "
+                f"{self.capacity} at once (--max-waiting). Send fewer prompts or a smaller n.",
+                param="n",
+                code="too_many_sequences",
+            )
+        if in_flight + self.reserved + count > self.capacity:
+            raise EngineOverloadedError(
+                f"the server is at capacity ({self.capacity} sequences in flight) and has no room for "
+                f"this request's {count}; retry later"
+            )
+        room = Reservation(self, max(count, 0))
+        self.reserved += room.count
+        try:
+            yield room
+        finally:
+            room.release()

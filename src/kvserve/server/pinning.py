@@ -1,13 +1,19 @@
-"""Pinning over HTTP: compute a prefix if needed, pin it, list pins and tier usage per namespace."""
+"""Pinning over HTTP: compute a prefix if needed, pin it, list pins and tier usage per namespace.
 
+A pin passes the same guards as a completion (in the route: an in-flight slot; here: pinning on before
+any work, the prompt-length guard before tokenizing, tokenizing off the event loop, token ids within
+the vocabulary before the engine sees them).
+"""
+
+import asyncio
 import time
 
 from kvserve.cache.manager import CacheUsage, Pin, PinRefused
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.errors import APIError
-from kvserve.server.protocol import CacheStatus, PinInfo, TierInfo
-from kvserve.server.serving import ServerContext
+from kvserve.server.protocol import CacheStatus, PinInfo, PinRequest, TierInfo
+from kvserve.server.serving import ServerContext, chat_prompt, check_token_ids, text_prompt
 
 # Computing the prefix and pinning it are two engine calls; traffic in between may evict what was just
 # computed (without a disk tier to find it again), so the pair is tried a few times.
@@ -22,6 +28,36 @@ def _info(engine: Engine, pin: Pin) -> PinInfo:
         expires_at=int(time.time() + left),
         expires_in_s=round(left, 3),
     )
+
+
+def check_pinning_on(ctx: ServerContext) -> None:
+    """A clear 400 on a server started without --max-pinned-tokens (or without a prefix cache)."""
+    engine = ctx.async_engine.engine
+    if not engine.config.enable_prefix_caching or engine.kv.max_pinned_blocks == 0:
+        raise APIError(
+            400,
+            "Pinning is off on this server: start it with --max-pinned-tokens (and the prefix cache on).",
+            code="pinning_disabled",
+        )
+
+
+async def pin_tokens(ctx: ServerContext, body: PinRequest, namespace: str) -> list[int]:
+    """The token ids of the prefix to pin: rendered chat messages, tokenized text or the ids given."""
+    tokenizer = ctx.async_engine.tokenizer
+    if body.messages is not None:
+        # chat_prompt guards the messages' length before rendering them.
+        tokens = await asyncio.to_thread(chat_prompt, ctx, body.messages, namespace, False)
+    elif isinstance(body.prompt, str):
+        ctx.prompt_guard.check([body.prompt], "prompt")
+        tokens = await asyncio.to_thread(text_prompt, tokenizer, body.prompt)
+    else:
+        tokens = list(body.prompt or [])
+        # The engine's bound: ids it can embed (a model may have more than its tokenizer).
+        vocab = ctx.async_engine.engine.model.config.vocab_size
+        await asyncio.to_thread(check_token_ids, vocab, [tokens])
+    if not tokens:
+        raise APIError(400, "The prefix to pin is empty.", param="prompt")
+    return tokens
 
 
 async def pin_prefix(ctx: ServerContext, namespace: str, tokens: list[int], ttl_s: float) -> PinInfo:

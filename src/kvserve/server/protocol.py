@@ -9,7 +9,7 @@ always null here (refusal), because clients index them.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidatorFunctionWrapHandler, WrapValidator
 
 from kvserve.server.limits import (
     MAX_CACHE_SALT_CHARS,
@@ -93,9 +93,24 @@ class ChatCompletionRequest(SamplingRequest):
     function_call: Any = None
 
 
+_TOKEN_ID_BATCH = TypeAdapter(list[list[int]])
+_TEXT_BATCH = TypeAdapter(list[str])
+
+
+def _batch_by_first(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A batch is validated as the kind its first prompt is. Tried in turn, the union would validate a
+    batch of 100,000 token-id lists as a list of ints and as a list of strings first, each failing on
+    every element."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return _TOKEN_ID_BATCH.validate_python(value)
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return _TEXT_BATCH.validate_python(value)
+    return handler(value)
+
+
 class CompletionRequest(SamplingRequest):
     # One prompt (text or token ids) or a batch of them.
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], WrapValidator(_batch_by_first)]
     # OpenAI's legacy completions stop at 16 tokens unless told otherwise; an explicit null means no limit.
     max_tokens: int | None = 16
     logprobs: int | None = None

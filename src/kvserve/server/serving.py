@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.engine import Engine
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ from kvserve.model.tokenizer import Tokenizer
 from kvserve.server.auth import caller
 from kvserve.server.errors import APIError, ClientDisconnected, ErrorResponse, to_api_error
 from kvserve.server.formats import Choice, OutputFormat, PromptInput, ResponseIds
-from kvserve.server.limits import InFlightLimiter, PromptGuard
+from kvserve.server.limits import InFlightLimiter, PromptGuard, Reservation, SequenceAdmission
 from kvserve.server.metrics import RequestTimer, ServerMetrics
 from kvserve.server.protocol import ChatMessage, PromptTokensDetails, SamplingRequest, Usage
 from kvserve.server.tenants import Tenants
@@ -42,7 +43,7 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class ServerContext:
     """What every route needs: the engine, the served model's name and limits, metrics, the tenants
-    and the admin key."""
+    and the admin key. `admission` holds room in the engine's queue for whole requests."""
 
     async_engine: AsyncEngine
     model_name: str
@@ -52,6 +53,8 @@ class ServerContext:
     created: int
     in_flight: InFlightLimiter
     prompt_guard: PromptGuard
+    admission: SequenceAdmission
+    max_sequences_per_request: int
     admin_key: str | None = None
 
 
@@ -127,18 +130,28 @@ def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], add_special_token
     return tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
 
 
-def completion_prompts(
-    tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]]
-) -> list[PromptInput]:
-    """A completions `prompt`: one text or token-id list, or a batch of either; each with its echo text."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
-        batch: list[str | list[int]] = [prompt]  # type: ignore[list-item]
-    else:
-        batch = list(prompt)  # type: ignore[arg-type]
-    vocab = tokenizer.vocab_size
-    # Checked before the echo text is decoded from them: the tokenizer cannot decode what is out of range.
+def check_token_ids(vocab: int, batch: Sequence[str | Sequence[int]], param: str = "prompt") -> None:
+    """Token ids a client sends must be in [0, vocab) before anything reads them: the tokenizer cannot
+    decode, nor a cache key pack, what is out of range."""
     if any(not isinstance(p, str) and any(not 0 <= t < vocab for t in p) for p in batch):
-        raise APIError(400, f"Prompt token ids must be in [0, {vocab}).", param="prompt")
+        raise APIError(400, f"Prompt token ids must be in [0, {vocab}).", param=param)
+
+
+CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+
+
+def prompt_batch(prompt: CompletionPrompt) -> list[str | list[int]]:
+    """A completions `prompt` as a batch: one text or token-id list, or a batch of either."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt) -> list[PromptInput]:
+    """Each prompt of a completions `prompt` with its echo text."""
+    batch = prompt_batch(prompt)
+    # Checked before the echo text is decoded from them.
+    check_token_ids(tokenizer.vocab_size, batch)
     return [
         PromptInput(text_prompt(tokenizer, p), p if isinstance(p, str) else tokenizer.decode(p, False))
         for p in batch
@@ -192,10 +205,11 @@ class Generation:
         finally:
             await self.close()
 
-    async def close(self) -> None:
-        """Abort the request unless it has finished; closing twice is harmless."""
+    async def close(self, log_line: bool = True) -> None:
+        """Abort the request unless it has finished; closing twice is harmless. `log_line=False` when
+        the whole request is refused, which its error logs once."""
         await self._deltas.aclose()
-        self._end()
+        self._end(log_line)
 
     async def run(self) -> Choice:
         """Run to the end; the choice then holds the whole text and logprobs."""
@@ -215,7 +229,7 @@ class Generation:
         self.choice.finish_reason = delta.finish_reason
         return delta
 
-    def _end(self) -> None:
+    def _end(self, log_line: bool = True) -> None:
         if self._ended:
             return
         self._ended = True
@@ -224,6 +238,8 @@ class Generation:
         if self.choice.finish_reason is not None:
             self._metrics.e2e_latency.observe(elapsed)
         self._metrics.finished(reason)
+        if not log_line:
+            return
         ttft = self._timer.ttft
         log.info(
             "%s: prompt %d tokens (%d cached), %d completion tokens, finish %s, ttft %s, total %.3fs",
@@ -374,17 +390,33 @@ class EventStreamResponse(StreamingResponse):
 
 
 async def _start_all(generations: Sequence[Generation]) -> None:
-    """Wait for every generation's first delta; if one fails, abort them all and raise its error."""
+    """Wait for every generation's first delta; if one fails, abort them all and raise its error.
+
+    A refused request is one line in the log (its error's), not one per sequence."""
     results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         for g in generations:
-            await g.close()
+            await g.close(log_line=False)
         raise errors[0]
 
 
 async def _run_all(generations: Sequence[Generation]) -> list[Choice]:
     return list(await asyncio.gather(*(g.run() for g in generations)))
+
+
+def _validated_samples(
+    engine: Engine, prompts: Sequence[PromptInput], params: SamplingParams, prompt_param: str
+) -> tuple[list[CheckedPrompt], list[SamplingParams]]:
+    """The checked prompts, and the params of each of the n samples, built once and shared by every
+    prompt: what can never run is refused before anything is queued."""
+    try:
+        checked = engine.validate_request([p.token_ids for p in prompts], params)
+    except InvalidRequestError as e:
+        if e.param != "prompt":
+            raise
+        raise InvalidRequestError(e.message, prompt_param) from None
+    return checked, [params.for_sample(j) for j in range(params.n)]
 
 
 async def respond(
@@ -395,24 +427,23 @@ async def respond(
     params: SamplingParams,
     namespace: str,
     body: SamplingRequest,
+    room: Reservation,
 ) -> Response:
     """Run `params.n` samples of each prompt through the engine and answer with every choice, whole or
     as a stream of chunks. The samples of a prompt are submitted together, so all but the first read
-    its KV from the prefix cache instead of computing it again."""
+    its KV from the prefix cache instead of computing it again. `room` is the engine's room for them,
+    taken by the route before any work; it is handed back once they are in the engine."""
     ids = ResponseIds(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
     log_id: str = getattr(request.state, "request_id", ids.id)
     tenant = caller(request).tenant.name
-    try:
-        # Everything that can never run is refused before anything is queued, once for every sample.
-        checked = ctx.async_engine.engine.validate_request([p.token_ids for p in prompts], params)
-    except InvalidRequestError as e:
-        if e.param != "prompt":
-            raise
-        raise InvalidRequestError(e.message, fmt.prompt_param) from None
+    # Validation reads every prompt token and the bias of each sample: off the event loop.
+    checked, samples = await asyncio.to_thread(
+        _validated_samples, ctx.async_engine.engine, prompts, params, fmt.prompt_param
+    )
     many = len(prompts) * params.n > 1
     generations = []
     for i, prompt in enumerate(prompts):
-        for j in range(params.n):
+        for j, sample in enumerate(samples):
             index = i * params.n + j
             generations.append(
                 Generation(
@@ -421,12 +452,15 @@ async def respond(
                     f"{ids.id}-{index}",
                     Choice(index, prompt),
                     checked[i],
-                    params.for_sample(j),
+                    sample,
                     namespace,
                     tenant,
                 )
             )
-    await cancel_on_disconnect(request, _start_all(generations))
+    try:
+        await cancel_on_disconnect(request, _start_all(generations))
+    finally:
+        room.release()
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStreamResponse(_events(request, generations, fmt, ids, include_usage), generations)
