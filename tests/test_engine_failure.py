@@ -104,7 +104,6 @@ def test_an_idle_engine_thread_does_not_spin(make_engine: Callable[..., Engine])
         async_engine.shutdown()
 
 
-
 def test_a_call_cancelled_before_it_runs_is_skipped_not_fatal(make_engine: Callable[..., Engine]) -> None:
     """A caller that stops waiting (a /health timeout) cancelled its call's future; the engine thread
     then raised completing it and stopped for everyone."""
@@ -136,6 +135,7 @@ def test_a_call_cancelled_before_it_runs_is_skipped_not_fatal(make_engine: Calla
     finally:
         release.set()
         async_engine.shutdown()
+
 
 INJECT = """
 import sys
