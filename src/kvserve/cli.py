@@ -198,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import serve
 
     return serve(
-        engine_config(args, single_token_threads=args.single_token_threads or None),
+        engine_config(args, single_token_threads=args.single_token_threads or None, kv_remote=args.kv_remote),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -210,6 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key_file=args.api_key_file,
         max_request_bytes=parse_bytes(args.max_request_bytes),
         max_in_flight_per_tenant=args.max_in_flight_per_tenant,
+        tenant_secret_file=args.tenant_secret_file,
     )
 
 
@@ -284,6 +285,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="requests one tenant may have in flight before answering 429 (default %(default)s)",
+    )
+    serve.add_argument(
+        "--kv-remote",
+        default=None,
+        metavar="URL",
+        help="a Redis server that replicas share as the cache tier below the disk, e.g. "
+        "redis://10.0.0.5:6379/0 (needs --tenant-secret-file)",
+    )
+    serve.add_argument(
+        "--tenant-secret-file",
+        default=os.environ.get("KVSERVE_TENANT_SECRET_FILE"),
+        metavar="FILE",
+        help="the server secret (64 hex digits, mode 600) that derives tenants' cache namespaces; give "
+        "every replica the same file so that a tenant has one namespace across them (default: "
+        "$KVSERVE_TENANT_SECRET_FILE, else one created in the cache folder)",
     )
     serve.set_defaults(func=cmd_serve)
 

@@ -4,7 +4,7 @@ Every block decision is made here: match-and-lock a cached prefix, allocate (evi
 copy on write, publish computed KV, release, evict, pin. The scheduler above only decides who runs, in
 what order and with what token budget; it never touches a block id or a reference count.
 
-Below memory there may be lower tiers (disk): every newly published full block is offered to them, and
+Below memory there may be lower tiers (disk, Redis): every newly published full block is offered to them, and
 an admission continues its memory match there, loading the blocks it finds into fresh memory blocks that
 join the tree as if they had just been computed.
 """
@@ -200,7 +200,20 @@ class KVCacheManager:
         bs = self.block_size
         start = len(seq.blocks)
         end = len(tokens) // bs
-        if start == end or not self.lower.holds(self._key(seq, tokens, start)):
+        if start == end:
+            return 0
+        self.lower.begin_admission(seq.keys, seq.namespace, tokens, start, end)
+        try:
+            return self._load_run(seq, tokens, hits, start, end)
+        finally:
+            self.lower.end_admission()
+
+    def _load_run(
+        self, seq: SequenceBlocks, tokens: Sequence[int], hits: dict[str, int], start: int, end: int
+    ) -> int:
+        assert self.lower is not None and self.prefix_cache is not None
+        bs = self.block_size
+        if not self.lower.holds(self._key(seq, tokens, start)):
             return 0
         for j in range(start, end):
             self.lower.extend_keys(seq.keys, seq.namespace, tokens, j + 1)

@@ -12,6 +12,8 @@ import torch
 from kvserve.cache.disk_tier import DiskTier
 from kvserve.cache.lower_tiers import LowerTiers
 from kvserve.cache.manager import CacheUsage, KVCacheManager, Pin
+from kvserve.cache.redis_tier import RedisTier
+from kvserve.cache.tiers import LowerTier
 from kvserve.config import EngineConfig
 from kvserve.engine import sampler
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
@@ -104,7 +106,7 @@ class Engine:
         self.generation_tokens = 0
         log.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-            "prefix cache %s, disk tier %s",
+            "prefix cache %s, disk tier %s, redis tier %s",
             time.monotonic() - started,
             self.model.name,
             num_blocks,
@@ -113,15 +115,21 @@ class Engine:
             self.max_model_len,
             "on" if config.enable_prefix_caching else "off",
             config.kv_disk or "off",
+            "on" if config.kv_remote else "off",
         )
 
     def _lower_tiers(self) -> LowerTiers | None:
         c = self.config
-        if c.kv_disk is None:
+        if c.kv_disk is None and c.kv_remote is None:
             return None
         fingerprint = model_fingerprint(self.model, c.weight_dtype, c.block_size, c.dtype)
-        disk = DiskTier(c.kv_disk, c.kv_disk_size, fingerprint)
-        return LowerTiers([disk], self.runner.kv_cache, fingerprint, c.block_size)
+        tiers: list[LowerTier] = []
+        if c.kv_disk is not None:
+            tiers.append(DiskTier(c.kv_disk, c.kv_disk_size, fingerprint))
+        if c.kv_remote is not None:
+            assert c.kv_remote_secret is not None  # EngineConfig checks it
+            tiers.append(RedisTier(c.kv_remote, fingerprint, c.kv_remote_secret))
+        return LowerTiers(tiers, self.runner.kv_cache, fingerprint, c.block_size)
 
     def _max_model_len(self) -> int:
         mc = self.model.config
