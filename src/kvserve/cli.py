@@ -198,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import serve
 
     return serve(
-        engine_config(args, single_token_threads=args.single_token_threads or None, kv_remote=args.kv_remote),
+        engine_config(args, single_token_threads=args.single_token_threads or None),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -211,6 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=parse_bytes(args.max_request_bytes),
         max_in_flight_per_tenant=args.max_in_flight_per_tenant,
         tenant_secret_file=args.tenant_secret_file,
+        kv_remote=args.kv_remote,
     )
 
 

@@ -357,11 +357,15 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_in_flight_per_tenant: int = DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
     tenant_secret_file: str | None = None,
+    kv_remote: str | None = None,
 ) -> int:
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
-    (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file."""
+    (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file.
+
+    `tenant_secret_file` is the secret replicas share (default: this server's own, in its cache folder);
+    `kv_remote`, the URL of the Redis tier they share, which needs it."""
     # Keys first: a bad key file fails in a second, not after the model has loaded.
-    if config.kv_remote is not None and tenant_secret_file is None:
+    if kv_remote is not None and tenant_secret_file is None:
         raise KeyFileError(
             "--kv-remote needs --tenant-secret-file (or KVSERVE_TENANT_SECRET_FILE) naming a secret file "
             "that every replica shares: each replica's own secret would give a tenant another namespace "
@@ -369,8 +373,8 @@ def serve(
         )
     secret = load_or_create_secret(config.cache_dir, tenant_secret_file)
     tenants = Tenants(secret, api_key, api_key_file)
-    if config.kv_remote is not None:
-        config = dataclasses.replace(config, kv_remote_secret=secret)
+    if kv_remote is not None:
+        config = dataclasses.replace(config, kv_remote=kv_remote, kv_remote_secret=secret)
     log.info("tenancy: %s", tenants.describe())
     tenants.install_sighup_reload()
     engine = Engine(dataclasses.replace(config, max_waiting=max_waiting))
