@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-peer test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-redis bench-peer test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,9 @@ bench-attention: install
 
 bench-cache: install
 	$(BIN)/python -m benchmarks.bench_prefix_cache
+
+bench-redis: install deps
+	$(BIN)/python -m benchmarks.bench_redis_tier
 
 bench-overhead: install
 	$(BIN)/python -m benchmarks.bench_overhead
