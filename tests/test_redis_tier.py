@@ -163,6 +163,42 @@ def test_redis_down_is_a_miss_counted_and_bounded() -> None:
         tier.close()
 
 
+def test_a_paused_redis_costs_one_timeout_then_misses(redis_server: RedisServer) -> None:
+    run = records("ns", list(range(40)))
+    writer = RedisTier(redis_server.url, FINGERPRINT, SECRET)
+    reader = RedisTier(redis_server.url, FINGERPRINT, SECRET, timeout_s=0.2, chunk_blocks=2)
+    client = redis_server.client()
+    try:
+        store_all(writer, run)
+        # Redis holds every command for 3 s: as slow as a server can be while still up.
+        client.client_pause(3000)
+        started = time.monotonic()
+        assert load_run(reader, run) == []
+        assert load_run(reader, run) == []
+        assert time.monotonic() - started < 1.5
+        assert reader.usage().errors == 1
+        client.client_unpause()
+    finally:
+        client.close()
+        writer.close()
+        reader.close()
+
+
+def test_a_slow_redis_stops_an_admission_at_its_budget(redis_server: RedisServer) -> None:
+    run = records("ns", list(range(40)))
+    writer = RedisTier(redis_server.url, FINGERPRINT, SECRET)
+    reader = RedisTier(redis_server.url, FINGERPRINT, SECRET, chunk_blocks=1, admission_budget_s=0.0)
+    try:
+        store_all(writer, run)
+        # A budget that the first read spends: the admission gets one chunk, the rest are misses.
+        assert len(load_run(reader, run)) == 1
+        assert reader.usage().misses == len(run) - 1
+        assert reader.usage().errors == 0
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_a_flushed_redis_is_a_miss(redis_server: RedisServer) -> None:
     tier = RedisTier(redis_server.url, FINGERPRINT, SECRET)
     run = records("ns", list(range(8)))

@@ -21,8 +21,9 @@ sends them as pipelined SETs.
 Failures. Every call has a socket timeout and a connect timeout and no retry of its own. A failed call
 (down, slow, reset) is counted in `errors`, logged at most once per LOG_INTERVAL_S, and opens a back-off
 window (doubling up to MAX_BACKOFF_S) during which the tier answers every load with a miss without
-touching the network and the writer waits; the first call after the window reconnects. So an admission
-never waits more than about one timeout, and a request never fails because of Redis. A flushed or
+touching the network and the writer waits; the first call after the window reconnects. An admission
+stops reading once its reads have taken `admission_budget_s` (Redis slow but answering): so a step
+waits at most about that budget plus one timeout, and a request never fails because of Redis. A flushed or
 evicted key is an ordinary miss (`misses`). Memory in Redis is bounded by Redis itself: run it with
 `maxmemory` and `maxmemory-policy allkeys-lru`.
 """
@@ -107,6 +108,7 @@ class RedisTier:
         timeout_s: float = 0.5,
         connect_timeout_s: float = 0.5,
         chunk_blocks: int = CHUNK_BLOCKS,
+        admission_budget_s: float = 1.0,
     ) -> None:
         if len(secret) < 16:
             raise ValueError("the redis tier needs the shared tenant secret (16 bytes or more)")
@@ -114,6 +116,7 @@ class RedisTier:
         self.fingerprint = fingerprint
         self.queue_bytes = queue_bytes
         self.chunk_blocks = chunk_blocks
+        self.admission_budget_s = admission_budget_s
         self._name_key = derive_key(secret, b"key names")
         self._mac_key = derive_key(secret, b"value mac")
         # No retries inside redis-py: the tier's own back-off decides when to try again.
@@ -138,6 +141,7 @@ class RedisTier:
         self._run: list[BlockRecord] = []
         self._run_index: dict[bytes, int] = {}
         self._run_read_upto = 0
+        self._run_spent_s = 0.0
         self._staged: dict[bytes, torch.Tensor] = {}
         self._shape: tuple[int, ...] = ()
         self._dtype = torch.float32
@@ -246,6 +250,7 @@ class RedisTier:
         self._run = list(records)
         self._run_index = {r.key: i for i, r in enumerate(self._run)}
         self._run_read_upto = 0
+        self._run_spent_s = 0.0
         self._staged = {}
         self._shape, self._dtype = shape, dtype
 
@@ -265,7 +270,8 @@ class RedisTier:
     def _read_chunk(self, start: int) -> None:
         records = self._run[start : start + self.chunk_blocks]
         self._run_read_upto = start + len(records)
-        if not self._available():
+        if not self._available() or self._run_spent_s > self.admission_budget_s:
+            # Down, or this admission has waited its share: the rest of the prompt is computed.
             with self._lock:
                 self.misses += len(records)
             return
@@ -274,12 +280,14 @@ class RedisTier:
         try:
             values = self._client.mget(names)
         except redis.RedisError as e:
+            self._run_spent_s += time.monotonic() - started
             self._failed(f"reading {len(names)} blocks", e)
             with self._lock:
                 self.misses += len(records)
             return
         self._succeeded()
         elapsed = time.monotonic() - started
+        self._run_spent_s += elapsed
         found = 0
         for record, name, value in zip(records, names, values, strict=True):
             if not isinstance(value, bytes):
