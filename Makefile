@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-redis bench-peer test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-redis bench-peer cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,12 @@ bench-attention: install
 
 bench-cache: install
 	$(BIN)/python -m benchmarks.bench_prefix_cache
+
+# Redis, REPLICAS replicas of `kvserve serve` sharing it and the SMG router on PORT; Ctrl-C stops all.
+REPLICAS ?= 2
+cluster: install deps
+	$(BIN)/pip install --quiet -e '.[cluster]'
+	$(BIN)/kvserve cluster --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
 
 bench-redis: install deps
 	$(BIN)/python -m benchmarks.bench_redis_tier
