@@ -40,6 +40,8 @@ class RequestResult:
     cached_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    # Attempts beyond the first (`kvserve bench --retries`); the numbers above are the last attempt's.
+    retries: int = 0
 
 
 def parse_target(spec: str) -> Target:
@@ -138,6 +140,12 @@ async def stream_chat(
     finally:
         result.e2e_s = time.perf_counter() - start
     return "".join(parts)
+
+
+def retryable(error: str) -> bool:
+    """A failure that another attempt may not meet: the connection (a replica died, a router found no
+    live one), a 5xx, or a stream cut short; a 4xx is the request's own fault."""
+    return not error.startswith("HTTP 4")
 
 
 def _read_usage(usage: dict[str, Any], result: RequestResult) -> None:
