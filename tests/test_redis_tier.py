@@ -300,3 +300,27 @@ def test_redis_killed_then_restarted_mid_run(tiny_model: LoadedModel, plain: Eng
     finally:
         engine.close()
         server.stop()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_blocks_recomputed_after_redis_lost_them_are_stored_again(
+    tiny_model: LoadedModel, plain: Engine, redis_server: RedisServer
+) -> None:
+    # Regression: the tier remembered what it had written and never wrote it again, so after Redis
+    # was flushed (or restarted, or evicted the keys) a replica's recomputed blocks never came back.
+    prompt = [(i * 29) % 4000 + 50 for i in range(40)]
+    a = _engine(tiny_model, redis_server.url)
+    b = _engine(tiny_model, redis_server.url)
+    try:
+        _generate(a, prompt)
+        a.kv.flush()
+        redis_server.client().flushall()
+        a.kv.reset_prefix_cache()
+        _generate(a, prompt)
+        a.kv.flush()
+        got, hits = _generate(b, prompt)
+        assert got == _generate(plain, prompt)[0]
+        assert hits.get("redis", 0) == (len(prompt) - 1) // BLOCK * BLOCK
+    finally:
+        a.close()
+        b.close()

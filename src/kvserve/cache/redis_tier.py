@@ -16,7 +16,9 @@ Loads happen at admission, on the engine thread: `prefetch` names the run of blo
 continue a prompt's memory match, and the first `contains` of a block of that run reads it and the
 next few with one MGET (chunks: one huge MGET of a long prompt is slow and holds Redis' single thread).
 Stores are queued (bounded by bytes; over the bound a block is dropped, counted) and one writer thread
-sends them as pipelined SETs.
+sends them as pipelined SETs. `usage` reports the keys in Redis' database (all of them, as of the last
+write: Redis is shared) as its blocks, and the write queue as its bytes and capacity: Redis' own memory
+is bounded by Redis (`maxmemory`).
 
 Failures. Every call has a socket timeout and a connect timeout and no retry of its own. A failed call
 (down, slow, reset) is counted in `errors`, logged at most once per LOG_INTERVAL_S, and opens a back-off
@@ -34,7 +36,7 @@ import logging
 import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 
 import redis
@@ -57,8 +59,6 @@ WRITE_BATCH = 16
 LOG_INTERVAL_S = 10.0
 MIN_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
-# Keys this replica knows Redis holds (it wrote or read them): a hint that spares rewriting them.
-KNOWN_KEYS = 65536
 
 
 class BadValue(Exception):
@@ -134,7 +134,8 @@ class RedisTier:
         self._queued_bytes = 0
         self._writing = 0
         self._closed = False
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        # Keys in Redis' database, as of the last write (DBSIZE, read by the writer): for `usage`.
+        self._db_keys = 0
         self._backoff_s = 0.0
         self._down_until = 0.0
         # The run of blocks of the admission in progress (engine thread only).
@@ -189,13 +190,6 @@ class RedisTier:
                 log.info("redis tier: %s answers again", self._safe_url())
             self._backoff_s = 0.0
             self._down_until = 0.0
-
-    def _remember(self, key: bytes) -> None:
-        """Caller holds the lock."""
-        self._known[key] = None
-        self._known.move_to_end(key)
-        if len(self._known) > KNOWN_KEYS:
-            self._known.popitem(last=False)
 
     # Values.
 
@@ -258,11 +252,12 @@ class RedisTier:
         with self._lock:
             if key in self._pending or key in self._staged:
                 return True
-            known = key in self._known
         i = self._run_index.get(key)
         if i is None:
-            # Outside an admission (a block being offered): whether to write it.
-            return known
+            # Outside an admission: a block just computed is offered. It was not found at its admission
+            # (or not looked for), so it is written, whatever this replica wrote before: Redis may have
+            # lost it (flushed, restarted, evicted) in between.
+            return False
         if i >= self._run_read_upto:
             self._read_chunk(i)
         return key in self._staged
@@ -334,7 +329,6 @@ class RedisTier:
             return None
         with self._lock:
             self.loads += 1
-            self._remember(record.key)
         return kv
 
     def _write_loop(self) -> None:
@@ -353,16 +347,16 @@ class RedisTier:
                 batch = [self._pending[k] for k in keys]
                 self._writing = len(keys)
             started = time.monotonic()
-            ok = self._write(batch)
+            db_keys = self._write(batch)
+            ok = db_keys is not None
             elapsed = time.monotonic() - started
             with self._lock:
                 for key, (_, kv) in zip(keys, batch, strict=True):
                     del self._pending[key]
                     self._queued_bytes -= kv.numel() * kv.element_size()
-                    if ok:
-                        self._remember(key)
-                if ok:
+                if db_keys is not None:
                     self.stores += len(keys)
+                    self._db_keys = db_keys
                 else:
                     self.stores_dropped += len(keys)
                 self._writing = 0
@@ -371,17 +365,19 @@ class RedisTier:
                 for _ in keys:
                     self.store_latency.observe(elapsed / len(keys))
 
-    def _write(self, batch: list[tuple[BlockRecord, torch.Tensor]]) -> bool:
+    def _write(self, batch: list[tuple[BlockRecord, torch.Tensor]]) -> int | None:
+        """SETs the batch in one round trip; the keys in Redis' database after it, or None on failure."""
         try:
             pipe = self._client.pipeline(transaction=False)
             for record, kv in batch:
                 pipe.set(self.redis_key(record.key), self.encode(record, kv))
-            pipe.execute()
+            pipe.dbsize()
+            replies = pipe.execute()
         except redis.RedisError as e:
             self._failed(f"writing {len(batch)} blocks", e)
-            return False
+            return None
         self._succeeded()
-        return True
+        return int(replies[-1])
 
     def _drop_queue(self) -> None:
         """Caller holds the lock."""
@@ -403,7 +399,7 @@ class RedisTier:
         with self._lock:
             return TierUsage(
                 name=self.name,
-                num_blocks=len(self._known),
+                num_blocks=self._db_keys,
                 bytes_used=self._queued_bytes,
                 capacity_bytes=self.queue_bytes,
                 stores=self.stores,
