@@ -1,8 +1,9 @@
 """Two replicas sharing a real Redis, behind a real SMG router (`cache_aware`), on loopback: the tenant
 (the default one: no keys) has one namespace on both (one secret file), so a replica finds a
-conversation that another computed; when one replica is killed the router sends its conversations to the
-other, which finds their prefixes in Redis."""
+conversation that another computed; when the replica serving a stream is killed, the stream fails
+cleanly, and its retry goes to the other replica, which finds the conversation's prefix in Redis."""
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvserve.bench.client import RequestResult, Target, stream_chat
 from kvserve.cluster.launch import Cluster, ClusterConfig
 from kvserve.cluster.redis_process import free_port
 
@@ -79,26 +81,56 @@ def test_two_replicas_behind_smg_share_prefixes_through_redis(cluster: Cluster) 
     assert routed["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
 
-def test_a_killed_replicas_conversation_continues_on_the_other_from_redis(cluster: Cluster) -> None:
-    a, b = (r.url for r in cluster.replicas)
+def running(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:num_requests_running{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no running-requests gauge")
+
+
+def test_a_killed_replicas_stream_fails_cleanly_and_its_retry_continues_from_redis(cluster: Cluster) -> None:
     messages = [{"role": "system", "content": system_prompt("pears")}, {"role": "user", "content": "Total?"}]
-    # The conversation lives on replica a only (and in Redis).
-    turn = chat(a, messages)
-    wait_for_stores(a, 2 * ((turn["usage"]["prompt_tokens"] - 1) // 16))
-    loads_before = metric(b, "kvserve_kv_tier_loads_total")
-    cluster.kill_replica(0)
-    messages += [turn["choices"][0]["message"], {"role": "user", "content": "And the heaviest?"}]
-    # SMG drops the dead replica after a failed health check; until then a request may still reach
-    # it, and that attempt fails with a clean error that a client can retry.
+    turn = chat(cluster.url, messages)
+    prompt_tokens = turn["usage"]["prompt_tokens"]
     deadline = time.monotonic() + 60
+    while sum(metric(r.url, "kvserve_kv_tier_stores_total") for r in cluster.replicas) < 2 * (
+        (prompt_tokens - 1) // 16
+    ):
+        assert time.monotonic() < deadline, "the blocks never reached Redis"
+        time.sleep(0.2)
+    messages += [turn["choices"][0]["message"], {"role": "user", "content": "And the heaviest?"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    # A long stream of the next turn; once it is streaming, the replica serving it is killed.
+    result = RequestResult("smg", "c", 0, 2, 0.0)
+
+    async def stream_and_kill() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            task = asyncio.create_task(
+                stream_chat(client, Target("smg", cluster.url, MODEL), messages, 400, 0, result)
+            )
+            serving = None
+            while serving is None:
+                await asyncio.sleep(0.2)
+                assert not task.done(), result.error
+                busy = [i for i, r in enumerate(cluster.replicas) if running(r.url) > 0]
+                serving = busy[0] if busy else None
+            await asyncio.sleep(0.5)
+            cluster.kill_replica(serving)
+            await task
+
+    asyncio.run(stream_and_kill())
+    # The client learns that the reply is incomplete (SMG ends the stream with an error event), never
+    # a silently short answer.
+    assert result.error is not None
+    # Its retry goes to the live replica (until SMG's health check drops the dead one, a request routed
+    # there fails with a 5xx that a client retries) and finds the conversation's prefix in Redis.
+    deadline = time.monotonic() + 60
+    body["max_tokens"] = 6
     while True:
-        body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0}
         r = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=300)
         if r.status_code == 200:
             break
         assert r.status_code >= 500, r.text
         assert time.monotonic() < deadline, "the router kept sending requests to the dead replica"
         time.sleep(0.5)
-    usage = r.json()["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= turn["usage"]["prompt_tokens"] - 32
-    assert metric(b, "kvserve_kv_tier_loads_total") > loads_before
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 32

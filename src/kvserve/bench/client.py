@@ -107,11 +107,13 @@ async def stream_chat(
             if response.status_code != 200:
                 result.error = _error_message(response.status_code, (await response.aread()).decode())
                 return ""
+            done = False
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if error := chunk.get("error"):
@@ -133,6 +135,9 @@ async def stream_chat(
                             result.itl_s.append(now - last_chunk)
                         last_chunk = now
                         parts.append(text)
+            if not done and result.error is None:
+                # A proxy may close a stream whose upstream died without saying so: the reply is partial.
+                result.error = "stream ended before [DONE]"
     except httpx.HTTPError as e:
         result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     except (ValueError, KeyError, TypeError, AttributeError) as e:
