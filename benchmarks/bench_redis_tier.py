@@ -62,7 +62,7 @@ def main() -> None:
         store_s: list[float] = []
         for _ in range(REPEATS):
             redis_server.client().flushall()
-            tier = RedisTier(redis_server.url, fingerprint, SECRET, queue_bytes=2 * BLOCKS * block_bytes)
+            tier = RedisTier(redis_server.url, SECRET, queue_bytes=2 * BLOCKS * block_bytes)
             started = time.perf_counter()
             for r in run:
                 tier.store(r, kv)
@@ -73,7 +73,7 @@ def main() -> None:
         results["store_s"] = statistics.median(store_s)
         loads: dict[str, float] = {}
         for chunk in CHUNKS:
-            tier = RedisTier(redis_server.url, fingerprint, SECRET, chunk_blocks=chunk, timeout_s=10)
+            tier = RedisTier(redis_server.url, SECRET, chunk_blocks=chunk, timeout_s=10)
             times: list[float] = []
             for _ in range(REPEATS):
                 started = time.perf_counter()

@@ -65,8 +65,8 @@ def store_all(tier: RedisTier, run: list[BlockRecord]) -> None:
 
 
 def test_a_replica_loads_the_blocks_another_stored(redis_server: RedisServer) -> None:
-    a = RedisTier(redis_server.url, FINGERPRINT, SECRET, chunk_blocks=3)
-    b = RedisTier(redis_server.url, FINGERPRINT, SECRET, chunk_blocks=3)
+    a = RedisTier(redis_server.url, SECRET, chunk_blocks=3)
+    b = RedisTier(redis_server.url, SECRET, chunk_blocks=3)
     run = records("ns", list(range(40)))
     try:
         store_all(a, run)
@@ -82,7 +82,7 @@ def test_a_replica_loads_the_blocks_another_stored(redis_server: RedisServer) ->
 
 
 def test_values_hold_no_token_ids_and_key_names_hide_the_chain_key(redis_server: RedisServer) -> None:
-    tier = RedisTier(redis_server.url, FINGERPRINT, SECRET)
+    tier = RedisTier(redis_server.url, SECRET)
     [r] = records("ns", [7, 8, 9, 10])
     try:
         store_all(tier, [r])
@@ -101,7 +101,7 @@ def test_values_hold_no_token_ids_and_key_names_hide_the_chain_key(redis_server:
 
 
 def test_a_value_rewritten_without_the_secret_is_refused(redis_server: RedisServer) -> None:
-    tier = RedisTier(redis_server.url, FINGERPRINT, SECRET)
+    tier = RedisTier(redis_server.url, SECRET)
     run = records("ns", list(range(12)))
     try:
         store_all(tier, run)
@@ -112,7 +112,7 @@ def test_a_value_rewritten_without_the_secret_is_refused(redis_server: RedisServ
         client.set(name, bytes(value))
         # Another block's intact value moved under this name is refused too: the MAC binds the name.
         client.set(tier.redis_key(run[2].key), client.get(tier.redis_key(run[0].key)) or b"")
-        reader = RedisTier(redis_server.url, FINGERPRINT, SECRET)
+        reader = RedisTier(redis_server.url, SECRET)
         try:
             assert len(load_run(reader, run)) == 1
             assert reader.usage().loads_failed == 2
@@ -131,8 +131,8 @@ def test_foreign_keys_never_match(
     redis_server: RedisServer, fingerprint: bytes, namespace: str, secret: bytes
 ) -> None:
     tokens = list(range(16))
-    writer = RedisTier(redis_server.url, FINGERPRINT, SECRET)
-    reader = RedisTier(redis_server.url, fingerprint, secret)
+    writer = RedisTier(redis_server.url, SECRET)
+    reader = RedisTier(redis_server.url, secret)
     try:
         store_all(writer, records("ns", tokens))
         assert load_run(reader, records(namespace, tokens, fingerprint=fingerprint)) == []
@@ -146,7 +146,7 @@ def test_foreign_keys_never_match(
 
 def test_redis_down_is_a_miss_counted_and_bounded() -> None:
     # Nothing listens on this port: every call fails fast, and the back-off spares the next ones.
-    tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", FINGERPRINT, SECRET, timeout_s=0.2)
+    tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", SECRET, timeout_s=0.2)
     run = records("ns", list(range(40)))
     try:
         started = time.monotonic()
@@ -165,8 +165,8 @@ def test_redis_down_is_a_miss_counted_and_bounded() -> None:
 
 def test_a_paused_redis_costs_one_timeout_then_misses(redis_server: RedisServer) -> None:
     run = records("ns", list(range(40)))
-    writer = RedisTier(redis_server.url, FINGERPRINT, SECRET)
-    reader = RedisTier(redis_server.url, FINGERPRINT, SECRET, timeout_s=0.2, chunk_blocks=2)
+    writer = RedisTier(redis_server.url, SECRET)
+    reader = RedisTier(redis_server.url, SECRET, timeout_s=0.2, chunk_blocks=2)
     client = redis_server.client()
     try:
         store_all(writer, run)
@@ -186,8 +186,8 @@ def test_a_paused_redis_costs_one_timeout_then_misses(redis_server: RedisServer)
 
 def test_a_slow_redis_stops_an_admission_at_its_budget(redis_server: RedisServer) -> None:
     run = records("ns", list(range(40)))
-    writer = RedisTier(redis_server.url, FINGERPRINT, SECRET)
-    reader = RedisTier(redis_server.url, FINGERPRINT, SECRET, chunk_blocks=1, admission_budget_s=0.0)
+    writer = RedisTier(redis_server.url, SECRET)
+    reader = RedisTier(redis_server.url, SECRET, chunk_blocks=1, admission_budget_s=0.0)
     try:
         store_all(writer, run)
         # A budget that the first read spends: the admission gets one chunk, the rest are misses.
@@ -200,12 +200,12 @@ def test_a_slow_redis_stops_an_admission_at_its_budget(redis_server: RedisServer
 
 
 def test_a_flushed_redis_is_a_miss(redis_server: RedisServer) -> None:
-    tier = RedisTier(redis_server.url, FINGERPRINT, SECRET)
+    tier = RedisTier(redis_server.url, SECRET)
     run = records("ns", list(range(8)))
     try:
         store_all(tier, run)
         redis_server.client().flushall()
-        reader = RedisTier(redis_server.url, FINGERPRINT, SECRET)
+        reader = RedisTier(redis_server.url, SECRET)
         try:
             assert load_run(reader, run) == []
             assert reader.usage().misses >= 1

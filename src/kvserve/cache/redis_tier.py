@@ -3,7 +3,8 @@
 Keys. A block's Redis key is `kvserve:` + hex(HMAC-SHA256(name key, chain key)): the chain key is the
 disk tier's (model fingerprint, namespace, parent key, token ids; block_key.py), hashed once more with a
 key derived from the shared tenant secret, so that someone who can list Redis cannot confirm a guessed
-prompt from the key names. Replicas started with the same secret and model compute the same names.
+prompt from the key names. Replicas started with the same secret and model compute the same names; the
+model's fingerprint is in the chain key, so the tier itself needs no more than the secret.
 
 Values. `MAGIC | version (1 byte) | dtype (1 byte length + ASCII) | ndim (1 byte) | shape (4 bytes
 each, little endian) | payload | MAC`, the payload being the block's K and V (`KVCache.read_block`'s
@@ -101,7 +102,6 @@ class RedisTier:
     def __init__(
         self,
         url: str,
-        fingerprint: bytes,
         secret: bytes,
         *,
         queue_bytes: int = 256 * 2**20,
@@ -112,8 +112,6 @@ class RedisTier:
     ) -> None:
         if len(secret) < 16:
             raise ValueError("the redis tier needs the shared tenant secret (16 bytes or more)")
-        self.url = url
-        self.fingerprint = fingerprint
         self.queue_bytes = queue_bytes
         self.chunk_blocks = chunk_blocks
         self.admission_budget_s = admission_budget_s

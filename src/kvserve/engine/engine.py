@@ -128,7 +128,7 @@ class Engine:
             tiers.append(DiskTier(c.kv_disk, c.kv_disk_size, fingerprint))
         if c.kv_remote is not None:
             assert c.kv_remote_secret is not None  # EngineConfig checks it
-            tiers.append(RedisTier(c.kv_remote, fingerprint, c.kv_remote_secret))
+            tiers.append(RedisTier(c.kv_remote, c.kv_remote_secret))
         return LowerTiers(tiers, self.runner.kv_cache, fingerprint, c.block_size)
 
     def _max_model_len(self) -> int:
