@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-redis bench-peer cluster test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-redis bench-cluster bench-peer cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,12 @@ REPLICAS ?= 2
 cluster: install deps
 	$(BIN)/pip install --quiet -e '.[cluster]'
 	$(BIN)/kvserve cluster --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
+
+# Two replicas behind SMG (cache_aware, round_robin), with and without Redis, against one node; then a
+# replica killed and restarted. About 15 minutes on 2 cores.
+bench-cluster: install deps
+	$(BIN)/pip install --quiet -e '.[cluster]'
+	$(BIN)/python -m benchmarks.bench_cluster
 
 bench-redis: install deps
 	$(BIN)/python -m benchmarks.bench_redis_tier
