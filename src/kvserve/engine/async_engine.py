@@ -146,11 +146,15 @@ class AsyncEngine:
         elif isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
                 self.engine.abort_request(command.request_id)
-        else:
+        elif command.future.set_running_or_notify_cancel():
+            # A call its caller gave up on (a /health probe that timed out during a long step) is
+            # skipped: setting the result of a cancelled future raises, and killed the engine thread.
             try:
-                command.future.set_result(command.fn(self.engine))
+                result = command.fn(self.engine)
             except Exception as e:
                 command.future.set_exception(e)
+            else:
+                command.future.set_result(result)
 
     def _run(self) -> None:
         try:
@@ -188,7 +192,7 @@ class AsyncEngine:
         while (command := self._commands.get()) is not None:
             if isinstance(command, _Submit):
                 _send(command.loop, command.out, error)
-            elif isinstance(command, _Call):
+            elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(error)
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
