@@ -32,8 +32,10 @@ from kvserve.cluster.redis_process import free_port
 
 THREADS = 2
 SERVE_ARGS = ["--kv-cache-memory", "256MiB"]
+# Poisson arrivals (0.5/s): a group's later prompts arrive after its first one's prefill, as in a real
+# service; sent all at once, every replica would compute the prefix before any had stored it.
 SHARED_PREFIX = SharedPrefixSpec(
-    groups=2, prompts_per_group=4, system_tokens=600, question_tokens=20, output_tokens=8
+    groups=2, prompts_per_group=4, system_tokens=600, question_tokens=20, output_tokens=8, request_rate=0.5
 )
 MULTITURN = MultiturnSpec(conversations=4, turns=3, system_tokens=400, user_tokens=30, reply_tokens=8)
 SETUPS: list[tuple[str, int, str, bool]] = [
