@@ -51,21 +51,20 @@ def load_or_create_secret(cache_dir: str, path: str | None = None) -> bytes:
     """The server secret: 32 random bytes, created once with mode 0600 in the cache folder and kept, so
     that namespaces (and KV written to disk under them) survive restarts. With `path` (a secret file
     that replicas share: `--tenant-secret-file`) it is read from there and never created."""
-    if path is None:
-        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
-        path = os.path.join(cache_dir, SECRET_FILE)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-    elif not os.path.exists(path):
+    if path is not None and not os.path.exists(path):
         raise KeyFileError(
             f"{path} does not exist; create it once and give every replica the same file: "
             f"python3 -c 'import secrets; print(secrets.token_hex(32))' > {path}; chmod 600 {path}"
         )
+    os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+    path = path or os.path.join(cache_dir, SECRET_FILE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
     mode = os.stat(path).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeyFileError(f"{path} is readable by others; run: chmod 600 {path}")
