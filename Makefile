@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-peer test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-redis bench-cluster bench-peer cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,14 @@ lint: install
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: lint
+# The Redis tier's tests run a real redis-server (Debian's package): installed here when missing.
+deps:
+	@if ! command -v redis-server >/dev/null; then \
+		echo "deps: installing redis-server with apt-get"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends redis-server; \
+	fi
+
+test: lint deps
 	$(BIN)/pytest -q
 
 # The dashboard in a real headless Chromium; installs Debian's chromium and chromium-driver when missing.
@@ -50,6 +57,21 @@ bench-attention: install
 
 bench-cache: install
 	$(BIN)/python -m benchmarks.bench_prefix_cache
+
+# Redis, REPLICAS replicas of `kvserve serve` sharing it and the SMG router on PORT; Ctrl-C stops all.
+REPLICAS ?= 2
+cluster: install deps
+	$(BIN)/pip install --quiet -e '.[cluster]'
+	$(BIN)/kvserve cluster --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
+
+# Two replicas behind SMG (cache_aware, round_robin), with and without Redis, against one node; then a
+# replica killed and restarted. About 15 minutes on 2 cores.
+bench-cluster: install deps
+	$(BIN)/pip install --quiet -e '.[cluster]'
+	$(BIN)/python -m benchmarks.bench_cluster
+
+bench-redis: install deps
+	$(BIN)/python -m benchmarks.bench_redis_tier
 
 bench-overhead: install
 	$(BIN)/python -m benchmarks.bench_overhead

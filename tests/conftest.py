@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel, load_model
+from tests.redis_server import RedisServer
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -90,3 +91,20 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.name == "browser" and config.getoption("markexpr") != "browser":
         return True
     return None
+
+
+@pytest.fixture(scope="session")
+def redis_session() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_server(redis_session: RedisServer) -> RedisServer:
+    """The session's real redis-server, emptied for each test."""
+    client = redis_session.client()
+    client.flushall()
+    client.close()
+    return redis_session

@@ -40,6 +40,7 @@ REQUEST_FIELDS = {
     "completion_tokens",
     "cached_tokens",
     "finish_reason",
+    "retries",
     "error",
 }
 TARGET_FIELDS = {
@@ -49,6 +50,8 @@ TARGET_FIELDS = {
     "requests",
     "errors",
     "first_error",
+    "retried",
+    "recovered",
     "ttft_s",
     "itl_s",
     "e2e_s",

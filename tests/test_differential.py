@@ -5,8 +5,9 @@ aborts at any point (mid-prefill, mid-decode), n > 1 samples of one prompt, and 
 logprobs (which compute every prompt position whatever the cache holds, and must equal the no-cache
 engine's); configs range over block sizes 1..32, pools from one that barely fits the largest request to
 large ones, token budgets from 1, 1..64 sequences, both decode-attention backends (the reference runs
-the portable one) and the disk tier on or off (with the tiny pools, most of its cases evict and load
-blocks back from disk). Every step
+the portable one), the disk tier on or off (with the tiny pools, most of its cases evict and load
+blocks back from disk) and the Redis tier on or off (a real redis-server, emptied for each case; below
+the disk when both are on). Every step
 checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's
 blocks holding exactly the KV of their tokens.
 
@@ -34,6 +35,7 @@ from tests.harness import (
     engine_with_blocks,
     reference_outputs,
 )
+from tests.redis_server import RedisServer
 
 _NIGHTLY = os.environ.get("KVSERVE_DIFFERENTIAL_EXAMPLES")
 EXAMPLES = int(_NIGHTLY) if _NIGHTLY else 300
@@ -43,6 +45,8 @@ SETTINGS = settings(
     derandomize=_NIGHTLY is None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+
+REDIS_SECRET = bytes(range(32))
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Case:
     enable_prefix_caching: bool
     attention: str
     disk_tier: bool
+    redis_tier: bool
     systems: list[list[int]]
     specs: list[Spec]
 
@@ -86,10 +91,12 @@ def cases(draw: st.DrawFn) -> Case:
         )
     enable_prefix_caching = draw(st.booleans()) or draw(st.booleans())
     disk_tier = enable_prefix_caching and draw(st.booleans())
+    redis_tier = enable_prefix_caching and draw(st.booleans())
     # From a pool that barely holds one request (prompts are clipped to fit it) up to a roomy one; with
     # the disk tier the pool stays tiny, so that blocks are evicted and loaded back.
-    capacity = draw(st.integers(8, 40 if disk_tier else 160))
-    spare = draw(st.sampled_from([0, 1] if disk_tier else [0, 0, 1, 3, 40]))
+    lower = disk_tier or redis_tier
+    capacity = draw(st.integers(8, 40 if lower else 160))
+    spare = draw(st.sampled_from([0, 1] if lower else [0, 0, 1, 3, 40]))
     num_blocks = -(-capacity // block_size) + spare
     return Case(
         block_size=block_size,
@@ -99,6 +106,7 @@ def cases(draw: st.DrawFn) -> Case:
         enable_prefix_caching=enable_prefix_caching,
         attention=draw(st.sampled_from(["native", "torch"])),
         disk_tier=disk_tier,
+        redis_tier=redis_tier,
         systems=systems,
         specs=specs,
     )
@@ -116,8 +124,12 @@ def reference(tiny_model: LoadedModel) -> Engine:
 @SETTINGS
 @given(case=cases())
 def test_engine_matches_a_no_cache_engine_token_for_token(
-    tiny_model: LoadedModel, reference: Engine, case: Case
+    tiny_model: LoadedModel, reference: Engine, redis_session: RedisServer, case: Case
 ) -> None:
+    if case.redis_tier:
+        client = redis_session.client()
+        client.flushall()
+        client.close()
     with tempfile.TemporaryDirectory(prefix="kvserve-disk-") as disk:
         engine = engine_with_blocks(
             tiny_model,
@@ -128,6 +140,8 @@ def test_engine_matches_a_no_cache_engine_token_for_token(
             enable_prefix_caching=case.enable_prefix_caching,
             attention=case.attention,
             kv_disk=disk if case.disk_tier else None,
+            kv_remote=redis_session.url if case.redis_tier else None,
+            secret=REDIS_SECRET,
         )
         try:
             run = drive(engine, case.systems, case.specs)

@@ -217,6 +217,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key_file=args.api_key_file,
         max_request_bytes=parse_bytes(args.max_request_bytes),
         max_in_flight_per_tenant=args.max_in_flight_per_tenant,
+        tenant_secret_file=args.tenant_secret_file,
+        kv_remote=args.kv_remote,
+    )
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from kvserve.cluster.launch import ClusterConfig, run_until_interrupted
+
+    extra = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    return run_until_interrupted(
+        ClusterConfig(
+            replicas=args.replicas,
+            threads=args.threads,
+            host=args.host,
+            port=args.port,
+            policy=args.policy,
+            redis=not args.no_redis,
+            redis_maxmemory=args.redis_maxmemory,
+            tenant_secret_file=args.tenant_secret_file,
+            serve_args=extra,
+        )
     )
 
 
@@ -299,7 +320,46 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="requests one tenant may have in flight before answering 429 (default %(default)s)",
     )
+    serve.add_argument(
+        "--kv-remote",
+        default=None,
+        metavar="URL",
+        help="a Redis server that replicas share as the cache tier below the disk, e.g. "
+        "redis://10.0.0.5:6379/0 (needs --tenant-secret-file)",
+    )
+    serve.add_argument(
+        "--tenant-secret-file",
+        default=os.environ.get("KVSERVE_TENANT_SECRET_FILE"),
+        metavar="FILE",
+        help="the server secret (64 hex digits, mode 600) that derives tenants' cache namespaces; give "
+        "every replica the same file so that a tenant has one namespace across them (default: "
+        "$KVSERVE_TENANT_SECRET_FILE, else one created in the cache folder)",
+    )
     serve.set_defaults(func=cmd_serve)
+
+    cluster = sub.add_parser(
+        "cluster", help="redis-server, replicas of `kvserve serve` sharing it, and the SMG router, locally"
+    )
+    cluster.add_argument("--replicas", type=int, default=2)
+    cluster.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 2, help="torch threads, split between the replicas"
+    )
+    cluster.add_argument("--host", default="127.0.0.1", help="the router's address")
+    cluster.add_argument("--port", type=int, default=8000, help="the router's port")
+    cluster.add_argument("--policy", default="cache_aware", help="SMG's routing policy, e.g. round_robin")
+    cluster.add_argument("--no-redis", action="store_true", help="replicas without the shared Redis tier")
+    cluster.add_argument("--redis-maxmemory", default="1gb", help="Redis' bound (LRU past it)")
+    cluster.add_argument(
+        "--tenant-secret-file",
+        default=os.environ.get("KVSERVE_TENANT_SECRET_FILE"),
+        help="the replicas' shared secret (default: a new one in the run folder)",
+    )
+    cluster.add_argument(
+        "serve_args",
+        nargs=argparse.REMAINDER,
+        help="after --: more `kvserve serve` arguments for every replica",
+    )
+    cluster.set_defaults(func=cmd_cluster)
 
     chat = sub.add_parser("chat", help="chat with the model in the terminal")
     _engine_arguments(chat)

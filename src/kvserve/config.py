@@ -54,6 +54,9 @@ class EngineConfig:
 
     `kv_disk`, when set, is the folder of the disk tier: blocks computed in memory are also written
     there (behind the step) and found again after eviction or a restart; `kv_disk_size` bounds it.
+    `kv_remote`, when set, is the URL of a Redis server that replicas share as the tier below the disk
+    (redis://host:port/db); it needs `secret` set to the secret every replica shares, from which the
+    tier derives its MAC and key-name keys.
     `max_pinned_tokens` is how much of the pool prefixes may be pinned in (0: pinning off); it is held
     back from the largest request the engine accepts, so that pins never starve a request.
     `max_pinned_tokens_per_tenant` caps one cache namespace's pins (a tenant's, or a shared group's;
@@ -90,6 +93,7 @@ class EngineConfig:
     cache_dir: str = field(default_factory=default_cache_dir)
     kv_disk: str | None = None
     kv_disk_size: int = 20 * 2**30
+    kv_remote: str | None = None
     max_pinned_tokens: int = 0
     max_pinned_tokens_per_tenant: int | None = None
     secret: bytes | None = field(default=None, repr=False)
@@ -108,6 +112,15 @@ class EngineConfig:
             (
                 self.kv_disk is None or self.enable_prefix_caching,
                 "kv_disk needs the prefix cache: drop --no-prefix-cache or --kv-disk",
+            ),
+            (
+                self.kv_remote is None or self.enable_prefix_caching,
+                "kv_remote needs the prefix cache: drop --no-prefix-cache or --kv-remote",
+            ),
+            (
+                self.kv_remote is None or self.secret is not None,
+                "kv_remote needs the tenant secret that every replica shares (--tenant-secret-file): it keys "
+                "the MACs of the shared blocks and makes a tenant's namespace the same on every replica",
             ),
             (self.max_pinned_tokens >= 0, "max_pinned_tokens must be >= 0"),
             (self.secret is None or len(self.secret) >= 16, "secret must be at least 16 bytes"),

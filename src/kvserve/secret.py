@@ -24,6 +24,8 @@ SECRET_BYTES = 32
 MIN_SECRET_BYTES = 16
 # Purposes of derived keys: one key per use, so that no MAC of one use is valid in another.
 DISK_TIER_PURPOSE = "kvserve disk tier v2"
+REDIS_KEY_NAMES_PURPOSE = "kvserve redis tier: key names"
+REDIS_VALUE_MAC_PURPOSE = "kvserve redis tier: value mac"
 
 
 class SecretError(KVServeError):

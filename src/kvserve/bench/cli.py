@@ -141,6 +141,13 @@ def _workload_parser(
 def _common_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="send a request that failed on a connection error, a 5xx or a broken stream again, up to "
+        "this many times (1: retry once, as a client of a replicated cluster does); counted in the report",
+    )
 
 
 def _builder(args: argparse.Namespace) -> WorkloadBuilder:
@@ -234,7 +241,12 @@ def _run(
         task = progress.add_task(f"{workload.name} requests", total=total)
         runs = asyncio.run(
             run_workload(
-                workload, targets, args.seed, args.request_timeout, lambda n: progress.advance(task, n)
+                workload,
+                targets,
+                args.seed,
+                args.request_timeout,
+                lambda n: progress.advance(task, n),
+                retries=args.retries,
             )
         )
     summaries = [summarize(run) for run in runs]

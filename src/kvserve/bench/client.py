@@ -40,6 +40,8 @@ class RequestResult:
     cached_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    # Attempts beyond the first (`kvserve bench --retries`); the numbers above are the last attempt's.
+    retries: int = 0
 
 
 def parse_target(spec: str) -> Target:
@@ -105,11 +107,13 @@ async def stream_chat(
             if response.status_code != 200:
                 result.error = _error_message(response.status_code, (await response.aread()).decode())
                 return ""
+            done = False
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if error := chunk.get("error"):
@@ -131,6 +135,9 @@ async def stream_chat(
                             result.itl_s.append(now - last_chunk)
                         last_chunk = now
                         parts.append(text)
+            if not done and result.error is None:
+                # A proxy may close a stream whose upstream died without saying so: the reply is partial.
+                result.error = "stream ended before [DONE]"
     except httpx.HTTPError as e:
         result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -138,6 +145,12 @@ async def stream_chat(
     finally:
         result.e2e_s = time.perf_counter() - start
     return "".join(parts)
+
+
+def retryable(error: str) -> bool:
+    """A failure that another attempt may not meet: the connection (a replica died, a router found no
+    live one), a 5xx, or a stream cut short; a 4xx is the request's own fault."""
+    return not error.startswith("HTTP 4")
 
 
 def _read_usage(usage: dict[str, Any], result: RequestResult) -> None:

@@ -64,6 +64,9 @@ class TargetSummary:
     requests: int
     errors: int
     first_error: str | None
+    # Requests sent again after a failure (`--retries`), and of those, how many then succeeded.
+    retried: int
+    recovered: int
     ttft_s: Distribution
     itl_s: Distribution
     e2e_s: Distribution
@@ -92,6 +95,8 @@ def summarize(run: TargetRun) -> TargetSummary:
         requests=len(run.results),
         errors=len(errors),
         first_error=errors[0].error if errors else None,
+        retried=sum(1 for r in run.results if r.retries),
+        recovered=sum(1 for r in done if r.retries),
         ttft_s=Distribution.of([r.ttft_s for r in done if r.ttft_s is not None]),
         itl_s=Distribution.of([gap for r in done for gap in r.itl_s]),
         e2e_s=Distribution.of([r.e2e_s for r in done]),
@@ -168,6 +173,7 @@ def table_rows(summaries: Sequence[TargetSummary]) -> list[tuple[str, list[str]]
     """The rows shared by the terminal and Markdown tables: one metric per row, one target per column."""
     return [
         ("requests (errors)", [f"{s.requests} ({s.errors})" for s in summaries]),
+        ("retried (then succeeded)", [f"{s.retried} ({s.recovered})" for s in summaries]),
         ("TTFT p50 / p90 / p99 (ms)", [_ms(s.ttft_s) for s in summaries]),
         ("ITL p50 / p90 / p99 (ms)", [_ms(s.itl_s) for s in summaries]),
         ("E2E p50 / p90 / p99 (s)", [_seconds(s.e2e_s) for s in summaries]),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.bench.client import RequestResult, Target, stream_chat
+from kvserve.bench.client import RequestResult, Target, retryable, stream_chat
 from kvserve.bench.errors import BenchError
 from kvserve.bench.metrics_scrape import PrefixCacheDelta, prefix_cache_delta, scrape
 from kvserve.bench.workloads import Conversation, Workload
@@ -46,8 +46,10 @@ async def run_workload(
     seed: int,
     request_timeout_s: float,
     on_requests_done: Callable[[int], None] = lambda n: None,
+    retries: int = 0,
 ) -> list[TargetRun]:
-    """Runs `workload` on every target; `on_requests_done(n)` reports progress in requests."""
+    """Runs `workload` on every target; `on_requests_done(n)` reports progress in requests. A request
+    that fails for a reason another attempt may not meet is sent again, up to `retries` times."""
     limits = httpx.Limits(max_connections=max(100, 2 * workload.max_in_flight))
     timeout = httpx.Timeout(request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -55,7 +57,7 @@ async def run_workload(
         for run in runs:
             await _warm_up(client, run.target, seed)
         before = [await scrape(client, run.target.url) for run in runs]
-        await _Driver(client, workload, runs, seed, on_requests_done).run_steps()
+        await _Driver(client, workload, runs, seed, on_requests_done, retries).run_steps()
         for run, scraped in zip(runs, before, strict=True):
             run.prefix_cache = prefix_cache_delta(scraped, await scrape(client, run.target.url))
     return runs
@@ -79,7 +81,9 @@ class _Driver:
         runs: list[TargetRun],
         seed: int,
         on_requests_done: Callable[[int], None],
+        retries: int = 0,
     ) -> None:
+        self.retries = retries
         self.client = client
         self.workload = workload
         self.runs = runs
@@ -125,12 +129,22 @@ class _Driver:
             await asyncio.sleep(max(0.0, step_start + conversation.arrival_s - time.perf_counter()))
         history = self.histories[run.target.name, conversation.id]
         history.messages.append({"role": "user", "content": conversation.user_turns[turn]})
-        result = RequestResult(
-            run.target.name, conversation.id, conversation.group, turn + 1, time.perf_counter() - self.start
-        )
-        reply = await stream_chat(
-            self.client, run.target, history.messages, self.workload.max_tokens, self.seed, result
-        )
+        attempt = 0
+        while True:
+            result = RequestResult(
+                run.target.name,
+                conversation.id,
+                conversation.group,
+                turn + 1,
+                time.perf_counter() - self.start,
+                retries=attempt,
+            )
+            reply = await stream_chat(
+                self.client, run.target, history.messages, self.workload.max_tokens, self.seed, result
+            )
+            if result.error is None or attempt >= self.retries or not retryable(result.error):
+                break
+            attempt += 1
         run.results.append(result)
         history.messages.append({"role": "assistant", "content": reply})
         if result.error is None:

@@ -1,4 +1,4 @@
-"""LowerTiers: the memory tier's view of the tiers below it (disk, later remote), in order.
+"""LowerTiers: the memory tier's view of the tiers below it (disk, then Redis), in order.
 
 It keys blocks (chained, see block_key.py), offers newly computed blocks to every tier, and finds a
 block in the first tier that holds it intact. Which tier answered is reported only as a name, for the
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.cache.block_key import ROOT, chain_key
-from kvserve.cache.tiers import BlockIO, BlockRecord, LowerTier, TierUsage
+from kvserve.cache.tiers import BlockIO, BlockRecord, LowerTier, Prefetching, TierUsage
 
 
 class LowerTiers:
@@ -19,6 +19,7 @@ class LowerTiers:
         self.io = io
         self.fingerprint = fingerprint
         self.block_size = block_size
+        self._prefetching = [t for t in self.tiers if isinstance(t, Prefetching)]
 
     def extend_keys(self, keys: list[bytes], namespace: str, tokens: Sequence[int], num_blocks: int) -> None:
         """Extend `keys` (the chain keys of a sequence's first full blocks) to its first `num_blocks`."""
@@ -41,6 +42,22 @@ class LowerTiers:
         kv = self.io.read_block(block)
         for tier in missing:
             tier.store(record, kv)
+
+    def begin_admission(
+        self, keys: list[bytes], namespace: str, tokens: Sequence[int], start: int, end: int
+    ) -> None:
+        """An admission will look for blocks `start..end` of `tokens`: tiers that read them in batches
+        get the whole run (its keys are computed now only for them)."""
+        if not self._prefetching:
+            return
+        self.extend_keys(keys, namespace, tokens, end)
+        run = [self.record(keys, namespace, tokens, j) for j in range(start, end)]
+        for tier in self._prefetching:
+            tier.prefetch(run, self.io.block_shape(), self.io.dtype)
+
+    def end_admission(self) -> None:
+        for tier in self._prefetching:
+            tier.prefetch([], self.io.block_shape(), self.io.dtype)
 
     def holds(self, key: bytes) -> bool:
         return any(t.contains(key) for t in self.tiers)

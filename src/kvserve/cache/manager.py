@@ -4,7 +4,7 @@ Every block decision is made here: match-and-lock a cached prefix, allocate (evi
 copy on write, publish computed KV, release, evict, pin. The scheduler above only decides who runs, in
 what order and with what token budget; it never touches a block id or a reference count.
 
-Below memory there may be lower tiers (disk): every newly published full block is offered to them, and
+Below memory there may be lower tiers (disk, Redis): every newly published full block is offered to them, and
 an admission continues its memory match there, loading the blocks it finds into fresh memory blocks that
 join the tree as if they had just been computed. A lower tier that fails while a block is looked up or
 loaded is a miss: the match stops there and holds nothing of the failed block.
@@ -205,7 +205,26 @@ class KVCacheManager:
         lower = self.lower
         bs = self.block_size
         start = len(seq.blocks)
-        for j in range(start, len(tokens) // bs):
+        end = len(tokens) // bs
+        if start == end:
+            return 0
+        try:
+            lower.begin_admission(seq.keys, seq.namespace, tokens, start, end)
+        except Exception:
+            log.warning("reading ahead in a lower tier failed; treated as a miss", exc_info=True)
+            return 0
+        try:
+            return self._load_run(seq, tokens, hits, start, end)
+        finally:
+            lower.end_admission()
+
+    def _load_run(
+        self, seq: SequenceBlocks, tokens: Sequence[int], hits: dict[str, int], start: int, end: int
+    ) -> int:
+        assert self.lower is not None and self.prefix_cache is not None
+        lower = self.lower
+        bs = self.block_size
+        for j in range(start, end):
             if not self._lower_holds(seq, tokens, j) or not self._extend(seq, (j + 1) * bs):
                 break
             try:

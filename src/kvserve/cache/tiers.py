@@ -1,4 +1,4 @@
-"""The interface of the cache tiers below memory (disk now, a shared remote tier later).
+"""The interface of the cache tiers below memory (disk, and Redis shared by replicas).
 
 Memory is the first tier: the BlockPool and the PrefixCache. A lower tier keeps copies of full blocks
 under chained keys (`block_key.py`) and gives them back verified, or not at all. The KVCacheManager is
@@ -10,7 +10,7 @@ the manager nobody knows which tier a block came from; only the hit counters are
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -80,6 +80,10 @@ class TierUsage:
     loads_failed: int
     load_latency: LatencySnapshot = field(default_factory=lambda: LatencyHistogram().snapshot())
     store_latency: LatencySnapshot = field(default_factory=lambda: LatencyHistogram().snapshot())
+    # Blocks looked for and not found (a remote tier's, where a lookup costs a round trip).
+    misses: int = 0
+    # Calls that failed (a remote tier down or slow): each one is also a miss or a dropped store.
+    errors: int = 0
 
 
 class LowerTier(Protocol):
@@ -109,6 +113,17 @@ class LowerTier(Protocol):
 
     def close(self) -> None:
         """Write what is queued and stop; the tier is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class Prefetching(Protocol):
+    """A lower tier that reads the blocks of one admission together (a remote one: a round trip per
+    block would cost more than the block)."""
+
+    def prefetch(self, records: Sequence[BlockRecord], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """The blocks that would continue an admission's memory match, in order; an empty run ends the
+        admission."""
         ...
 
 

@@ -175,9 +175,11 @@ class AsyncEngine:
         # future raises, and on this thread that would stop the engine for everyone.
         elif command.future.set_running_or_notify_cancel():
             try:
-                command.future.set_result(command.fn(self.engine))
+                result = command.fn(self.engine)
             except Exception as e:
                 command.future.set_exception(e)
+            else:
+                command.future.set_result(result)
 
     def _run(self) -> None:
         try:

@@ -12,6 +12,8 @@ import torch
 from kvserve.cache.disk_tier import DiskTier
 from kvserve.cache.lower_tiers import LowerTiers
 from kvserve.cache.manager import CacheUsage, KVCacheManager, Pin
+from kvserve.cache.redis_tier import RedisTier
+from kvserve.cache.tiers import LowerTier
 from kvserve.config import EngineConfig
 from kvserve.engine import sampler
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
@@ -112,7 +114,7 @@ class Engine:
         self.generation_tokens = 0
         log.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-            "prefix cache %s, disk tier %s",
+            "prefix cache %s, disk tier %s, redis tier %s",
             time.monotonic() - started,
             self.model.name,
             num_blocks,
@@ -121,16 +123,23 @@ class Engine:
             self.max_model_len,
             "on" if config.enable_prefix_caching else "off",
             config.kv_disk or "off",
+            "on" if config.kv_remote else "off",
         )
 
     def _lower_tiers(self) -> LowerTiers | None:
         c = self.config
-        if c.kv_disk is None:
+        if c.kv_disk is None and c.kv_remote is None:
             return None
         fingerprint = model_fingerprint(self.model, c.weight_dtype, c.block_size, c.dtype)
         secret = c.secret if c.secret is not None else load_or_create_secret(c.cache_dir)
-        disk = DiskTier(c.kv_disk, c.kv_disk_size, fingerprint, derive_key(secret, DISK_TIER_PURPOSE))
-        return LowerTiers([disk], self.runner.kv_cache, fingerprint, c.block_size)
+        tiers: list[LowerTier] = []
+        if c.kv_disk is not None:
+            tiers.append(
+                DiskTier(c.kv_disk, c.kv_disk_size, fingerprint, derive_key(secret, DISK_TIER_PURPOSE))
+            )
+        if c.kv_remote is not None:
+            tiers.append(RedisTier(c.kv_remote, secret))
+        return LowerTiers(tiers, self.runner.kv_cache, fingerprint, c.block_size)
 
     def _max_model_len(self) -> int:
         mc = self.model.config

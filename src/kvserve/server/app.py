@@ -18,6 +18,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvserve.secret import read_secret
 from kvserve.server.auth import (
     ADMIN_TENANT,
     authenticate,
@@ -66,7 +67,7 @@ from kvserve.server.serving import (
     sampling_params,
     text_prompt,
 )
-from kvserve.server.tenants import Tenants, load_or_create_secret
+from kvserve.server.tenants import KeyFileError, Tenants, load_or_create_secret
 from kvserve.server.unsupported import check_chat, check_completion
 
 log = logging.getLogger("kvserve.server")
@@ -381,12 +382,29 @@ def serve(
     dashboard_show_text: bool = False,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_in_flight_per_tenant: int = DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
+    tenant_secret_file: str | None = None,
+    kv_remote: str | None = None,
 ) -> int:
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
-    (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file."""
+    (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file.
+
+    `tenant_secret_file` is the secret replicas share (default: this server's own, in its cache folder);
+    `kv_remote`, the URL of the Redis tier they share, which needs it."""
     # Keys first: a bad key file fails in a second, not after the model has loaded.
-    secret = load_or_create_secret(config.cache_dir)
+    if kv_remote is not None and tenant_secret_file is None:
+        raise KeyFileError(
+            "--kv-remote needs --tenant-secret-file (or KVSERVE_TENANT_SECRET_FILE) naming a secret file "
+            "that every replica shares: each replica's own secret would give a tenant another namespace "
+            "on each replica (so nothing in Redis would ever match) and another key for the blocks' MACs"
+        )
+    secret = (
+        load_or_create_secret(config.cache_dir)
+        if tenant_secret_file is None
+        else read_secret(tenant_secret_file)
+    )
     tenants = Tenants(secret, api_key, api_key_file, admin_key)
+    if kv_remote is not None:
+        config = dataclasses.replace(config, kv_remote=kv_remote)
     log.info("tenancy: %s", tenants.describe())
     tenants.install_sighup_reload()
     engine = Engine(dataclasses.replace(config, max_waiting=max_waiting, secret=secret))

@@ -165,8 +165,18 @@ class EngineStatsCollector:
             ("kvserve_kv_tier_loads", "Blocks loaded from a lower cache tier.", lambda t: t.loads),
             (
                 "kvserve_kv_tier_loads_failed",
-                "Block files dropped on load (missing, truncated, corrupt or foreign); recomputed.",
+                "Blocks refused on load (missing, truncated, corrupt, foreign or a bad MAC); recomputed.",
                 lambda t: t.loads_failed,
+            ),
+            (
+                "kvserve_kv_tier_misses",
+                "Blocks looked for in a remote tier and not found there (or not asked: the tier was down).",
+                lambda t: t.misses,
+            ),
+            (
+                "kvserve_kv_tier_errors",
+                "Calls to a remote tier that failed (down, slow or reset): misses, never failed requests.",
+                lambda t: t.errors,
             ),
         ]
         for name, doc, value in gauges:

@@ -1,0 +1,414 @@
+"""RedisTier: full KV blocks in a Redis server that several replicas share, MAC'd, written behind.
+
+Keys. A block's Redis key is `kvserve:` + hex(HMAC-SHA256(name key, chain key)): the chain key is the
+disk tier's (model fingerprint, namespace, parent key, token ids; block_key.py), hashed once more with a
+key derived from the shared tenant secret, so that someone who can list Redis cannot confirm a guessed
+prompt from the key names. Replicas started with the same secret and model compute the same names; the
+model's fingerprint is in the chain key, so the tier itself needs no more than the secret.
+
+Values. `MAGIC | version (1 byte) | dtype (1 byte length + ASCII) | ndim (1 byte) | shape (4 bytes
+each, little endian) | payload | MAC`, the payload being the block's K and V (`KVCache.read_block`'s
+layout) and the MAC HMAC-SHA256(MAC key, key name | everything before the MAC). No token id is stored.
+A load checks the framing, dtype, shape, size and the MAC: a value that is anything else than what this
+replica would have written under that name is refused (a warning, counted in `loads_failed`), never
+served. Both keys are derived from the shared secret (never the secret itself), one per use.
+
+Loads happen at admission, on the engine thread: `prefetch` names the run of blocks that would
+continue a prompt's memory match, and the first `contains` of a block of that run reads it and the
+next few with one MGET (chunks: one huge MGET of a long prompt is slow and holds Redis' single thread).
+Stores are queued (bounded by bytes; over the bound a block is dropped, counted) and one writer thread
+sends them as pipelined SETs. `usage` reports the keys in Redis' database (all of them, as of the last
+write: Redis is shared) as its blocks, and the write queue as its bytes and capacity: Redis' own memory
+is bounded by Redis (`maxmemory`).
+
+Failures. Every call has a socket timeout and a connect timeout and no retry of its own. A failed call
+(down, slow, reset) is counted in `errors`, logged at most once per LOG_INTERVAL_S, and opens a back-off
+window (doubling up to MAX_BACKOFF_S) during which the tier answers every load with a miss without
+touching the network and the writer waits; the first call after the window reconnects. An admission
+stops reading once its reads have taken `admission_budget_s` (Redis slow but answering): so a step
+waits at most about that budget plus one timeout, and a request never fails because of Redis. A flushed or
+evicted key is an ordinary miss (`misses`). Memory in Redis is bounded by Redis itself: run it with
+`maxmemory` and `maxmemory-policy allkeys-lru`.
+"""
+
+import hashlib
+import hmac
+import logging
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvserve.cache.tiers import BlockRecord, LatencyHistogram, TierUsage
+from kvserve.secret import REDIS_KEY_NAMES_PURPOSE, REDIS_VALUE_MAC_PURPOSE, derive_key
+
+log = logging.getLogger("kvserve.cache")
+
+MAGIC = b"KVSR"
+VERSION = 1
+KEY_PREFIX = b"kvserve:"
+MAC_BYTES = 32
+# Blocks read by one MGET: a few MiB of float32 KV for a small model; enough to amortize the round trip.
+CHUNK_BLOCKS = 8
+# Blocks sent by one pipelined write.
+WRITE_BATCH = 16
+LOG_INTERVAL_S = 10.0
+MIN_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+
+
+class BadValue(Exception):
+    """A value that must not be served; the message says why."""
+
+
+def _payload_bytes(kv: torch.Tensor) -> memoryview:
+    return kv.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+class _RateLimitedLog:
+    """One warning per kind per interval; the rest are counted and reported with the next one."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -self.interval_s) < self.interval_s:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            suppressed = self._suppressed.pop(kind, 0)
+        more = f" ({suppressed} more like it since the last report)" if suppressed else ""
+        log.warning("redis tier: " + message + more, *args)
+
+
+class RedisTier:
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        secret: bytes,
+        *,
+        queue_bytes: int = 256 * 2**20,
+        timeout_s: float = 0.5,
+        connect_timeout_s: float = 0.5,
+        chunk_blocks: int = CHUNK_BLOCKS,
+        admission_budget_s: float = 1.0,
+    ) -> None:
+        if len(secret) < 16:
+            raise ValueError("the redis tier needs the shared tenant secret (16 bytes or more)")
+        self.queue_bytes = queue_bytes
+        self.chunk_blocks = chunk_blocks
+        self.admission_budget_s = admission_budget_s
+        self._name_key = derive_key(secret, REDIS_KEY_NAMES_PURPOSE)
+        self._mac_key = derive_key(secret, REDIS_VALUE_MAC_PURPOSE)
+        # No retries inside redis-py: the tier's own back-off decides when to try again.
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+        self._lock = threading.Condition()
+        self._pending: dict[bytes, tuple[BlockRecord, torch.Tensor]] = {}
+        self._queue: deque[bytes] = deque()
+        self._queued_bytes = 0
+        self._writing = 0
+        self._closed = False
+        # Keys in Redis' database, as of the last write (DBSIZE, read by the writer): for `usage`.
+        self._db_keys = 0
+        self._backoff_s = 0.0
+        self._down_until = 0.0
+        # The run of blocks of the admission in progress (engine thread only).
+        self._run: list[BlockRecord] = []
+        self._run_index: dict[bytes, int] = {}
+        self._run_read_upto = 0
+        self._run_spent_s = 0.0
+        self._staged: dict[bytes, torch.Tensor] = {}
+        self._shape: tuple[int, ...] = ()
+        self._dtype = torch.float32
+        self.stores = self.stores_dropped = self.loads = self.loads_failed = 0
+        self.misses = self.errors = 0
+        self.load_latency = LatencyHistogram()
+        self.store_latency = LatencyHistogram()
+        self._log = _RateLimitedLog()
+        self._writer = threading.Thread(target=self._write_loop, name="kvserve-redis-writer", daemon=True)
+        self._writer.start()
+        log.info("redis tier %s", self._safe_url())
+
+    def _safe_url(self) -> str:
+        """The URL without its password, for logs."""
+        kwargs = self._client.connection_pool.connection_kwargs
+        return f"redis://{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
+
+    def redis_key(self, key: bytes) -> bytes:
+        return KEY_PREFIX + hmac.new(self._name_key, key, hashlib.sha256).hexdigest().encode()
+
+    # Health: a failed call opens a back-off window; a successful one closes it.
+
+    def _available(self) -> bool:
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, error: Exception) -> None:
+        with self._lock:
+            self.errors += 1
+            self._backoff_s = min(MAX_BACKOFF_S, max(MIN_BACKOFF_S, 2 * self._backoff_s))
+            self._down_until = time.monotonic() + self._backoff_s
+            backoff = self._backoff_s
+        self._log.warning(
+            "error",
+            "%s failed (%s: %s); misses for %.1fs, then reconnecting",
+            what,
+            type(error).__name__,
+            error,
+            backoff,
+        )
+
+    def _succeeded(self) -> None:
+        with self._lock:
+            if self._backoff_s:
+                log.info("redis tier: %s answers again", self._safe_url())
+            self._backoff_s = 0.0
+            self._down_until = 0.0
+
+    # Values.
+
+    def encode(self, record: BlockRecord, kv: torch.Tensor) -> bytes:
+        payload = _payload_bytes(kv)
+        dtype = str(kv.dtype).encode()
+        head = (
+            MAGIC
+            + bytes([VERSION, len(dtype)])
+            + dtype
+            + bytes([kv.dim()])
+            + struct.pack(f"<{kv.dim()}I", *kv.shape)
+        )
+        mac = hmac.new(self._mac_key, self.redis_key(record.key), hashlib.sha256)
+        mac.update(head)
+        mac.update(payload)
+        return b"".join((head, payload, mac.digest()))
+
+    def decode(self, name: bytes, value: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The block's KV from a value read under `name`; raises BadValue unless it is exactly what this
+        replica would have written there."""
+        dtype_name = str(dtype).encode()
+        head = (
+            MAGIC
+            + bytes([VERSION, len(dtype_name)])
+            + dtype_name
+            + bytes([len(shape)])
+            + struct.pack(f"<{len(shape)}I", *shape)
+        )
+        numel = 1
+        for d in shape:
+            numel *= d
+        size = numel * dtype.itemsize
+        if len(value) != len(head) + size + MAC_BYTES:
+            raise BadValue(f"{len(value)} bytes, expected {len(head) + size + MAC_BYTES}")
+        view = memoryview(value)
+        if view[: len(head)] != head:
+            raise BadValue("format, dtype or shape differs")
+        mac = hmac.new(self._mac_key, name, hashlib.sha256)
+        mac.update(view[: len(head) + size])
+        if not hmac.compare_digest(mac.digest(), bytes(view[len(head) + size :])):
+            raise BadValue("MAC mismatch")
+        flat = torch.frombuffer(bytearray(view[len(head) : len(head) + size]), dtype=torch.uint8)
+        return flat.view(dtype).reshape(shape)
+
+    # LowerTier.
+
+    def prefetch(self, records: Sequence[BlockRecord], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """The blocks that would continue an admission's memory match, in order: `contains` reads them
+        from Redis by chunks as it reaches them. An empty run ends the admission (drops what was read
+        and not loaded)."""
+        self._run = list(records)
+        self._run_index = {r.key: i for i, r in enumerate(self._run)}
+        self._run_read_upto = 0
+        self._run_spent_s = 0.0
+        self._staged = {}
+        self._shape, self._dtype = shape, dtype
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            if key in self._pending or key in self._staged:
+                return True
+        i = self._run_index.get(key)
+        if i is None:
+            # Outside an admission: a block just computed is offered. It was not found at its admission
+            # (or not looked for), so it is written, whatever this replica wrote before: Redis may have
+            # lost it (flushed, restarted, evicted) in between.
+            return False
+        if i >= self._run_read_upto:
+            self._read_chunk(i)
+        return key in self._staged
+
+    def _read_chunk(self, start: int) -> None:
+        records = self._run[start : start + self.chunk_blocks]
+        self._run_read_upto = start + len(records)
+        if not self._available() or self._run_spent_s > self.admission_budget_s:
+            # Down, or this admission has waited its share: the rest of the prompt is computed.
+            with self._lock:
+                self.misses += len(records)
+            return
+        names = [self.redis_key(r.key) for r in records]
+        started = time.monotonic()
+        try:
+            values = self._client.mget(names)
+        except redis.RedisError as e:
+            self._run_spent_s += time.monotonic() - started
+            self._failed(f"reading {len(names)} blocks", e)
+            with self._lock:
+                self.misses += len(records)
+            return
+        self._succeeded()
+        elapsed = time.monotonic() - started
+        self._run_spent_s += elapsed
+        found = 0
+        for record, name, value in zip(records, names, values, strict=True):
+            if not isinstance(value, bytes):
+                with self._lock:
+                    self.misses += 1
+                continue
+            try:
+                self._staged[record.key] = self.decode(name, value, self._shape, self._dtype)
+            except BadValue as e:
+                with self._lock:
+                    self.loads_failed += 1
+                self._log.warning("bad value", "refused block %s (%s); it will be recomputed", name[8:24], e)
+                continue
+            found += 1
+        for _ in range(found):
+            self.load_latency.observe(elapsed / found)
+
+    def store(self, record: BlockRecord, kv: torch.Tensor) -> None:
+        size = kv.numel() * kv.element_size()
+        with self._lock:
+            if self._closed or record.key in self._pending:
+                return
+            if self._queued_bytes + size > self.queue_bytes:
+                self.stores_dropped += 1
+                return
+            self._pending[record.key] = (record, kv)
+            self._queue.append(record.key)
+            self._queued_bytes += size
+            self._lock.notify_all()
+
+    def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        kv = self._staged.pop(record.key, None)
+        if kv is None:
+            with self._lock:
+                pending = self._pending.get(record.key)
+            if pending is None:
+                return None
+            # Not written yet: the queued copy is the block itself.
+            queued_record, queued = pending
+            if queued_record != record or tuple(queued.shape) != shape or queued.dtype != dtype:
+                return None
+            kv = queued.clone()
+        if tuple(kv.shape) != shape or kv.dtype != dtype:
+            return None
+        with self._lock:
+            self.loads += 1
+        return kv
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and (not self._queue or time.monotonic() < self._down_until):
+                    wait = self._down_until - time.monotonic() if self._queue else None
+                    self._lock.wait(timeout=wait)
+                if not self._queue:
+                    return
+                if time.monotonic() < self._down_until:
+                    # Closing while Redis is down: what is queued is dropped, not waited for.
+                    self._drop_queue()
+                    return
+                keys = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
+                batch = [self._pending[k] for k in keys]
+                self._writing = len(keys)
+            started = time.monotonic()
+            db_keys = self._write(batch)
+            ok = db_keys is not None
+            elapsed = time.monotonic() - started
+            with self._lock:
+                for key, (_, kv) in zip(keys, batch, strict=True):
+                    del self._pending[key]
+                    self._queued_bytes -= kv.numel() * kv.element_size()
+                if db_keys is not None:
+                    self.stores += len(keys)
+                    self._db_keys = db_keys
+                else:
+                    self.stores_dropped += len(keys)
+                self._writing = 0
+                self._lock.notify_all()
+            if ok:
+                for _ in keys:
+                    self.store_latency.observe(elapsed / len(keys))
+
+    def _write(self, batch: list[tuple[BlockRecord, torch.Tensor]]) -> int | None:
+        """SETs the batch in one round trip; the keys in Redis' database after it, or None on failure."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for record, kv in batch:
+                pipe.set(self.redis_key(record.key), self.encode(record, kv))
+            pipe.dbsize()
+            replies = pipe.execute()
+        except redis.RedisError as e:
+            self._failed(f"writing {len(batch)} blocks", e)
+            return None
+        self._succeeded()
+        return int(replies[-1])
+
+    def _drop_queue(self) -> None:
+        """Caller holds the lock."""
+        self.stores_dropped += len(self._queue)
+        self._queue.clear()
+        self._pending.clear()
+        self._queued_bytes = 0
+
+    def flush(self) -> None:
+        """Wait until every queued block is written, or dropped because Redis is down."""
+        with self._lock:
+            while (self._queue or self._writing) and self._writer.is_alive():
+                if self._queue and time.monotonic() < self._down_until and not self._writing:
+                    self._drop_queue()
+                    break
+                self._lock.wait(timeout=0.1)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(
+                name=self.name,
+                num_blocks=self._db_keys,
+                bytes_used=self._queued_bytes,
+                capacity_bytes=self.queue_bytes,
+                stores=self.stores,
+                stores_dropped=self.stores_dropped,
+                loads=self.loads,
+                loads_failed=self.loads_failed,
+                load_latency=self.load_latency.snapshot(),
+                store_latency=self.store_latency.snapshot(),
+                misses=self.misses,
+                errors=self.errors,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._writer.join()
+        self._client.close()

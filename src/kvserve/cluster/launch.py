@@ -1,0 +1,224 @@
+"""Cluster: redis-server, N kvserve replicas sharing it (one tenant secret, the threads split between
+them) and the SMG router in front, as child processes of one command (`kvserve cluster`, `make
+cluster`). Each part logs to its own file in the run folder; `stop` ends them all.
+"""
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import IO
+
+import httpx
+
+from kvserve.cluster.redis_process import RedisProcess, free_port
+
+log = logging.getLogger("kvserve.cluster")
+
+# SMG probes each replica this often and drops it after this many failures: a dead replica stops
+# getting new requests within about interval * threshold seconds.
+HEALTH_INTERVAL_S = 2
+HEALTH_FAILURES = 1
+
+
+@dataclass
+class ClusterConfig:
+    replicas: int = 2
+    threads: int = os.cpu_count() or 2
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "cache_aware"
+    redis: bool = True
+    redis_maxmemory: str = "1gb"
+    tenant_secret_file: str | None = None
+    # More `kvserve serve` arguments, given to every replica.
+    serve_args: list[str] = field(default_factory=list)
+    run_dir: str | None = None
+
+
+@dataclass
+class Replica:
+    port: int
+    argv: list[str]
+    log_path: str
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def smg_binary() -> str:
+    """The `smg` launcher next to this interpreter (the venv's), else on PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "smg")
+    found = local if os.path.exists(local) else shutil.which("smg")
+    if found is None:
+        raise RuntimeError("smg is not installed: pip install -e '.[cluster]' (or `make cluster`)")
+    return found
+
+
+def write_secret(path: str) -> str:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def _wait_http(url: str, process: subprocess.Popen[bytes], what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer {url} within {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        if config.replicas < 1:
+            raise ValueError("a cluster needs at least one replica")
+        self.config = config
+        self.run_dir = config.run_dir or tempfile.mkdtemp(prefix="kvserve-cluster-")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.secret_file = config.tenant_secret_file or write_secret(
+            os.path.join(self.run_dir, "tenant-secret")
+        )
+        self.redis = RedisProcess(maxmemory=config.redis_maxmemory) if config.redis else None
+        threads = max(1, config.threads // config.replicas)
+        self.replicas = [self._replica(i, free_port(), threads) for i in range(config.replicas)]
+        self.router: subprocess.Popen[bytes] | None = None
+        self._logs: list[IO[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def _replica(self, i: int, port: int, threads: int) -> Replica:
+        argv = [
+            sys.executable, "-m", "kvserve", "serve",
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--threads", str(threads),
+            "--tenant-secret-file", self.secret_file,
+        ]  # fmt: skip
+        if self.redis is not None:
+            argv += ["--kv-remote", self.redis.url]
+        argv += self.config.serve_args
+        return Replica(port, argv, os.path.join(self.run_dir, f"replica-{i}.log"))
+
+    def _spawn(self, argv: list[str], log_path: str) -> subprocess.Popen[bytes]:
+        out = open(log_path, "ab")  # noqa: SIM115 (closed by stop())
+        self._logs.append(out)
+        # Its own process group: Ctrl-C in the terminal reaches the launcher, which stops children in order.
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start_replica(self, i: int, timeout_s: float = 300) -> None:
+        replica = self.replicas[i]
+        replica.process = self._spawn(replica.argv, replica.log_path)
+        _wait_http(
+            f"{replica.url}/health", replica.process, f"replica {i} (log: {replica.log_path})", timeout_s
+        )
+
+    def kill_replica(self, i: int) -> None:
+        """SIGKILL, as a crashed machine: streams in flight on it break."""
+        process = self.replicas[i].process
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def router_argv(self) -> list[str]:
+        c = self.config
+        return [
+            smg_binary(), "launch",
+            "--host", c.host,
+            "--port", str(c.port),
+            "--policy", c.policy,
+            "--worker-urls", *(r.url for r in self.replicas),
+            "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
+            "--health-failure-threshold", str(HEALTH_FAILURES),
+            "--health-success-threshold", "1",
+            "--health-check-timeout-secs", "2",
+            "--health-check-endpoint", "/health",
+            "--worker-startup-check-interval", "1",
+            "--prometheus-port", str(free_port()),
+            "--log-level", "warn",
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        try:
+            if self.redis is not None:
+                self.redis.start()
+            # One at a time: replicas loading the model together only compete for the same cores.
+            for i in range(len(self.replicas)):
+                self.start_replica(i)
+            self.router = self._spawn(self.router_argv(), os.path.join(self.run_dir, "smg.log"))
+            _wait_http(f"{self.url}/v1/models", self.router, f"smg (log: {self.run_dir}/smg.log)", 120)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        processes = [self.router, *(r.process for r in self.replicas)]
+        for p in processes:
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in processes:
+            if p is None:
+                continue
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.redis is not None:
+            self.redis.stop()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
+
+def run_until_interrupted(config: ClusterConfig) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cluster = Cluster(config)
+    print(f"starting {config.replicas} replicas (logs in {cluster.run_dir}) ...", flush=True)
+    try:
+        cluster.start()
+    except RuntimeError as e:
+        print(f"kvserve cluster: {e}", file=sys.stderr)
+        return 1
+    redis_url = cluster.redis.url if cluster.redis is not None else "off"
+    print(
+        f"kvserve cluster ready: {cluster.url}/v1 (SMG {config.policy}), replicas "
+        f"{', '.join(r.url for r in cluster.replicas)}, redis {redis_url}; Ctrl-C stops everything",
+        flush=True,
+    )
+    try:
+        # A replica that dies is reported, not replaced: SMG's health checks route around it.
+        reported: set[int] = set()
+        while cluster.router is not None and cluster.router.poll() is None:
+            for i, r in enumerate(cluster.replicas):
+                if i not in reported and r.process is not None and r.process.poll() is not None:
+                    reported.add(i)
+                    print(f"kvserve cluster: replica {i} exited (log: {r.log_path})", file=sys.stderr)
+            if len(reported) == len(cluster.replicas):
+                print("kvserve cluster: every replica exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(1)
+        print("kvserve cluster: the router exited; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.stop()
