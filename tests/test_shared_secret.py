@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.server.tenants import KeyFileError, Tenant, Tenants, load_or_create_secret
+from kvserve.secret import SecretError, load_or_create_secret, read_secret
+from kvserve.server.tenants import Tenant, Tenants
 
 
 def secret_file(path: Path) -> str:
@@ -21,8 +22,8 @@ def secret_file(path: Path) -> str:
 def test_two_servers_with_one_secret_file_give_a_tenant_one_namespace(tmp_path: Path) -> None:
     shared = secret_file(tmp_path / "secret")
     alice = Tenant("alice")
-    a = Tenants(load_or_create_secret(str(tmp_path / "a"), shared))
-    b = Tenants(load_or_create_secret(str(tmp_path / "b"), shared))
+    a = Tenants(read_secret(shared))
+    b = Tenants(read_secret(shared))
     assert a.namespace(alice) == b.namespace(alice)
     assert a.namespace(alice) != a.namespace(Tenant("bob"))
     # Each server's own secret (no file): another namespace on each.
@@ -32,12 +33,12 @@ def test_two_servers_with_one_secret_file_give_a_tenant_one_namespace(tmp_path: 
 
 
 def test_a_missing_or_public_secret_file_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(KeyFileError, match="does not exist"):
-        load_or_create_secret(str(tmp_path / "cache"), str(tmp_path / "nothing"))
+    with pytest.raises(SecretError, match="does not exist"):
+        read_secret(str(tmp_path / "nothing"))
     public = secret_file(tmp_path / "public")
     os.chmod(public, 0o644)
-    with pytest.raises(KeyFileError, match="readable by others"):
-        load_or_create_secret(str(tmp_path / "cache"), public)
+    with pytest.raises(SecretError, match="chmod 600"):
+        read_secret(public)
 
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -37,7 +37,10 @@ def read_secret(path: str) -> bytes:
     try:
         text = read_private_file(path, max_bytes=4096)
     except FileNotFoundError as e:
-        raise SecretError(f"the secret file {path} does not exist") from e
+        raise SecretError(
+            f"the secret file {path} does not exist; create it once (python3 -c 'import secrets; "
+            f"print(secrets.token_hex(32))' > {path}; chmod 600 {path}) and give every replica the same file"
+        ) from e
     except OSError as e:
         raise SecretError(f"the secret file cannot be used: {e}") from e
     digits = text.strip()

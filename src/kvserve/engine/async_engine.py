@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -90,19 +90,23 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self.engine.close()
 
+    @property
+    def capacity(self) -> int:
+        """Sequences the engine takes in flight: its waiting queue and its running batch."""
+        return self.engine.config.max_waiting + self.engine.config.max_num_seqs
+
+    def in_flight_by_tenant(self) -> dict[str, int]:
+        """Sequences in flight per tenant (tenants with none are absent)."""
+        return dict(self._in_flight_by_tenant)
+
     def _check_capacity(self, tenant: str) -> None:
         """Refuse a sequence of `tenant` once the total is reached, unless it is under its equal share."""
-        limit = self.engine.config.max_waiting + self.engine.config.max_num_seqs
-        if self._in_flight < limit:
-            return
-        mine = self._in_flight_by_tenant[tenant]
-        tenants = len(self._in_flight_by_tenant) + (0 if mine else 1)
-        share = limit // tenants
-        if mine < share:
-            return
-        raise EngineOverloadedError(
-            f"the server is at capacity ({limit} sequences in flight, {share} for this tenant); retry later"
-        )
+        if not has_room(self.capacity, self._in_flight_by_tenant, tenant, 1):
+            share = fair_share(self.capacity, self._in_flight_by_tenant, tenant)
+            raise EngineOverloadedError(
+                f"the server is at capacity ({self.capacity} sequences in flight, {share} for this tenant); "
+                "retry later"
+            )
 
     async def generate(
         self,
@@ -236,6 +240,19 @@ class AsyncEngine:
         for stream in self._streams.values():
             _send(stream.loop, stream.out, error)
         self._streams.clear()
+
+
+def fair_share(limit: int, in_flight: Mapping[str, int], tenant: str) -> int:
+    """A tenant's equal share of `limit`: over the tenants in flight, itself included."""
+    return limit // (len(in_flight) + (0 if in_flight.get(tenant) else 1))
+
+
+def has_room(limit: int, in_flight: Mapping[str, int], tenant: str, count: int) -> bool:
+    """Whether `count` more sequences of `tenant` may be taken: all of them fit within `limit`, or the
+    tenant stays within its equal share of it (so one tenant's flood never turns another away)."""
+    if sum(in_flight.values()) + count <= limit:
+        return True
+    return in_flight.get(tenant, 0) + count <= fair_share(limit, in_flight, tenant)
 
 
 def _send(loop: asyncio.AbstractEventLoop, out: "asyncio.Queue[Any]", item: Any) -> None:

@@ -166,7 +166,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         return PromptInput(token_ids, ""), sampling_params(body, max_tokens, logprobs)
 
     fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs)
-    with ctx.admission.reserve(body.n, ctx.async_engine.num_in_flight) as room:
+    with ctx.admission.reserve(caller(request).tenant.name, body.n) as room:
         # Templating and tokenizing a long chat takes a while, and a logit_bias may have as many
         # entries as the vocabulary: off the event loop, which serves every stream.
         prompt, params = await asyncio.to_thread(prepare)
@@ -199,7 +199,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
 
     fmt = CompletionFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs is not None, body.echo)
     namespace = cache_namespace(request, body.cache_salt)
-    with ctx.admission.reserve(num_prompts * body.n, ctx.async_engine.num_in_flight) as room:
+    with ctx.admission.reserve(caller(request).tenant.name, num_prompts * body.n) as room:
         # Tokenizing, decoding echo texts and checking a logit_bias grow with the request: off the loop.
         prompts, params = await asyncio.to_thread(prepare)
         return await respond(ctx, request, fmt, prompts, params, namespace, body, room)
@@ -346,7 +346,7 @@ def create_app(
         in_flight=InFlightLimiter(max_in_flight_per_tenant),
         prompt_guard=PromptGuard(engine.max_model_len, engine.tokenizer.max_token_chars()),
         # What AsyncEngine.generate admits: the waiting queue and the running batch.
-        admission=SequenceAdmission(engine.config.max_waiting + engine.config.max_num_seqs),
+        admission=SequenceAdmission(async_engine.capacity, async_engine.in_flight_by_tenant),
         max_sequences_per_request=engine.config.max_sequences_per_request,
     )
     app.state.dashboard = dashboard

@@ -7,12 +7,13 @@ half-done.
 """
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvserve.engine.async_engine import fair_share, has_room
 from kvserve.errors import EngineOverloadedError, InvalidRequestError
 from kvserve.server.errors import RETRY_AFTER_S, APIError
 
@@ -174,12 +175,15 @@ class Reservation:
     """Room held in the engine's queue for one request's sequences until they reach the engine."""
 
     admission: "SequenceAdmission"
+    tenant: str
     count: int
 
     def release(self) -> None:
         """Hand the room back: the sequences are in the engine (counted there) or will never be; a
         second release does nothing."""
-        self.admission.reserved -= self.count
+        self.admission.reserved[self.tenant] -= self.count
+        if not self.admission.reserved[self.tenant]:
+            del self.admission.reserved[self.tenant]
         self.count = 0
 
 
@@ -187,18 +191,21 @@ class Reservation:
 class SequenceAdmission:
     """Room in the engine's queue for a whole request, taken before any of its sequences is built.
 
-    `capacity` is what the engine takes in flight (waiting plus running). A request's sequences are
-    reserved here until they have reached the engine, so that two requests checked at once cannot both
-    count the same room; sequences already in the engine are `in_flight`. Runs on the event loop only.
+    `capacity` is what the engine takes in flight (waiting plus running), `in_flight` its sequences per
+    tenant now. A request's sequences are reserved here, per tenant, until they have reached the engine,
+    so that two requests checked at once cannot both count the same room. Room is shared between tenants
+    by the engine's own rule (`has_room`): a tenant within its equal share is admitted even when others
+    have filled the rest. Runs on the event loop only.
     """
 
     capacity: int
-    reserved: int = 0
+    in_flight: Callable[[], Mapping[str, int]]
+    reserved: Counter[str] = field(default_factory=Counter)
 
     @contextmanager
-    def reserve(self, count: int, in_flight: int) -> Iterator[Reservation]:
-        """Hold room for `count` sequences until released or the block ends: a 400 for a request
-        larger than the whole queue (it can never run), a 503 with Retry-After when the queue has no
+    def reserve(self, tenant: str, count: int) -> Iterator[Reservation]:
+        """Hold room for `count` sequences of `tenant` until released or the block ends: a 400 for a
+        request larger than the whole queue (it can never run), a 503 with Retry-After when there is no
         room for all of it now."""
         if count > self.capacity:
             raise APIError(
@@ -208,13 +215,15 @@ class SequenceAdmission:
                 param="n",
                 code="too_many_sequences",
             )
-        if in_flight + self.reserved + count > self.capacity:
+        held = Counter(self.in_flight()) + self.reserved
+        if not has_room(self.capacity, held, tenant, count):
             raise EngineOverloadedError(
-                f"the server is at capacity ({self.capacity} sequences in flight) and has no room for "
-                f"this request's {count}; retry later"
+                f"the server is at capacity ({self.capacity} sequences in flight, "
+                f"{fair_share(self.capacity, held, tenant)} for this tenant) and has no room for this "
+                f"request's {count}; retry later"
             )
-        room = Reservation(self, max(count, 0))
-        self.reserved += room.count
+        room = Reservation(self, tenant, max(count, 0))
+        self.reserved[tenant] += room.count
         try:
             yield room
         finally:
