@@ -308,13 +308,6 @@ def _bias(entries: int, value: float = 1.0, first: int = 0) -> dict[str, float]:
     return {str(first + t): value for t in range(entries)}
 
 
-# The fixes these cases need live in the engine's validation of sampling params (issue 17's principle:
-# top_k within the vocabulary, logit_bias keys within it, min_tokens against the effective max_tokens).
-NEEDS_ENGINE_VALIDATION = "needs the engine's complete validation of sampling params (issue 17)"
-# Until then this case stops the engine (finding 1): it gets a server of its own.
-STOPS_THE_ENGINE = "stops the engine until the engine's validation of top_k is in (issue 17, finding 1)"
-
-
 @dataclass(frozen=True)
 class Case:
     """One hostile request: `expect` True for a 4xx, False for a 200, None for either. `keyed` sends it
@@ -334,16 +327,8 @@ HI = {"prompt": "Hi", "max_tokens": 1}
 LONG = {"prompt": "Hi", "max_tokens": MAX_TOKENS, "ignore_eos": True}
 # The findings of issue 17 (hardening II), each as the request that showed it.
 ISSUE_17 = [
-    pytest.param(
-        Case(
-            "top_k 2^63 beside top_k 40", "/v1/completions", {**LONG, "temperature": 1, "top_k": 2**63}, None
-        ),
-        marks=pytest.mark.xfail(strict=False, reason=STOPS_THE_ENGINE),
-    ),
-    pytest.param(
-        Case("top_k 10^30 sampled", "/v1/completions", {**LONG, "temperature": 1, "top_k": 10**30}, None),
-        marks=pytest.mark.xfail(strict=False, reason=STOPS_THE_ENGINE),
-    ),
+    Case("top_k 2^63 beside top_k 40", "/v1/completions", {**LONG, "temperature": 1, "top_k": 2**63}, True),
+    Case("top_k 10^30 sampled", "/v1/completions", {**LONG, "temperature": 1, "top_k": 10**30}, True),
     Case("top_k vocab", "/v1/completions", {**HI, "temperature": 1, "top_k": VOCAB, "seed": 3}, False),
     # An HTTP client cannot send a header value ending in a space: "Bearer" is the empty key.
     Case("empty bearer on admin", "/reset_prefix_cache", {}, True, True, {"Authorization": "Bearer"}),
@@ -382,27 +367,18 @@ ISSUE_17 = [
     Case("logit_bias 1e400", "/v1/completions", b'{"prompt": "Hi", "logit_bias": {"5": 1e400}}', True),
     Case("logit_bias key not an id", "/v1/completions", {**HI, "logit_bias": {"five": 1}}, True),
     Case("logit_bias key -1", "/v1/completions", {**HI, "logit_bias": {"-1": 1}}, True),
-    pytest.param(
-        Case(
-            "logit_bias key vocab",
-            "/v1/completions",
-            {**HI, "temperature": 1, "logit_bias": {str(VOCAB): 5}},
-            True,
-        ),
-        marks=pytest.mark.xfail(strict=False, reason=NEEDS_ENGINE_VALIDATION),
+    Case(
+        "logit_bias key vocab",
+        "/v1/completions",
+        {**HI, "temperature": 1, "logit_bias": {str(VOCAB): 5}},
+        True,
     ),
-    pytest.param(
-        Case("logit_bias key 2^64", "/v1/completions", {**HI, "logit_bias": {str(2**64): 5}}, True),
-        marks=pytest.mark.xfail(strict=False, reason=NEEDS_ENGINE_VALIDATION),
-    ),
-    pytest.param(
-        Case(
-            "logit_bias over the vocabulary",
-            "/v1/completions",
-            {**HI, "logit_bias": _bias(VOCAB + 1)},
-            True,
-        ),
-        marks=pytest.mark.xfail(strict=False, reason=NEEDS_ENGINE_VALIDATION),
+    Case("logit_bias key 2^64", "/v1/completions", {**HI, "logit_bias": {str(2**64): 5}}, True),
+    Case(
+        "logit_bias over the vocabulary",
+        "/v1/completions",
+        {**HI, "logit_bias": _bias(VOCAB + 1)},
+        True,
     ),
     Case("presence_penalty 1e308", "/v1/completions", {**HI, "presence_penalty": 1e308}, True),
     Case("frequency_penalty -1e308", "/v1/completions", {**HI, "frequency_penalty": -1e308}, True),
@@ -415,15 +391,12 @@ ISSUE_17 = [
         False,
     ),
     Case("min_tokens over max_tokens", "/v1/completions", {**HI, "min_tokens": 2}, True),
-    pytest.param(
-        Case(
-            "min_tokens 2^63",
-            "/v1/completions",
-            # Close to the end of the context, so that the completion stops soon where it is accepted.
-            {"prompt": list(range(100, 100 + MAX_MODEL_LEN - 8)), "min_tokens": 2**63, "max_tokens": None},
-            True,
-        ),
-        marks=pytest.mark.xfail(strict=False, reason=NEEDS_ENGINE_VALIDATION),
+    Case(
+        "min_tokens 2^63",
+        "/v1/completions",
+        # Close to the end of the context, so that the completion stops soon where it is accepted.
+        {"prompt": list(range(100, 100 + MAX_MODEL_LEN - 8)), "min_tokens": 2**63, "max_tokens": None},
+        True,
     ),
     Case("seed 2^64-1", "/v1/completions", {**HI, "seed": 2**64 - 1}, None),
     Case("seed 0 sampled", "/v1/completions", {**HI, "temperature": 1, "seed": 0}, False),
@@ -470,24 +443,9 @@ def test_hand_corpus(fuzz_target: Target, case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", ISSUE_17, ids=lambda c: c.what)
-def test_issue_17_corpus(
-    case: Case,
-    request: pytest.FixtureRequest,
-    tmp_path: Path,
-    make_engine: Callable[..., Engine],
-    serve_app: Callable[[FastAPI], AbstractContextManager[str]],
-) -> None:
-    """Each finding of the review beside ordinary requests. A case that stops the engine until the fix
-    it needs is merged gets a server of its own, so that it harms no other case."""
-    expected_failure = request.node.get_closest_marker("xfail")
-    if expected_failure is None or expected_failure.kwargs["reason"] != STOPS_THE_ENGINE:
-        _check(request.getfixturevalue("keyed_target" if case.keyed else "fuzz_target"), case)
-        return
-    server = (
-        keyed_server(tmp_path, make_engine, serve_app) if case.keyed else open_server(make_engine, serve_app)
-    )
-    with server as target:
-        _check(target, case)
+def test_issue_17_corpus(case: Case, request: pytest.FixtureRequest) -> None:
+    """Each finding of the review beside ordinary requests, on the shared servers: none may stop them."""
+    _check(request.getfixturevalue("keyed_target" if case.keyed else "fuzz_target"), case)
 
 
 def test_the_server_is_healthy_after_the_fuzzing(fuzz_target: Target, keyed_target: Target) -> None:

@@ -403,11 +403,9 @@ def serve(
         else read_secret(tenant_secret_file)
     )
     tenants = Tenants(secret, api_key, api_key_file, admin_key)
-    if kv_remote is not None:
-        config = dataclasses.replace(config, kv_remote=kv_remote)
     log.info("tenancy: %s", tenants.describe())
     tenants.install_sighup_reload()
-    engine = Engine(dataclasses.replace(config, max_waiting=max_waiting, secret=secret))
+    engine = Engine(dataclasses.replace(config, max_waiting=max_waiting, secret=secret, kv_remote=kv_remote))
     async_engine = AsyncEngine(engine)
     app = create_app(
         async_engine,
