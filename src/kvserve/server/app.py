@@ -278,7 +278,7 @@ async def pin(body: PinRequest, request: Request, ctx: Context) -> PinInfo:
         )
     namespace = cache_namespace(request)
     tokens = await pin_tokens(ctx, body, namespace)
-    return await pin_prefix(ctx, namespace, tokens, body.ttl_s)
+    return await pin_prefix(ctx, namespace, caller(request).tenant.name, tokens, body.ttl_s)
 
 
 @api.delete("/v1/cache/pin/{pin_id}")

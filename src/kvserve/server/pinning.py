@@ -60,7 +60,9 @@ async def pin_tokens(ctx: ServerContext, body: PinRequest, namespace: str) -> li
     return tokens
 
 
-async def pin_prefix(ctx: ServerContext, namespace: str, tokens: list[int], ttl_s: float) -> PinInfo:
+async def pin_prefix(
+    ctx: ServerContext, namespace: str, tenant: str, tokens: list[int], ttl_s: float
+) -> PinInfo:
     async_engine = ctx.async_engine
 
     def pin(engine: Engine) -> PinInfo | None:
@@ -76,7 +78,7 @@ async def pin_prefix(ctx: ServerContext, namespace: str, tokens: list[int], ttl_
             return info
         # One generated token leaves the whole prompt's KV in the cache.
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        async for _ in async_engine.generate(tokens, params, namespace):
+        async for _ in async_engine.generate(tokens, params, namespace, tenant=tenant):
             pass
     raise APIError(
         503,
