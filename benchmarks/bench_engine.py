@@ -76,7 +76,7 @@ def ours_batch_decode(engine: Engine, batch: int, new_tokens: int, seed: int) ->
     return tokens / (time.perf_counter() - decode_start)
 
 
-WEIGHT_DTYPES = ("float32", "float16", "int8")
+WEIGHT_DTYPES = ("float32", "float16", "int8", "q8_0", "gguf")
 
 
 def weight_dtype_table(

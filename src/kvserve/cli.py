@@ -61,8 +61,9 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight-dtype",
         default=EngineConfig.weight_dtype,
         choices=WEIGHT_DTYPES,
-        help="storage of the linear weights: float32 (exact), float16 (half the bytes, float32's "
-        "predictions) or int8 (fastest for large batches and prefill, least exact); default %(default)s",
+        help="storage of the linear weights: gguf (a GGUF's own quantized blocks, run natively; the "
+        "float32 model at a fraction of its bytes; float16 for other models), q8_0 (8-bit blocks made at "
+        "load), float32 (exact), float16 (half the bytes) or int8 (per-channel); default %(default)s",
     )
     parser.add_argument(
         "--attention",

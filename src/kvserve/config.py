@@ -30,7 +30,7 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-WEIGHT_DTYPES = ("float32", "float16", "int8")
+WEIGHT_DTYPES = ("gguf", "q8_0", "float32", "float16", "int8")
 
 
 def default_cache_dir() -> str:
@@ -63,7 +63,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    weight_dtype: str = "float16"
+    weight_dtype: str = "gguf"
     attention: str = "auto"
     block_size: int = 16
     kv_cache_memory: int = 2 * 2**30
@@ -117,7 +117,7 @@ class EngineConfig:
                 "dtype must be float32, float16, bfloat16 or float64",
             ),
             (self.attention in ("auto", "native", "torch"), "attention must be auto, native or torch"),
-            (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype must be float32, float16 or int8"),
+            (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype must be gguf, q8_0, float32, float16 or int8"),
             (
                 self.weight_dtype != "int8"
                 or (self.device.split(":")[0] == "cpu" and self.dtype == "float32"),

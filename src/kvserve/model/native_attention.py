@@ -5,30 +5,20 @@ context into a padded copy each step and runs SDPA over it. The kernel reads eac
 place, does not pad short rows to the longest one, and reduces in position order within one thread,
 which makes a decode's output bitwise independent of the rest of the batch (see the kernel's header).
 
-The library is compiled with the system C compiler (`cc`, override with $CC) into
-`<cache_dir>/kernels/`, named by a hash of the source, the flags and the CPU's feature flags, so an edited
-kernel or a different machine builds its own; the build is written to a temporary name and renamed, so
-concurrent processes never load a half-written file. `-ffast-math` is given to the compile step only:
-linking with it would add a constructor that changes the whole process's denormal handling.
+The library is built and loaded by kvserve.model.native_build. `-ffast-math` is given to the compile step
+only: linking with it would add a constructor that changes the whole process's denormal handling.
 """
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from importlib import resources
 
 import torch
 
-log = logging.getLogger(__name__)
+from kvserve.model.native_build import KernelUnavailableError, load_kernel
+
+__all__ = ["KernelUnavailableError", "NativeDecodeAttention", "load_library"]
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-LINK_FLAGS = ["-shared", "-fopenmp"]
-LIBS = ["-lmvec", "-lm"]
 
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.float64: "paged_decode_attention_f64"}
 _P = ctypes.c_void_p
@@ -36,53 +26,9 @@ _I = ctypes.c_int64
 _ARGTYPES = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_double, ctypes.c_int]
 
 
-class KernelUnavailableError(RuntimeError):
-    """The native kernel cannot be built or loaded here (no compiler, not a CPU, unsupported dtype)."""
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def _build(source: str, target: str, compiler: str) -> None:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
-        src = os.path.join(tmp, "paged_attention.c")
-        obj = os.path.join(tmp, "paged_attention.o")
-        lib = os.path.join(tmp, "paged_attention.so")
-        with open(src, "w") as f:
-            f.write(source)
-        for argv in (
-            [compiler, *COMPILE_FLAGS, "-c", src, "-o", obj],
-            [compiler, *LINK_FLAGS, obj, "-o", lib, *LIBS],
-        ):
-            try:
-                done = subprocess.run(argv, capture_output=True, text=True, check=False)
-            except OSError as e:
-                raise KernelUnavailableError(f"cannot run {argv[0]}: {e}") from e
-            if done.returncode != 0:
-                raise KernelUnavailableError(f"{' '.join(argv)} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(lib, target)
-
-
 def load_library(cache_dir: str) -> ctypes.CDLL:
     """The compiled kernel library, building it first when this source and machine have none."""
-    source = resources.files("kvserve.model.kernels").joinpath("paged_attention.c").read_text()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise KernelUnavailableError("no C compiler found (install gcc or set $CC)")
-    key = hashlib.sha256(
-        "\0".join([source, compiler, *COMPILE_FLAGS, *LINK_FLAGS, *LIBS, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    target = os.path.join(cache_dir, "kernels", f"paged_attention-{key}.so")
-    if not os.path.exists(target):
-        log.info("building the native attention kernel into %s", target)
-        _build(source, target, compiler)
-    lib = ctypes.CDLL(target)
+    lib = load_kernel("paged_attention", cache_dir, COMPILE_FLAGS)
     for symbol in _SYMBOLS.values():
         fn = getattr(lib, symbol)
         fn.argtypes = _ARGTYPES

@@ -80,7 +80,16 @@ class ModelRunner:
         self.block_size = block_size
         c = model.config
         self.group = c.num_heads // c.num_kv_heads
-        self.transformer = Transformer(c, model.weights, max_model_len, self.device, self.dtype, weight_dtype)
+        self.transformer = Transformer(
+            c,
+            model.weights,
+            max_model_len,
+            self.device,
+            self.dtype,
+            weight_dtype,
+            model.quantized,
+            cache_dir or default_cache_dir(),
+        )
         self.kv_cache = KVCache(
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.dtype
         )

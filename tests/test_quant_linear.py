@@ -1,0 +1,130 @@
+"""The native kernel on GGUF's quantized blocks (Q8_0, Q4_0, Q4_1) against the blocks' float values.
+
+Blocks are made with the gguf package's own quantizer, so the kernel reads exactly what a GGUF file
+holds. A row's output is checked bitwise across batches in tests/test_linear.py; here: the products are
+the float32 products of the dequantized weights (up to summation order), the AVX2 path and the portable
+path give the same bits, and the fused ops are the op after the product.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kvserve.config import default_cache_dir
+from kvserve.model.linear import Float32Linear, Fp16Linear
+from kvserve.model.quant_blocks import Q4_0, Q4_1, Q8_0, QuantizedWeight, concat, quantize_q8_0
+from kvserve.model.quant_linear import QuantLinear, make_block_linear
+
+TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
+
+
+def gguf_blocks(w: torch.Tensor, qtype: int) -> QuantizedWeight:
+    data = quantize(w.numpy(), GGMLQuantizationType(qtype))
+    return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(data)), w.shape[1])
+
+
+def random_weight(n_out: int, n_in: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n_out, n_in, generator=gen) * 0.05
+
+
+def rows(n: int, n_in: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n_in, generator=gen) * torch.logspace(-2, 2, n).unsqueeze(1)
+    x[n // 2] = 0
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_blocks_dequantize_to_the_gguf_package_values(name: str) -> None:
+    w = random_weight(40, 96)
+    blocks = gguf_blocks(w, TYPES[name])
+    expected = dequantize(blocks.data.numpy(), GGMLQuantizationType(TYPES[name]))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(np.asarray(expected, dtype=np.float32)))
+    assert torch.equal(blocks.rows(torch.tensor([[3, 0], [39, 3]]))[1, 0], blocks.dequantize()[39])
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("n_rows", [1, 3, 4, 37])
+def test_the_product_is_the_float_product_of_the_dequantized_blocks(name: str, n_rows: int) -> None:
+    w = random_weight(203, 576)
+    bias = torch.randn(203) * 0.1
+    blocks = gguf_blocks(w, TYPES[name])
+    x = rows(n_rows, 576)
+    exact = F.linear(x.double(), blocks.dequantize().double(), bias.double())
+    ours = QuantLinear(blocks, bias, default_cache_dir())(x).double()
+    error = (ours - exact).norm(dim=1) / exact.norm(dim=1).clamp(min=1e-30)
+    assert error.max() < 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_the_vector_path_and_the_portable_path_give_the_same_bits(name: str) -> None:
+    w = random_weight(131, 1536)
+    blocks = gguf_blocks(w, TYPES[name])
+    fast = QuantLinear(blocks, None, default_cache_dir())
+    if not fast.vectorized:
+        pytest.skip("this CPU has no AVX2 path to compare")
+    portable = QuantLinear(blocks, None, default_cache_dir(), portable=True)
+    x = rows(9, 1536)
+    assert torch.equal(fast(x), portable(x))
+    assert torch.equal(fast.silu(x), portable.silu(x))
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_fused_ops_are_the_op_after_the_product(name: str) -> None:
+    blocks = gguf_blocks(random_weight(64, 128), TYPES[name])
+    linear = QuantLinear(blocks, torch.randn(64), default_cache_dir())
+    x, other = rows(5, 128), rows(5, 64, seed=2)
+    plain = linear(x)
+    torch.testing.assert_close(linear.silu(x), F.silu(plain), rtol=1e-6, atol=1e-7)
+    assert torch.equal(linear.add(x, other), plain + other)
+    assert torch.equal(linear.mul(x, other), plain * other)
+
+
+def test_the_thread_count_does_not_change_a_bit() -> None:
+    blocks = gguf_blocks(random_weight(300, 576), Q4_1)
+    linear = QuantLinear(blocks, None, default_cache_dir())
+    x = rows(6, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x)
+        torch.set_num_threads(2)
+        two = linear(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_q8_0_at_load_matches_ggml_quantization() -> None:
+    w = random_weight(48, 256)
+    w[3] = 0
+    ours = quantize_q8_0(w)
+    theirs = gguf_blocks(w, Q8_0)
+    assert torch.equal(ours.dequantize(), theirs.dequantize())
+
+
+def test_mixed_types_do_not_concatenate_and_block_modes_fall_back() -> None:
+    w = random_weight(32, 64)
+    assert concat([gguf_blocks(w, Q8_0), gguf_blocks(w, Q4_1)]) is None
+    joined = concat([gguf_blocks(w, Q4_1), gguf_blocks(w, Q4_1)])
+    assert joined is not None and joined.out_features == 64
+    # No blocks: "gguf" is float16. Another compute dtype: the blocks' values through F.linear.
+    assert isinstance(make_block_linear(w, None, None, "gguf", default_cache_dir()), Fp16Linear)
+    blocks = gguf_blocks(w, Q4_1)
+    other = make_block_linear(w.double(), None, blocks, "gguf", default_cache_dir())
+    assert isinstance(other, Float32Linear) and torch.equal(other.weight, blocks.dequantize().double())
+    assert isinstance(make_block_linear(w, None, None, "q8_0", default_cache_dir()), QuantLinear)
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="whole blocks"):
+        QuantizedWeight(Q8_0, torch.zeros(2, 34, dtype=torch.uint8), 48)
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantizedWeight(99, torch.zeros(2, 34, dtype=torch.uint8), 32)
+    linear = QuantLinear(gguf_blocks(random_weight(8, 64), Q8_0), None, default_cache_dir())
+    with pytest.raises(ValueError, match="float32"):
+        linear(torch.zeros(2, 64, dtype=torch.float64))
