@@ -58,7 +58,9 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         mc = self.model.config
         self.max_model_len = self._max_model_len()
-        self.bytes_per_block = mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize) * config.block_size
+        self.bytes_per_block = (
+            mc.kv_bytes_per_token(DTYPES[config.kv_cache_dtype].itemsize) * config.block_size
+        )
         num_blocks = config.kv_cache_memory // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -75,6 +77,7 @@ class Engine:
             config.weight_dtype,
             config.attention,
             config.cache_dir,
+            config.kv_cache_dtype,
         )
         max_pinned_blocks = config.max_pinned_tokens // config.block_size
         if max_pinned_blocks >= num_blocks:
@@ -119,7 +122,7 @@ class Engine:
         c = self.config
         if c.kv_disk is None:
             return None
-        fingerprint = model_fingerprint(self.model, c.weight_dtype, c.block_size, c.dtype)
+        fingerprint = model_fingerprint(self.model, c.weight_dtype, c.block_size, c.kv_cache_dtype)
         disk = DiskTier(c.kv_disk, c.kv_disk_size, fingerprint)
         return LowerTiers([disk], self.runner.kv_cache, fingerprint, c.block_size)
 

@@ -20,7 +20,12 @@ __all__ = ["KernelUnavailableError", "NativeDecodeAttention", "load_library"]
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 
-_SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.float64: "paged_decode_attention_f64"}
+# (compute dtype, KV cache dtype) -> the kernel's symbol.
+_SYMBOLS = {
+    (torch.float32, torch.float32): "paged_decode_attention_f32",
+    (torch.float64, torch.float64): "paged_decode_attention_f64",
+    (torch.float32, torch.float16): "paged_decode_attention_f32_kv16",
+}
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _ARGTYPES = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_double, ctypes.c_int]
@@ -30,26 +35,39 @@ def load_library(cache_dir: str) -> ctypes.CDLL:
     """The compiled kernel library, building it first when this source and machine have none."""
     lib = load_kernel("paged_attention", cache_dir, COMPILE_FLAGS)
     for symbol in _SYMBOLS.values():
-        fn = getattr(lib, symbol)
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int
+        # A compiler without _Float16 builds no float16-cache kernel; `load` then refuses that pairing.
+        fn = getattr(lib, symbol, None)
+        if fn is not None:
+            fn.argtypes = _ARGTYPES
+            fn.restype = ctypes.c_int
     return lib
 
 
 @dataclass(frozen=True)
 class NativeDecodeAttention:
-    """Decode attention over the paged cache through the native kernel, for one dtype on the CPU."""
+    """Decode attention over the paged cache through the native kernel on the CPU, for one compute dtype
+    and one KV cache dtype (the same, or float16 under float32)."""
 
     lib: ctypes.CDLL
     dtype: torch.dtype
+    kv_dtype: torch.dtype
 
     @classmethod
-    def load(cls, cache_dir: str, device: torch.device, dtype: torch.dtype) -> "NativeDecodeAttention":
+    def load(
+        cls, cache_dir: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> "NativeDecodeAttention":
+        kv = dtype if kv_dtype is None else kv_dtype
         if device.type != "cpu":
             raise KernelUnavailableError(f"the native kernel runs on the CPU, not {device}")
-        if dtype not in _SYMBOLS:
-            raise KernelUnavailableError(f"the native kernel supports float32 and float64, not {dtype}")
-        return cls(load_library(cache_dir), dtype)
+        if (dtype, kv) not in _SYMBOLS:
+            raise KernelUnavailableError(
+                "the native kernel supports float32 and float64, and a float16 cache under float32, "
+                f"not {dtype} with a {kv} cache"
+            )
+        lib = load_library(cache_dir)
+        if getattr(lib, _SYMBOLS[dtype, kv], None) is None:
+            raise KernelUnavailableError("this C compiler has no _Float16: no float16-cache kernel")
+        return cls(lib, dtype, kv)
 
     def __call__(
         self,
@@ -66,11 +84,11 @@ class NativeDecodeAttention:
         rows, heads, dim = q.shape
         # The kernel indexes heads and dims densely within a row and the caches and tables fully.
         assert q.stride(2) == 1 and q.stride(1) == dim and q.dtype == self.dtype
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == self.dtype
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == self.kv_dtype
         assert tables.is_contiguous() and lens.is_contiguous()
         assert tables.dtype == torch.int64 and lens.dtype == torch.int64
         out = torch.empty((rows, heads, dim), dtype=q.dtype)
-        status = getattr(self.lib, _SYMBOLS[self.dtype])(
+        status = getattr(self.lib, _SYMBOLS[self.dtype, self.kv_dtype])(
             q.data_ptr(),
             q.stride(0),
             out.data_ptr(),
