@@ -15,7 +15,18 @@ from gguf.quants import dequantize, quantize
 
 from kvserve.config import default_cache_dir
 from kvserve.model.linear import Float32Linear, Fp16Linear
-from kvserve.model.quant_blocks import Q4_0, Q4_1, Q8_0, QuantizedWeight, concat, quantize_q8_0
+from kvserve.model.quant_blocks import (
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    QuantizedWeight,
+    concat,
+    from_k_quant,
+    quantize_q8_0,
+)
 from kvserve.model.quant_linear import QuantLinear, make_block_linear
 
 TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
@@ -128,3 +139,37 @@ def test_bad_inputs_are_refused() -> None:
     linear = QuantLinear(gguf_blocks(random_weight(8, 64), Q8_0), None, default_cache_dir())
     with pytest.raises(ValueError, match="float32"):
         linear(torch.zeros(2, 64, dtype=torch.float64))
+
+
+K_QUANTS = {"Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
+
+
+def k_quant_blocks(w: torch.Tensor, qtype: int) -> np.ndarray:
+    """Super-blocks as a GGUF holds them. The gguf package quantizes none of the K-quants, so random
+    bytes stand in (every bit pattern is a valid block), with sane float16 scale fields."""
+    rng = np.random.default_rng(qtype)
+    n_out, n_in = w.shape
+    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[qtype]
+    raw = rng.integers(0, 256, size=(n_out * n_in // 256, size), dtype=np.uint8)
+    scales = (rng.random((raw.shape[0], 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if qtype == Q6_K:
+        raw[:, 208:210] = scales[:, :2]
+    else:
+        raw[:, 0:4] = scales
+    return raw.reshape(n_out, -1)
+
+
+@pytest.mark.parametrize("name", sorted(K_QUANTS))
+def test_k_quants_convert_to_k8_blocks_of_the_same_weights(name: str) -> None:
+    qtype = K_QUANTS[name]
+    raw = k_quant_blocks(torch.zeros(24, 512), qtype)
+    converted = from_k_quant(raw, qtype, 512)
+    expected = dequantize(raw, GGMLQuantizationType(qtype))
+    assert torch.equal(converted.dequantize(), torch.from_numpy(np.asarray(expected, dtype=np.float32)))
+    linear = QuantLinear(converted, None, default_cache_dir())
+    x = rows(5, 512)
+    exact = F.linear(x.double(), converted.dequantize().double())
+    error = (linear(x).double() - exact).norm(dim=1) / exact.norm(dim=1).clamp(min=1e-30)
+    assert error.max() < 1e-6
+    if linear.vectorized:
+        assert torch.equal(linear(x), QuantLinear(converted, None, default_cache_dir(), portable=True)(x))

@@ -4,12 +4,15 @@
  *   Q8_0 (34 bytes): float16 d, int8 q[32];            w = d * q
  *   Q4_0 (18 bytes): float16 d, 4-bit q[32];           w = d * (q - 8)
  *   Q4_1 (20 bytes): float16 d, float16 m, 4-bit q[32]; w = d * q + m
+ *   K8   (44 bytes): float32 d0, d1, m, int8 q[32];    w = d0 * q + m (elements 0..15), d1 * q + m (16..31)
+ * K8 is kvserve's own: the K-quants (Q4_K, Q5_K, Q6_K) convert to it exactly at load (quant_blocks.py).
  * (4-bit: byte j holds element j in its low nibble and element j + 16 in its high nibble.)
  *
  * Nothing is requantized: the quants are widened to float32 in registers and every product and sum is in
  * float32. Per block, eight lanes l each sum q * x over the block's elements 8k + l (k = 0..3: one
  * multiply, then three fused multiply-adds), and a lane's running total takes d times that block sum by
- * a fused multiply-add. Q4_1's offset term, m times the block's sum of x, is summed apart in block order.
+ * a fused multiply-add (K8: each half's two-term sum times its own scale, low half first). The offset
+ * term of Q4_1 and K8, m times the block's sum of x, is summed apart in block order.
  * At the end the lanes are added in one fixed tree. That order is the same for every output of every row,
  * whatever the batch, the tile it falls in, the thread count or the instruction set: a row's output is
  * bitwise independent of the rest of its batch, and the AVX2 path and the portable one give the same
@@ -36,7 +39,7 @@
 #endif
 
 /* ggml's type ids. */
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_K8 = 100 };
 enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
 #define QK 32
 #define ROW_TILE 4
@@ -77,6 +80,8 @@ static int block_bytes(int type)
         return 18;
     case TYPE_Q4_1:
         return 20;
+    case TYPE_K8:
+        return 44;
     default:
         return 0;
     }
@@ -110,11 +115,30 @@ static inline float apply_op(float v, int op, float other)
 }
 
 /* Portable path: the same operations as the vector path, lane by lane. */
+static inline float read_f32(const uint8_t *p)
+{
+    float v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Scales of the block's two halves, and its offset (0 for the types without one). */
+static inline void scales(int type, const uint8_t *blk, float *d0, float *d1, float *m)
+{
+    if (type == TYPE_K8) {
+        *d0 = read_f32(blk), *d1 = read_f32(blk + 4), *m = read_f32(blk + 8);
+        return;
+    }
+    *d0 = *d1 = half_to_float(read_u16(blk));
+    *m = type == TYPE_Q4_1 ? half_to_float(read_u16(blk + 2)) : 0.0f;
+}
+
 static void scalar_quants(int type, const uint8_t *blk, float q[QK])
 {
-    if (type == TYPE_Q8_0) {
+    if (type == TYPE_Q8_0 || type == TYPE_K8) {
+        const int at = type == TYPE_K8 ? 12 : 2;
         for (int j = 0; j < QK; j++)
-            q[j] = (float)(int8_t)blk[2 + j];
+            q[j] = (float)(int8_t)blk[at + j];
         return;
     }
     const uint8_t *qs = blk + (type == TYPE_Q4_1 ? 4 : 2);
@@ -133,15 +157,23 @@ static float scalar_dot(int type, const uint8_t *w, size_t block_stride, int64_t
         const uint8_t *blk = w + b * block_stride;
         const float *xb = x + b * QK;
         scalar_quants(type, blk, q);
-        const float d = half_to_float(read_u16(blk));
+        float d0, d1, m;
+        scales(type, blk, &d0, &d1, &m);
         for (int l = 0; l < 8; l++) {
+            if (type == TYPE_K8) {
+                /* Two halves with their own scales. */
+                const float lo = fmaf(q[8 + l], xb[8 + l], q[l] * xb[l]);
+                const float hi = fmaf(q[24 + l], xb[24 + l], q[16 + l] * xb[16 + l]);
+                acc[l] = fmaf(d1, hi, fmaf(d0, lo, acc[l]));
+                continue;
+            }
             float t = q[l] * xb[l];
             for (int k = 1; k < 4; k++)
                 t = fmaf(q[8 * k + l], xb[8 * k + l], t);
-            acc[l] = fmaf(d, t, acc[l]);
+            acc[l] = fmaf(d0, t, acc[l]);
         }
-        if (type == TYPE_Q4_1)
-            offset = fmaf(half_to_float(read_u16(blk + 2)), sx[b], offset);
+        if (type == TYPE_Q4_1 || type == TYPE_K8)
+            offset = fmaf(m, sx[b], offset);
     }
     return lane_sum(acc) + offset;
 }
@@ -150,10 +182,11 @@ static float scalar_dot(int type, const uint8_t *w, size_t block_stride, int64_t
 /* The four vectors of block `blk`'s quants as floats, elements 8k..8k+7 in vector k. */
 static inline __attribute__((always_inline)) void vector_quants(int type, const uint8_t *blk, __m256 v[4])
 {
-    if (type == TYPE_Q8_0) {
+    if (type == TYPE_Q8_0 || type == TYPE_K8) {
+        const int at = type == TYPE_K8 ? 12 : 2;
         for (int k = 0; k < 4; k++)
             v[k] = _mm256_cvtepi32_ps(
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * k))));
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + at + 8 * k))));
         return;
     }
     const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (type == TYPE_Q4_1 ? 4 : 2)));
@@ -201,17 +234,32 @@ static inline __attribute__((always_inline)) void vector_tile(int type, int rows
             _mm_prefetch((const char *)blk + PREFETCH_BLOCKS * block_stride, _MM_HINT_T0);
             __m256 v[4];
             vector_quants(type, blk, v);
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(read_u16(blk)));
+            float d0, d1, m;
+            if (type == TYPE_K8) {
+                d0 = read_f32(blk), d1 = read_f32(blk + 4), m = read_f32(blk + 8);
+            } else {
+                d0 = d1 = _cvtsh_ss(read_u16(blk));
+                m = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(blk + 2)) : 0.0f;
+            }
+            const __m256 d = _mm256_set1_ps(d0);
             for (int r = 0; r < rows; r++) {
                 const float *xb = x + r * x_stride + b * QK;
-                __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-                t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
-                t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
-                t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
-                acc[r * cols + c] = _mm256_fmadd_ps(d, t, acc[r * cols + c]);
-                if (type == TYPE_Q4_1)
-                    offset[r * cols + c] =
-                        fmaf(_cvtsh_ss(read_u16(blk + 2)), sx[r * nb + b], offset[r * cols + c]);
+                if (type == TYPE_K8) {
+                    __m256 lo = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+                    lo = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), lo);
+                    __m256 hi = _mm256_mul_ps(v[2], _mm256_loadu_ps(xb + 16));
+                    hi = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), hi);
+                    acc[r * cols + c] =
+                        _mm256_fmadd_ps(_mm256_set1_ps(d1), hi, _mm256_fmadd_ps(d, lo, acc[r * cols + c]));
+                } else {
+                    __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+                    t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
+                    t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
+                    t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
+                    acc[r * cols + c] = _mm256_fmadd_ps(d, t, acc[r * cols + c]);
+                }
+                if (type == TYPE_Q4_1 || type == TYPE_K8)
+                    offset[r * cols + c] = fmaf(m, sx[r * nb + b], offset[r * cols + c]);
             }
         }
     }
@@ -238,6 +286,7 @@ static inline __attribute__((always_inline)) void vector_tile(int type, int rows
 DEFINE_TILES(q8_0, TYPE_Q8_0)
 DEFINE_TILES(q4_0, TYPE_Q4_0)
 DEFINE_TILES(q4_1, TYPE_Q4_1)
+DEFINE_TILES(k8, TYPE_K8)
 #endif
 
 typedef void (*tile_fn)(const uint8_t *, size_t, int64_t, const float *, int64_t, const float *, float *);
@@ -296,8 +345,11 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
     case TYPE_Q4_0:
         by_rows = q4_0_rows, by_cols = q4_0_cols, one = q4_0_one;
         break;
-    default:
+    case TYPE_Q4_1:
         by_rows = q4_1_rows, by_cols = q4_1_cols, one = q4_1_one;
+        break;
+    default:
+        by_rows = k8_rows, by_cols = k8_cols, one = k8_one;
         break;
     }
     float res[ROW_TILE * COL_TILE];
@@ -348,7 +400,7 @@ int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, 
         return -1;
     const int64_t nb = n_in / QK;
     float *sx = NULL;
-    if (type == TYPE_Q4_1) {
+    if (type == TYPE_Q4_1 || type == TYPE_K8) {
         sx = malloc(sizeof(float) * (size_t)(rows * nb) + 1);
         if (!sx)
             return -2;
