@@ -27,7 +27,7 @@ from kvserve.model.quant_blocks import (
     from_k_quant,
     quantize_q8_0,
 )
-from kvserve.model.quant_linear import QuantLinear, make_block_linear
+from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear, make_block_linear
 
 TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
 
@@ -173,3 +173,11 @@ def test_k_quants_convert_to_k8_blocks_of_the_same_weights(name: str) -> None:
     assert error.max() < 1e-6
     if linear.vectorized:
         assert torch.equal(linear(x), QuantLinear(converted, None, default_cache_dir(), portable=True)(x))
+
+
+def test_the_native_rms_norm_is_torchs_and_row_invariant() -> None:
+    norm = NativeRmsNorm(default_cache_dir())
+    x, weight = rows(33, 576), torch.randn(576)
+    ours = norm(x, weight, 1e-5)
+    torch.testing.assert_close(ours, F.rms_norm(x, (576,), weight, 1e-5), rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.cat([norm(x[i : i + 1], weight, 1e-5) for i in range(33)]), ours)

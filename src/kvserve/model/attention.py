@@ -126,7 +126,8 @@ def paged_attention(
         k_stored, v_stored = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.index_copy_(0, meta.slot_mapping, k_stored)
         v_cache.index_copy_(0, meta.slot_mapping, v_stored)
-        k, v = k_stored.to(q.dtype), v_stored.to(q.dtype)
+        if any(span.context_blocks is None for span in meta.prefills):
+            k, v = k_stored.to(q.dtype), v_stored.to(q.dtype)
     else:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)

@@ -34,7 +34,25 @@ def load_library(cache_dir: str) -> ctypes.CDLL:
     lib.quant_linear.restype = _C
     lib.quant_linear_vectorized.argtypes = []
     lib.quant_linear_vectorized.restype = _C
+    lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
+    lib.rms_norm_rows.restype = None
     return lib
+
+
+class NativeRmsNorm:
+    """rms_norm in one native call (torch's is five ops on the CPU, a fifth of a decode step's ops)."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.lib = load_library(cache_dir)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        assert x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty_like(rows)
+        self.lib.rms_norm_rows(
+            rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], eps
+        )
+        return out.view(x.shape)
 
 
 def interleave(weight: QuantizedWeight) -> torch.Tensor:

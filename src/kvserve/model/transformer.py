@@ -5,6 +5,7 @@ both residual adds ride on the matmuls that precede them. Every linear, the tied
 stored in `weight_dtype` (see kvserve.model.linear); the embedding lookup and the norms stay in `dtype`.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from kvserve.model.linear import Linear, make_linear
 from kvserve.model.quant_blocks import QuantizedWeight, concat
-from kvserve.model.quant_linear import make_block_linear
+from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear, make_block_linear
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 from kvserve.model.spec import ModelConfig
 
@@ -94,6 +95,10 @@ class Transformer:
                 "model.embed_tokens.weight",
                 f"shape {tuple(self.embed.shape)} does not match config {expected}",
             )
+        # Where the products run natively, so do the norms: one call each instead of five torch ops.
+        self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
+            NativeRmsNorm(cache_dir) if isinstance(self.lm_head, QuantLinear) else rms_norm
+        )
         self.rotary = RotaryEmbedding(config, max_positions, device, dtype)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -109,7 +114,7 @@ class Transformer:
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+            x = self.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
             # q and k heads side by side, so one rotary pass covers both.
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim), cos, sin)
@@ -117,10 +122,10 @@ class Transformer:
             v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, kv.block_size, self.scale)
             h = layer.o.add(attn.view(n, self.q_size), h)
-            x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
+            x = self.rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
             h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps))
+        return self.lm_head(self.rms_norm(hidden, self.norm, self.config.rms_norm_eps))

@@ -439,3 +439,20 @@ int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, 
     free(sx);
     return 0;
 }
+
+/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, row by row: one call instead of torch's five ops. The
+ * sum of squares runs in index order in plain C (no reassociation is allowed, so no vector code): the
+ * same bits on every machine and for every batch. */
+void rms_norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps)
+{
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xt = x + t * n;
+        float *ot = out + t * n;
+        float ss = 0;
+        for (int64_t i = 0; i < n; i++)
+            ss += xt[i] * xt[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++)
+            ot[i] = xt[i] * inv * weight[i];
+    }
+}
