@@ -6,6 +6,8 @@ the float32 products of the dequantized weights (up to summation order), the AVX
 path give the same bits, and the fused ops are the op after the product.
 """
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -181,3 +183,31 @@ def test_the_native_rms_norm_is_torchs_and_row_invariant() -> None:
     ours = norm(x, weight, 1e-5)
     torch.testing.assert_close(ours, F.rms_norm(x, (576,), weight, 1e-5), rtol=1e-5, atol=1e-6)
     assert torch.equal(torch.cat([norm(x[i : i + 1], weight, 1e-5) for i in range(33)]), ours)
+
+
+def test_a_gguf_files_k_quant_and_q4_1_tensors_load_as_blocks_of_the_same_weights(tmp_path: Any) -> None:
+    """A tiny GGUF written with the gguf package: q rows are put back in Hugging Face order (as the float
+    conversion does), a Q4_K matrix converts to K8, a Q4_1 one stays as the file's bytes."""
+    from gguf import GGUFWriter
+
+    from kvserve.model.gguf_convert import _unpermute, quantized_tensors
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = GGUFWriter(path, "llama")
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    q_raw = k_quant_blocks(torch.zeros(64, 256), Q4_K)
+    down = gguf_blocks(random_weight(16, 64), Q4_1)
+    writer.add_tensor("blk.0.attn_q.weight", q_raw, raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.ffn_down.weight", down.data.numpy(), raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    loaded = quantized_tensors(path)
+    q = loaded["model.layers.0.self_attn.q_proj.weight"]
+    expected = _unpermute(np.asarray(dequantize(q_raw, GGMLQuantizationType.Q4_K), dtype=np.float32), 4)
+    assert q.in_features == 256 and torch.equal(
+        q.dequantize(), torch.from_numpy(np.ascontiguousarray(expected))
+    )
+    assert torch.equal(loaded["model.layers.0.mlp.down_proj.weight"].data, down.data)
