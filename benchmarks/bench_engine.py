@@ -2,7 +2,8 @@
 
 Same weights, same process, interleaved. Against transformers (both float32): prefill tokens/s (512 and
 2048 tokens), single-stream decode tokens/s, and kvserve's aggregate decode tokens/s at batch 8 and 32.
-Then the same kvserve measures for each `weight_dtype` (float32, float16, int8), with ratios to float32.
+Then the same kvserve measures for each `weight_dtype` (float32, float16, int8, q8_0 and gguf, the GGUF's
+own blocks), with ratios to float32 and gguf's to float16; every mode runs the default float16 KV cache.
 Run: `make bench-engine` (writes benchmarks/results/engine.{json,md}).
 """
 
@@ -76,7 +77,7 @@ def ours_batch_decode(engine: Engine, batch: int, new_tokens: int, seed: int) ->
     return tokens / (time.perf_counter() - decode_start)
 
 
-WEIGHT_DTYPES = ("float32", "float16", "int8")
+WEIGHT_DTYPES = ("float32", "float16", "int8", "q8_0", "gguf")
 
 
 def weight_dtype_table(
@@ -98,18 +99,23 @@ def weight_dtype_table(
     results: dict[str, Any] = {}
     others = [m for m in engines if m != "float32"]
     lines = [
-        "| measure | " + " | ".join(engines) + " | " + " | ".join(f"{m} / float32" for m in others) + " |",
-        "|---|" + "---:|" * (len(engines) + len(others)),
+        "| measure | "
+        + " | ".join(engines)
+        + " | "
+        + " | ".join(f"{m} / float32" for m in others)
+        + " | gguf / float16 |",
+        "|---|" + "---:|" * (len(engines) + len(others) + 1),
     ]
     for name in measures:
         med = {m: statistics.median(samples[name, m]) for m in engines}
         results[name] = {m: {"tok_s": med[m], "vs_float32": med[m] / med["float32"]} for m in engines}
+        results[name]["gguf"]["vs_float16"] = med["gguf"] / med["float16"]
         lines.append(
             f"| {name} | "
             + " | ".join(f"{med[m]:.1f}" for m in engines)
             + " | "
             + " | ".join(f"{med[m] / med['float32']:.2f}x" for m in others)
-            + " |"
+            + f" | {med['gguf'] / med['float16']:.2f}x |"
         )
     return results, lines
 

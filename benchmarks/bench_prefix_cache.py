@@ -121,7 +121,7 @@ def working_set(model: Any, docs: int, doc_tokens: int, pool_tokens: int, rounds
     tok = model.tokenizer
     count = counter(tok)
     documents = [tok.encode(text_of_tokens(doc_tokens, f"doc-{d}", count), False) for d in range(docs)]
-    bytes_per_token = model.config.kv_bytes_per_token(4)
+    bytes_per_token = model.config.kv_bytes_per_token(2)  # the default float16 KV cache
     out: dict[str, Any] = {"working_set_tokens": docs * doc_tokens, "pool_tokens": pool_tokens}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-disk-") as disk:
         configs: dict[str, dict[str, Any]] = {

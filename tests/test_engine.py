@@ -81,7 +81,8 @@ def test_preemption_recomputes_and_gives_the_same_tokens(
     make_engine: Callable[..., Engine], prompts: dict[str, list[int]], alone: dict[str, list[int]]
 ) -> None:
     # 12 blocks of 16 tokens cannot hold 8 requests of ~40-60 tokens each: the scheduler must preempt.
-    engine = make_engine(kv_cache_memory=12 * 16 * 46080, block_size=16)
+    # The default KV cache is float16: 23,040 bytes a token for the default model.
+    engine = make_engine(kv_cache_memory=12 * 16 * 23040, block_size=16)
     assert run(engine, prompts) == alone
     assert engine.stats().preemptions > 0
     assert_no_leak(engine)
@@ -174,7 +175,7 @@ def test_requests_that_can_never_run_are_refused(make_engine: Callable[..., Engi
         engine.add_request("empty", [], GREEDY)
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request("vocab", [10**7], GREEDY)
-    small = make_engine(kv_cache_memory=4 * 16 * 46080)
+    small = make_engine(kv_cache_memory=4 * 16 * 23040)
     with pytest.raises(InvalidRequestError, match="kv_cache_memory"):
         small.add_request("big", list(range(100, 140)), SamplingParams(max_tokens=100))
     assert not engine.has_unfinished_requests() and not small.has_unfinished_requests()
@@ -209,7 +210,7 @@ def test_bad_sampling_values_are_refused(field: str, value: Any) -> None:
 def test_no_block_leaks_after_random_requests_aborts_and_preemptions(tmp_path: Any) -> None:
     model = load_model(save_tiny_model(str(tmp_path / "tiny"), "llama"), default_cache_dir())
     config = EngineConfig(
-        kv_cache_memory=40 * 4 * model.config.kv_bytes_per_token(4), block_size=4, max_num_batched_tokens=48
+        kv_cache_memory=40 * 4 * model.config.kv_bytes_per_token(2), block_size=4, max_num_batched_tokens=48
     )
     engine = Engine(config, model=model)
     rng = random.Random(7)

@@ -107,7 +107,7 @@ def test_caching_stays_transparent_when_a_small_pool_forces_eviction(
     }
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     expected = run(make_engine(enable_prefix_caching=False), prompts, params)
-    engine = make_engine(kv_cache_memory=40 * 16 * 46080, block_size=16, max_num_seqs=2)
+    engine = make_engine(kv_cache_memory=40 * 16 * 23040, block_size=16, max_num_seqs=2)
     for rid, ids in prompts.items():
         assert run(engine, {rid: ids}, params)[rid] == expected[rid]
     assert run(engine, prompts, params) == expected

@@ -9,7 +9,9 @@ from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.linear import Fp16Linear, Int8Linear, Linear
-from kvserve.model.loader import load_model
+from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.quant_blocks import Q4_1, Q8_0
+from kvserve.model.quant_linear import QuantLinear
 from tests.helpers import save_tiny_model
 
 
@@ -37,7 +39,9 @@ def test_every_model_command_takes_weight_dtype(command: str) -> None:
         build_parser().parse_args([command, "--weight-dtype", "int4", *extra])
 
 
-@pytest.mark.parametrize(("weight_dtype", "kind"), [("float16", Fp16Linear), ("int8", Int8Linear)])
+@pytest.mark.parametrize(
+    ("weight_dtype", "kind"), [("float16", Fp16Linear), ("int8", Int8Linear), ("q8_0", QuantLinear)]
+)
 def test_the_engine_builds_every_linear_in_its_weight_dtype(
     tmp_path: Any, weight_dtype: str, kind: type[Linear]
 ) -> None:
@@ -53,3 +57,20 @@ def test_the_engine_builds_every_linear_in_its_weight_dtype(
     while engine.has_unfinished_requests():
         tokens += [t for delta in engine.step() for t in delta.token_ids]
     assert len(tokens) == 5
+
+
+def test_gguf_runs_the_default_models_own_blocks(default_model: LoadedModel) -> None:
+    """Its 210 linears are Q4_1 in the file and the tied embedding and lm_head Q8_0: all run as shipped."""
+    engine = Engine(EngineConfig(kv_cache_memory=2**22, weight_dtype="gguf"), model=default_model)
+    transformer = engine.runner.transformer
+    assert isinstance(transformer.lm_head, QuantLinear) and transformer.lm_head.weight.qtype == Q8_0
+    for layer in transformer.layers:
+        for linear in (layer.qkv, layer.o, layer.gate, layer.up, layer.down):
+            assert isinstance(linear, QuantLinear) and linear.weight.qtype == Q4_1
+
+
+def test_gguf_without_blocks_is_float16(tmp_path: Any) -> None:
+    model = load_model(save_tiny_model(str(tmp_path / "tiny"), "llama"), default_cache_dir())
+    assert model.quantized == {}
+    engine = Engine(EngineConfig(kv_cache_memory=2**22, weight_dtype="gguf"), model=model)
+    assert isinstance(engine.runner.transformer.layers[0].qkv, Fp16Linear)

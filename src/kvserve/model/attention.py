@@ -1,9 +1,10 @@
 """Paged attention on portable torch ops (any device): write the step's K/V into cache slots, then attend.
 
-The KV cache is one tensor per layer and per K/V, of shape [num_blocks * block_size, kv_heads, head_dim]
-(slot = block * block_size + offset). Reads gather whole blocks, which is a few large copies instead of
-one small copy per token. A step's tokens are laid out decodes first, then one span per prefill chunk;
-index and mask tensors are built once per step (AttentionMetadata) and shared by every layer.
+The KV cache (in the compute dtype, or float16 under float32) is one tensor per layer and per K/V, of
+shape [num_blocks * block_size, kv_heads, head_dim] (slot = block * block_size + offset). Reads gather
+whole blocks, which is a few large copies instead of one small copy per token. A step's tokens are laid
+out decodes first, then one span per prefill chunk; index and mask tensors are built once per step
+(AttentionMetadata) and shared by every layer.
 
 Decodes run through the native kernel (kvserve.model.native_attention) when the runner has one: it reads
 each row's blocks in place, unpadded, and is bitwise batch-invariant. The portable path gathers the
@@ -98,11 +99,11 @@ class KVCache:
         return (2, self.k.shape[0], self.block_size, self.k.shape[2], self.k.shape[3])
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Blocks [..., n] of a layer's cache -> [..., n * block_size, kv_heads, head_dim]."""
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks [..., n] of a layer's cache -> [..., n * block_size, kv_heads, head_dim] in `dtype`."""
     heads, dim = cache.shape[1], cache.shape[2]
     paged = cache.view(-1, block_size, heads, dim)
-    return paged.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, heads, dim)
+    return paged.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, heads, dim).to(dtype)
 
 
 def paged_attention(
@@ -119,8 +120,17 @@ def paged_attention(
 
     Returns the attention output [T, Hq, D].
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if k_cache.dtype != k.dtype:
+        # A lower-precision cache: attend to the values it holds everywhere, the fresh prefill's own K/V
+        # included, so that a token's output is the same whether its context was just computed or cached.
+        k_stored, v_stored = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.index_copy_(0, meta.slot_mapping, k_stored)
+        v_cache.index_copy_(0, meta.slot_mapping, v_stored)
+        if any(span.context_blocks is None for span in meta.prefills):
+            k, v = k_stored.to(q.dtype), v_stored.to(q.dtype)
+    else:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     group = heads // kv_heads
     out = torch.empty_like(q)
@@ -133,8 +143,8 @@ def paged_attention(
     elif nd:
         assert meta.decode_tables is not None
         length = meta.decode_len
-        kd = _gather(k_cache, meta.decode_tables, block_size)[:, :length].transpose(1, 2)
-        vd = _gather(v_cache, meta.decode_tables, block_size)[:, :length].transpose(1, 2)
+        kd = _gather(k_cache, meta.decode_tables, block_size, q.dtype)[:, :length].transpose(1, 2)
+        vd = _gather(v_cache, meta.decode_tables, block_size, q.dtype)[:, :length].transpose(1, 2)
         qd = q[:nd].view(nd, kv_heads, group, dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = od.reshape(nd, heads, dim)
@@ -157,10 +167,14 @@ def paged_attention(
             .reshape(1, kv_heads, -1, dim)
         )
         ks = (
-            _gather(k_cache, span.context_blocks, block_size)[: span.context_len].transpose(0, 1).unsqueeze(0)
+            _gather(k_cache, span.context_blocks, block_size, q.dtype)[: span.context_len]
+            .transpose(0, 1)
+            .unsqueeze(0)
         )
         vs = (
-            _gather(v_cache, span.context_blocks, block_size)[: span.context_len].transpose(0, 1).unsqueeze(0)
+            _gather(v_cache, span.context_blocks, block_size, q.dtype)[: span.context_len]
+            .transpose(0, 1)
+            .unsqueeze(0)
         )
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale)
         out[span.start : span.end] = (

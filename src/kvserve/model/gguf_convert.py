@@ -13,8 +13,10 @@ import tempfile
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.quant_blocks import BLOCK_BYTES, K_QUANTS, QK, QK_K, QuantizedWeight, from_k_quant
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -138,6 +140,43 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     _convert_tokenizer(gguf_path, out_dir, field("tokenizer.chat_template"))
+
+
+def quantized_tensors(gguf_path: str) -> dict[str, QuantizedWeight]:
+    """The file's weight matrices in block types the native kernel reads, by Hugging Face name, as the
+    file's own bytes (q and k rows put back in Hugging Face order, as the conversion does); K-quants
+    converted to K8 blocks of the same values."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except Exception as e:
+        raise ModelLoadError(gguf_path, f"not a readable GGUF file ({e})") from None
+    arch_field = reader.fields.get("general.architecture")
+    arch = None if arch_field is None else arch_field.contents()
+    heads = {}
+    for key in ("head_count", "head_count_kv"):
+        f = reader.fields.get(f"{arch}.attention.{key}")
+        if f is not None:
+            heads[key] = int(f.contents())
+    out: dict[str, QuantizedWeight] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        qtype = int(t.tensor_type)
+        if name is None or qtype not in (*BLOCK_BYTES, *K_QUANTS) or len(t.shape) != 2:
+            continue
+        n_in, n_out = int(t.shape[0]), int(t.shape[1])
+        if n_in % (QK_K if qtype in K_QUANTS else QK):
+            continue
+        rows = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.uint8).reshape(n_out, -1)
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            n_head = heads.get("head_count", 0)
+            rows = _unpermute(rows, n_head if "attn_q" in t.name else heads.get("head_count_kv", n_head))
+        if qtype in K_QUANTS:
+            out[name] = from_k_quant(rows, qtype, n_in)
+        else:
+            out[name] = QuantizedWeight(qtype, torch.from_numpy(np.array(rows)), n_in)
+    return out
 
 
 def _convert_tokenizer(gguf_path: str, out_dir: str, chat_template: str | None) -> None:

@@ -7,12 +7,13 @@ file and the reason.
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.gguf_convert import converted_dir
+from kvserve.model.gguf_convert import converted_dir, quantized_tensors
+from kvserve.model.quant_blocks import QuantizedWeight
 from kvserve.model.spec import ModelConfig, config_from_hf
 from kvserve.model.tokenizer import Tokenizer
 
@@ -28,6 +29,9 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    # A GGUF's quantized weight matrices as its own blocks, by the names of `weights` (whose float32
+    # tensors are the same values dequantized); empty for safetensors models.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -103,7 +107,8 @@ def load_tokenizer(model_dir: str, config: ModelConfig | None = None) -> Tokeniz
 
 
 def load_model(path: str | None, cache_dir: str) -> LoadedModel:
-    model_dir = resolve_model_dir(path, cache_dir)
+    source = path or default_model_path()
+    model_dir = resolve_model_dir(source, cache_dir)
     config = load_config(model_dir)
     return LoadedModel(
         name=model_name(path),
@@ -111,6 +116,7 @@ def load_model(path: str | None, cache_dir: str) -> LoadedModel:
         config=config,
         weights=load_weights(model_dir),
         tokenizer=load_tokenizer(model_dir, config),
+        quantized=quantized_tensors(source) if source.endswith(".gguf") else {},
     )
 
 

@@ -5,112 +5,69 @@ context into a padded copy each step and runs SDPA over it. The kernel reads eac
 place, does not pad short rows to the longest one, and reduces in position order within one thread,
 which makes a decode's output bitwise independent of the rest of the batch (see the kernel's header).
 
-The library is compiled with the system C compiler (`cc`, override with $CC) into
-`<cache_dir>/kernels/`, named by a hash of the source, the flags and the CPU's feature flags, so an edited
-kernel or a different machine builds its own; the build is written to a temporary name and renamed, so
-concurrent processes never load a half-written file. The folder and the library are private (0700, 0600,
-no symlink, this user's; see private_files.py): a library that is not is rebuilt, never loaded.
-`-ffast-math` is given to the compile step only: linking with it would add a constructor that changes
-the whole process's denormal handling.
+The library is built and loaded by kvserve.model.native_build. `-ffast-math` is given to the compile step
+only: linking with it would add a constructor that changes the whole process's denormal handling.
 """
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from importlib import resources
 
 import torch
 
-from kvserve.private_files import private_cached_file
+from kvserve.model.native_build import KernelUnavailableError, load_kernel
 
-log = logging.getLogger(__name__)
+__all__ = ["KernelUnavailableError", "NativeDecodeAttention", "load_library"]
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-LINK_FLAGS = ["-shared", "-fopenmp"]
-LIBS = ["-lmvec", "-lm"]
 
-_SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.float64: "paged_decode_attention_f64"}
+# (compute dtype, KV cache dtype) -> the kernel's symbol.
+_SYMBOLS = {
+    (torch.float32, torch.float32): "paged_decode_attention_f32",
+    (torch.float64, torch.float64): "paged_decode_attention_f64",
+    (torch.float32, torch.float16): "paged_decode_attention_f32_kv16",
+}
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _ARGTYPES = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_double, ctypes.c_int]
 
 
-class KernelUnavailableError(RuntimeError):
-    """The native kernel cannot be built or loaded here (no compiler, not a CPU, unsupported dtype)."""
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def _build(source: str, target: str, compiler: str) -> None:
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
-        src = os.path.join(tmp, "paged_attention.c")
-        obj = os.path.join(tmp, "paged_attention.o")
-        lib = os.path.join(tmp, "paged_attention.so")
-        with open(src, "w") as f:
-            f.write(source)
-        for argv in (
-            [compiler, *COMPILE_FLAGS, "-c", src, "-o", obj],
-            [compiler, *LINK_FLAGS, obj, "-o", lib, *LIBS],
-        ):
-            try:
-                done = subprocess.run(argv, capture_output=True, text=True, check=False)
-            except OSError as e:
-                raise KernelUnavailableError(f"cannot run {argv[0]}: {e}") from e
-            if done.returncode != 0:
-                raise KernelUnavailableError(f"{' '.join(argv)} failed: {done.stderr.strip()[-2000:]}")
-        os.chmod(lib, 0o600)
-        os.replace(lib, target)
-
-
 def load_library(cache_dir: str) -> ctypes.CDLL:
     """The compiled kernel library, building it first when this source and machine have none."""
-    source = resources.files("kvserve.model.kernels").joinpath("paged_attention.c").read_text()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise KernelUnavailableError("no C compiler found (install gcc or set $CC)")
-    key = hashlib.sha256(
-        "\0".join([source, compiler, *COMPILE_FLAGS, *LINK_FLAGS, *LIBS, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    try:
-        target, built = private_cached_file(cache_dir, "kernels", f"paged_attention-{key}.so")
-    except OSError as e:
-        raise KernelUnavailableError(f"the kernels folder cannot be used: {e}") from e
-    if not built:
-        log.info("building the native attention kernel into %s", target)
-        _build(source, target, compiler)
-    lib = ctypes.CDLL(target)
+    lib = load_kernel("paged_attention", cache_dir, COMPILE_FLAGS)
     for symbol in _SYMBOLS.values():
-        fn = getattr(lib, symbol)
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int
+        # A compiler without _Float16 builds no float16-cache kernel; `load` then refuses that pairing.
+        fn = getattr(lib, symbol, None)
+        if fn is not None:
+            fn.argtypes = _ARGTYPES
+            fn.restype = ctypes.c_int
     return lib
 
 
 @dataclass(frozen=True)
 class NativeDecodeAttention:
-    """Decode attention over the paged cache through the native kernel, for one dtype on the CPU."""
+    """Decode attention over the paged cache through the native kernel on the CPU, for one compute dtype
+    and one KV cache dtype (the same, or float16 under float32)."""
 
     lib: ctypes.CDLL
     dtype: torch.dtype
+    kv_dtype: torch.dtype
 
     @classmethod
-    def load(cls, cache_dir: str, device: torch.device, dtype: torch.dtype) -> "NativeDecodeAttention":
+    def load(
+        cls, cache_dir: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> "NativeDecodeAttention":
+        kv = dtype if kv_dtype is None else kv_dtype
         if device.type != "cpu":
             raise KernelUnavailableError(f"the native kernel runs on the CPU, not {device}")
-        if dtype not in _SYMBOLS:
-            raise KernelUnavailableError(f"the native kernel supports float32 and float64, not {dtype}")
-        return cls(load_library(cache_dir), dtype)
+        if (dtype, kv) not in _SYMBOLS:
+            raise KernelUnavailableError(
+                "the native kernel supports float32 and float64, and a float16 cache under float32, "
+                f"not {dtype} with a {kv} cache"
+            )
+        lib = load_library(cache_dir)
+        if getattr(lib, _SYMBOLS[dtype, kv], None) is None:
+            raise KernelUnavailableError("this C compiler has no _Float16: no float16-cache kernel")
+        return cls(lib, dtype, kv)
 
     def __call__(
         self,
@@ -127,11 +84,11 @@ class NativeDecodeAttention:
         rows, heads, dim = q.shape
         # The kernel indexes heads and dims densely within a row and the caches and tables fully.
         assert q.stride(2) == 1 and q.stride(1) == dim and q.dtype == self.dtype
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == self.dtype
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == self.kv_dtype
         assert tables.is_contiguous() and lens.is_contiguous()
         assert tables.dtype == torch.int64 and lens.dtype == torch.int64
         out = torch.empty((rows, heads, dim), dtype=q.dtype)
-        status = getattr(self.lib, _SYMBOLS[self.dtype])(
+        status = getattr(self.lib, _SYMBOLS[self.dtype, self.kv_dtype])(
             q.data_ptr(),
             q.stride(0),
             out.data_ptr(),

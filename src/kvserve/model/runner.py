@@ -68,8 +68,10 @@ class ModelRunner:
         weight_dtype: str,
         attention: str = "auto",
         cache_dir: str | None = None,
+        kv_dtype: str | None = None,
     ):
-        """`dtype` is the compute and KV dtype; `weight_dtype` the storage of the linear weights.
+        """`dtype` is the compute dtype, `kv_dtype` the KV cache's (default: `dtype`), `weight_dtype` the
+        storage of the linear weights.
 
         `attention` picks the decode-attention backend: "native" (the C kernel, built into `cache_dir`,
         by default kvserve's cache folder; an error if it cannot run here), "torch" (portable), or
@@ -77,12 +79,22 @@ class ModelRunner:
         """
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        self.kv_dtype = DTYPES[kv_dtype or dtype]
         self.block_size = block_size
         c = model.config
         self.group = c.num_heads // c.num_kv_heads
-        self.transformer = Transformer(c, model.weights, max_model_len, self.device, self.dtype, weight_dtype)
+        self.transformer = Transformer(
+            c,
+            model.weights,
+            max_model_len,
+            self.device,
+            self.dtype,
+            weight_dtype,
+            model.quantized,
+            cache_dir or default_cache_dir(),
+        )
         self.kv_cache = KVCache(
-            c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.dtype
+            c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.kv_dtype
         )
         self.native = self._native_attention(attention, cache_dir)
 
@@ -92,7 +104,9 @@ class ModelRunner:
         if attention == "torch":
             return None
         try:
-            return NativeDecodeAttention.load(cache_dir or default_cache_dir(), self.device, self.dtype)
+            return NativeDecodeAttention.load(
+                cache_dir or default_cache_dir(), self.device, self.dtype, self.kv_dtype
+            )
         except KernelUnavailableError as e:
             if attention == "native":
                 raise

@@ -5,6 +5,7 @@ both residual adds ride on the matmuls that precede them. Every linear, the tied
 stored in `weight_dtype` (see kvserve.model.linear); the embedding lookup and the norms stay in `dtype`.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from kvserve.model.linear import Linear, make_linear
+from kvserve.model.quant_blocks import QuantizedWeight, concat
+from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear, make_block_linear
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 from kvserve.model.spec import ModelConfig
 
@@ -41,21 +44,34 @@ class Transformer:
         device: torch.device,
         dtype: torch.dtype,
         weight_dtype: str,
+        quantized: dict[str, QuantizedWeight] | None = None,
+        cache_dir: str = "",
     ) -> None:
+        """`quantized`: the file's blocks by weight name, for weight_dtype "gguf"; `cache_dir` holds the
+        native kernels."""
         self.config = config
+        blocks = quantized or {}
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ModelLoadError(name, "tensor missing from the weight files")
             return weights[name].to(device=device, dtype=dtype)
 
+        def product(names: list[str], bias: torch.Tensor | None) -> Linear:
+            weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
+            if weight_dtype not in ("gguf", "q8_0"):
+                return make_linear(weight, bias, weight_dtype)
+            parts = [blocks.get(n) for n in names]
+            joined = concat([p for p in parts if p is not None]) if all(parts) else None
+            return make_block_linear(weight, bias, joined, weight_dtype, cache_dir)
+
         def linear(name: str, bias: bool) -> Linear:
-            return make_linear(take(name + ".weight"), take(name + ".bias") if bias else None, weight_dtype)
+            return product([name + ".weight"], take(name + ".bias") if bias else None)
 
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
-        self.lm_head = make_linear(head, None, weight_dtype)
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = product([head], None)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -65,11 +81,7 @@ class Transformer:
             self.layers.append(
                 LayerWeights(
                     attn_norm=take(p + "input_layernorm.weight"),
-                    qkv=make_linear(
-                        torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                        qkv_bias,
-                        weight_dtype,
-                    ),
+                    qkv=product([p + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_bias),
                     o=linear(p + "self_attn.o_proj", config.o_proj_bias),
                     mlp_norm=take(p + "post_attention_layernorm.weight"),
                     gate=linear(p + "mlp.gate_proj", config.mlp_bias),
@@ -83,6 +95,10 @@ class Transformer:
                 "model.embed_tokens.weight",
                 f"shape {tuple(self.embed.shape)} does not match config {expected}",
             )
+        # Where the products run natively, so do the norms: one call each instead of five torch ops.
+        self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
+            NativeRmsNorm(cache_dir) if isinstance(self.lm_head, QuantLinear) else rms_norm
+        )
         self.rotary = RotaryEmbedding(config, max_positions, device, dtype)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -98,7 +114,7 @@ class Transformer:
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+            x = self.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
             # q and k heads side by side, so one rotary pass covers both.
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim), cos, sin)
@@ -106,10 +122,10 @@ class Transformer:
             v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, kv.block_size, self.scale)
             h = layer.o.add(attn.view(n, self.q_size), h)
-            x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
+            x = self.rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
             h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps))
+        return self.lm_head(self.rms_norm(hidden, self.norm, self.config.rms_norm_eps))

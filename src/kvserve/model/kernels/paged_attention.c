@@ -7,28 +7,31 @@
  * its context and its length: never on the other rows of the step or on the thread count. That is what
  * makes decodes bitwise batch-invariant.
  *
- * The same code is built for float and double (double serves the float64 reference runs of the tests).
+ * The same code is built for float and double (double serves the float64 reference runs of the tests),
+ * and for float with a float16 cache (KV): each cached value is widened to float as it is read, and
+ * every product and sum stays in float.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define DEFINE_PAGED_ATTENTION(T, EXP, NAME)                                                          \
-    static void NAME##_row(const T *restrict q, T *restrict out, const T *restrict kc,               \
-                           const T *restrict vc, const int64_t *restrict table, int64_t n,          \
+#define DEFINE_PAGED_ATTENTION(T, KV, EXP, NAME)                                                          \
+    static void NAME##_row(const T *restrict q, T *restrict out, const KV *restrict kc,              \
+                           const KV *restrict vc, const int64_t *restrict table, int64_t n,          \
                            int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,       \
                            T scale, T *restrict scores, T *restrict acc)                             \
     {                                                                                                 \
         const int64_t group = heads / kv_heads, stride = kv_heads * dim;                              \
         for (int64_t start = 0; start < n; start += block_size) {                                     \
             const int64_t len = n - start < block_size ? n - start : block_size;                      \
-            const T *k = kc + table[start / block_size] * block_size * stride;                        \
+            const KV *k = kc + table[start / block_size] * block_size * stride;                        \
             for (int64_t i = 0; i < len; i++, k += stride) {                                          \
                 for (int64_t h = 0; h < heads; h++) {                                                 \
-                    const T *qh = q + h * dim, *kh = k + (h / group) * dim;                           \
+                    const T *qh = q + h * dim;                                                        \
+                    const KV *kh = k + (h / group) * dim;                                             \
                     T s = 0;                                                                          \
                     for (int64_t d = 0; d < dim; d++)                                                 \
-                        s += qh[d] * kh[d];                                                           \
+                        s += qh[d] * (T)kh[d];                                                        \
                     scores[h * n + start + i] = s * scale;                                            \
                 }                                                                                     \
             }                                                                                         \
@@ -51,13 +54,14 @@
             acc[j] = 0;                                                                               \
         for (int64_t start = 0; start < n; start += block_size) {                                     \
             const int64_t len = n - start < block_size ? n - start : block_size;                      \
-            const T *v = vc + table[start / block_size] * block_size * stride;                        \
+            const KV *v = vc + table[start / block_size] * block_size * stride;                        \
             for (int64_t i = 0; i < len; i++, v += stride) {                                          \
                 for (int64_t h = 0; h < heads; h++) {                                                 \
-                    const T w = scores[h * n + start + i], *vh = v + (h / group) * dim;               \
+                    const T w = scores[h * n + start + i];                                            \
+                    const KV *vh = v + (h / group) * dim;                                             \
                     T *ah = acc + h * dim;                                                            \
                     for (int64_t d = 0; d < dim; d++)                                                 \
-                        ah[d] += w * vh[d];                                                           \
+                        ah[d] += w * (T)vh[d];                                                        \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
@@ -68,7 +72,7 @@
     /* q: rows of [heads, dim], `q_stride` elements apart; out: [rows, heads, dim] contiguous;        \
      * tables: [rows, table_width] block ids; lens: [rows] context lengths, each >= 1.                \
      * Returns 0, or -1 when scratch memory could not be allocated. */                                \
-    int NAME(const T *q, int64_t q_stride, T *out, const T *k_cache, const T *v_cache,                \
+    int NAME(const T *q, int64_t q_stride, T *out, const KV *k_cache, const KV *v_cache,              \
              const int64_t *tables, int64_t table_width, const int64_t *lens, int64_t rows,           \
              int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, double scale,          \
              int threads)                                                                             \
@@ -96,5 +100,9 @@
         return failed ? -1 : 0;                                                                       \
     }
 
-DEFINE_PAGED_ATTENTION(float, expf, paged_decode_attention_f32)
-DEFINE_PAGED_ATTENTION(double, exp, paged_decode_attention_f64)
+DEFINE_PAGED_ATTENTION(float, float, expf, paged_decode_attention_f32)
+DEFINE_PAGED_ATTENTION(double, double, exp, paged_decode_attention_f64)
+/* Compilers without the _Float16 type build the rest; the caller then finds no float16 symbol. */
+#ifdef __FLT16_MAX__
+DEFINE_PAGED_ATTENTION(float, _Float16, expf, paged_decode_attention_f32_kv16)
+#endif

@@ -1,0 +1,458 @@
+/* Linear products on GGUF's quantized weight blocks, loaded through ctypes by kvserve/model/quant_linear.py.
+ *
+ * out[t, o] = op(sum_i x[t, i] * w[o, i] + bias[o]) with w kept as the file's blocks of 32 weights:
+ *   Q8_0 (34 bytes): float16 d, int8 q[32];            w = d * q
+ *   Q4_0 (18 bytes): float16 d, 4-bit q[32];           w = d * (q - 8)
+ *   Q4_1 (20 bytes): float16 d, float16 m, 4-bit q[32]; w = d * q + m
+ *   K8   (44 bytes): float32 d0, d1, m, int8 q[32];    w = d0 * q + m (elements 0..15), d1 * q + m (16..31)
+ * K8 is kvserve's own: the K-quants (Q4_K, Q5_K, Q6_K) convert to it exactly at load (quant_blocks.py).
+ * (4-bit: byte j holds element j in its low nibble and element j + 16 in its high nibble.)
+ *
+ * Nothing is requantized: the quants are widened to float32 in registers and every product and sum is in
+ * float32. Per block, eight lanes l each sum q * x over the block's elements 8k + l (k = 0..3: one
+ * multiply, then three fused multiply-adds), and a lane's running total takes d times that block sum by
+ * a fused multiply-add (K8: each half's two-term sum times its own scale, low half first). The offset
+ * term of Q4_1 and K8, m times the block's sum of x, is summed apart in block order.
+ * At the end the lanes are added in one fixed tree. That order is the same for every output of every row,
+ * whatever the batch, the tile it falls in, the thread count or the instruction set: a row's output is
+ * bitwise independent of the rest of its batch, and the AVX2 path and the portable one give the same
+ * bits (tests/test_quant_linear.py checks both). The library is compiled without -ffast-math and with
+ * -ffp-contract=off so that the compiler keeps exactly these operations.
+ *
+ * Work is split over output columns between threads (OpenMP), each output computed by one thread. Rows
+ * are taken four at a time where the batch has them (each block is widened once for four rows), and one
+ * at a time across four outputs otherwise (decodes).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
+/* ggml's type ids. */
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_K8 = 100 };
+enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
+#define QK 32
+#define ROW_TILE 4
+#define COL_TILE 4
+#define ROW_CHUNK 32
+#define PREFETCH_BLOCKS 32
+
+static float half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {
+        /* Subnormal: normalize the mantissa. */
+        exp = 113;
+        while (!(mant & 0x400)) {
+            mant <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static int block_bytes(int type)
+{
+    switch (type) {
+    case TYPE_Q8_0:
+        return 34;
+    case TYPE_Q4_0:
+        return 18;
+    case TYPE_Q4_1:
+        return 20;
+    case TYPE_K8:
+        return 44;
+    default:
+        return 0;
+    }
+}
+
+static inline uint16_t read_u16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The lanes' fixed addition tree, shared by both paths. */
+static inline float lane_sum(const float *a)
+{
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+static inline float apply_op(float v, int op, float other)
+{
+    switch (op) {
+    case OP_SILU:
+        return v / (1.0f + expf(-v));
+    case OP_ADD:
+        return v + other;
+    case OP_MUL:
+        return v * other;
+    default:
+        return v;
+    }
+}
+
+/* Portable path: the same operations as the vector path, lane by lane. */
+static inline float read_f32(const uint8_t *p)
+{
+    float v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Scales of the block's two halves, and its offset (0 for the types without one). */
+static inline void scales(int type, const uint8_t *blk, float *d0, float *d1, float *m)
+{
+    if (type == TYPE_K8) {
+        *d0 = read_f32(blk), *d1 = read_f32(blk + 4), *m = read_f32(blk + 8);
+        return;
+    }
+    *d0 = *d1 = half_to_float(read_u16(blk));
+    *m = type == TYPE_Q4_1 ? half_to_float(read_u16(blk + 2)) : 0.0f;
+}
+
+static void scalar_quants(int type, const uint8_t *blk, float q[QK])
+{
+    if (type == TYPE_Q8_0 || type == TYPE_K8) {
+        const int at = type == TYPE_K8 ? 12 : 2;
+        for (int j = 0; j < QK; j++)
+            q[j] = (float)(int8_t)blk[at + j];
+        return;
+    }
+    const uint8_t *qs = blk + (type == TYPE_Q4_1 ? 4 : 2);
+    const int bias = type == TYPE_Q4_0 ? 8 : 0;
+    for (int j = 0; j < QK / 2; j++) {
+        q[j] = (float)((qs[j] & 0x0f) - bias);
+        q[j + QK / 2] = (float)((qs[j] >> 4) - bias);
+    }
+}
+
+static float scalar_dot(int type, const uint8_t *w, size_t block_stride, int64_t nb, const float *x,
+                        const float *sx)
+{
+    float acc[8] = {0}, offset = 0, q[QK];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * block_stride;
+        const float *xb = x + b * QK;
+        scalar_quants(type, blk, q);
+        float d0, d1, m;
+        scales(type, blk, &d0, &d1, &m);
+        for (int l = 0; l < 8; l++) {
+            if (type == TYPE_K8) {
+                /* Two halves with their own scales. */
+                const float lo = fmaf(q[8 + l], xb[8 + l], q[l] * xb[l]);
+                const float hi = fmaf(q[24 + l], xb[24 + l], q[16 + l] * xb[16 + l]);
+                acc[l] = fmaf(d1, hi, fmaf(d0, lo, acc[l]));
+                continue;
+            }
+            float t = q[l] * xb[l];
+            for (int k = 1; k < 4; k++)
+                t = fmaf(q[8 * k + l], xb[8 * k + l], t);
+            acc[l] = fmaf(d0, t, acc[l]);
+        }
+        if (type == TYPE_Q4_1 || type == TYPE_K8)
+            offset = fmaf(m, sx[b], offset);
+    }
+    return lane_sum(acc) + offset;
+}
+
+#if HAVE_AVX2
+/* The four vectors of block `blk`'s quants as floats, elements 8k..8k+7 in vector k. */
+static inline __attribute__((always_inline)) void vector_quants(int type, const uint8_t *blk, __m256 v[4])
+{
+    if (type == TYPE_Q8_0 || type == TYPE_K8) {
+        const int at = type == TYPE_K8 ? 12 : 2;
+        for (int k = 0; k < 4; k++)
+            v[k] = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + at + 8 * k))));
+        return;
+    }
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (type == TYPE_Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    if (type == TYPE_Q4_0) {
+        const __m128i eight = _mm_set1_epi8(8);
+        lo = _mm_sub_epi8(lo, eight);
+        hi = _mm_sub_epi8(hi, eight);
+        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    }
+}
+
+static inline float vector_total(__m256 acc, float offset)
+{
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    return lane_sum(lanes) + offset;
+}
+
+/* ROWS rows x COLS outputs; res[r * COLS + c]. Called with constant ROWS and COLS so that it unrolls. */
+static inline __attribute__((always_inline)) void vector_tile(int type, int rows, int cols, const uint8_t *w,
+                                                              size_t block_stride, int64_t nb, const float *x,
+                                                              int64_t x_stride, const float *sx, float *res)
+{
+    const int bb = block_bytes(type);
+    __m256 acc[ROW_TILE * COL_TILE];
+    float offset[ROW_TILE * COL_TILE];
+    for (int i = 0; i < rows * cols; i++) {
+        acc[i] = _mm256_setzero_ps();
+        offset[i] = 0;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        for (int c = 0; c < cols; c++) {
+            /* A column tile's blocks are interleaved (see `column`): consecutive in memory. */
+            const uint8_t *blk = w + c * bb + b * block_stride;
+            _mm_prefetch((const char *)blk + PREFETCH_BLOCKS * block_stride, _MM_HINT_T0);
+            __m256 v[4];
+            vector_quants(type, blk, v);
+            float d0, d1, m;
+            if (type == TYPE_K8) {
+                d0 = read_f32(blk), d1 = read_f32(blk + 4), m = read_f32(blk + 8);
+            } else {
+                d0 = d1 = _cvtsh_ss(read_u16(blk));
+                m = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(blk + 2)) : 0.0f;
+            }
+            const __m256 d = _mm256_set1_ps(d0);
+            for (int r = 0; r < rows; r++) {
+                const float *xb = x + r * x_stride + b * QK;
+                if (type == TYPE_K8) {
+                    __m256 lo = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+                    lo = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), lo);
+                    __m256 hi = _mm256_mul_ps(v[2], _mm256_loadu_ps(xb + 16));
+                    hi = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), hi);
+                    acc[r * cols + c] =
+                        _mm256_fmadd_ps(_mm256_set1_ps(d1), hi, _mm256_fmadd_ps(d, lo, acc[r * cols + c]));
+                } else {
+                    __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+                    t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
+                    t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
+                    t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
+                    acc[r * cols + c] = _mm256_fmadd_ps(d, t, acc[r * cols + c]);
+                }
+                if (type == TYPE_Q4_1 || type == TYPE_K8)
+                    offset[r * cols + c] = fmaf(m, sx[r * nb + b], offset[r * cols + c]);
+            }
+        }
+    }
+    for (int i = 0; i < rows * cols; i++)
+        res[i] = vector_total(acc[i], offset[i]);
+}
+
+#define DEFINE_TILES(NAME, TYPE)                                                                          \
+    static void NAME##_rows(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,         \
+                            const float *sx, float *res)                                                 \
+    {                                                                                                    \
+        vector_tile(TYPE, ROW_TILE, 1, w, rb, nb, x, xs, sx, res);                                       \
+    }                                                                                                    \
+    static void NAME##_cols(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,         \
+                            const float *sx, float *res)                                                 \
+    {                                                                                                    \
+        vector_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, sx, res);                                       \
+    }                                                                                                    \
+    static void NAME##_one(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,          \
+                           const float *sx, float *res)                                                  \
+    {                                                                                                    \
+        vector_tile(TYPE, 1, 1, w, rb, nb, x, xs, sx, res);                                              \
+    }
+DEFINE_TILES(q8_0, TYPE_Q8_0)
+DEFINE_TILES(q4_0, TYPE_Q4_0)
+DEFINE_TILES(q4_1, TYPE_Q4_1)
+DEFINE_TILES(k8, TYPE_K8)
+#endif
+
+typedef void (*tile_fn)(const uint8_t *, size_t, int64_t, const float *, int64_t, const float *, float *);
+
+struct product {
+    int type;
+    const uint8_t *w;
+    size_t bb;
+    int64_t nb, n_in, n_out, grouped;
+    const float *x, *sx, *bias, *other;
+    float *out;
+    int op;
+};
+
+static inline void store(const struct product *p, int64_t t, int64_t o, float v)
+{
+    if (p->bias)
+        v += p->bias[o];
+    const int64_t i = t * p->n_out + o;
+    p->out[i] = apply_op(v, p->op, p->other ? p->other[i] : 0.0f);
+}
+
+/* The first block of output o. The outputs below `grouped` (a multiple of COL_TILE) are stored in groups
+ * of COL_TILE with their blocks interleaved (block b of the group's outputs side by side, then block
+ * b + 1), so that a column tile reads one contiguous stream; the rest follow as plain rows. */
+static inline const uint8_t *column(const struct product *p, int64_t o)
+{
+    if (o < p->grouped)
+        return p->w + ((o / COL_TILE) * p->nb * COL_TILE + o % COL_TILE) * p->bb;
+    return p->w + (p->grouped * p->nb + (o - p->grouped) * p->nb) * p->bb;
+}
+
+static inline size_t block_stride(const struct product *p, int64_t o)
+{
+    return o < p->grouped ? COL_TILE * p->bb : p->bb;
+}
+
+/* Outputs [o0, o1) of every row, by the portable path. */
+static void scalar_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1)
+{
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t o = o0; o < o1; o++)
+            store(p, t, o,
+                  scalar_dot(p->type, column(p, o), block_stride(p, o), p->nb, p->x + t * p->n_in,
+                             p->sx + t * p->nb));
+}
+
+#if HAVE_AVX2
+static void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1)
+{
+    tile_fn by_rows, by_cols, one;
+    switch (p->type) {
+    case TYPE_Q8_0:
+        by_rows = q8_0_rows, by_cols = q8_0_cols, one = q8_0_one;
+        break;
+    case TYPE_Q4_0:
+        by_rows = q4_0_rows, by_cols = q4_0_cols, one = q4_0_one;
+        break;
+    case TYPE_Q4_1:
+        by_rows = q4_1_rows, by_cols = q4_1_cols, one = q4_1_one;
+        break;
+    default:
+        by_rows = k8_rows, by_cols = k8_cols, one = k8_one;
+        break;
+    }
+    float res[ROW_TILE * COL_TILE];
+    /* Rows in chunks, so that a chunk's activations stay in cache while the outputs' weights stream. */
+    for (int64_t t0 = 0; t0 < rows; t0 += ROW_CHUNK) {
+        const int64_t t1 = t0 + ROW_CHUNK < rows ? t0 + ROW_CHUNK : rows;
+        for (int64_t o = o0; o < o1;) {
+            int64_t t = t0;
+            const uint8_t *w = column(p, o);
+            const size_t bs = block_stride(p, o);
+            if (o1 - o < COL_TILE || t1 - t0 >= ROW_TILE) {
+                /* One output at a time: four rows per tile, then the rest one by one. */
+                for (; t + ROW_TILE <= t1; t += ROW_TILE) {
+                    by_rows(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
+                    for (int r = 0; r < ROW_TILE; r++)
+                        store(p, t + r, o, res[r]);
+                }
+                for (; t < t1; t++) {
+                    one(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
+                    store(p, t, o, res[0]);
+                }
+                o += 1;
+            } else {
+                for (; t < t1; t++) {
+                    by_cols(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
+                    for (int c = 0; c < COL_TILE; c++)
+                        store(p, t, o + c, res[c]);
+                }
+                o += COL_TILE;
+            }
+        }
+    }
+}
+#endif
+
+/* 1 when this build has the AVX2 path. */
+int quant_linear_vectorized(void) { return HAVE_AVX2; }
+
+/* x: [rows, n_in] float32, contiguous; w: n_out * n_in / 32 blocks of `type`, laid out as `column`
+ * says (quant_linear.py's `interleave`); bias: [n_out] or
+ * NULL; other: [rows, n_out] for OP_ADD and OP_MUL, else NULL; out: [rows, n_out]. `portable` forces the
+ * portable path (for tests). Returns 0, -1 for an unknown type or shape, -2 when out of memory. */
+int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, const float *other, float *out,
+                 int64_t rows, int64_t n_in, int64_t n_out, int op, int threads, int portable)
+{
+    const int bb = block_bytes(type);
+    if (bb == 0 || n_in % QK != 0)
+        return -1;
+    const int64_t nb = n_in / QK;
+    float *sx = NULL;
+    if (type == TYPE_Q4_1 || type == TYPE_K8) {
+        sx = malloc(sizeof(float) * (size_t)(rows * nb) + 1);
+        if (!sx)
+            return -2;
+        for (int64_t i = 0; i < rows * nb; i++) {
+            const float *xb = x + i * QK;
+            float s = 0;
+            for (int j = 0; j < QK; j++)
+                s += xb[j];
+            sx[i] = s;
+        }
+    }
+    const struct product p = {type, w,     (size_t)bb, nb,    n_in, n_out, n_out / COL_TILE * COL_TILE,
+                              x,    sx,    bias,       other, out,  op};
+    /* Each thread takes a contiguous run of outputs, a multiple of the column tile. */
+    const int64_t tiles = (n_out + COL_TILE - 1) / COL_TILE;
+    int nt = threads < 1 ? 1 : threads;
+    if (nt > tiles)
+        nt = (int)tiles;
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+        const int me = omp_get_thread_num();
+#else
+        const int me = 0;
+        nt = 1;
+#endif
+        const int64_t o0 = tiles * me / nt * COL_TILE, o1e = tiles * (me + 1) / nt * COL_TILE;
+        const int64_t o1 = o1e < n_out ? o1e : n_out;
+#if HAVE_AVX2
+        if (!portable)
+            vector_range(&p, rows, o0, o1);
+        else
+#endif
+            scalar_range(&p, rows, o0, o1);
+    }
+    free(sx);
+    return 0;
+}
+
+/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, row by row: one call instead of torch's five ops. The
+ * sum of squares runs in index order in plain C (no reassociation is allowed, so no vector code): the
+ * same bits on every machine and for every batch. */
+void rms_norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps)
+{
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xt = x + t * n;
+        float *ot = out + t * n;
+        float ss = 0;
+        for (int64_t i = 0; i < n; i++)
+            ss += xt[i] * xt[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++)
+            ot[i] = xt[i] * inv * weight[i];
+    }
+}

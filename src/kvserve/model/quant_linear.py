@@ -1,0 +1,162 @@
+"""Products on quantized weight blocks through the native kernel (kernels/quant_linear.c).
+
+One native call per product, the op that follows it (silu, add, mul) and the bias included. The kernel
+sums every output in one fixed order, so a row's output is bitwise the same alone or in any batch, and
+its AVX2 path and portable path give the same bits. The compile flags keep the kernel's float
+operations exactly as written (no -ffast-math, no contraction into fused multiply-adds it did not ask for).
+"""
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from kvserve.model.linear import Linear, make_linear
+from kvserve.model.native_build import KernelUnavailableError, load_kernel
+from kvserve.model.quant_blocks import QK, QuantizedWeight, quantize_q8_0
+
+log = logging.getLogger(__name__)
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11"]
+
+# The kernel's column tile (COL_TILE in quant_linear.c).
+COL_TILE = 4
+_OP_NONE, _OP_SILU, _OP_ADD, _OP_MUL = 0, 1, 2, 3
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_C = ctypes.c_int
+
+
+@functools.cache
+def load_library(cache_dir: str) -> ctypes.CDLL:
+    lib = load_kernel("quant_linear", cache_dir, COMPILE_FLAGS)
+    lib.quant_linear.argtypes = [_C, _P, _P, _P, _P, _P, _I, _I, _I, _C, _C, _C]
+    lib.quant_linear.restype = _C
+    lib.quant_linear_vectorized.argtypes = []
+    lib.quant_linear_vectorized.restype = _C
+    lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
+    lib.rms_norm_rows.restype = None
+    return lib
+
+
+class NativeRmsNorm:
+    """rms_norm in one native call (torch's is five ops on the CPU, a fifth of a decode step's ops)."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.lib = load_library(cache_dir)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        assert x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty_like(rows)
+        self.lib.rms_norm_rows(
+            rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], eps
+        )
+        return out.view(x.shape)
+
+
+def interleave(weight: QuantizedWeight) -> torch.Tensor:
+    """The kernel's layout of the blocks (unchanged bytes, reordered): outputs in groups of COL_TILE with
+    their blocks side by side (block b of each, then block b + 1), so that a decode, which computes a
+    group's outputs together, reads one contiguous stream; the last outputs that fill no group as rows."""
+    data = weight.data
+    grouped = weight.out_features // COL_TILE * COL_TILE
+    nb = weight.in_features // QK
+    head = data[:grouped].reshape(grouped // COL_TILE, COL_TILE, nb, -1).transpose(1, 2)
+    return torch.cat((head.reshape(-1), data[grouped:].reshape(-1)))
+
+
+class QuantLinear(Linear):
+    """y = op(x @ dequantize(weight).T + bias) on the weight's blocks, x float32 on the CPU.
+
+    `portable` forces the kernel's portable path (tests compare it with the vector path).
+    """
+
+    def __init__(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None, cache_dir: str, portable: bool = False
+    ) -> None:
+        if weight.data.device.type != "cpu":
+            raise KernelUnavailableError("quantized weights run on the CPU")
+        self.lib = load_library(cache_dir)
+        self.weight = weight
+        self._data = interleave(weight)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        if self.bias is not None and self.bias.shape != (weight.out_features,):
+            raise ValueError(f"bias of shape {tuple(self.bias.shape)} for {weight.out_features} outputs")
+        self.portable = portable
+
+    @property
+    def vectorized(self) -> bool:
+        """Whether the kernel was built with its AVX2 path."""
+        return bool(self.lib.quant_linear_vectorized())
+
+    def _run(self, x: torch.Tensor, op: int, other: torch.Tensor | None) -> torch.Tensor:
+        n_in, n_out = self.weight.in_features, self.weight.out_features
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != n_in:
+            raise ValueError(f"expected float32 CPU input [..., {n_in}], got {x.dtype} {tuple(x.shape)}")
+        rows = x.reshape(-1, n_in).contiguous()
+        out = torch.empty((rows.shape[0], n_out), dtype=torch.float32)
+        if other is not None:
+            other = other.reshape(rows.shape[0], n_out).float().contiguous()
+        status = self.lib.quant_linear(
+            self.weight.qtype,
+            self._data.data_ptr(),
+            rows.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            None if other is None else other.data_ptr(),
+            out.data_ptr(),
+            rows.shape[0],
+            n_in,
+            n_out,
+            op,
+            torch.get_num_threads(),
+            int(self.portable),
+        )
+        if status == -2:
+            raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
+        if status != 0:
+            raise ValueError(
+                f"the quantized linear kernel refused type {self.weight.qtype} with {n_in} inputs"
+            )
+        return out.view(*x.shape[:-1], n_out)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, _OP_NONE, None)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, _OP_SILU, None)
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self._run(x, _OP_ADD, other)
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self._run(x, _OP_MUL, other)
+
+
+def make_block_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    blocks: QuantizedWeight | None,
+    weight_dtype: str,
+    cache_dir: str,
+) -> Linear:
+    """The Linear of a block mode: "gguf" (the file's own `blocks`) or "q8_0" (`weight` quantized now).
+
+    `weight` is the float weight in the compute dtype ([out, in], the blocks dequantized for a GGUF).
+    Without blocks of a type the kernel reads, "gguf" is "float16". Off the CPU or in another compute
+    dtype than float32, the blocks' float values run through `F.linear`: the same model, without the
+    kernel's speed. When the kernel cannot be built here, float16.
+    """
+    if weight_dtype == "q8_0":
+        blocks = quantize_q8_0(weight)
+    elif weight_dtype != "gguf":
+        raise ValueError(f"not a block weight mode: {weight_dtype!r}")
+    if blocks is None:
+        return make_linear(weight, bias, "float16")
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return make_linear(blocks.dequantize().to(weight.device, weight.dtype), bias, "float32")
+    try:
+        return QuantLinear(blocks, bias, cache_dir)
+    except KernelUnavailableError as e:
+        log.warning("quantized weights fall back to float16: %s", e)
+        return make_linear(weight, bias, "float16")

@@ -1,0 +1,213 @@
+"""The native kernel on GGUF's quantized blocks (Q8_0, Q4_0, Q4_1) against the blocks' float values.
+
+Blocks are made with the gguf package's own quantizer, so the kernel reads exactly what a GGUF file
+holds. A row's output is checked bitwise across batches in tests/test_linear.py; here: the products are
+the float32 products of the dequantized weights (up to summation order), the AVX2 path and the portable
+path give the same bits, and the fused ops are the op after the product.
+"""
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kvserve.config import default_cache_dir
+from kvserve.model.linear import Float32Linear, Fp16Linear
+from kvserve.model.quant_blocks import (
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    QuantizedWeight,
+    concat,
+    from_k_quant,
+    quantize_q8_0,
+)
+from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear, make_block_linear
+
+TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
+
+
+def gguf_blocks(w: torch.Tensor, qtype: int) -> QuantizedWeight:
+    data = quantize(w.numpy(), GGMLQuantizationType(qtype))
+    return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(data)), w.shape[1])
+
+
+def random_weight(n_out: int, n_in: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n_out, n_in, generator=gen) * 0.05
+
+
+def rows(n: int, n_in: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n_in, generator=gen) * torch.logspace(-2, 2, n).unsqueeze(1)
+    x[n // 2] = 0
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_blocks_dequantize_to_the_gguf_package_values(name: str) -> None:
+    w = random_weight(40, 96)
+    blocks = gguf_blocks(w, TYPES[name])
+    expected = dequantize(blocks.data.numpy(), GGMLQuantizationType(TYPES[name]))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(np.asarray(expected, dtype=np.float32)))
+    assert torch.equal(blocks.rows(torch.tensor([[3, 0], [39, 3]]))[1, 0], blocks.dequantize()[39])
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("n_rows", [1, 3, 4, 37])
+def test_the_product_is_the_float_product_of_the_dequantized_blocks(name: str, n_rows: int) -> None:
+    w = random_weight(203, 576)
+    bias = torch.randn(203) * 0.1
+    blocks = gguf_blocks(w, TYPES[name])
+    x = rows(n_rows, 576)
+    exact = F.linear(x.double(), blocks.dequantize().double(), bias.double())
+    ours = QuantLinear(blocks, bias, default_cache_dir())(x).double()
+    error = (ours - exact).norm(dim=1) / exact.norm(dim=1).clamp(min=1e-30)
+    assert error.max() < 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_the_vector_path_and_the_portable_path_give_the_same_bits(name: str) -> None:
+    w = random_weight(131, 1536)
+    blocks = gguf_blocks(w, TYPES[name])
+    fast = QuantLinear(blocks, None, default_cache_dir())
+    if not fast.vectorized:
+        pytest.skip("this CPU has no AVX2 path to compare")
+    portable = QuantLinear(blocks, None, default_cache_dir(), portable=True)
+    x = rows(9, 1536)
+    assert torch.equal(fast(x), portable(x))
+    assert torch.equal(fast.silu(x), portable.silu(x))
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_fused_ops_are_the_op_after_the_product(name: str) -> None:
+    blocks = gguf_blocks(random_weight(64, 128), TYPES[name])
+    linear = QuantLinear(blocks, torch.randn(64), default_cache_dir())
+    x, other = rows(5, 128), rows(5, 64, seed=2)
+    plain = linear(x)
+    torch.testing.assert_close(linear.silu(x), F.silu(plain), rtol=1e-6, atol=1e-7)
+    assert torch.equal(linear.add(x, other), plain + other)
+    assert torch.equal(linear.mul(x, other), plain * other)
+
+
+def test_the_thread_count_does_not_change_a_bit() -> None:
+    blocks = gguf_blocks(random_weight(300, 576), Q4_1)
+    linear = QuantLinear(blocks, None, default_cache_dir())
+    x = rows(6, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x)
+        torch.set_num_threads(2)
+        two = linear(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_q8_0_at_load_matches_ggml_quantization() -> None:
+    w = random_weight(48, 256)
+    w[3] = 0
+    ours = quantize_q8_0(w)
+    theirs = gguf_blocks(w, Q8_0)
+    assert torch.equal(ours.dequantize(), theirs.dequantize())
+
+
+def test_mixed_types_do_not_concatenate_and_block_modes_fall_back() -> None:
+    w = random_weight(32, 64)
+    assert concat([gguf_blocks(w, Q8_0), gguf_blocks(w, Q4_1)]) is None
+    joined = concat([gguf_blocks(w, Q4_1), gguf_blocks(w, Q4_1)])
+    assert joined is not None and joined.out_features == 64
+    # No blocks: "gguf" is float16. Another compute dtype: the blocks' values through F.linear.
+    assert isinstance(make_block_linear(w, None, None, "gguf", default_cache_dir()), Fp16Linear)
+    blocks = gguf_blocks(w, Q4_1)
+    other = make_block_linear(w.double(), None, blocks, "gguf", default_cache_dir())
+    assert isinstance(other, Float32Linear) and torch.equal(other.weight, blocks.dequantize().double())
+    assert isinstance(make_block_linear(w, None, None, "q8_0", default_cache_dir()), QuantLinear)
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="whole blocks"):
+        QuantizedWeight(Q8_0, torch.zeros(2, 34, dtype=torch.uint8), 48)
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantizedWeight(99, torch.zeros(2, 34, dtype=torch.uint8), 32)
+    linear = QuantLinear(gguf_blocks(random_weight(8, 64), Q8_0), None, default_cache_dir())
+    with pytest.raises(ValueError, match="float32"):
+        linear(torch.zeros(2, 64, dtype=torch.float64))
+
+
+K_QUANTS = {"Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
+
+
+def k_quant_blocks(w: torch.Tensor, qtype: int) -> np.ndarray:
+    """Super-blocks as a GGUF holds them. The gguf package quantizes none of the K-quants, so random
+    bytes stand in (every bit pattern is a valid block), with sane float16 scale fields."""
+    rng = np.random.default_rng(qtype)
+    n_out, n_in = w.shape
+    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[qtype]
+    raw = rng.integers(0, 256, size=(n_out * n_in // 256, size), dtype=np.uint8)
+    scales = (rng.random((raw.shape[0], 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if qtype == Q6_K:
+        raw[:, 208:210] = scales[:, :2]
+    else:
+        raw[:, 0:4] = scales
+    return raw.reshape(n_out, -1)
+
+
+@pytest.mark.parametrize("name", sorted(K_QUANTS))
+def test_k_quants_convert_to_k8_blocks_of_the_same_weights(name: str) -> None:
+    qtype = K_QUANTS[name]
+    raw = k_quant_blocks(torch.zeros(24, 512), qtype)
+    converted = from_k_quant(raw, qtype, 512)
+    expected = dequantize(raw, GGMLQuantizationType(qtype))
+    assert torch.equal(converted.dequantize(), torch.from_numpy(np.asarray(expected, dtype=np.float32)))
+    linear = QuantLinear(converted, None, default_cache_dir())
+    x = rows(5, 512)
+    exact = F.linear(x.double(), converted.dequantize().double())
+    error = (linear(x).double() - exact).norm(dim=1) / exact.norm(dim=1).clamp(min=1e-30)
+    assert error.max() < 1e-6
+    if linear.vectorized:
+        assert torch.equal(linear(x), QuantLinear(converted, None, default_cache_dir(), portable=True)(x))
+
+
+def test_the_native_rms_norm_is_torchs_and_row_invariant() -> None:
+    norm = NativeRmsNorm(default_cache_dir())
+    x, weight = rows(33, 576), torch.randn(576)
+    ours = norm(x, weight, 1e-5)
+    torch.testing.assert_close(ours, F.rms_norm(x, (576,), weight, 1e-5), rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.cat([norm(x[i : i + 1], weight, 1e-5) for i in range(33)]), ours)
+
+
+def test_a_gguf_files_k_quant_and_q4_1_tensors_load_as_blocks_of_the_same_weights(tmp_path: Any) -> None:
+    """A tiny GGUF written with the gguf package: q rows are put back in Hugging Face order (as the float
+    conversion does), a Q4_K matrix converts to K8, a Q4_1 one stays as the file's bytes."""
+    from gguf import GGUFWriter
+
+    from kvserve.model.gguf_convert import _unpermute, quantized_tensors
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = GGUFWriter(path, "llama")
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    q_raw = k_quant_blocks(torch.zeros(64, 256), Q4_K)
+    down = gguf_blocks(random_weight(16, 64), Q4_1)
+    writer.add_tensor("blk.0.attn_q.weight", q_raw, raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.ffn_down.weight", down.data.numpy(), raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    loaded = quantized_tensors(path)
+    q = loaded["model.layers.0.self_attn.q_proj.weight"]
+    expected = _unpermute(np.asarray(dequantize(q_raw, GGMLQuantizationType.Q4_K), dtype=np.float32), 4)
+    assert q.in_features == 256 and torch.equal(
+        q.dequantize(), torch.from_numpy(np.ascontiguousarray(expected))
+    )
+    assert torch.equal(loaded["model.layers.0.mlp.down_proj.weight"].data, down.data)
