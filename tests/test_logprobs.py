@@ -22,8 +22,10 @@ from tests.helpers import save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# float32 weights and KV: logprobs are compared with transformers' float32 to 1e-4.
 CONFIG: dict[str, Any] = {
     "weight_dtype": "float32",
+    "kv_dtype": "float32",
     "block_size": 4,
     "kv_cache_memory": 2**22,
     "max_model_len": 256,

@@ -164,7 +164,7 @@ def test_default_model_greedy_replies_match_transformers(default_model: LoadedMo
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32
     ).eval()
-    llm = LLM(kv_cache_memory="64MiB", weight_dtype="float32")
+    llm = LLM(kv_cache_memory="64MiB", weight_dtype="float32", kv_dtype="float32")
     questions = [
         "What is the capital of France?",
         "Give me two tips for sleeping well.",
