@@ -352,9 +352,9 @@ ISSUE_17 = [
         True,
     ),
     Case(
-        "chat n=129",
+        "chat n=257",
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "Hi"}], "n": 129},
+        {"messages": [{"role": "user", "content": "Hi"}], "n": 257},
         True,
     ),
     Case("n x prompts 257", "/v1/completions", {"prompt": [[1]] * 257, "max_tokens": 1}, True),
