@@ -12,6 +12,7 @@ validates on a worker thread, so a slow schema never stalls the engine thread's 
 
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,7 +125,13 @@ class StructuredOutputs:
         if kind == "json" or kind == "json_object":
             schema: str | dict[str, Any] = self.source if kind == "json" else {"type": "object"}
             try:
-                return str(llguidance.LLMatcher.grammar_from_json_schema(schema))
+                # Compact JSON unless the schema's "x-guidance" asks otherwise: with free whitespace a
+                # model can pad forever, and every byte of padding is a token paid for.
+                return str(
+                    llguidance.LLMatcher.grammar_from_json_schema(
+                        schema, defaults={"whitespace_flexible": False}
+                    )
+                )
             except ValueError as e:
                 raise InvalidRequestError(f"invalid JSON schema: {e}", "json") from None
         if kind == "regex":
@@ -183,6 +190,23 @@ class GrammarState:
         return str(self._matcher.get_error())
 
 
+# The library's view of a tokenizer, shared by the engines of one tokenizer (tests build many).
+_TOKENIZERS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer]]" = (
+    weakref.WeakKeyDictionary()
+)
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def _library_tokenizer(hf_tokenizer: Any, vocab_size: int, eos: tuple[int, ...]) -> llguidance.LLTokenizer:
+    with _TOKENIZERS_LOCK:
+        built = _TOKENIZERS.setdefault(hf_tokenizer, {})
+        if (vocab_size, eos) not in built:
+            built[vocab_size, eos] = llguidance.hf.from_tokenizer(
+                hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos)
+            )
+        return built[vocab_size, eos]
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, caching the results by source (LRU, bounded).
 
@@ -203,16 +227,7 @@ class GrammarCompiler:
         self._max_cached = max_cached
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
-        self._tokenizer: llguidance.LLTokenizer | None = None
         self.compiled = 0
-
-    def _library_tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
-                )
-            return self._tokenizer
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """The compiled grammar of `spec`, from the cache when its source was compiled before; raises
@@ -223,7 +238,7 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        tokenizer = self._library_tokenizer()
+        tokenizer = _library_tokenizer(self._hf, self.vocab_size, self.eos_token_ids)
         grammar = spec.to_llguidance()
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
