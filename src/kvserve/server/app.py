@@ -64,6 +64,7 @@ from kvserve.server.serving import (
     text_prompt,
 )
 from kvserve.server.tenants import Tenants, load_or_create_secret
+from kvserve.server.tools import constraint, tool_use
 from kvserve.server.unsupported import check_chat, check_completion
 
 log = logging.getLogger("kvserve.server")
@@ -147,15 +148,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs")
     namespace = cache_namespace(request, body.cache_salt)
+    tools = tool_use(body)
     # Templating and tokenizing a long chat takes a while: off the event loop, which serves every stream.
-    token_ids = await asyncio.to_thread(chat_prompt, ctx, body.messages, namespace)
+    token_ids = await asyncio.to_thread(chat_prompt, ctx, body.messages, namespace, True, tools)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     if max_tokens is not None and max_tokens < 1:
         # Only completions' echo has a use for a reply of no tokens.
         raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
-    fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs)
+    if tools is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, "tools cannot be combined with an output constraint.", param="tools")
+        params = dataclasses.replace(params, structured_outputs=constraint(tools))
+    fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs, tools is not None)
     prompt = PromptInput(token_ids, "")
     return await respond(ctx, request, fmt, [prompt], params, namespace, body)
 

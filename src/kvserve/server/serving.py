@@ -32,7 +32,9 @@ from kvserve.server.formats import Choice, OutputFormat, PromptInput, ResponseId
 from kvserve.server.limits import InFlightLimiter, PromptGuard
 from kvserve.server.metrics import RequestTimer, ServerMetrics
 from kvserve.server.protocol import ChatMessage, PromptTokensDetails, SamplingRequest, Usage
+from kvserve.server.structured import structured_outputs
 from kvserve.server.tenants import Tenants
+from kvserve.server.tools import ToolUse, conversation
 
 log = logging.getLogger("kvserve.server")
 
@@ -102,20 +104,25 @@ def sampling_params(
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias),
+        structured_outputs=structured_outputs(body),
     )
 
 
 def chat_prompt(
-    ctx: ServerContext, messages: list[ChatMessage], namespace: str, add_generation_prompt: bool = True
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    namespace: str,
+    add_generation_prompt: bool = True,
+    tools: ToolUse | None = None,
 ) -> list[int]:
-    """Token ids of a conversation; earlier replies of this engine come back as their exact ids, so the
-    next turn of a chat finds its whole history in the prefix cache."""
+    """Token ids of a conversation (with its tools, calls and results in the generic format of
+    server/tools.py); earlier replies of this engine come back as their exact ids, so the next turn of
+    a chat finds its whole history in the prefix cache."""
     ctx.prompt_guard.check([m.text for m in messages], "messages")
     engine = ctx.async_engine.engine
-    conversation = [{"role": m.role, "content": m.text} for m in messages]
     try:
         return engine.tokenizer.encode_chat(
-            conversation,
+            conversation(messages, tools),
             add_generation_prompt,
             known_reply=lambda text: engine.replies.lookup(namespace, text),
         )
@@ -403,8 +410,11 @@ async def respond(
     log_id: str = getattr(request.state, "request_id", ids.id)
     tenant = caller(request).tenant.name
     try:
-        # Everything that can never run is refused before anything is queued, once for every sample.
-        checked = ctx.async_engine.engine.validate_request([p.token_ids for p in prompts], params)
+        # Everything that can never run is refused before anything is queued, once for every sample;
+        # on a worker thread, since it compiles the request's grammar.
+        checked = await asyncio.to_thread(
+            ctx.async_engine.engine.validate_request, [p.token_ids for p in prompts], params
+        )
     except InvalidRequestError as e:
         if e.param != "prompt":
             raise
