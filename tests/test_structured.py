@@ -322,3 +322,17 @@ def test_a_constrained_row_changes_no_other_row_bitwise(engine: Engine) -> None:
     mixed = sampler.sample(logits, [request(sampled, False), request(so, True), request(_greedy(), False)])
     assert [mixed[0], mixed[2]] == alone
     assert engine.tokenizer.decode([mixed[1]]).isdigit()
+
+
+def test_regression_properties_come_in_the_schema_order_not_sorted(engine: Engine) -> None:
+    """The grammar cache key once serialized schemas with sorted keys, and the library wrote the
+    properties in that order instead of the schema's."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=StructuredOutputs(json=schema))
+    ((_, text, reason),) = _run(engine, [(PROMPTS[0], params)])
+    assert (text, reason) == ('{"zeta":1,"alpha":2}', "stop")

@@ -104,7 +104,8 @@ class StructuredOutputs:
         """The constraint as text: its cache key (with `kind`) and what the library compiles."""
         if isinstance(self.json, dict):
             try:
-                return json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+                # Keys keep their order: the output lists properties in the schema's order.
+                return json.dumps(self.json, separators=(",", ":"))
             except (TypeError, ValueError) as e:
                 raise InvalidRequestError(f"the JSON schema cannot be serialized: {e}", "json") from None
         if self.json is not None:

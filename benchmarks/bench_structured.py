@@ -1,0 +1,159 @@
+"""What structured outputs cost: compiling a real JSON schema, the token mask per step, and a decode step
+of a batch of 8 constrained requests against 8 unconstrained ones, on the default model, in one run.
+
+Unconstrained and constrained batches alternate, so that load on the machine hits both alike. Run:
+`make bench-structured` (writes benchmarks/results/structured.{json,md}).
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+from benchmarks.common import default_model, make_engine, setup_threads, write_results
+from kvserve.engine.engine import Engine
+from kvserve.engine.grammar import GrammarCompiler, StructuredOutputs
+from kvserve.engine.sampling_params import SamplingParams
+
+# A real-world shape: nested objects, $defs/$ref, bounded arrays, enums, ranges, anyOf, formats.
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "$defs": {
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string", "maxLength": 40},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["street", "zip"],
+        }
+    },
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "email": {"type": "string", "format": "email"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "vip", "new"]}, "minItems": 1, "maxItems": 4},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "address": {"$ref": "#/$defs/address"},
+        "contact": {
+            "anyOf": [{"type": "string"}, {"type": "object", "properties": {"phone": {"type": "string"}}}]
+        },
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "address", "active"],
+}
+DOCUMENT = {
+    "name": "Ada Lovelace",
+    "age": 36,
+    "email": "ada@example.com",
+    "tags": ["vip", "new"],
+    "score": 0.75,
+    "address": {"street": "12 St James Square", "zip": "10001"},
+    "contact": {"phone": "555"},
+    "active": True,
+}
+# For the batch: long notes keep every constrained request decoding as long as the unconstrained ones.
+LONG = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string", "minLength": 40}, "minItems": 8}},
+    "required": ["notes"],
+}
+
+
+def compile_ms(compiler: GrammarCompiler, repeats: int) -> tuple[float, float]:
+    """Median milliseconds of a cold compile (a schema not seen before) and of a cached one."""
+    cold = []
+    for i in range(repeats):
+        spec = StructuredOutputs(json={**SCHEMA, "description": f"variant {i} {random.random()}"})
+        start = time.perf_counter()
+        compiler.compile(spec)
+        cold.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(100):
+        compiler.compile(spec)
+    return statistics.median(cold) * 1000, (time.perf_counter() - start) * 10
+
+
+def mask_us_per_token(engine: Engine, compiler: GrammarCompiler) -> float:
+    """Median microseconds to compute one token's mask while following DOCUMENT's tokens."""
+    import llguidance.torch
+
+    ids = engine.tokenizer.encode(json.dumps(DOCUMENT, separators=(",", ":")), add_special_tokens=False)
+    state = compiler.compile(StructuredOutputs(json=SCHEMA)).start()
+    bitmask = llguidance.torch.allocate_token_bitmask(1, compiler.vocab_size)
+    times = []
+    for token in ids:
+        start = time.perf_counter()
+        state.fill_bitmask(bitmask, 0)
+        times.append(time.perf_counter() - start)
+        assert state.accept(token), state.error
+    return statistics.median(times) * 1e6
+
+
+def batch_step_ms(engine: Engine, constrained: bool, batch: int, tokens: int, seed: int) -> float:
+    """Median decode-step time while all `batch` requests decode."""
+    rng = random.Random(seed)
+    so = StructuredOutputs(json=LONG) if constrained else None
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, structured_outputs=so)
+    for i in range(batch):
+        prompt = [rng.randrange(100, 49000) for _ in range(64)]
+        (checked,) = engine.validate_request([prompt], params)
+        engine.add_request(f"{seed}-{i}", checked, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        deltas = engine.step()
+        elapsed = time.perf_counter() - start
+        if sum(1 for d in deltas if d.token_ids) == batch:
+            steps.append(elapsed)
+    # The first full step follows the prefills.
+    return statistics.median(steps[1:]) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compiles", type=int, default=10)
+    args = parser.parse_args()
+    threads = setup_threads()
+    engine = make_engine(default_model(), kv_cache_memory=256 * 2**20)
+    compiler = engine.grammars
+    compiler.compile(StructuredOutputs(regex="warm"))  # builds the library's view of the tokenizer
+    cold, warm = compile_ms(compiler, args.compiles)
+    mask = mask_us_per_token(engine, compiler)
+    plain, constrained = [], []
+    for r in range(args.rounds):
+        plain.append(batch_step_ms(engine, False, args.batch, args.tokens, 2 * r))
+        constrained.append(batch_step_ms(engine, True, args.batch, args.tokens, 2 * r + 1))
+    plain_ms, constrained_ms = statistics.median(plain), statistics.median(constrained)
+    results = {
+        "threads": threads,
+        "schema_compile_ms": cold,
+        "cached_compile_ms": warm,
+        "mask_us_per_token": mask,
+        "batch": args.batch,
+        "plain_step_ms": plain_ms,
+        "constrained_step_ms": constrained_ms,
+        "ratio": constrained_ms / plain_ms,
+        "plain_runs_ms": plain,
+        "constrained_runs_ms": constrained,
+    }
+    table = (
+        "| measure | value |\n|---|---|\n"
+        f"| compile a real JSON schema (cold, median of {args.compiles}) | {cold:.1f} ms |\n"
+        f"| the same schema from the cache | {warm:.3f} ms |\n"
+        f"| token mask, one request, per token | {mask:.0f} us |\n"
+        f"| decode step, {args.batch} unconstrained requests | {plain_ms:.1f} ms |\n"
+        f"| decode step, {args.batch} constrained requests | {constrained_ms:.1f} ms |\n"
+        f"| constrained / unconstrained | {constrained_ms / plain_ms:.3f}x |\n"
+    )
+    write_results("structured", results, table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
