@@ -1,7 +1,9 @@
 """What structured outputs cost: compiling a real JSON schema, the token mask per step, and a decode step
 of a batch of 8 constrained requests against 8 unconstrained ones, on the default model, in one run.
 
-Unconstrained and constrained batches alternate, so that load on the machine hits both alike. Run:
+Two views of the batch: the sampler alone (8 rows of logits, with and without 8 grammar states that
+follow a real document), which isolates what constraints add to a step, and whole engine steps, with
+unconstrained and constrained batches alternating so that load on the machine hits both alike. Run:
 `make bench-structured` (writes benchmarks/results/structured.{json,md}).
 """
 
@@ -12,9 +14,13 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 from benchmarks.common import default_model, make_engine, setup_threads, write_results
+from kvserve.engine import sampler
 from kvserve.engine.engine import Engine
 from kvserve.engine.grammar import GrammarCompiler, StructuredOutputs
+from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
 
 # A real-world shape: nested objects, $defs/$ref, bounded arrays, enums, ranges, anyOf, formats.
@@ -92,6 +98,29 @@ def mask_us_per_token(engine: Engine, compiler: GrammarCompiler) -> float:
     return statistics.median(times) * 1e6
 
 
+def sampler_ms(engine: Engine, compiler: GrammarCompiler, batch: int, constrained: bool) -> float:
+    """Median milliseconds of one sampler call over `batch` rows, each row's grammar state (if any)
+    following DOCUMENT's tokens."""
+    ids = engine.tokenizer.encode(json.dumps(DOCUMENT, separators=(",", ":")), add_special_tokens=False)
+    compiled = compiler.compile(StructuredOutputs(json=SCHEMA))
+    params = SamplingParams(temperature=0.0)
+    requests = [
+        Request(str(i), [1, 2, 3], params, len(ids), None, grammar=compiled.start() if constrained else None)  # type: ignore[arg-type]
+        for i in range(batch)
+    ]
+    logits = torch.randn(batch, engine.model.config.vocab_size)
+    times = []
+    for token in ids:
+        start = time.perf_counter()
+        sampler.sample(logits, requests, engine.tokenizer.eos_token_ids)
+        times.append(time.perf_counter() - start)
+        for r in requests:
+            r.token_ids.append(token)
+            if r.grammar is not None:
+                assert r.grammar.accept(token), r.grammar.error
+    return statistics.median(times) * 1000
+
+
 def batch_step_ms(engine: Engine, constrained: bool, batch: int, tokens: int, seed: int) -> float:
     """Median decode-step time while all `batch` requests decode."""
     rng = random.Random(seed)
@@ -125,6 +154,9 @@ def main() -> None:
     compiler.compile(StructuredOutputs(regex="warm"))  # builds the library's view of the tokenizer
     cold, warm = compile_ms(compiler, args.compiles)
     mask = mask_us_per_token(engine, compiler)
+    sample_plain = statistics.median(sampler_ms(engine, compiler, args.batch, False) for _ in range(3))
+    sample_constrained = statistics.median(sampler_ms(engine, compiler, args.batch, True) for _ in range(3))
+    added = sample_constrained - sample_plain
     plain, constrained = [], []
     for r in range(args.rounds):
         plain.append(batch_step_ms(engine, False, args.batch, args.tokens, 2 * r))
@@ -136,6 +168,10 @@ def main() -> None:
         "cached_compile_ms": warm,
         "mask_us_per_token": mask,
         "batch": args.batch,
+        "sampler_plain_ms": sample_plain,
+        "sampler_constrained_ms": sample_constrained,
+        "added_per_step_ms": added,
+        "added_vs_plain_step": added / plain_ms,
         "plain_step_ms": plain_ms,
         "constrained_step_ms": constrained_ms,
         "ratio": constrained_ms / plain_ms,
@@ -147,6 +183,9 @@ def main() -> None:
         f"| compile a real JSON schema (cold, median of {args.compiles}) | {cold:.1f} ms |\n"
         f"| the same schema from the cache | {warm:.3f} ms |\n"
         f"| token mask, one request, per token | {mask:.0f} us |\n"
+        f"| sampler, {args.batch} unconstrained rows | {sample_plain:.2f} ms |\n"
+        f"| sampler, {args.batch} constrained rows (masks included) | {sample_constrained:.2f} ms |\n"
+        f"| added per step by {args.batch} constraints | {added:.2f} ms ({added / plain_ms:.1%} of one) |\n"
         f"| decode step, {args.batch} unconstrained requests | {plain_ms:.1f} ms |\n"
         f"| decode step, {args.batch} constrained requests | {constrained_ms:.1f} ms |\n"
         f"| constrained / unconstrained | {constrained_ms / plain_ms:.3f}x |\n"
