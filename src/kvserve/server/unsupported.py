@@ -20,6 +20,13 @@ def check_chat(body: ChatCompletionRequest) -> None:
     if body.function_call not in (None, "none"):
         raise _refuse("function_call", "a function_call was given")
     for i, message in enumerate(body.messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            param = f"messages[{i}].content"
+            raise APIError(
+                400,
+                f"{param} is missing; only an assistant message with tool_calls may omit it.",
+                param=param,
+            )
         if message.content is None or isinstance(message.content, str):
             continue
         for j, part in enumerate(message.content):
