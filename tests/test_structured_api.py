@@ -317,3 +317,19 @@ def test_the_generic_format_parses_and_streams_like_openai() -> None:
         assert stream.num_calls == 2
     plain = ToolCallStream()
     assert plain.push("Hi") == {"content": "Hi"} and plain.push(" there") == {"content": " there"}
+
+
+def test_tool_choice_none_keeps_the_requests_own_constraint(client: openai.OpenAI) -> None:
+    odd_tool: Any = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "x-guidance": 5}},
+    }
+    reply = _chat(
+        client,
+        tools=[WEATHER, odd_tool],
+        tool_choice="none",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"guided_choice": ["yes", "no"]},
+    ).choices[0]
+    assert reply.message.content in ("yes", "no") and not reply.message.tool_calls

@@ -157,10 +157,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
-    if tools is not None:
-        if params.structured_outputs is not None:
-            raise APIError(400, "tools cannot be combined with an output constraint.", param="tools")
+    if tools is not None and params.structured_outputs is None:
         params = dataclasses.replace(params, structured_outputs=constraint(tools))
+    elif tools is not None and tools.choice != "none":
+        # With tool_choice "none" the request's own constraint applies; otherwise the tools' does.
+        raise APIError(400, "tools cannot be combined with an output constraint.", param="tools")
     fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs, tools is not None)
     prompt = PromptInput(token_ids, "")
     return await respond(ctx, request, fmt, [prompt], params, namespace, body)

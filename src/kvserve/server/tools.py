@@ -150,7 +150,8 @@ def conversation(messages: Sequence[ChatMessage], use: ToolUse | None) -> list[d
 
 def _strict(schema: dict[str, Any]) -> dict[str, Any]:
     """The schema with compact JSON, as every constrained output here (a schema may still override)."""
-    guidance = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
+    extra = schema.get("x-guidance")
+    guidance = {"whitespace_flexible": False, **(extra if isinstance(extra, dict) else {})}
     return {**schema, "x-guidance": guidance}
 
 
