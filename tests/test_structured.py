@@ -20,6 +20,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.grammar import GrammarCompiler, StructuredOutputs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
+from kvserve.llm import LLM
 from kvserve.model.loader import LoadedModel, load_model
 from tests.harness import engine_with_blocks
 from tests.helpers import save_tiny_model
@@ -336,3 +337,18 @@ def test_regression_properties_come_in_the_schema_order_not_sorted(engine: Engin
     params = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=StructuredOutputs(json=schema))
     ((_, text, reason),) = _run(engine, [(PROMPTS[0], params)])
     assert (text, reason) == ('{"zeta":1,"alpha":2}', "stop")
+
+
+def test_llm_takes_structured_outputs_through_sampling_params(model: LoadedModel) -> None:
+    llm = LLM(model.path, kv_cache_memory=8 * 2**20, max_model_len=256)
+    choice = SamplingParams(
+        max_tokens=20, temperature=0.0, structured_outputs=StructuredOutputs(choice=["ab", "cd"])
+    )
+    for out in llm.generate(["Pick:", "Again:"], choice):
+        assert out.outputs[0].text in ("ab", "cd") and out.outputs[0].finish_reason == "stop"
+    pattern = r"[a-z]{3}[0-9]"
+    sampled = SamplingParams(
+        max_tokens=20, temperature=1.0, seed=4, n=3, structured_outputs=StructuredOutputs(regex=pattern)
+    )
+    (out,) = llm.chat([{"role": "user", "content": "hi"}], sampled)
+    assert all(re.fullmatch(pattern, c.text) for c in out.outputs)
