@@ -188,7 +188,13 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        return str(self._matcher.get_error())
+        return _brief(self._matcher.get_error())
+
+
+def _brief(message: str, limit: int = 500) -> str:
+    """The library's message without the parser state and grammar it appends (they can be long)."""
+    text = str(message).split("\n<state>", 1)[0].strip()
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # The library's view of a tokenizer, shared by the engines of one tokenizer (tests build many).
@@ -244,13 +250,13 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(
-                f"the {spec.kind} constraint was rejected: {matcher.get_error()}", spec.kind
+                f"the {spec.kind} constraint was rejected: {_brief(matcher.get_error())}", spec.kind
             )
         # The first mask builds the lexer's first states; computing it here keeps that off the step.
         mask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
         llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
         if matcher.is_error() or not bool(mask.any()):
-            problem = matcher.get_error() or "no token can start it"
+            problem = _brief(matcher.get_error()) or "no token can start it"
             raise InvalidRequestError(f"the {spec.kind} constraint admits no output: {problem}", spec.kind)
         compiled = CompiledGrammar(key, matcher, self.vocab_size)
         with self._lock:
