@@ -155,6 +155,10 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
         ({"tools": [WEATHER], "guided_regex": "a"}, "tools"),
         (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nope"}}}]},
+            "tools",
+        ),
+        (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
         ),

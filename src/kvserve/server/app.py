@@ -18,6 +18,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import MAX_LOGPROBS
+from kvserve.errors import InvalidRequestError
 from kvserve.server.auth import (
     ADMIN_TENANT,
     authenticate,
@@ -158,7 +159,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
     if tools is not None and params.structured_outputs is None:
-        params = dataclasses.replace(params, structured_outputs=constraint(tools))
+        tool_grammar = constraint(tools)
+        params = dataclasses.replace(params, structured_outputs=tool_grammar)
+        try:
+            # Compiled here (off the event loop) to name the tools in an error; validation hits the cache.
+            await asyncio.to_thread(ctx.async_engine.engine.grammars.compile, tool_grammar)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"the tools' schemas are rejected: {e.message}", "tools") from None
     elif tools is not None and tools.choice != "none":
         # With tool_choice "none" the request's own constraint applies; otherwise the tools' does.
         raise APIError(400, "tools cannot be combined with an output constraint.", param="tools")
