@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-redis bench-cluster bench-peer cluster test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-structured bench-redis bench-cluster bench-peer cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,9 @@ bench-redis: install deps
 
 bench-overhead: install
 	$(BIN)/python -m benchmarks.bench_overhead
+
+bench-structured: install
+	$(BIN)/python -m benchmarks.bench_structured
 
 # Builds llama.cpp's llama-server once (about 8 minutes) and benchmarks kvserve against it; never in CI.
 bench-peer: install

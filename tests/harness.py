@@ -13,6 +13,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from kvserve.engine.grammar import StructuredOutputs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.loader import LoadedModel
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
@@ -40,9 +41,19 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
     return engine
 
 
-def greedy(max_tokens: int, prompt_logprobs: int | None = None, n: int = 1) -> SamplingParams:
+def greedy(
+    max_tokens: int,
+    prompt_logprobs: int | None = None,
+    n: int = 1,
+    structured_outputs: StructuredOutputs | None = None,
+) -> SamplingParams:
     return SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=prompt_logprobs, n=n
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        prompt_logprobs=prompt_logprobs,
+        n=n,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -53,7 +64,7 @@ class Spec:
     base: ("system", k) a system prompt; ("repeat", j) request j's prompt; ("follow", j) request j's
     prompt and output, as the next turn of a chat (submitted once j has ended). `n` samples run as n
     requests submitted together; `prompt_logprobs` asks for the prompt's logprobs (computed at every
-    position, cached or not).
+    position, cached or not). `constraint` constrains its output (the reference runs it the same way).
     """
 
     base: tuple[str, int]
@@ -64,6 +75,7 @@ class Spec:
     namespace: str = ""
     n: int = 1
     prompt_logprobs: bool = False
+    constraint: StructuredOutputs | None = None
 
 
 @dataclass
@@ -76,6 +88,7 @@ class Run:
     prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)
     aborted: set[int] = field(default_factory=set)
     max_tokens: dict[int, int] = field(default_factory=dict)
+    constraints: dict[int, StructuredOutputs | None] = field(default_factory=dict)
 
 
 def _sample_id(i: int, j: int) -> str:
@@ -126,7 +139,8 @@ def drive(
             run.prompts[i] = prompt
             run.max_tokens[i] = max_tokens
             run.outputs[i] = []
-            params = greedy(max_tokens, 0 if spec.prompt_logprobs else None, spec.n)
+            run.constraints[i] = spec.constraint
+            params = greedy(max_tokens, 0 if spec.prompt_logprobs else None, spec.n, spec.constraint)
             for j in range(spec.n):
                 run.samples[(i, j)] = []
                 engine.add_request(_sample_id(i, j), prompt, params.for_sample(j), spec.namespace)
@@ -167,7 +181,8 @@ class Reference:
 def reference_outputs(reference: Engine, run: Run) -> Reference:
     """Every prompt of `run` generated in one batch by a no-cache engine, with its prompt logprobs."""
     for i, prompt in run.prompts.items():
-        reference.add_request(f"ref-{i}", prompt, greedy(run.max_tokens[i], 0))
+        params = greedy(run.max_tokens[i], 0, structured_outputs=run.constraints.get(i))
+        reference.add_request(f"ref-{i}", prompt, params)
     out = Reference({i: [] for i in run.prompts}, {})
     while reference.has_unfinished_requests():
         for delta in reference.step():

@@ -1,13 +1,14 @@
 """The whole engine under random workloads and configs, token for token against a no-cache engine.
 
 Workloads mix shared system prompts, multi-turn chains, exact repeats, two namespaces, staggered arrivals,
-aborts at any point (mid-prefill, mid-decode), n > 1 samples of one prompt, and requests for prompt
-logprobs (which compute every prompt position whatever the cache holds, and must equal the no-cache
-engine's); configs range over block sizes 1..32, pools from one that barely fits the largest request to
-large ones, token budgets from 1, 1..64 sequences, both decode-attention backends (the reference runs
-the portable one), the disk tier on or off (with the tiny pools, most of its cases evict and load
-blocks back from disk) and the Redis tier on or off (a real redis-server, emptied for each case; below
-the disk when both are on). Every step
+aborts at any point (mid-prefill, mid-decode), n > 1 samples of one prompt, requests constrained by a
+regex or a choice (structured outputs: their grammar state must follow the tokens through preemption and
+cache hits alike), and requests for prompt logprobs (which compute every prompt position whatever the
+cache holds, and must equal the no-cache engine's); configs range over block sizes 1..32, pools from one
+that barely fits the largest request to large ones, token budgets from 1, 1..64 sequences, both
+decode-attention backends (the reference runs the portable one), the disk tier on or off (with the
+tiny pools, most of its cases evict and load blocks back from disk) and the Redis tier on or off (a real
+redis-server, emptied for each case; below the disk when both are on). Every step
 checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's
 blocks holding exactly the KV of their tokens.
 
@@ -24,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.engine import Engine
+from kvserve.engine.grammar import StructuredOutputs
 from kvserve.model.loader import LoadedModel
 from tests.harness import (
     MAX_MODEL_LEN,
@@ -68,6 +70,14 @@ _token = st.one_of(st.integers(100, 103), st.integers(100, 4095))
 _tokens = st.lists(_token, max_size=24)
 
 
+# Constrained requests: their grammars steer the tiny model's output, and must do so alike whatever
+# the cache holds (grammars whose text needs no token past the tiny model's 4,096).
+_CONSTRAINTS = [
+    StructuredOutputs(regex=r"[a-f0-9 ]{1,12}"),
+    StructuredOutputs(choice=["a", "b c", "d e f g"]),
+]
+
+
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))
@@ -87,6 +97,7 @@ def cases(draw: st.DrawFn) -> Case:
                 namespace=draw(st.sampled_from(["", "", "", "other"])),
                 n=draw(st.sampled_from([1, 1, 1, 1, 2, 3])),
                 prompt_logprobs=draw(st.sampled_from([False, False, False, True])),
+                constraint=draw(st.sampled_from([None, None, None, *_CONSTRAINTS])),
             )
         )
     enable_prefix_caching = draw(st.booleans()) or draw(st.booleans())

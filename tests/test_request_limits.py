@@ -130,8 +130,8 @@ def test_completion_fields_out_of_bounds_get_400(server: LimitServer, body: Any,
     [
         ([], "messages"),
         ([{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1), "messages"),
-        ([{"role": "tool", "content": "hi"}], "messages.0.role"),
-        ([{"role": "user"}], "messages.0.content"),
+        ([{"role": "function", "content": "hi"}], "messages.0.role"),
+        ([{"role": "user"}], "messages[0].content"),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
             "messages[0].content[0]",

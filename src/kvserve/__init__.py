@@ -4,9 +4,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs", "__version__"]
 
 if TYPE_CHECKING:
+    from kvserve.engine.grammar import StructuredOutputs
     from kvserve.engine.outputs import CompletionOutput, RequestOutput
     from kvserve.engine.sampling_params import SamplingParams
     from kvserve.llm import LLM
@@ -16,6 +17,7 @@ _EXPORTS = {
     "CompletionOutput": "kvserve.engine.outputs",
     "RequestOutput": "kvserve.engine.outputs",
     "SamplingParams": "kvserve.engine.sampling_params",
+    "StructuredOutputs": "kvserve.engine.grammar",
 }
 
 

@@ -16,6 +16,7 @@ from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import LowerTier
 from kvserve.config import EngineConfig
 from kvserve.engine import sampler
+from kvserve.engine.grammar import GrammarCompiler
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.reply_memory import ReplyMemory
@@ -108,6 +109,10 @@ class Engine:
             max_request_tokens=self.request_pool_tokens,
             max_sequences_per_request=config.max_sequences_per_request,
         )
+        # Structured outputs: compiled where requests are validated, never on the engine thread's step.
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf_tokenizer, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids
+        )
         self.replies = ReplyMemory()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -168,8 +173,9 @@ class Engine:
         self, prompts: Sequence[Sequence[int] | CheckedPrompt], params: SamplingParams
     ) -> list[CheckedPrompt]:
         """Check a request (its prompts, each run params.n times) against what this engine holds: see
-        engine/validation.py. Reads only fixed settings, so any thread may call it."""
-        return validate_request(self.limits, prompts, params)
+        engine/validation.py. Reads only fixed settings and the thread-safe grammar cache, so any thread
+        may call it; it compiles the request's constraint, so callers off the engine thread should."""
+        return validate_request(self.limits, prompts, params, self.grammars)
 
     def add_request(
         self,
@@ -207,6 +213,7 @@ class Engine:
             arrival=next(self._arrivals),
             seed=self._seeds.randrange(2**63),
             tenant=tenant,
+            grammar=None if checked.grammar is None else checked.grammar.start(),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -312,8 +319,14 @@ class Engine:
             text = request.text_stream.push(token, check_stop)
             if stop_token:
                 text += request.text_stream.flush()
+        grammar_ended = request.grammar is not None and self._advance_grammar(request, token)
         if stop_token or request.text_stream.stopped:
             reason: str | None = "stop"
+        elif grammar_ended:
+            # The grammar consumed its end (an end-of-sequence token that ignore_eos or min_tokens kept
+            # from stopping): nothing may follow it.
+            reason = "stop"
+            text += request.text_stream.flush()
         elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             reason = "length"
             text += request.text_stream.flush()
@@ -323,6 +336,17 @@ class Engine:
             self._finish(request, reason, stop_token)
         logprobs = [] if logprob is None else [logprob]
         return self._delta(request, [token], logprobs, text, reason, prompt_logprobs)
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> bool:
+        """Move the request's grammar past `token`; True if the grammar has ended."""
+        grammar = request.grammar
+        assert grammar is not None
+        if not grammar.accept(token):
+            # The mask allows only what the grammar accepts, so this is the end-of-sequence fallback of
+            # a grammar that this model's vocabulary cannot continue.
+            log.warning("request %s left its grammar: %s", request.request_id, grammar.error)
+        return grammar.finished
 
     @staticmethod
     def _delta(

@@ -6,6 +6,7 @@ import time
 import torch
 
 from kvserve.cache.manager import SequenceBlocks
+from kvserve.engine.grammar import GrammarState
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.text_stream import TextStream
@@ -40,6 +41,7 @@ class Request:
         arrival: int = 0,
         seed: int = 0,
         tenant: str = DEFAULT_TENANT,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -65,6 +67,8 @@ class Request:
         # The tokens min_tokens holds back (stop tokens, end of sequence), built by the sampler when first
         # needed and kept for the request's life.
         self.held_back_ids: torch.Tensor | None = None
+        # Where the output stands in its structured-output constraint (its own, also for each of n samples).
+        self.grammar = grammar
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()

@@ -7,12 +7,17 @@ request's generator, so a seeded request samples the same tokens whatever else i
 
 Penalties, logit biases and min_tokens change the logits of the rows that ask for them, and only those:
 a batch where no request asks pays nothing for them. Greedy rows see them too, as in vLLM.
+
+A request with structured outputs has its row masked to the tokens its grammar allows next, after
+penalties and biases and before min_tokens, temperature and the filters; every step is per row, so a
+constrained row never changes another row's token.
 """
 
 from collections.abc import Sequence
 
 import torch
 
+from kvserve.engine.grammar import token_mask
 from kvserve.engine.request import Request
 
 # Candidates examined before a top-p row falls back to sorting its whole row.
@@ -78,7 +83,7 @@ def _held_back_ids(request: Request, eos_token_ids: Sequence[int]) -> torch.Tens
 
 def _needs_processing(request: Request) -> bool:
     p = request.params
-    return bool(p.has_penalties or p.logit_bias or _holds_back(request))
+    return bool(p.has_penalties or p.logit_bias or request.grammar is not None or _holds_back(request))
 
 
 def _padded(rows: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +96,34 @@ def _padded(rows: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, valid
 
 
+def _grammar_masked(
+    sub: torch.Tensor, chosen: Sequence[Request], eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """Rows of constrained requests keep only the tokens their grammar allows next."""
+    rows = [j for j, r in enumerate(chosen) if r.grammar is not None]
+    if not rows:
+        return sub
+    states = []
+    for j in rows:
+        state = chosen[j].grammar
+        assert state is not None
+        # A no-op unless the state fell out of step with the tokens (it is rebuilt from them then).
+        state.sync(chosen[j].output_token_ids)
+        states.append(state)
+    allowed = token_mask(states, sub.shape[-1])
+    # A grammar that leaves no token of this model's vocabulary (a model smaller than its tokenizer)
+    # gets the end of sequence, which ends the request, instead of a row of -inf.
+    dead = ~allowed.any(dim=1)
+    if bool(dead.any()):
+        eos = [t for t in eos_token_ids if t < sub.shape[-1]]
+        allowed[dead.nonzero().flatten().unsqueeze(1), torch.tensor(eos, dtype=torch.long)] = True
+    index = torch.tensor(rows)
+    return sub.index_copy(0, index, sub[index].masked_fill(~allowed, float("-inf")))
+
+
 def _process(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """The rows' logits after penalties, logit biases and min_tokens (rows that ask none are skipped)."""
+    """The rows' logits after penalties, logit biases, grammars and min_tokens (rows that ask none are
+    skipped)."""
     rows = [i for i, r in enumerate(requests) if _needs_processing(r)]
     if not rows:
         return logits
@@ -123,6 +154,7 @@ def _process(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: S
         value = torch.cat([values for _, (_, values) in biased]).to(sub.dtype)
         keep = token < vocab
         sub = sub.index_put((row[keep], token[keep]), value[keep], accumulate=True)
+    sub = _grammar_masked(sub, chosen, eos_token_ids)
     banned = [(j, _held_back_ids(r, eos_token_ids)) for j, r in enumerate(chosen) if _holds_back(r)]
     if banned:
         row = torch.cat([torch.full_like(ids, j) for j, ids in banned])
@@ -130,7 +162,8 @@ def _process(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: S
         keep = token < vocab
         held = sub.index_put((row[keep], token[keep]), torch.tensor(float("-inf"), dtype=sub.dtype))
         # A row whose every token is held back keeps its logits: a stop token sampled before min_tokens
-        # is no stop (see Engine._append), while a row of -inf would sample from NaN.
+        # is no stop (see Engine._append), while a row of -inf would sample from NaN. So a grammar that
+        # can only end ends, min_tokens or not.
         sub = torch.where(held.isneginf().all(dim=1, keepdim=True), sub, held)
     return logits.index_copy(0, torch.tensor(rows), sub)
 

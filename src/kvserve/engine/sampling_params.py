@@ -14,6 +14,7 @@ from functools import cached_property
 
 import torch
 
+from kvserve.engine.grammar import StructuredOutputs
 from kvserve.errors import InvalidRequestError
 
 # As in vLLM: top-k lists of sampled and prompt tokens go up to 20 entries.
@@ -67,6 +68,10 @@ class SamplingParams:
     tokens in the prompt or the output). `logit_bias` adds to the logits of the given token ids.
     `min_tokens` forbids the end-of-sequence and stop tokens, and ignores stop strings, until that many
     tokens are generated.
+
+    `structured_outputs` constrains the output to a JSON schema, a regex, a choice or a grammar (see
+    engine/grammar.py): a token mask applied after penalties and biases, before temperature and filters.
+    The end of sequence is allowed only where the grammar accepts; logprobs stay those of the model.
     """
 
     max_tokens: int | None = 16
@@ -88,6 +93,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Frozen: the normalizing assignments below are the only ones a SamplingParams ever sees.
@@ -214,6 +220,11 @@ class SamplingParams:
                     )
                 ),
                 "logit_bias maps token ids (non-negative integers) to finite biases in [-100, 100]",
+            ),
+            (
+                "structured_outputs",
+                lambda: isinstance(self.structured_outputs, StructuredOutputs | None),
+                "structured_outputs must be a StructuredOutputs",
             ),
         ]
 

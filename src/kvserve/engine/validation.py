@@ -10,7 +10,10 @@ raise on the engine thread, where any exception stops the engine for everyone:
 - `top_k` at most the vocabulary; `logit_bias` at most the vocabulary's size, its token ids in it;
   `stop_token_ids` in it;
 - every prompt non-empty, its token ids integers in the vocabulary, its length and max_tokens within
-  the context window and the KV pool; `min_tokens` at most the effective max_tokens.
+  the context window and the KV pool; `min_tokens` at most the effective max_tokens;
+- `structured_outputs` compiled (engine/grammar.py, cached by source), on the caller's thread: a
+  constraint the grammar library rejects is an InvalidRequestError naming the problem, and the engine
+  thread only ever receives compiled grammars.
 
 Its cost is linear in the prompts and bounded before the linear part runs: counts and lengths are checked
 first. The samples of one request share one validation (see CheckedPrompt).
@@ -20,6 +23,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve.engine.grammar import CompiledGrammar, GrammarCompiler
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
 
@@ -48,6 +52,8 @@ class CheckedPrompt:
 
     token_ids: list[int]
     max_tokens: int
+    # The compiled constraint of the params it was checked with (None when they have none).
+    grammar: CompiledGrammar | None = None
 
 
 def validate_token_ids(limits: RequestLimits, token_ids: Sequence[int], param: str = "prompt") -> list[int]:
@@ -118,11 +124,32 @@ def _max_tokens(limits: RequestLimits, num_prompt_tokens: int, params: SamplingP
     return max_tokens
 
 
+def _compile(
+    grammars: GrammarCompiler | None,
+    prompts: Sequence[Sequence[int] | CheckedPrompt],
+    params: SamplingParams,
+) -> CompiledGrammar | None:
+    spec = params.structured_outputs
+    if spec is None:
+        return None
+    for prompt in prompts:
+        done = prompt.grammar if isinstance(prompt, CheckedPrompt) else None
+        if done is not None and done.key == spec.key:
+            return done
+    if grammars is None:
+        raise InvalidRequestError("this engine has no grammar compiler", "structured_outputs")
+    return grammars.compile(spec)
+
+
 def validate_request(
-    limits: RequestLimits, prompts: Sequence[Sequence[int] | CheckedPrompt], params: SamplingParams
+    limits: RequestLimits,
+    prompts: Sequence[Sequence[int] | CheckedPrompt],
+    params: SamplingParams,
+    grammars: GrammarCompiler | None = None,
 ) -> list[CheckedPrompt]:
     """Check a request of `prompts`, each run `params.n` times, against what the engine can hold; one
-    CheckedPrompt per prompt, or InvalidRequestError naming the first bad field."""
+    CheckedPrompt per prompt, or InvalidRequestError naming the first bad field. A constraint is
+    compiled with `grammars` unless a CheckedPrompt already carries it."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError("params must be a SamplingParams", "params")
     if not prompts:
@@ -136,4 +163,8 @@ def validate_request(
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         checked.append(CheckedPrompt(ids, _max_tokens(limits, len(ids), params)))
+    # Last: the other checks cost less than a compile, and a request they refuse compiles nothing.
+    grammar = _compile(grammars, prompts, params)
+    if grammar is not None:
+        checked = [CheckedPrompt(c.token_ids, c.max_tokens, grammar) for c in checked]
     return checked

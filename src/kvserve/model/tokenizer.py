@@ -50,6 +50,11 @@ class Tokenizer:
         return max(len(name) for name in self._rust.get_vocab(with_added_tokens=True))
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer underneath (the grammar library builds its own view from it)."""
+        return self._hf
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
 

@@ -18,6 +18,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvserve.errors import InvalidRequestError
 from kvserve.secret import read_secret
 from kvserve.server.auth import (
     ADMIN_TENANT,
@@ -68,6 +69,7 @@ from kvserve.server.serving import (
     text_prompt,
 )
 from kvserve.server.tenants import KeyFileError, Tenants, load_or_create_secret
+from kvserve.server.tools import constraint, tool_use
 from kvserve.server.unsupported import check_chat, check_completion
 
 log = logging.getLogger("kvserve.server")
@@ -155,6 +157,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs")
     namespace = cache_namespace(request, body.cache_salt)
+    tools = tool_use(body)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     if max_tokens is not None and max_tokens < 1:
         # Only completions' echo has a use for a reply of no tokens.
@@ -162,13 +165,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
     def prepare() -> tuple[PromptInput, SamplingParams]:
-        token_ids = chat_prompt(ctx, body.messages, namespace)
-        return PromptInput(token_ids, ""), sampling_params(body, max_tokens, logprobs)
+        token_ids = chat_prompt(ctx, body.messages, namespace, True, tools)
+        params = sampling_params(body, max_tokens, logprobs)
+        if tools is not None and params.structured_outputs is None:
+            tool_grammar = constraint(tools)
+            params = dataclasses.replace(params, structured_outputs=tool_grammar)
+            try:
+                # Compiled here to name the tools in an error; validation then finds it in the cache.
+                ctx.async_engine.engine.grammars.compile(tool_grammar)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"the tools' schemas are rejected: {e.message}", "tools") from None
+        elif tools is not None and tools.choice != "none":
+            # With tool_choice "none" the request's own constraint applies; otherwise the tools' does.
+            raise APIError(400, "tools cannot be combined with an output constraint.", param="tools")
+        return PromptInput(token_ids, ""), params
 
-    fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs)
+    fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs, tools is not None)
     with ctx.admission.reserve(caller(request).tenant.name, body.n) as room:
         # Templating and tokenizing a long chat takes a while, and a logit_bias may have as many
-        # entries as the vocabulary: off the event loop, which serves every stream.
+        # entries as the vocabulary, and a grammar compiles: off the event loop, which serves every stream.
         prompt, params = await asyncio.to_thread(prepare)
         return await respond(ctx, request, fmt, [prompt], params, namespace, body, room)
 

@@ -7,7 +7,7 @@ per-token logprobs; text completions echo the prompt on request and use the lega
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -23,8 +23,11 @@ from kvserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCall,
+    ToolCall,
     Usage,
 )
+from kvserve.server.tools import ToolCallStream, new_call_id, parse_calls
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,23 @@ class OutputFormat(Protocol):
     def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: Usage) -> BaseModel: ...
 
 
+def _tool_finish(reason: str | None, calls: bool) -> str | None:
+    """OpenAI's finish reason for a reply that ended in tool calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 class ChatFormat:
+    """With `tools`, replies made of tool calls (server/tools.py) become OpenAI `tool_calls`."""
+
     id_prefix = "chatcmpl"
     prompt_param = "messages"
 
-    def __init__(self, renderer: LogprobRenderer, logprobs: bool) -> None:
+    def __init__(self, renderer: LogprobRenderer, logprobs: bool, tools: bool = False) -> None:
         self._renderer = renderer
         self._logprobs = logprobs
+        self._tools = tools
+        # Per streamed choice: its text so far, parsed into content or tool-call deltas.
+        self._streams: dict[int, ToolCallStream] = {}
 
     def _render(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         return self._renderer.chat(entries) if self._logprobs else None
@@ -102,25 +115,41 @@ class ChatFormat:
         logprobs: Sequence[TokenLogprob],
         finish_reason: str | None,
     ) -> BaseModel:
-        delta = {"content": text} if text else {}
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if self._tools:
+            stream = self._streams.setdefault(choice.index, ToolCallStream())
+            delta = stream.push(text)
+            finish_reason = _tool_finish(finish_reason, stream.num_calls > 0)
         piece = ChatChunkChoice(
             index=choice.index, delta=delta, logprobs=self._render(logprobs), finish_reason=finish_reason
         )
         return self._chunk(ids, [piece])
 
+    def _message(self, choice: Choice) -> tuple[AssistantMessage, str | None]:
+        calls = parse_calls(choice.text) if self._tools and choice.finish_reason == "stop" else None
+        if calls is None:
+            return AssistantMessage(content=choice.text), choice.finish_reason
+        tool_calls = [
+            ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls
+        ]
+        return AssistantMessage(content=None, tool_calls=tool_calls), "tool_calls"
+
     def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel:
         return self._chunk(ids, [], usage)
 
     def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: Usage) -> BaseModel:
-        out = [
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=c.text),
-                logprobs=self._render(c.logprobs),
-                finish_reason=c.finish_reason,
+        out = []
+        for c in choices:
+            message, finish_reason = self._message(c)
+            out.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._render(c.logprobs),
+                    finish_reason=finish_reason,
+                )
             )
-            for c in choices
-        ]
         return ChatCompletionResponse(
             id=ids.id, created=ids.created, model=ids.model, choices=out, usage=usage
         )

@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests ignore fields they do not know, so that any OpenAI client works unchanged; fields that would
-change the answer and are not supported (tools, structured output, images, audio) are parsed so that
+change the answer and are not supported (images, audio, legacy functions) are parsed so that
 `server/unsupported.py` can refuse them by name. Sampling values are only type-checked here, their ranges
 are SamplingParams' to judge. Responses carry OpenAI's exact field names, including the ones that are
 always null here (refusal), because clients index them.
@@ -35,12 +35,29 @@ class ContentPart(OpenAIRequest):
     text: str | None = None
 
 
+class FunctionCall(OpenAIRequest):
+    name: str
+    # A JSON text, as OpenAI sends it.
+    arguments: str
+
+
+class ToolCall(OpenAIRequest):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "user", "assistant"]
-    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
+    role: Literal["system", "user", "assistant", "tool"]
+    # Null only in an assistant message that carries tool_calls.
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    tool_call_id: str | None = None
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         # Joined as vLLM joins them, so that both servers see the same prompt tokens.
@@ -77,8 +94,13 @@ class SamplingRequest(OpenAIRequest):
     repetition_penalty: float | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Parsed only to be refused (see server/unsupported.py).
+    # Structured outputs, in OpenAI's and vLLM's dialects (server/structured.py).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     cache_salt: CacheSalt | None = None
 
 
@@ -87,8 +109,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Checked by server/tools.py.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    # The legacy function-calling fields, refused by name.
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -148,8 +173,9 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -196,8 +222,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    # OpenAI sends only the keys that changed: role in the first chunk, then content.
-    delta: dict[str, str]
+    # OpenAI sends only the keys that changed: role in the first chunk, then content or tool_calls.
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -33,7 +33,9 @@ from kvserve.server.formats import Choice, OutputFormat, PromptInput, ResponseId
 from kvserve.server.limits import InFlightLimiter, PromptGuard, Reservation, SequenceAdmission
 from kvserve.server.metrics import RequestTimer, ServerMetrics
 from kvserve.server.protocol import ChatMessage, PromptTokensDetails, SamplingRequest, Usage
+from kvserve.server.structured import structured_outputs
 from kvserve.server.tenants import Tenants
+from kvserve.server.tools import ToolUse, conversation
 
 log = logging.getLogger("kvserve.server")
 
@@ -105,20 +107,25 @@ def sampling_params(
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias),
+        structured_outputs=structured_outputs(body),
     )
 
 
 def chat_prompt(
-    ctx: ServerContext, messages: list[ChatMessage], namespace: str, add_generation_prompt: bool = True
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    namespace: str,
+    add_generation_prompt: bool = True,
+    tools: ToolUse | None = None,
 ) -> list[int]:
-    """Token ids of a conversation; earlier replies of this engine come back as their exact ids, so the
-    next turn of a chat finds its whole history in the prefix cache."""
+    """Token ids of a conversation (with its tools, calls and results in the generic format of
+    server/tools.py); earlier replies of this engine come back as their exact ids, so the next turn of
+    a chat finds its whole history in the prefix cache."""
     ctx.prompt_guard.check([m.text for m in messages], "messages")
     engine = ctx.async_engine.engine
-    conversation = [{"role": m.role, "content": m.text} for m in messages]
     try:
         return engine.tokenizer.encode_chat(
-            conversation,
+            conversation(messages, tools),
             add_generation_prompt,
             known_reply=lambda text: engine.replies.lookup(namespace, text),
         )

@@ -1,35 +1,33 @@
 """Refuse, by name, request fields that would change the answer and that kvserve does not implement.
 
-Ignoring them would answer a different question than the one asked (a tool call, JSON output, an image),
-so each is a 400 naming the field. Fields that change nothing here (`user`, `store`, `metadata`, ...) are
-ignored; README.md lists them.
+Ignoring them would answer a different question than the one asked (an image, audio, a legacy
+function call), so each is a 400 naming the field. Structured outputs and tools are served
+(server/structured.py, server/tools.py). Fields that change nothing here (`user`, `store`,
+`metadata`, ...) are ignored; README.md lists them.
 """
 
 from kvserve.server.errors import APIError
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def _refuse(param: str, message: str) -> APIError:
     return APIError(400, f"{message}; kvserve does not support '{param}' yet.", param=param)
 
 
-def _check_common(body: SamplingRequest) -> None:
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise _refuse("response_format", f"response_format {body.response_format.get('type')!r} was asked")
-
-
 def check_chat(body: ChatCompletionRequest) -> None:
-    _check_common(body)
-    if body.tools:
-        raise _refuse("tools", "tools were given")
-    if body.tool_choice not in (None, "none"):
-        raise _refuse("tool_choice", "a tool_choice was given")
     if body.functions:
         raise _refuse("functions", "functions were given")
     if body.function_call not in (None, "none"):
         raise _refuse("function_call", "a function_call was given")
     for i, message in enumerate(body.messages):
-        if isinstance(message.content, str):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            param = f"messages[{i}].content"
+            raise APIError(
+                400,
+                f"{param} is missing; only an assistant message with tool_calls may omit it.",
+                param=param,
+            )
+        if message.content is None or isinstance(message.content, str):
             continue
         for j, part in enumerate(message.content):
             if part.type != "text" or part.text is None:
@@ -38,7 +36,6 @@ def check_chat(body: ChatCompletionRequest) -> None:
 
 
 def check_completion(body: CompletionRequest) -> None:
-    _check_common(body)
     if body.suffix:
         raise _refuse("suffix", "a suffix was given")
     if body.best_of is not None and body.best_of != body.n:
