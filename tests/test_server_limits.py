@@ -4,12 +4,16 @@ import asyncio
 import json
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from typing import Any
 
 import httpx
 import openai
+import pytest
 from fastapi import FastAPI
 
 from kvserve.engine.async_engine import AsyncEngine
@@ -94,6 +98,48 @@ def test_full_queue_answers_503_with_retry_after(
         # The server is fine afterwards.
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
+
+
+def test_a_request_waiting_for_its_first_token_counts_once_against_the_queue(
+    make_engine: Callable[..., Engine],
+    serve_app: Callable[[FastAPI], AbstractContextManager[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The room reserved for a request was held until its first token while its sequence was already
+    counted in flight: with room for two, one request being prefilled turned the second away (503)."""
+    engine = make_engine(**SMALL, max_num_seqs=1, max_waiting=1)
+    # Steps wait at a gate, so the first request is still before its first token when the second comes.
+    gate = threading.Event()
+    step = engine.step
+
+    def gated_step() -> list[Any]:
+        gate.wait(120)
+        return step()
+
+    monkeypatch.setattr(engine, "step", gated_step)
+    async_engine = AsyncEngine(engine)
+    body = {"prompt": "Hi", "max_tokens": 2}
+    with serve_app(create_app(async_engine)) as url, ThreadPoolExecutor(2) as pool:
+
+        def post() -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+        def wait_in_flight(count: int, pending: "Future[httpx.Response]") -> None:
+            deadline = time.monotonic() + 60
+            while async_engine.num_in_flight < count:
+                assert not pending.done(), pending.result().text
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+
+        try:
+            first = pool.submit(post)
+            wait_in_flight(1, first)
+            second = pool.submit(post)
+            wait_in_flight(2, second)
+        finally:
+            gate.set()
+        assert first.result().status_code == 200
+        assert second.result().status_code == 200, second.result().text
 
 
 def test_sigterm_lets_the_stream_in_flight_finish_then_exits() -> None:

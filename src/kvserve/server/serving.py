@@ -396,11 +396,18 @@ class EventStreamResponse(StreamingResponse):
                 await g.close()
 
 
-async def _start_all(generations: Sequence[Generation]) -> None:
+async def _start_all(generations: Sequence[Generation], room: Reservation) -> None:
     """Wait for every generation's first delta; if one fails, abort them all and raise its error.
 
-    A refused request is one line in the log (its error's), not one per sequence."""
-    results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
+    `room` is handed back once every sequence is counted in the engine's queue, not at its first delta:
+    held through a prefill, it would count each sequence twice and turn away requests that fit. A
+    refused request is one line in the log (its error's), not one per sequence."""
+    starts = [asyncio.ensure_future(g.start()) for g in generations]
+    # One turn of the loop runs each start up to its first wait for a delta, by which point
+    # AsyncEngine.generate has counted its sequence in flight (or refused it).
+    await asyncio.sleep(0)
+    room.release()
+    results = await asyncio.gather(*starts, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         for g in generations:
@@ -465,7 +472,7 @@ async def respond(
                 )
             )
     try:
-        await cancel_on_disconnect(request, _start_all(generations))
+        await cancel_on_disconnect(request, _start_all(generations, room))
     finally:
         room.release()
     if body.stream:
