@@ -20,6 +20,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.snapshot import take_snapshot
 from kvserve.model.loader import LoadedModel
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.dashboard import HEAD_TOKENS, StatsHistory, render
 
@@ -47,7 +48,7 @@ def _stats(url: str, **headers: str) -> httpx.Response:
 @pytest.mark.usefixtures("one_thread")
 def test_stats_json_matches_the_engine_after_known_traffic(tiny_model: LoadedModel, serve_app: Serve) -> None:
     engine = _engine(tiny_model)
-    with serve_app(create_app(AsyncEngine(engine))) as url:
+    with serve_app(create_app(AsyncEngine(engine), ServerOptions())) as url:
         for user in ([300, 301, 302], [400, 401], [500, 501, 502, 503]):
             _complete(url, [*SYSTEM, *user])
         body = _stats(url).json()
@@ -83,7 +84,9 @@ def test_stats_json_matches_the_engine_after_known_traffic(tiny_model: LoadedMod
 @pytest.mark.usefixtures("one_thread")
 def test_branch_text_is_shown_only_when_asked(tiny_model: LoadedModel, serve_app: Serve) -> None:
     for show in (False, True):
-        with serve_app(create_app(AsyncEngine(_engine(tiny_model)), dashboard_show_text=show)) as url:
+        with serve_app(
+            create_app(AsyncEngine(_engine(tiny_model)), ServerOptions(dashboard_show_text=show))
+        ) as url:
             _complete(url, [*SYSTEM, 300])
             _complete(url, [*SYSTEM, 301])
             text = _stats(url).json()["branches"][0]["text"]
@@ -121,7 +124,7 @@ def test_running_and_waiting_requests_are_listed_running_first(tiny_model: Loade
 def test_the_page_and_its_files_are_served_and_the_data_needs_the_key(
     tiny_model: LoadedModel, serve_app: Serve
 ) -> None:
-    with serve_app(create_app(AsyncEngine(_engine(tiny_model)), api_key="sesame-key")) as url:
+    with serve_app(create_app(AsyncEngine(_engine(tiny_model)), ServerOptions(api_key="sesame-key"))) as url:
         page = httpx.get(f"{url}/dashboard")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         for section in ("pool-usage", "hit-rate", "prefix-tree", "requests"):

@@ -14,6 +14,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tenants import Tenants
 
@@ -30,7 +31,7 @@ def test_the_admin_sees_everything_and_a_tenant_only_its_own_namespace(
     engine = Engine(
         EngineConfig(kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32"), model=tiny_model
     )
-    app = create_app(AsyncEngine(engine), tenants=tenants, admin_key="admin-key-333")
+    app = create_app(AsyncEngine(engine), ServerOptions(admin_key="admin-key-333"), tenants)
     with serve_app(app) as url:
 
         def call(key: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:

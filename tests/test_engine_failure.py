@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from tests.helpers import free_port, server_process
 
@@ -45,7 +46,7 @@ def failing_server(
     engine = make_engine(**SMALL)
     failures: list[BaseException] = []
     async_engine = AsyncEngine(engine, on_failure=failures.append)
-    with serve_app(create_app(async_engine)) as url:
+    with serve_app(create_app(async_engine, ServerOptions())) as url:
         yield url, async_engine, failures
 
 

@@ -21,6 +21,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import EngineOverloadedError, InvalidRequestError
 from kvserve.model.loader import LoadedModel
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tenants import Tenants, load_or_create_secret
 from tests.harness import Spec, drive, engine_with_blocks
@@ -271,7 +272,7 @@ def test_finding_5_over_http_a_tenant_is_served_while_another_holds_the_whole_qu
 
     monkeypatch.setattr(engine, "step", gated_step)
     async_engine = AsyncEngine(engine)
-    with serve_app(create_app(async_engine, tenants=tenants)) as url, ThreadPoolExecutor(2) as pool:
+    with serve_app(create_app(async_engine, ServerOptions(), tenants)) as url, ThreadPoolExecutor(2) as pool:
 
         def post(tenant: str, body: dict[str, Any]) -> httpx.Response:
             auth = {"Authorization": f"Bearer {keys[tenant]}"}

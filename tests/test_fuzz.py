@@ -21,6 +21,7 @@ from schemathesis import GenerationMode
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tenants import Tenants, load_or_create_secret
 
@@ -128,7 +129,7 @@ def open_server(
     engine = make_engine(
         kv_cache_memory=32 * 2**20, max_model_len=MAX_MODEL_LEN, max_pinned_tokens=PINNED_TOKENS
     )
-    with serve_app(create_app(AsyncEngine(engine))) as url:
+    with serve_app(create_app(AsyncEngine(engine), ServerOptions())) as url:
         yield _start(Target(url))
 
 
@@ -142,7 +143,7 @@ def keyed_server(
     (folder / "keys").write_text(f"tenant:{TENANT_KEY}\n")
     tenants = Tenants(load_or_create_secret(str(folder)), key_file=str(folder / "keys"))
     engine = make_engine(kv_cache_memory=32 * 2**20, max_model_len=MAX_MODEL_LEN)
-    with serve_app(create_app(AsyncEngine(engine), tenants=tenants, admin_key=ADMIN_KEY)) as url:
+    with serve_app(create_app(AsyncEngine(engine), ServerOptions(admin_key=ADMIN_KEY), tenants)) as url:
         yield _start(Target(url, {"Authorization": f"Bearer {TENANT_KEY}"}))
 
 

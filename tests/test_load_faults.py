@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tenants import Tenants, load_or_create_secret
 
@@ -93,7 +94,7 @@ def test_64_streams_over_4_tenants_with_random_hang_ups(
     tenants = Tenants(load_or_create_secret(str(tmp_path)), key_file=str(tmp_path / "keys"))
     async_engine = AsyncEngine(make_engine(kv_cache_memory=128 * 2**20, max_model_len=512))
     rng = random.Random(6)
-    with serve_app(create_app(async_engine, tenants=tenants, admin_key=ADMIN_KEY)) as url:
+    with serve_app(create_app(async_engine, ServerOptions(admin_key=ADMIN_KEY), tenants)) as url:
         # The greedy text of each prompt, run alone.
         alone = {p: asyncio.run(_client(url, 0, p, None, rng)) for p in PROMPTS}
 

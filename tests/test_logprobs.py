@@ -16,6 +16,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.llm import LLM
 from kvserve.model.loader import load_model
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from tests.harness import assert_no_leak
 from tests.helpers import save_tiny_model
@@ -130,7 +131,7 @@ def client(
     tiny_path: str, serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> Iterator[openai.OpenAI]:
     engine = Engine(EngineConfig(**CONFIG), model=load_model(tiny_path, default_cache_dir()))
-    with serve_app(create_app(AsyncEngine(engine))) as url:
+    with serve_app(create_app(AsyncEngine(engine), ServerOptions())) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from kvserve.cli import build_parser
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from tests.test_server import Server, assert_no_leak
 
@@ -28,7 +29,9 @@ def server(
     make_engine: Callable[..., Engine], serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> Iterator[Server]:
     async_engine = AsyncEngine(make_engine(kv_cache_memory=64 * 2**20, max_model_len=1024))
-    app = create_app(async_engine, served_model_name=NAME, allowed_origins=["https://ui.example"])
+    app = create_app(
+        async_engine, ServerOptions(served_model_name=NAME, allowed_origins=["https://ui.example"])
+    )
     with serve_app(app) as url:
         yield Server(url, async_engine)
 
@@ -299,7 +302,7 @@ def test_reset_prefix_cache_needs_the_admin_key_once_keys_are_set(
     make_engine: Callable[..., Engine], serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> None:
     engine = AsyncEngine(make_engine(kv_cache_memory=16 * 2**20, max_model_len=256))
-    with serve_app(create_app(engine, api_key="user-key", admin_key="admin-key")) as url:
+    with serve_app(create_app(engine, ServerOptions(api_key="user-key", admin_key="admin-key"))) as url:
         for headers, status in [
             ({}, 401),
             ({"Authorization": "Bearer user-key"}, 401),
@@ -309,7 +312,7 @@ def test_reset_prefix_cache_needs_the_admin_key_once_keys_are_set(
         admin = openai.OpenAI(base_url=f"{url}/v1", api_key="admin-key", max_retries=0)
         assert admin.models.list().data
     engine = AsyncEngine(make_engine(kv_cache_memory=16 * 2**20, max_model_len=256))
-    with serve_app(create_app(engine, api_key="user-key")) as url:
+    with serve_app(create_app(engine, ServerOptions(api_key="user-key"))) as url:
         r = httpx.post(f"{url}/reset_prefix_cache", headers={"Authorization": "Bearer user-key"})
         assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"]
 

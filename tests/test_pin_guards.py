@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tenants import DEFAULT_TENANT
 from tests.harness import engine_with_blocks
@@ -45,7 +46,7 @@ def pinning_off(
     tiny_model: LoadedModel, serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> Iterator[PinServer]:
     async_engine = AsyncEngine(engine_with_blocks(tiny_model, 64, BLOCK))
-    app = create_app(async_engine)
+    app = create_app(async_engine, ServerOptions())
     with serve_app(app) as url:
         yield PinServer(url, async_engine, app)
 
@@ -56,7 +57,7 @@ def pinning_on(
 ) -> Iterator[PinServer]:
     async_engine = AsyncEngine(engine_with_blocks(tiny_model, 64, BLOCK, max_pinned_tokens=16 * BLOCK))
     # One request in flight per tenant, so that a pin's slot shows.
-    app = create_app(async_engine, max_in_flight_per_tenant=1)
+    app = create_app(async_engine, ServerOptions(max_in_flight_per_tenant=1))
     with serve_app(app) as url:
         yield PinServer(url, async_engine, app)
 

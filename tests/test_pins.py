@@ -14,6 +14,7 @@ from kvserve.cache.manager import PinRefused
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from tests.harness import Spec, assert_matches_reference, drive, engine_with_blocks, reference_outputs
 
@@ -94,7 +95,7 @@ def url(
     tiny_model: LoadedModel, serve_app: Callable[[FastAPI], AbstractContextManager[str]], tmp_path: Path
 ) -> Iterator[str]:
     engine = engine_with_blocks(tiny_model, 64, BLOCK, max_pinned_tokens=12 * BLOCK, kv_disk=str(tmp_path))
-    with serve_app(create_app(AsyncEngine(engine))) as url:
+    with serve_app(create_app(AsyncEngine(engine), ServerOptions())) as url:
         yield url
 
 

@@ -19,6 +19,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.loader import LoadedModel
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from tests.harness import engine_with_blocks
 
@@ -56,7 +57,7 @@ def server(
         max_sequences_per_request=MAX_SEQUENCES,
     )
     async_engine = AsyncEngine(engine)
-    with serve_app(create_app(async_engine)) as url:
+    with serve_app(create_app(async_engine, ServerOptions())) as url:
         yield BoundsServer(url, async_engine)
 
 

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.reply_memory import ReplyMemory, entry_bytes
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.limits import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 from kvserve.server.tenants import Tenants, load_or_create_secret
@@ -77,9 +78,8 @@ def server(
     async_engine = AsyncEngine(make_engine(kv_cache_memory=32 * 2**20, max_model_len=MAX_MODEL_LEN))
     app = create_app(
         async_engine,
-        tenants=tenants,
-        max_request_bytes=MAX_REQUEST_BYTES,
-        max_in_flight_per_tenant=IN_FLIGHT,
+        ServerOptions(max_request_bytes=MAX_REQUEST_BYTES, max_in_flight_per_tenant=IN_FLIGHT),
+        tenants,
     )
     with serve_app(app) as url:
         yield LimitServer(url, async_engine)

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine, EngineStats
+from kvserve.options import ServerOptions
 from kvserve.server import app as app_module
 from kvserve.server.app import create_app
 from kvserve.server.formats import CompletionFormat, ResponseIds
@@ -57,7 +58,7 @@ def server(
     make_engine: Callable[..., Engine], serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> Iterator[Server]:
     async_engine = AsyncEngine(make_engine(kv_cache_memory=256 * 2**20, max_model_len=MAX_MODEL_LEN))
-    with serve_app(create_app(async_engine)) as url:
+    with serve_app(create_app(async_engine, ServerOptions())) as url:
         yield Server(url, async_engine)
 
 

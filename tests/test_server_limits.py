@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from tests.helpers import free_port, server_process
 
@@ -27,7 +28,7 @@ SMALL = {"kv_cache_memory": 32 * 2**20, "max_model_len": 512}
 def test_api_key_guards_every_route_but_health(
     make_engine: Callable[..., Engine], serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> None:
-    with serve_app(create_app(AsyncEngine(make_engine(**SMALL)), api_key="sesame-key")) as url:
+    with serve_app(create_app(AsyncEngine(make_engine(**SMALL)), ServerOptions(api_key="sesame-key"))) as url:
         for method, path in [
             ("GET", "/v1/models"),
             ("GET", "/version"),
@@ -79,7 +80,7 @@ def test_full_queue_answers_503_with_retry_after(
             await asyncio.gather(*holders, return_exceptions=True)
             return refused
 
-    with serve_app(create_app(async_engine)) as url:
+    with serve_app(create_app(async_engine, ServerOptions())) as url:
         refused = asyncio.run(scenario(url))
         assert refused.status_code == 503
         assert refused.headers["retry-after"] == "1"
@@ -119,7 +120,7 @@ def test_a_request_waiting_for_its_first_token_counts_once_against_the_queue(
     monkeypatch.setattr(engine, "step", gated_step)
     async_engine = AsyncEngine(engine)
     body = {"prompt": "Hi", "max_tokens": 2}
-    with serve_app(create_app(async_engine)) as url, ThreadPoolExecutor(2) as pool:
+    with serve_app(create_app(async_engine, ServerOptions())) as url, ThreadPoolExecutor(2) as pool:
 
         def post() -> httpx.Response:
             return httpx.post(f"{url}/v1/completions", json=body, timeout=120)

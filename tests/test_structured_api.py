@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tools import ToolCallStream, call_text, parse_calls
 from tests.test_server import Server, assert_no_leak
@@ -70,7 +71,7 @@ def server(
     make_engine: Callable[..., Engine], serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> Iterator[Server]:
     async_engine = AsyncEngine(make_engine(kv_cache_memory=64 * 2**20, max_model_len=1024))
-    with serve_app(create_app(async_engine, served_model_name=NAME)) as url:
+    with serve_app(create_app(async_engine, ServerOptions(served_model_name=NAME))) as url:
         yield Server(url, async_engine)
 
 

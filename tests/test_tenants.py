@@ -25,6 +25,7 @@ from kvserve.config import default_cache_dir
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.errors import KVServeError
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tenants import (
     KeyFileError,
@@ -86,7 +87,7 @@ def server(
     async_engine = AsyncEngine(
         make_engine(kv_cache_memory=256 * 2**20, max_model_len=2048, weight_dtype="int8")
     )
-    with serve_app(create_app(async_engine, tenants=tenants, admin_key=ADMIN_KEY)) as url:
+    with serve_app(create_app(async_engine, ServerOptions(admin_key=ADMIN_KEY), tenants)) as url:
         yield TenantServer(url, tenants, async_engine)
 
 

@@ -1,114 +1,33 @@
 """kvserve command line: serve | chat | generate | bench."""
 
 import argparse
-import json
 import logging
-import os
 import sys
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kvserve.config import KV_DTYPES, WEIGHT_DTYPES, EngineConfig, parse_bytes
+from kvserve.cluster.launch import ClusterConfig
+from kvserve.config import EngineConfig
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.flags import add_flags, from_flags
+from kvserve.options import SERVER_ENGINE_DEFAULTS, ServerOptions
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import Engine
     from kvserve.llm import LLM
 
 
+# Engine flags that only the server has: a terminal chat neither queues nor shares its cores.
+_SERVER_ENGINE_FLAGS = ("single_token_threads", "max_waiting")
+
+
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
-    )
-    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 512MiB or 2GiB")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
-    parser.add_argument(
-        "--max-sequences-per-request",
-        type=_positive_int,
-        default=256,
-        help="sequences (prompts x n) one request may start before answering 400 (default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=1024, help="tokens per forward pass at most"
-    )
-    parser.add_argument(
-        "--no-prefix-cache", action="store_true", help="disable prefix caching (for baselines)"
-    )
-    parser.add_argument(
-        "--kv-disk",
-        default=None,
-        metavar="DIR",
-        help="disk tier: keep KV blocks in DIR too, found again after eviction or a restart",
-    )
-    parser.add_argument("--kv-disk-size", default="20GiB", help="disk tier budget, e.g. 20GiB")
-    parser.add_argument(
-        "--max-pinned-tokens",
-        type=int,
-        default=0,
-        help="KV tokens that POST /v1/cache/pin may hold in memory (held back from requests); 0: off",
-    )
-    parser.add_argument(
-        "--max-pinned-tokens-per-tenant",
-        type=int,
-        default=None,
-        help="of those, what one tenant (or shared group) may pin (default: all of them)",
-    )
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
-    )
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
-    parser.add_argument(
-        "--weight-dtype",
-        default=EngineConfig.weight_dtype,
-        choices=WEIGHT_DTYPES,
-        help="storage of the linear weights: gguf (a GGUF's own quantized blocks, run natively; the "
-        "float32 model at a fraction of its bytes; float16 for other models), q8_0 (8-bit blocks made at "
-        "load), float32 (exact), float16 (half the bytes) or int8 (per-channel); default %(default)s",
-    )
-    parser.add_argument(
-        "--kv-dtype",
-        default=EngineConfig.kv_dtype,
-        choices=KV_DTYPES,
-        help="dtype of the KV cache: auto (float16 under --dtype float32, else --dtype), float16 (twice "
-        "the tokens per byte) or float32; default %(default)s",
-    )
-    parser.add_argument(
-        "--attention",
-        default=EngineConfig.attention,
-        choices=["auto", "native", "torch"],
-        help="decode attention: native (a C kernel built on first use, reads the paged cache in place, "
-        "bitwise batch-invariant), torch (portable) or auto (native where it can run); default %(default)s",
-    )
+    add_flags(parser, EngineConfig, exclude=_SERVER_ENGINE_FLAGS)
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        kv_cache_memory=parse_bytes(args.kv_cache_memory),
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_sequences_per_request=args.max_sequences_per_request,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_cache,
-        kv_disk=args.kv_disk,
-        kv_disk_size=parse_bytes(args.kv_disk_size),
-        max_pinned_tokens=args.max_pinned_tokens,
-        max_pinned_tokens_per_tenant=args.max_pinned_tokens_per_tenant,
-        threads=args.threads,
-        device=args.device,
-        dtype=args.dtype,
-        weight_dtype=args.weight_dtype,
-        kv_dtype=args.kv_dtype,
-        attention=args.attention,
-        **overrides,
-    )
+    return from_flags(EngineConfig, args, **overrides)
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -213,60 +132,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import serve
 
-    return serve(
-        engine_config(args, single_token_threads=args.single_token_threads or None),
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        max_waiting=args.max_waiting,
-        dashboard_show_text=args.dashboard_show_text,
-        admin_key=args.admin_key,
-        served_model_name=args.served_model_name,
-        allowed_origins=_origins(args.allowed_origins),
-        api_key_file=args.api_key_file,
-        max_request_bytes=parse_bytes(args.max_request_bytes),
-        max_in_flight_per_tenant=args.max_in_flight_per_tenant,
-        tenant_secret_file=args.tenant_secret_file,
-        kv_remote=args.kv_remote,
-    )
+    return serve(engine_config(args), from_flags(ServerOptions, args))
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from kvserve.cluster.launch import ClusterConfig, run_until_interrupted
+    from kvserve.cluster.launch import run_until_interrupted
 
     extra = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
-    return run_until_interrupted(
-        ClusterConfig(
-            replicas=args.replicas,
-            threads=args.threads,
-            host=args.host,
-            port=args.port,
-            policy=args.policy,
-            redis=not args.no_redis,
-            redis_maxmemory=args.redis_maxmemory,
-            tenant_secret_file=args.tenant_secret_file,
-            serve_args=extra,
-        )
-    )
-
-
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
-    return number
-
-
-def _origins(value: str | None) -> list[str]:
-    """A JSON list (as vLLM takes it) or a comma-separated list of origins."""
-    if not value:
-        return []
-    if value.lstrip().startswith("["):
-        origins = json.loads(value)
-        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
-            raise SystemExit("kvserve: --allowed-origins must be a JSON list of strings")
-        return origins
-    return [o.strip() for o in value.split(",") if o.strip()]
+    return run_until_interrupted(from_flags(ClusterConfig, args, serve_args=extra))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,91 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     _engine_arguments(serve)
-    serve.add_argument(
-        "--single-token-threads",
-        type=int,
-        default=1,
-        help="threads for a step of one token (one stream decoding alone), leaving the other cores to "
-        "HTTP; 0 uses --threads for every step (default %(default)s)",
-    )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("KVSERVE_API_KEY"),
-        help="require this bearer token on every route but /health (default: $KVSERVE_API_KEY, which "
-        "unlike an argument does not show in ps)",
-    )
-    serve.add_argument(
-        "--admin-key",
-        default=os.environ.get("KVSERVE_ADMIN_KEY"),
-        help="bearer token for admin routes (POST /reset_prefix_cache), needed there once keys are set "
-        "(default: $KVSERVE_ADMIN_KEY)",
-    )
-    serve.add_argument(
-        "--served-model-name", default=None, help="the model name clients send and see (default: the model's)"
-    )
-    serve.add_argument(
-        "--allowed-origins",
-        default=None,
-        help="origins browsers may call from (CORS): a JSON list such as '[\"https://a.example\"]' or "
-        "a comma-separated list; '*' allows any",
-    )
-    serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
-    serve.add_argument(
-        "--dashboard-show-text",
-        action="store_true",
-        help="show the first tokens of cached prefixes as text on /dashboard (off: prompts are private)",
-    )
-    serve.add_argument(
-        "--api-key-file",
-        default=None,
-        help="one 'tenant:key' or 'tenant:key:shared-group' per line; each tenant gets its own prefix-cache "
-        "namespace (members of a shared group share one); re-read on SIGHUP",
-    )
-    serve.add_argument(
-        "--max-request-bytes", default="8MiB", help="largest request body, e.g. 8MiB (413 above it)"
-    )
-    serve.add_argument(
-        "--max-in-flight-per-tenant",
-        type=int,
-        default=256,
-        help="requests one tenant may have in flight before answering 429 (default %(default)s)",
-    )
-    serve.add_argument(
-        "--kv-remote",
-        default=None,
-        metavar="URL",
-        help="a Redis server that replicas share as the cache tier below the disk, e.g. "
-        "redis://10.0.0.5:6379/0 (needs --tenant-secret-file)",
-    )
-    serve.add_argument(
-        "--tenant-secret-file",
-        default=os.environ.get("KVSERVE_TENANT_SECRET_FILE"),
-        metavar="FILE",
-        help="the server secret (64 hex digits, mode 600) that derives tenants' cache namespaces; give "
-        "every replica the same file so that a tenant has one namespace across them (default: "
-        "$KVSERVE_TENANT_SECRET_FILE, else one created in the cache folder)",
-    )
+    add_flags(serve, EngineConfig, _SERVER_ENGINE_FLAGS, defaults=SERVER_ENGINE_DEFAULTS)
+    add_flags(serve, ServerOptions)
     serve.set_defaults(func=cmd_serve)
 
     cluster = sub.add_parser(
         "cluster", help="redis-server, replicas of `kvserve serve` sharing it, and the SMG router, locally"
     )
-    cluster.add_argument("--replicas", type=int, default=2)
-    cluster.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 2, help="torch threads, split between the replicas"
-    )
-    cluster.add_argument("--host", default="127.0.0.1", help="the router's address")
-    cluster.add_argument("--port", type=int, default=8000, help="the router's port")
-    cluster.add_argument("--policy", default="cache_aware", help="SMG's routing policy, e.g. round_robin")
-    cluster.add_argument("--no-redis", action="store_true", help="replicas without the shared Redis tier")
-    cluster.add_argument("--redis-maxmemory", default="1gb", help="Redis' bound (LRU past it)")
-    cluster.add_argument(
-        "--tenant-secret-file",
-        default=os.environ.get("KVSERVE_TENANT_SECRET_FILE"),
-        help="the replicas' shared secret (default: a new one in the run folder)",
-    )
+    add_flags(cluster, ClusterConfig)
     cluster.add_argument(
         "serve_args",
         nargs=argparse.REMAINDER,

@@ -1,8 +1,11 @@
-"""EngineConfig: every knob of the engine in one frozen, validated dataclass."""
+"""EngineConfig: every knob of the engine in one frozen, validated dataclass; the fields that
+`kvserve` commands set carry their flag (kvserve.flags)."""
 
 import os
 import re
 from dataclasses import dataclass, field
+
+from kvserve.flags import option, positive_int
 
 _UNITS = {
     "": 1,
@@ -30,8 +33,27 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def format_bytes(value: int) -> str:
+    """2147483648 -> '2GiB': the largest binary unit that divides it, which parse_bytes reads back."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        size = _UNITS[unit.lower()]
+        if value and value % size == 0:
+            return f"{value // size}{unit}"
+    return str(value)
+
+
+# Each choice list is defined here once: the flags offer it, validation checks it, the model maps it.
+# float64 is for reference runs (exact enough that batch shapes never flip a greedy token).
+DTYPES = ("float32", "float16", "bfloat16", "float64")
 WEIGHT_DTYPES = ("gguf", "q8_0", "float32", "float16", "int8")
-KV_DTYPES = ("auto", "float16", "float32", "bfloat16", "float64")
+KV_DTYPES = ("auto", *DTYPES)
+ATTENTION_BACKENDS = ("auto", "native", "torch")
+
+
+def _threads_or_none(text: str) -> int | None:
+    """--single-token-threads: 0 turns the separate count off (every step uses --threads)."""
+    number = int(text)
+    return None if number == 0 else number
 
 
 def default_cache_dir() -> str:
@@ -76,30 +98,70 @@ class EngineConfig:
     the config's repr.
     """
 
-    model: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    weight_dtype: str = "gguf"
-    kv_dtype: str = "auto"
-    attention: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: int = 2 * 2**30
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_waiting: int = 1024
-    max_sequences_per_request: int = 256
-    enable_prefix_caching: bool = True
+    model: str | None = option(None, "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    device: str = option("cpu", "torch device, e.g. cpu or cuda")
+    dtype: str = option("float32", choices=DTYPES)
+    weight_dtype: str = option(
+        "gguf",
+        "storage of the linear weights: gguf (a GGUF's own quantized blocks, run natively; the float32 "
+        "model at a fraction of its bytes; float16 for other models), q8_0 (8-bit blocks made at load), "
+        "float32 (exact), float16 (half the bytes) or int8 (per-channel); default %(default)s",
+        choices=WEIGHT_DTYPES,
+    )
+    kv_dtype: str = option(
+        "auto",
+        "dtype of the KV cache: auto (float16 under --dtype float32, else --dtype), float16 (twice the "
+        "tokens per byte) or float32; default %(default)s",
+        choices=KV_DTYPES,
+    )
+    attention: str = option(
+        "auto",
+        "decode attention: native (a C kernel built on first use, reads the paged cache in place, "
+        "bitwise batch-invariant), torch (portable) or auto (native where it can run); default %(default)s",
+        choices=ATTENTION_BACKENDS,
+    )
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory: int = option(
+        2 * 2**30,
+        "KV cache budget, e.g. 512MiB or 2GiB (default %(default)s)",
+        parse=parse_bytes,
+        show=format_bytes,
+    )
+    max_model_len: int | None = option(None, "context length (default: the model's)")
+    max_num_seqs: int = option(64, "requests decoded together at most")
+    max_num_batched_tokens: int = option(1024, "tokens per forward pass at most")
+    max_waiting: int = option(1024, "queued requests before answering 503")
+    max_sequences_per_request: int = option(
+        256,
+        "sequences (prompts x n) one request may start before answering 400 (default %(default)s)",
+        parse=positive_int,
+    )
+    enable_prefix_caching: bool = option(
+        True, "disable prefix caching (for baselines)", name="--no-prefix-cache"
+    )
     cache_aware_scheduling_bound: int = 32
-    threads: int | None = None
-    single_token_threads: int | None = None
+    threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
+    single_token_threads: int | None = option(
+        None,
+        "threads for a step of one token (one stream decoding alone), leaving the other cores to HTTP; "
+        "0 uses --threads for every step (default %(default)s)",
+        parse=_threads_or_none,
+    )
     seed: int = 0
     cache_dir: str = field(default_factory=default_cache_dir)
-    kv_disk: str | None = None
-    kv_disk_size: int = 20 * 2**30
+    kv_disk: str | None = option(
+        None,
+        "disk tier: keep KV blocks in DIR too, found again after eviction or a restart",
+        metavar="DIR",
+    )
+    kv_disk_size: int = option(20 * 2**30, "disk tier budget, e.g. 20GiB (default 20GiB)", parse=parse_bytes)
     kv_remote: str | None = None
-    max_pinned_tokens: int = 0
-    max_pinned_tokens_per_tenant: int | None = None
+    max_pinned_tokens: int = option(
+        0, "KV tokens that POST /v1/cache/pin may hold in memory (held back from requests); 0: off"
+    )
+    max_pinned_tokens_per_tenant: int | None = option(
+        None, "of those, what one tenant (or shared group) may pin (default: all of them)"
+    )
     secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,13 +205,13 @@ class EngineConfig:
                 self.single_token_threads is None or self.single_token_threads > 0,
                 "single_token_threads must be positive",
             ),
+            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
             (
-                self.dtype in ("float32", "float16", "bfloat16", "float64"),
-                "dtype must be float32, float16, bfloat16 or float64",
+                self.attention in ATTENTION_BACKENDS,
+                f"attention must be one of {', '.join(ATTENTION_BACKENDS)}",
             ),
-            (self.attention in ("auto", "native", "torch"), "attention must be auto, native or torch"),
-            (self.kv_dtype in KV_DTYPES, "kv_dtype must be auto, float16, float32, bfloat16 or float64"),
-            (self.weight_dtype in WEIGHT_DTYPES, "weight_dtype must be gguf, q8_0, float32, float16 or int8"),
+            (self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}"),
+            (self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}"),
             (
                 self.weight_dtype != "int8"
                 or (self.device.split(":")[0] == "cpu" and self.dtype == "float32"),

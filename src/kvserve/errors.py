@@ -5,6 +5,10 @@ class KVServeError(Exception):
     """Base class for every error kvserve raises on purpose."""
 
 
+class ConfigError(KVServeError, ValueError):
+    """An option cannot be used as given (kvserve.options); the message names the flag to change."""
+
+
 class ModelLoadError(KVServeError):
     """A model file or folder could not be loaded; the message names the file and the reason."""
 

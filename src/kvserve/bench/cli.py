@@ -32,6 +32,8 @@ from kvserve.bench.servers import local_servers
 from kvserve.bench.sharegpt import iter_dataset
 from kvserve.bench.tokens import TokenCounter, choose_counter
 from kvserve.bench.workloads import MultiturnSpec, SharedPrefixSpec, SharegptSpec, Workload
+from kvserve.config import EngineConfig
+from kvserve.flags import add_flags, from_flags, to_argv
 
 # The headline comparison of `make bench`: sized to take a few minutes on 2 CPU cores with the 135M model.
 COMPARE_MULTITURN = MultiturnSpec(
@@ -41,6 +43,7 @@ COMPARE_SHARED_PREFIX = SharedPrefixSpec(
     groups=2, prompts_per_group=8, system_tokens=1000, question_tokens=50, output_tokens=16
 )
 COMPARE_TARGETS = (("prefix-cache", ()), ("no-prefix-cache", ("--no-prefix-cache",)))
+COMPARE_SERVER_FLAGS = ("model", "kv_cache_memory")
 
 WorkloadBuilder = Callable[[TokenCounter], Workload]
 
@@ -56,51 +59,24 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_workload", required=True, metavar="WORKLOAD")
 
     m = _workload_parser(sub, "multiturn", "conversations whose full history is resent every turn")
-    d = MultiturnSpec()
-    m.add_argument("--conversations", type=int, default=d.conversations)
-    m.add_argument("--turns", type=int, default=d.turns)
-    m.add_argument("--system-tokens", type=int, default=d.system_tokens)
-    m.add_argument("--unique-system", action="store_true", help="one system prompt per conversation")
-    m.add_argument("--user-tokens", type=int, default=d.user_tokens)
-    m.add_argument("--reply-tokens", type=int, default=d.reply_tokens)
-    m.add_argument("--max-in-flight", type=int, default=d.max_in_flight, help="conversations at once")
-
+    add_flags(m, MultiturnSpec)
     p = _workload_parser(
         sub, "shared-prefix", "groups of prompts that share a system prompt (SGLang's shape)"
     )
-    e = SharedPrefixSpec()
-    p.add_argument("--groups", type=int, default=e.groups)
-    p.add_argument("--prompts-per-group", type=int, default=e.prompts_per_group)
-    p.add_argument("--system-tokens", type=int, default=e.system_tokens)
-    p.add_argument("--question-tokens", type=int, default=e.question_tokens)
-    p.add_argument("--output-tokens", type=int, default=e.output_tokens)
-    p.add_argument(
-        "--request-rate",
-        type=float,
-        default=e.request_rate,
-        help="Poisson arrivals per second; inf: all at once",
-    )
-
+    add_flags(p, SharedPrefixSpec)
     g = _workload_parser(sub, "sharegpt", "real conversations from ShareGPT, replayed turn by turn")
-    s = SharegptSpec()
-    g.add_argument("--conversations", type=int, default=s.conversations)
-    g.add_argument("--min-turns", type=int, default=s.min_turns)
-    g.add_argument("--max-turns", type=int, default=s.max_turns)
-    g.add_argument("--max-user-tokens", type=int, default=s.max_user_tokens)
-    g.add_argument("--reply-tokens", type=int, default=s.reply_tokens)
-    g.add_argument("--max-in-flight", type=int, default=s.max_in_flight, help="conversations at once")
+    add_flags(g, SharegptSpec)
 
     c = sub.add_parser(
         "compare",
         help="start kvserve with and without its prefix cache and run the headline workloads on both",
         description="Starts two local kvserve servers (prefix cache on, and --no-prefix-cache), runs "
         "multiturn and shared-prefix on both, interleaved, writes JSON, PNG plots and README-table.md, "
-        "and stops them.",
+        "and stops them. --model and --kv-cache-memory are passed to both servers.",
     )
     c.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--model", help="model path passed to both servers (default: the server's default)")
-    c.add_argument("--kv-cache-memory", help="KV cache size passed to both servers, e.g. 1GiB")
+    add_flags(c, MultiturnSpec, ["seed"])
+    add_flags(c, EngineConfig, COMPARE_SERVER_FLAGS)
     c.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
     _common_run_arguments(c)
 
@@ -132,7 +108,6 @@ def _workload_parser(
         help="an OpenAI-compatible server; repeat to run several side by side (ratios are to the first)",
     )
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON, plots, Markdown")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="model name to request (default: the first of the target's /v1/models)")
     _common_run_arguments(p)
     return p
@@ -153,37 +128,12 @@ def _common_run_arguments(p: argparse.ArgumentParser) -> None:
 def _builder(args: argparse.Namespace) -> WorkloadBuilder:
     name: str = args.bench_workload
     if name == "multiturn":
-        multiturn = MultiturnSpec(
-            conversations=args.conversations,
-            turns=args.turns,
-            system_tokens=args.system_tokens,
-            shared_system=not args.unique_system,
-            user_tokens=args.user_tokens,
-            reply_tokens=args.reply_tokens,
-            max_in_flight=args.max_in_flight,
-            seed=args.seed,
-        )
+        multiturn = from_flags(MultiturnSpec, args)
         return lambda count: workloads.multiturn(multiturn, count)
     if name == "shared-prefix":
-        prefix = SharedPrefixSpec(
-            groups=args.groups,
-            prompts_per_group=args.prompts_per_group,
-            system_tokens=args.system_tokens,
-            question_tokens=args.question_tokens,
-            output_tokens=args.output_tokens,
-            request_rate=args.request_rate,
-            seed=args.seed,
-        )
+        prefix = from_flags(SharedPrefixSpec, args)
         return lambda count: workloads.shared_prefix(prefix, count)
-    sharegpt = SharegptSpec(
-        conversations=args.conversations,
-        min_turns=args.min_turns,
-        max_turns=args.max_turns,
-        max_user_tokens=args.max_user_tokens,
-        reply_tokens=args.reply_tokens,
-        max_in_flight=args.max_in_flight,
-        seed=args.seed,
-    )
+    sharegpt = from_flags(SharegptSpec, args)
     return lambda count: workloads.sharegpt(sharegpt, count, iter_dataset())
 
 
@@ -198,8 +148,7 @@ def _run_workload_command(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    server_flags = [*(["--model", args.model] if args.model else [])]
-    server_flags += ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
+    server_flags = to_argv(EngineConfig, args, COMPARE_SERVER_FLAGS)
     flag_sets = [[*server_flags, *flags] for _, flags in COMPARE_TARGETS]
     with local_servers(flag_sets, args.startup_timeout) as urls:
         targets = [Target(name, url) for (name, _), url in zip(COMPARE_TARGETS, urls, strict=True)]

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvserve.bench.errors import BenchError
 from kvserve.bench.tokens import TokenCounter, text_of_tokens
+from kvserve.flags import option
 
 # How many conversations at the head of the ShareGPT file the sharegpt workload draws from.
 _SHAREGPT_POOL = 2000
@@ -50,40 +51,45 @@ class Workload:
         return sum(len(c.user_turns) for c in self.conversations)
 
 
+# The specs' fields are `kvserve bench`'s flags (kvserve.flags): each default and help is written here.
+_SEED = "seed of the generated texts and of the arrivals"
+_IN_FLIGHT = "conversations at once"
+
+
 @dataclass(frozen=True)
 class MultiturnSpec:
-    conversations: int = 4
-    turns: int = 6
-    system_tokens: int = 1000
-    shared_system: bool = True
-    user_tokens: int = 40
-    reply_tokens: int = 32
-    max_in_flight: int = 4
-    seed: int = 0
+    conversations: int = option(4)
+    turns: int = option(6)
+    system_tokens: int = option(1000)
+    shared_system: bool = option(True, "one system prompt per conversation", name="--unique-system")
+    user_tokens: int = option(40)
+    reply_tokens: int = option(32)
+    max_in_flight: int = option(4, _IN_FLIGHT)
+    seed: int = option(0, _SEED)
 
 
 @dataclass(frozen=True)
 class SharedPrefixSpec:
     """SGLang's generated-shared-prefix shape; `request_rate` of inf sends every prompt at once."""
 
-    groups: int = 2
-    prompts_per_group: int = 8
-    system_tokens: int = 1000
-    question_tokens: int = 50
-    output_tokens: int = 16
-    request_rate: float = math.inf
-    seed: int = 0
+    groups: int = option(2)
+    prompts_per_group: int = option(8)
+    system_tokens: int = option(1000)
+    question_tokens: int = option(50)
+    output_tokens: int = option(16)
+    request_rate: float = option(math.inf, "Poisson arrivals per second; inf: all at once")
+    seed: int = option(0, _SEED)
 
 
 @dataclass(frozen=True)
 class SharegptSpec:
-    conversations: int = 8
-    min_turns: int = 2
-    max_turns: int = 4
-    max_user_tokens: int = 256
-    reply_tokens: int = 64
-    max_in_flight: int = 4
-    seed: int = 0
+    conversations: int = option(8)
+    min_turns: int = option(2)
+    max_turns: int = option(4)
+    max_user_tokens: int = option(256)
+    reply_tokens: int = option(64)
+    max_in_flight: int = option(4, _IN_FLIGHT)
+    seed: int = option(0, _SEED)
 
 
 def multiturn(spec: MultiturnSpec, count: TokenCounter) -> Workload:

@@ -18,6 +18,7 @@ from typing import IO
 import httpx
 
 from kvserve.cluster.redis_process import RedisProcess, free_port
+from kvserve.flags import option
 
 log = logging.getLogger("kvserve.cluster")
 
@@ -29,14 +30,19 @@ HEALTH_FAILURES = 1
 
 @dataclass
 class ClusterConfig:
-    replicas: int = 2
-    threads: int = os.cpu_count() or 2
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: str = "cache_aware"
-    redis: bool = True
-    redis_maxmemory: str = "1gb"
-    tenant_secret_file: str | None = None
+    replicas: int = option(2)
+    threads: int = option(os.cpu_count() or 2, "torch threads, split between the replicas")
+    host: str = option("127.0.0.1", "the router's address")
+    port: int = option(8000, "the router's port")
+    policy: str = option("cache_aware", "SMG's routing policy, e.g. round_robin")
+    redis: bool = option(True, "replicas without the shared Redis tier", name="--no-redis")
+    redis_maxmemory: str = option("1gb", "Redis' bound (LRU past it)")
+    tenant_secret_file: str | None = option(
+        None,
+        "the replicas' shared secret (default: $KVSERVE_TENANT_SECRET_FILE, else a new one in the run "
+        "folder)",
+        env="KVSERVE_TENANT_SECRET_FILE",
+    )
     # More `kvserve serve` arguments, given to every replica.
     serve_args: list[str] = field(default_factory=list)
     run_dir: str | None = None

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.config import default_cache_dir
+from kvserve.config import ATTENTION_BACKENDS, default_cache_dir
+from kvserve.config import DTYPES as DTYPE_NAMES
 from kvserve.model.attention import AttentionMetadata, KVCache, PrefillSpan
 from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import KernelUnavailableError, NativeDecodeAttention
@@ -13,13 +14,7 @@ from kvserve.model.transformer import Transformer
 
 # float64 is for reference runs: rounding differences between batch shapes are then far too small to
 # flip a greedy token, which lets differential tests compare scheduling paths token for token.
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-ATTENTION_BACKENDS = ("auto", "native", "torch")
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP server: `kvserve serve`, or `create_app(async_engine)` to embed it."""
+"""OpenAI-compatible HTTP server: `kvserve serve`, or `create_app(async_engine, options)` to embed it."""

@@ -4,7 +4,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated
 
@@ -19,6 +19,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.errors import InvalidRequestError
+from kvserve.options import ServerOptions
 from kvserve.secret import read_secret
 from kvserve.server.auth import (
     ADMIN_TENANT,
@@ -32,8 +33,6 @@ from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, Stat
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.formats import ChatFormat, CompletionFormat, PromptInput
 from kvserve.server.limits import (
-    DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
-    DEFAULT_MAX_REQUEST_BYTES,
     BodySizeLimit,
     InFlightLimiter,
     PromptGuard,
@@ -68,7 +67,7 @@ from kvserve.server.serving import (
     sampling_params,
     text_prompt,
 )
-from kvserve.server.tenants import KeyFileError, Tenants, load_or_create_secret
+from kvserve.server.tenants import Tenants, load_or_create_secret
 from kvserve.server.tools import constraint, tool_use
 from kvserve.server.unsupported import check_chat, check_completion
 
@@ -89,11 +88,11 @@ Context = Annotated[ServerContext, Depends(_context)]
 
 
 def _authenticate(request: Request, ctx: Context) -> None:
-    authenticate(request, ctx.tenants, ctx.admin_key)
+    authenticate(request, ctx.tenants, ctx.tenants.admin_key)
 
 
 def _require_admin_key(request: Request, ctx: Context) -> None:
-    check_admin_key(request, ctx.tenants, ctx.admin_key)
+    check_admin_key(request, ctx.tenants, ctx.tenants.admin_key)
 
 
 async def _in_flight_slot(request: Request, ctx: Context) -> AsyncIterator[None]:
@@ -307,33 +306,21 @@ async def cache(request: Request, ctx: Context) -> CacheStatus:
     return await cache_status(ctx, cache_namespace(request))
 
 
-def create_app(
-    async_engine: AsyncEngine,
-    api_key: str | None = None,
-    *,
-    tenants: Tenants | None = None,
-    admin_key: str | None = None,
-    served_model_name: str | None = None,
-    allowed_origins: Sequence[str] = (),
-    dashboard_show_text: bool = False,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    max_in_flight_per_tenant: int = DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
-) -> FastAPI:
+def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenants | None = None) -> FastAPI:
     """The HTTP app around a running AsyncEngine; the app owns it and shuts it down when it stops.
 
-    `tenants` defaults to one tenant: `api_key`'s, or everyone when it is None. `admin_key` opens the
-    admin routes and the whole dashboard. `served_model_name` is the name clients use (default: the
-    model's); `allowed_origins` lets browsers on those origins call the API (CORS), `["*"]` any origin;
-    `dashboard_show_text` lets /dashboard show the first tokens of cached prefixes as text.
+    `tenants` defaults to one tenant: `options.api_key`'s, or everyone when it is None (`serve` passes
+    the tenants of the key file). `options.admin_key` opens the admin routes and the whole dashboard.
     Prompts x n of one request are bounded by the engine's `max_sequences_per_request`."""
     engine = async_engine.engine
     if tenants is None:
-        tenants = Tenants(load_or_create_secret(engine.config.cache_dir), api_key, admin_key=admin_key)
-    elif admin_key is not None:
-        tenants.set_admin_key(admin_key)
-    admin_key = tenants.admin_key
-    name = served_model_name or engine.model.name
-    dashboard = Dashboard(StatsHistory.empty(), dashboard_show_text)
+        tenants = Tenants(
+            load_or_create_secret(engine.config.cache_dir), options.api_key, admin_key=options.admin_key
+        )
+    elif options.admin_key is not None:
+        tenants.set_admin_key(options.admin_key)
+    name = options.served_model_name or engine.model.name
+    dashboard = Dashboard(StatsHistory.empty(), options.dashboard_show_text)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -357,23 +344,23 @@ def create_app(
         metrics=ServerMetrics(name),
         tenants=tenants,
         created=int(time.time()),
-        admin_key=admin_key,
-        in_flight=InFlightLimiter(max_in_flight_per_tenant),
+        options=options,
+        in_flight=InFlightLimiter(options.max_in_flight_per_tenant),
         prompt_guard=PromptGuard(engine.max_model_len, engine.tokenizer.max_token_chars()),
         # What AsyncEngine.generate admits: the waiting queue and the running batch.
         admission=SequenceAdmission(async_engine.capacity, async_engine.in_flight_by_tenant),
         max_sequences_per_request=engine.config.max_sequences_per_request,
     )
     app.state.dashboard = dashboard
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)
     app.include_router(admin)
-    if allowed_origins:
+    if options.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(allowed_origins),
+            allow_origins=list(options.allowed_origins),
             allow_methods=["*"],
             allow_headers=["*"],
             expose_headers=["X-Request-Id"],
@@ -383,60 +370,29 @@ def create_app(
     return app
 
 
-def serve(
-    config: EngineConfig,
-    host: str,
-    port: int,
-    api_key: str | None,
-    max_waiting: int,
-    *,
-    api_key_file: str | None = None,
-    admin_key: str | None = None,
-    served_model_name: str | None = None,
-    allowed_origins: Sequence[str] = (),
-    dashboard_show_text: bool = False,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    max_in_flight_per_tenant: int = DEFAULT_MAX_IN_FLIGHT_PER_TENANT,
-    tenant_secret_file: str | None = None,
-    kv_remote: str | None = None,
-) -> int:
+def serve(config: EngineConfig, options: ServerOptions) -> int:
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
     (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file.
 
-    `tenant_secret_file` is the secret replicas share (default: this server's own, in its cache folder);
-    `kv_remote`, the URL of the Redis tier they share, which needs it."""
+    The engine runs under the tenants' secret (`options.tenant_secret_file`, default the cache folder's)
+    and with `options.kv_remote`, which ServerOptions accepts only with a secret file."""
     # Keys first: a bad key file fails in a second, not after the model has loaded.
-    if kv_remote is not None and tenant_secret_file is None:
-        raise KeyFileError(
-            "--kv-remote needs --tenant-secret-file (or KVSERVE_TENANT_SECRET_FILE) naming a secret file "
-            "that every replica shares: each replica's own secret would give a tenant another namespace "
-            "on each replica (so nothing in Redis would ever match) and another key for the blocks' MACs"
-        )
     secret = (
         load_or_create_secret(config.cache_dir)
-        if tenant_secret_file is None
-        else read_secret(tenant_secret_file)
+        if options.tenant_secret_file is None
+        else read_secret(options.tenant_secret_file)
     )
-    tenants = Tenants(secret, api_key, api_key_file, admin_key)
+    tenants = Tenants(secret, options.api_key, options.api_key_file, options.admin_key)
     log.info("tenancy: %s", tenants.describe())
     tenants.install_sighup_reload()
-    engine = Engine(dataclasses.replace(config, max_waiting=max_waiting, secret=secret, kv_remote=kv_remote))
+    engine = Engine(dataclasses.replace(config, secret=secret, kv_remote=options.kv_remote))
     async_engine = AsyncEngine(engine)
-    app = create_app(
-        async_engine,
-        tenants=tenants,
-        admin_key=admin_key,
-        served_model_name=served_model_name,
-        allowed_origins=allowed_origins,
-        dashboard_show_text=dashboard_show_text,
-        max_request_bytes=max_request_bytes,
-        max_in_flight_per_tenant=max_in_flight_per_tenant,
-    )
+    app = create_app(async_engine, options, tenants)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
-            host=host,
-            port=port,
+            host=options.host,
+            port=options.port,
             # kvserve's logging setup applies, and the server writes its own line per request.
             log_config=None,
             access_log=False,

@@ -17,8 +17,6 @@ from kvserve.engine.async_engine import fair_share, has_room
 from kvserve.errors import EngineOverloadedError, InvalidRequestError
 from kvserve.server.errors import RETRY_AFTER_S, APIError
 
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
-DEFAULT_MAX_IN_FLIGHT_PER_TENANT = 256
 # Field limits of the protocol; each is far above what a real client sends.
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256
@@ -37,7 +35,7 @@ class BodySizeLimit:
     receives (the client's disconnect) pass through.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
@@ -100,7 +98,7 @@ class BodySizeLimit:
 class InFlightLimiter:
     """Requests in flight per tenant: one tenant cannot take every slot of the engine's queue."""
 
-    limit: int = DEFAULT_MAX_IN_FLIGHT_PER_TENANT
+    limit: int
     _counts: Counter[str] = field(default_factory=Counter)
 
     def in_flight(self, tenant: str) -> int:

@@ -27,6 +27,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.options import ServerOptions
 from kvserve.server.auth import caller
 from kvserve.server.errors import APIError, ClientDisconnected, ErrorResponse, to_api_error
 from kvserve.server.formats import Choice, OutputFormat, PromptInput, ResponseIds
@@ -45,7 +46,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class ServerContext:
     """What every route needs: the engine, the served model's name and limits, metrics, the tenants
-    and the admin key. `admission` holds room in the engine's queue for whole requests."""
+    (with the admin key) and the server's options. `admission` holds room in the engine's queue for
+    whole requests."""
 
     async_engine: AsyncEngine
     model_name: str
@@ -57,7 +59,7 @@ class ServerContext:
     prompt_guard: PromptGuard
     admission: SequenceAdmission
     max_sequences_per_request: int
-    admin_key: str | None = None
+    options: ServerOptions
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:

@@ -1,0 +1,116 @@
+"""ServerOptions: every option of the HTTP server that is not the engine's, in one frozen, validated
+dataclass beside EngineConfig; `kvserve serve`'s flags are built from its fields (kvserve.flags)."""
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from kvserve.config import format_bytes, parse_bytes
+from kvserve.errors import ConfigError
+from kvserve.flags import option
+
+# What `kvserve serve` sets in EngineConfig unlike an offline run: a step of one token is bound by
+# memory and gains little from more threads, while the server needs a core for its event loop (see
+# benchmarks/bench_overhead.py).
+SERVER_ENGINE_DEFAULTS: Mapping[str, Any] = MappingProxyType({"single_token_threads": 1})
+
+
+def parse_origins(text: str) -> tuple[str, ...]:
+    """A JSON list (as vLLM takes it) or a comma-separated list of origins."""
+    if text.lstrip().startswith("["):
+        origins = json.loads(text)
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError("--allowed-origins must be a JSON list of strings")
+        return tuple(origins)
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How the HTTP server around an engine behaves: its address, its keys and tenants, the limits of
+    one request, CORS and the dashboard. The keys never show in the repr.
+
+    `api_key` is the one key of a single-tenant server; `api_key_file` names tenants' keys (it wins
+    over `api_key` for tenancy, see server/tenants.py); `admin_key` opens the admin routes and every
+    namespace's dashboard. `tenant_secret_file` is the secret replicas share (default: this server's
+    own, in its cache folder); `kv_remote`, the URL of the Redis tier they share, needs it: it reaches
+    EngineConfig.kv_remote together with that secret once `serve` has read it.
+    """
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(
+        None,
+        "require this bearer token on every route but /health (default: $KVSERVE_API_KEY, which unlike an "
+        "argument does not show in ps)",
+        env="KVSERVE_API_KEY",
+        repr=False,
+    )
+    admin_key: str | None = option(
+        None,
+        "bearer token for admin routes (POST /reset_prefix_cache), needed there once keys are set "
+        "(default: $KVSERVE_ADMIN_KEY)",
+        env="KVSERVE_ADMIN_KEY",
+        repr=False,
+    )
+    api_key_file: str | None = option(
+        None,
+        "one 'tenant:key' or 'tenant:key:shared-group' per line; each tenant gets its own prefix-cache "
+        "namespace (members of a shared group share one); re-read on SIGHUP",
+    )
+    served_model_name: str | None = option(None, "the model name clients send and see (default: the model's)")
+    allowed_origins: Sequence[str] = option(
+        (),
+        "origins browsers may call from (CORS): a JSON list such as '[\"https://a.example\"]' or a "
+        "comma-separated list; '*' allows any",
+        parse=parse_origins,
+    )
+    dashboard_show_text: bool = option(
+        False,
+        "show the first tokens of cached prefixes as text on /dashboard (off: prompts are private)",
+    )
+    max_request_bytes: int = option(
+        8 * 2**20,
+        "largest request body, e.g. 8MiB (413 above it; default %(default)s)",
+        parse=parse_bytes,
+        show=format_bytes,
+    )
+    max_in_flight_per_tenant: int = option(
+        256, "requests one tenant may have in flight before answering 429 (default %(default)s)"
+    )
+    kv_remote: str | None = option(
+        None,
+        "a Redis server that replicas share as the cache tier below the disk, e.g. redis://10.0.0.5:6379/0 "
+        "(needs --tenant-secret-file)",
+        metavar="URL",
+    )
+    tenant_secret_file: str | None = option(
+        None,
+        "the server secret (64 hex digits, mode 600) that derives tenants' cache namespaces; give every "
+        "replica the same file so that a tenant has one namespace across them (default: "
+        "$KVSERVE_TENANT_SECRET_FILE, else one created in the cache folder)",
+        env="KVSERVE_TENANT_SECRET_FILE",
+        metavar="FILE",
+    )
+
+    def __post_init__(self) -> None:
+        # Kept as a tuple (a caller may pass a list); a bare string would read as one origin per letter.
+        if isinstance(self.allowed_origins, str):
+            raise ConfigError("allowed_origins must be a sequence of origins, not one string")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        # Checked here, before anything loads: a bad option fails in a second, not after the model.
+        if self.kv_remote is not None and self.tenant_secret_file is None:
+            raise ConfigError(
+                "--kv-remote needs --tenant-secret-file (or KVSERVE_TENANT_SECRET_FILE) naming a secret file "
+                "that every replica shares: each replica's own secret would give a tenant another "
+                "namespace on each replica (so nothing in Redis would ever match) and another key for the "
+                "blocks' MACs"
+            )
+        if not 0 <= self.port < 2**16:
+            raise ConfigError(f"port must be between 0 and 65535, not {self.port}")
+        if self.max_request_bytes < 1:
+            raise ConfigError("max_request_bytes must be positive")
+        if self.max_in_flight_per_tenant < 1:
+            raise ConfigError("max_in_flight_per_tenant must be positive")
