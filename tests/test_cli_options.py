@@ -12,6 +12,7 @@ import kvserve.server.app
 from kvserve.bench.cli import add_bench_arguments
 from kvserve.bench.workloads import MultiturnSpec, SharedPrefixSpec, SharegptSpec
 from kvserve.cli import build_parser, engine_config, main
+from kvserve.cluster.launch import ClusterConfig
 from kvserve.config import EngineConfig
 from kvserve.errors import ConfigError
 from kvserve.flags import flag_name, flagged_fields, from_flags, to_argv
@@ -39,6 +40,14 @@ def test_serve_parses_to_the_dataclasses_defaults() -> None:
 def test_the_model_commands_parse_to_the_engines_defaults(command: list[str]) -> None:
     args = build_parser().parse_args(command)
     assert dataclasses.asdict(engine_config(args)) == dataclasses.asdict(EngineConfig())
+
+
+def test_cluster_parses_to_its_configs_defaults() -> None:
+    args = build_parser().parse_args(["cluster"])
+    assert from_flags(ClusterConfig, args, serve_args=args.serve_args) == ClusterConfig()
+    args = build_parser().parse_args(["cluster", "--no-redis", "--replicas", "3", "--", "--block-size", "32"])
+    config = from_flags(ClusterConfig, args, serve_args=args.serve_args[1:])
+    assert config == ClusterConfig(redis=False, replicas=3, serve_args=["--block-size", "32"])
 
 
 def test_serve_has_a_flag_for_every_option() -> None:

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kvserve.cluster.launch import ClusterConfig
+from kvserve.cluster.launch import ClusterConfig, run_until_interrupted
 from kvserve.config import EngineConfig
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.flags import add_flags, from_flags
@@ -136,8 +136,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from kvserve.cluster.launch import run_until_interrupted
-
     extra = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
     return run_until_interrupted(from_flags(ClusterConfig, args, serve_args=extra))
 
