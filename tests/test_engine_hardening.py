@@ -23,7 +23,7 @@ from kvserve.errors import EngineOverloadedError, InvalidRequestError
 from kvserve.model.loader import LoadedModel
 from kvserve.server.app import create_app
 from kvserve.server.tenants import Tenants, load_or_create_secret
-from tests.harness import Spec, drive, engine_with_blocks
+from tests.harness import Spec, drive, engine_with_blocks, gate_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -262,14 +262,7 @@ def test_finding_5_over_http_a_tenant_is_served_while_another_holds_the_whole_qu
     tenants = Tenants(load_or_create_secret(str(tmp_path)), key_file=str(key_file))
     engine = engine_with_blocks(tiny_model, 128, BLOCK, max_num_seqs=2, max_waiting=6)
     # The engine's steps wait at a gate, so the flood stays in flight however fast the tiny model is.
-    gate = threading.Event()
-    step = engine.step
-
-    def gated_step() -> list[Any]:
-        gate.wait(120)
-        return step()
-
-    monkeypatch.setattr(engine, "step", gated_step)
+    gate = gate_steps(engine, monkeypatch)
     async_engine = AsyncEngine(engine)
     with serve_app(create_app(async_engine, tenants=tenants)) as url, ThreadPoolExecutor(2) as pool:
 
