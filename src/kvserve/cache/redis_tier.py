@@ -108,7 +108,6 @@ class RedisTier:
     ) -> None:
         if len(secret) < 16:
             raise ValueError("the redis tier needs the shared tenant secret (16 bytes or more)")
-        self.queue_bytes = queue_bytes
         self.chunk_blocks = chunk_blocks
         self.admission_budget_s = admission_budget_s
         self._name_key = derive_key(secret, REDIS_KEY_NAMES_PURPOSE)
