@@ -16,6 +16,7 @@ import pytest
 import torch
 from fastapi import FastAPI
 
+from kvserve.cache.pins import PinTable
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
@@ -100,7 +101,7 @@ def test_finding_3_a_pin_that_fails_after_locking_releases_every_block(
     assert engine.kv.usage().num_locked == 0 and not engine.kv.pins("")
     # Whatever else raises once blocks are locked, they are let go.
     monkeypatch.undo()
-    monkeypatch.setattr(engine.kv, "pinned_blocks", broken)
+    monkeypatch.setattr(PinTable, "add", broken)
     with pytest.raises(OSError):
         engine.kv.pin("", PROMPT, 60)
     monkeypatch.undo()
