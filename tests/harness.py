@@ -5,15 +5,18 @@ chunkings are far too small to flip a greedy token: any difference in output is 
 """
 
 import random
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.grammar import StructuredOutputs
+from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.loader import LoadedModel
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
@@ -39,6 +42,20 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
     engine = Engine(config, model=model)
     assert engine.num_blocks == num_blocks
     return engine
+
+
+def gate_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch, timeout_s: float = 120) -> threading.Event:
+    """Make every step of `engine` wait until the returned gate is set (or `timeout_s` passes), so that
+    requests stay in flight however fast the tiny model is."""
+    gate = threading.Event()
+    step = engine.step
+
+    def gated_step() -> list[RequestDelta]:
+        gate.wait(timeout_s)
+        return step()
+
+    monkeypatch.setattr(engine, "step", gated_step)
+    return gate
 
 
 def greedy(

@@ -16,6 +16,7 @@ import pytest
 import torch
 from fastapi import FastAPI
 
+from kvserve.cache.pins import PinTable
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
@@ -24,7 +25,7 @@ from kvserve.model.loader import LoadedModel
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tenants import Tenants, load_or_create_secret
-from tests.harness import Spec, drive, engine_with_blocks
+from tests.harness import Spec, drive, engine_with_blocks, gate_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,7 +102,7 @@ def test_finding_3_a_pin_that_fails_after_locking_releases_every_block(
     assert engine.kv.usage().num_locked == 0 and not engine.kv.pins("")
     # Whatever else raises once blocks are locked, they are let go.
     monkeypatch.undo()
-    monkeypatch.setattr(engine.kv, "pinned_blocks", broken)
+    monkeypatch.setattr(PinTable, "add", broken)
     with pytest.raises(OSError):
         engine.kv.pin("", PROMPT, 60)
     monkeypatch.undo()
@@ -263,14 +264,7 @@ def test_finding_5_over_http_a_tenant_is_served_while_another_holds_the_whole_qu
     tenants = Tenants(load_or_create_secret(str(tmp_path)), key_file=str(key_file))
     engine = engine_with_blocks(tiny_model, 128, BLOCK, max_num_seqs=2, max_waiting=6)
     # The engine's steps wait at a gate, so the flood stays in flight however fast the tiny model is.
-    gate = threading.Event()
-    step = engine.step
-
-    def gated_step() -> list[Any]:
-        gate.wait(120)
-        return step()
-
-    monkeypatch.setattr(engine, "step", gated_step)
+    gate = gate_steps(engine, monkeypatch)
     async_engine = AsyncEngine(engine)
     with serve_app(create_app(async_engine, ServerOptions(), tenants)) as url, ThreadPoolExecutor(2) as pool:
 

@@ -4,12 +4,10 @@ import asyncio
 import json
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import Any
 
 import httpx
 import openai
@@ -20,6 +18,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
+from tests.harness import gate_steps
 from tests.helpers import free_port, server_process
 
 SMALL = {"kv_cache_memory": 32 * 2**20, "max_model_len": 512}
@@ -110,14 +109,7 @@ def test_a_request_waiting_for_its_first_token_counts_once_against_the_queue(
     counted in flight: with room for two, one request being prefilled turned the second away (503)."""
     engine = make_engine(**SMALL, max_num_seqs=1, max_waiting=1)
     # Steps wait at a gate, so the first request is still before its first token when the second comes.
-    gate = threading.Event()
-    step = engine.step
-
-    def gated_step() -> list[Any]:
-        gate.wait(120)
-        return step()
-
-    monkeypatch.setattr(engine, "step", gated_step)
+    gate = gate_steps(engine, monkeypatch)
     async_engine = AsyncEngine(engine)
     body = {"prompt": "Hi", "max_tokens": 2}
     with serve_app(create_app(async_engine, ServerOptions())) as url, ThreadPoolExecutor(2) as pool:

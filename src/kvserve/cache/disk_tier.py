@@ -23,8 +23,9 @@ file names and sizes alone; no KV is read until a request matches it. Space is k
 `capacity_bytes` by deleting the least recently stored or loaded files. Files of other models (or
 settings) may share the folder: they are indexed, and evicted, like this model's, but never found.
 
-The engine thread only queues a copy of the block (`store`); one writer thread does the disk work. A
-store that finds the queue over `queue_bytes` is dropped (counted): the block is then simply not on disk.
+The engine thread only queues a copy of the block (`store`); one writer thread does the disk work
+(write_behind.py). A store that finds the queue over `queue_bytes` is dropped (counted): the block is
+then simply not on disk.
 """
 
 import contextlib
@@ -35,13 +36,14 @@ import stat
 import tempfile
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import torch
 
 from kvserve.cache.block_key import chain_key
 from kvserve.cache.block_mac import MAC_BYTES, seal, unseal
 from kvserve.cache.tiers import BlockRecord, LatencyHistogram, TierUsage
+from kvserve.cache.write_behind import Block, WriteBehind
 from kvserve.private_files import open_private_file, private_dir
 
 log = logging.getLogger("kvserve.cache")
@@ -91,18 +93,11 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
         self._mac_key = mac_key
-        self.queue_bytes = queue_bytes
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._bytes_used = 0
-        self._pending: dict[bytes, tuple[BlockRecord, torch.Tensor]] = {}
-        self._queue: deque[bytes] = deque()
-        self._queued_bytes = 0
-        self._writing = False
-        self._closed = False
-        self.stores = self.stores_dropped = self.loads = self.loads_failed = 0
+        self.loads = self.loads_failed = 0
         self.load_latency = LatencyHistogram()
-        self.store_latency = LatencyHistogram()
         private_dir(self.directory)
         started = time.monotonic()
         self._scan()
@@ -114,8 +109,8 @@ class DiskTier:
             capacity_bytes,
             time.monotonic() - started,
         )
-        self._writer = threading.Thread(target=self._write_loop, name="kvserve-disk-writer", daemon=True)
-        self._writer.start()
+        # A block larger than the whole tier is dropped, not written and evicted at once.
+        self._writes = WriteBehind(self.name, self._write_batch, queue_bytes, max_item_bytes=capacity_bytes)
 
     def _path(self, key: bytes) -> str:
         name = key.hex()
@@ -161,25 +156,20 @@ class DiskTier:
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
-            return key in self._index or key in self._pending
+            if key in self._index:
+                return True
+        return self._writes.holds(key)
 
     def store(self, record: BlockRecord, kv: torch.Tensor) -> None:
-        size = kv.numel() * kv.element_size()
         with self._lock:
-            if self._closed or record.key in self._index or record.key in self._pending:
+            if record.key in self._index:
                 return
-            if self._queued_bytes + size > self.queue_bytes or size > self.capacity_bytes:
-                self.stores_dropped += 1
-                return
-            self._pending[record.key] = (record, kv)
-            self._queue.append(record.key)
-            self._queued_bytes += size
-            self._lock.notify_all()
+        self._writes.put(record, kv)
 
     def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         started = time.monotonic()
+        pending = self._writes.get(record.key)
         with self._lock:
-            pending = self._pending.get(record.key)
             known = record.key in self._index
         if pending is not None:
             # Not written yet: the queued copy is the block itself.
@@ -264,36 +254,20 @@ class DiskTier:
             raise
         return len(head) + len(payload) + len(mac)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closed:
-                    self._lock.wait()
-                if not self._queue:
-                    return
-                key = self._queue.popleft()
-                record, kv = self._pending[key]
-                self._writing = True
-            started = time.monotonic()
-            try:
-                size = self._write(record, kv)
-            except OSError as e:
-                size = -1
-                log.warning("disk tier: could not write block %s: %s", key.hex()[:16], e)
-            with self._lock:
-                del self._pending[key]
-                self._queued_bytes -= kv.numel() * kv.element_size()
-                self._writing = False
-                if size < 0:
-                    self.stores_dropped += 1
-                else:
-                    self.stores += 1
-                    self._index[key] = size
-                    self._bytes_used += size
-                    self._evict_over_capacity()
-                self._lock.notify_all()
-            if size >= 0:
-                self.store_latency.observe(time.monotonic() - started)
+    def _write_batch(self, batch: list[Block]) -> bool:
+        """The writer thread's work: one block to a file, then into the index (before the queue lets
+        go of it, so the tier always holds it somewhere)."""
+        ((record, kv),) = batch
+        try:
+            size = self._write(record, kv)
+        except OSError as e:
+            log.warning("disk tier: could not write block %s: %s", record.key.hex()[:16], e)
+            return False
+        with self._lock:
+            self._index[record.key] = size
+            self._bytes_used += size
+            self._evict_over_capacity()
+        return True
 
     def _evict_over_capacity(self) -> None:
         """Delete least recently used files until the tier fits its capacity (caller holds the lock)."""
@@ -303,9 +277,7 @@ class DiskTier:
             self._unlink(self._path(key))
 
     def flush(self) -> None:
-        with self._lock:
-            while (self._queue or self._writing) and self._writer.is_alive():
-                self._lock.wait(timeout=1)
+        self._writes.flush()
 
     def usage(self) -> TierUsage:
         with self._lock:
@@ -314,16 +286,13 @@ class DiskTier:
                 num_blocks=len(self._index),
                 bytes_used=self._bytes_used,
                 capacity_bytes=self.capacity_bytes,
-                stores=self.stores,
-                stores_dropped=self.stores_dropped,
+                stores=self._writes.written,
+                stores_dropped=self._writes.dropped,
                 loads=self.loads,
                 loads_failed=self.loads_failed,
                 load_latency=self.load_latency.snapshot(),
-                store_latency=self.store_latency.snapshot(),
+                store_latency=self._writes.latency.snapshot(),
             )
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        self._writer.join()
+        self._writes.close()

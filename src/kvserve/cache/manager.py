@@ -1,16 +1,18 @@
 """KVCacheManager: the one owner of KV block accounting.
 
 Every block decision is made here: match-and-lock a cached prefix, allocate (evicting when short), grow,
-copy on write, publish computed KV, release, evict, pin. The scheduler above only decides who runs, in
-what order and with what token budget; it never touches a block id or a reference count.
+copy on write, publish computed KV, release, evict, pin and unpin. The scheduler above only decides who
+runs, in what order and with what token budget; it never touches a block id or a reference count.
 
 Below memory there may be lower tiers (disk, Redis): every newly published full block is offered to them, and
 an admission continues its memory match there, loading the blocks it finds into fresh memory blocks that
 join the tree as if they had just been computed. A lower tier that fails while a block is looked up or
 loaded is a miss: the match stops there and holds nothing of the failed block.
+
+Pins (cache/pins.py) are recorded and capped by a PinTable; the references they own are taken and given
+back here, like every other reference.
 """
 
-import itertools
 import logging
 import time
 from collections import Counter
@@ -19,6 +21,11 @@ from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.lower_tiers import LowerTiers
+
+# Pin and PinRefused are part of the manager's API (pin() returns and raises them).
+from kvserve.cache.pins import Pin as Pin
+from kvserve.cache.pins import PinRefused as PinRefused
+from kvserve.cache.pins import PinTable
 from kvserve.cache.prefix_cache import MatchResult, PrefixCache
 from kvserve.cache.tiers import TierUsage
 
@@ -61,22 +68,6 @@ class Admission:
     hits: dict[str, int] = field(default_factory=dict)
 
 
-class PinRefused(ValueError):
-    """A pin that the cache cannot take (pinning off, over the cap, shorter than a block)."""
-
-
-@dataclass(eq=False)
-class Pin:
-    """A prefix held in memory until `expires_at` (the manager's clock): it owns one pool reference to
-    each of `blocks`, the full blocks of `tokens`."""
-
-    pin_id: str
-    namespace: str
-    tokens: tuple[int, ...]
-    blocks: list[int]
-    expires_at: float
-
-
 @dataclass(frozen=True)
 class CacheUsage:
     num_blocks: int
@@ -113,7 +104,7 @@ class KVCacheManager:
       is what lets `usage` count locked blocks without walking the tree.
     - A pin owns one reference to each of its blocks, so a pinned block is never evictable; the distinct
       pinned blocks never exceed `max_pinned_blocks`, nor those of one namespace (a tenant or shared
-      group) `max_pinned_blocks_per_namespace`.
+      group) `max_pinned_blocks_per_namespace` (the PinTable's caps, see cache/pins.py).
     - A block loaded from a lower tier is verified there first and is written before it joins the tree.
     """
 
@@ -136,14 +127,9 @@ class KVCacheManager:
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
         self.lower = lower
         self.max_pinned_blocks = max_pinned_blocks
-        # Namespaces are tenants (or shared groups): one tenant's pins cannot take every pinnable block.
-        self.max_pinned_blocks_per_namespace = (
-            max_pinned_blocks if max_pinned_blocks_per_namespace is None else max_pinned_blocks_per_namespace
-        )
         self.clock = clock
         self._live: set[SequenceBlocks] = set()
-        self._pins: dict[str, Pin] = {}
-        self._pin_ids = itertools.count(1)
+        self._pins = PinTable(max_pinned_blocks, max_pinned_blocks_per_namespace, block_size)
 
     def cached_prefix_len(self, namespace: str, tokens: Sequence[int]) -> int:
         """How many leading tokens the cache holds now (a hint for ordering; nothing is locked)."""
@@ -328,24 +314,15 @@ class KVCacheManager:
         wholly cached (in memory or a lower tier): compute it, then pin again.
 
         Raises PinRefused when pinning is off, the prefix is shorter than a block, or the pinned blocks
-        would exceed `max_pinned_blocks`.
+        would exceed a cap.
         """
         if self.prefix_cache is None or self.max_pinned_blocks == 0:
             raise PinRefused("pinning is off: start the server with --max-pinned-tokens")
-        bs = self.block_size
-        n = len(tokens) // bs
-        if n == 0:
-            raise PinRefused(f"the prefix is shorter than one KV block ({bs} tokens): nothing to pin")
-        if n > self.max_pinned_blocks:
-            raise PinRefused(
-                f"the prefix needs {n * bs} pinned tokens, over the cap of {self.max_pinned_blocks * bs}"
-            )
-        prefix = tuple(tokens[: n * bs])
+        prefix = self._pins.pinnable_prefix(tokens)
         expires_at = self.clock() + ttl_s
-        for pin in self._pins.values():
-            if pin.namespace == namespace and pin.tokens == prefix:
-                pin.expires_at = max(pin.expires_at, expires_at)
-                return pin
+        extended = self._pins.extend(namespace, prefix, expires_at)
+        if extended is not None:
+            return extended
         seq = SequenceBlocks(namespace)
         made: Pin | None = None
         try:
@@ -353,22 +330,9 @@ class KVCacheManager:
             seq.blocks = list(match.blocks)
             self._lock(seq.blocks)
             self._load_from_lower_tiers(seq, prefix, {})
-            if len(seq.blocks) < n:
+            if len(seq.blocks) < len(prefix) // self.block_size:
                 return None
-            total = len(self.pinned_blocks() | set(seq.blocks))
-            if total > self.max_pinned_blocks:
-                raise PinRefused(
-                    f"pinning {n * bs} more tokens would hold {total * bs} pinned tokens, over the cap of "
-                    f"{self.max_pinned_blocks * bs}; unpin something first"
-                )
-            mine = len(self._pinned_in(namespace) | set(seq.blocks))
-            if mine > self.max_pinned_blocks_per_namespace:
-                raise PinRefused(
-                    f"pinning {n * bs} more tokens would hold {mine * bs} pinned tokens in this namespace, "
-                    f"over its cap of {self.max_pinned_blocks_per_namespace * bs}; unpin something first"
-                )
-            made = Pin(f"pin-{next(self._pin_ids)}", namespace, prefix, seq.blocks, expires_at)
-            self._pins[made.pin_id] = made
+            made = self._pins.add(namespace, prefix, seq.blocks, expires_at)
             return made
         finally:
             # However the pin ends short of being made (not cached, refused, or anything raising), the
@@ -378,29 +342,24 @@ class KVCacheManager:
 
     def unpin(self, namespace: str, pin_id: str) -> bool:
         """Let go of a pin of `namespace`; False if there is none by that id (or it is another's)."""
-        pin = self._pins.get(pin_id)
-        if pin is None or pin.namespace != namespace:
+        pin = self._pins.remove(namespace, pin_id)
+        if pin is None:
             return False
-        del self._pins[pin_id]
         self._release_blocks(pin.blocks)
         return True
 
     def expire_pins(self) -> int:
         """Drop every pin whose time is over; its blocks stay cached, evictable. Returns how many."""
-        now = self.clock()
-        expired = [p for p in self._pins.values() if p.expires_at <= now]
+        expired = self._pins.expired(self.clock())
         for pin in expired:
             self.unpin(pin.namespace, pin.pin_id)
         return len(expired)
 
     def pins(self, namespace: str) -> list[Pin]:
-        return [p for p in self._pins.values() if p.namespace == namespace]
-
-    def _pinned_in(self, namespace: str) -> set[int]:
-        return {b for p in self._pins.values() if p.namespace == namespace for b in p.blocks}
+        return self._pins.of(namespace)
 
     def pinned_blocks(self) -> set[int]:
-        return {b for p in self._pins.values() for b in p.blocks}
+        return self._pins.blocks()
 
     def usage(self) -> CacheUsage:
         """The pool by state without walking the tree: a block with two or more references is always a
@@ -408,7 +367,7 @@ class KVCacheManager:
         blocks; pinned blocks that no request holds are counted from the pins (bounded by the cap)."""
         cached = self.prefix_cache.num_nodes if self.prefix_cache is not None else 0
         unlocked_cached = cached - self.pool.num_shared
-        pin_refs = Counter(b for p in self._pins.values() for b in p.blocks)
+        pin_refs = self._pins.references()
         pinned_only = sum(1 for b, k in pin_refs.items() if self.pool.ref_count(b) == 1 + k)
         return CacheUsage(
             num_blocks=self.pool.num_blocks,
@@ -445,8 +404,7 @@ class KVCacheManager:
             holders.update(seq.blocks)
             if seq.copy_source is not None:
                 holders[seq.copy_source] += 1
-        for pin in self._pins.values():
-            holders.update(pin.blocks)
+        holders.update(self._pins.references())
         for block in range(self.pool.num_blocks):
             if self.pool.ref_count(block) != holders[block]:
                 raise AssertionError(
@@ -457,12 +415,8 @@ class KVCacheManager:
         shared = {b for b in holders if holders[b] >= 2}
         if self.pool.num_shared != len(shared) or not shared <= set(tree_blocks):
             raise AssertionError("a block with several references is not a tree block, or the count drifted")
+        self._pins.check()
         pinned = self.pinned_blocks()
-        if len(pinned) > self.max_pinned_blocks:
-            raise AssertionError("more blocks are pinned than the cap allows")
-        for namespace in {p.namespace for p in self._pins.values()}:
-            if len(self._pinned_in(namespace)) > self.max_pinned_blocks_per_namespace:
-                raise AssertionError(f"namespace {namespace!r} pins more blocks than its cap")
         if any(self.pool.ref_count(b) < 2 for b in pinned & set(tree_blocks)):
             raise AssertionError("a pinned block is evictable")
         locked = {b for seq in self._live for b in seq.blocks}

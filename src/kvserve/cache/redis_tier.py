@@ -17,9 +17,9 @@ Loads happen at admission, on the engine thread: `prefetch` names the run of blo
 continue a prompt's memory match, and the first `contains` of a block of that run reads it and the
 next few with one MGET (chunks: one huge MGET of a long prompt is slow and holds Redis' single thread).
 Stores are queued (bounded by bytes; over the bound a block is dropped, counted) and one writer thread
-sends them as pipelined SETs. `usage` reports the keys in Redis' database (all of them, as of the last
-write: Redis is shared) as its blocks, and the write queue as its bytes and capacity: Redis' own memory
-is bounded by Redis (`maxmemory`).
+sends them as pipelined SETs (write_behind.py). `usage` reports the keys in Redis' database (all of
+them, as of the last write: Redis is shared) as its blocks, and the write queue as its bytes and
+capacity: Redis' own memory is bounded by Redis (`maxmemory`).
 
 Failures. Every call has a socket timeout and a connect timeout and no retry of its own. A failed call
 (down, slow, reset) is counted in `errors`, logged at most once per LOG_INTERVAL_S, and opens a back-off
@@ -37,7 +37,6 @@ import logging
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 
 import redis
@@ -46,6 +45,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvserve.cache.tiers import BlockRecord, LatencyHistogram, TierUsage
+from kvserve.cache.write_behind import Block, WriteBehind
 from kvserve.secret import REDIS_KEY_NAMES_PURPOSE, REDIS_VALUE_MAC_PURPOSE, derive_key
 
 log = logging.getLogger("kvserve.cache")
@@ -108,7 +108,6 @@ class RedisTier:
     ) -> None:
         if len(secret) < 16:
             raise ValueError("the redis tier needs the shared tenant secret (16 bytes or more)")
-        self.queue_bytes = queue_bytes
         self.chunk_blocks = chunk_blocks
         self.admission_budget_s = admission_budget_s
         self._name_key = derive_key(secret, REDIS_KEY_NAMES_PURPOSE)
@@ -122,12 +121,7 @@ class RedisTier:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._lock = threading.Condition()
-        self._pending: dict[bytes, tuple[BlockRecord, torch.Tensor]] = {}
-        self._queue: deque[bytes] = deque()
-        self._queued_bytes = 0
-        self._writing = 0
-        self._closed = False
+        self._lock = threading.Lock()
         # Keys in Redis' database, as of the last write (DBSIZE, read by the writer): for `usage`.
         self._db_keys = 0
         self._backoff_s = 0.0
@@ -140,13 +134,14 @@ class RedisTier:
         self._staged: dict[bytes, torch.Tensor] = {}
         self._shape: tuple[int, ...] = ()
         self._dtype = torch.float32
-        self.stores = self.stores_dropped = self.loads = self.loads_failed = 0
+        self.loads = self.loads_failed = 0
         self.misses = self.errors = 0
         self.load_latency = LatencyHistogram()
-        self.store_latency = LatencyHistogram()
         self._log = _RateLimitedLog()
-        self._writer = threading.Thread(target=self._write_loop, name="kvserve-redis-writer", daemon=True)
-        self._writer.start()
+        # While Redis is down (the back-off window) the writer waits, and a flush or close drops.
+        self._writes = WriteBehind(
+            self.name, self._write, queue_bytes, batch_size=WRITE_BATCH, held_until=lambda: self._down_until
+        )
         log.info("redis tier %s", self._safe_url())
 
     def _safe_url(self) -> str:
@@ -243,9 +238,8 @@ class RedisTier:
         self._shape, self._dtype = shape, dtype
 
     def contains(self, key: bytes) -> bool:
-        with self._lock:
-            if key in self._pending or key in self._staged:
-                return True
+        if key in self._staged or self._writes.holds(key):
+            return True
         i = self._run_index.get(key)
         if i is None:
             # Outside an admission: a block just computed is offered. It was not found at its admission
@@ -295,23 +289,12 @@ class RedisTier:
             self.load_latency.observe(elapsed / found)
 
     def store(self, record: BlockRecord, kv: torch.Tensor) -> None:
-        size = kv.numel() * kv.element_size()
-        with self._lock:
-            if self._closed or record.key in self._pending:
-                return
-            if self._queued_bytes + size > self.queue_bytes:
-                self.stores_dropped += 1
-                return
-            self._pending[record.key] = (record, kv)
-            self._queue.append(record.key)
-            self._queued_bytes += size
-            self._lock.notify_all()
+        self._writes.put(record, kv)
 
     def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         kv = self._staged.pop(record.key, None)
         if kv is None:
-            with self._lock:
-                pending = self._pending.get(record.key)
+            pending = self._writes.get(record.key)
             if pending is None:
                 return None
             # Not written yet: the queued copy is the block itself.
@@ -325,42 +308,9 @@ class RedisTier:
             self.loads += 1
         return kv
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._closed and (not self._queue or time.monotonic() < self._down_until):
-                    wait = self._down_until - time.monotonic() if self._queue else None
-                    self._lock.wait(timeout=wait)
-                if not self._queue:
-                    return
-                if time.monotonic() < self._down_until:
-                    # Closing while Redis is down: what is queued is dropped, not waited for.
-                    self._drop_queue()
-                    return
-                keys = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
-                batch = [self._pending[k] for k in keys]
-                self._writing = len(keys)
-            started = time.monotonic()
-            db_keys = self._write(batch)
-            ok = db_keys is not None
-            elapsed = time.monotonic() - started
-            with self._lock:
-                for key, (_, kv) in zip(keys, batch, strict=True):
-                    del self._pending[key]
-                    self._queued_bytes -= kv.numel() * kv.element_size()
-                if db_keys is not None:
-                    self.stores += len(keys)
-                    self._db_keys = db_keys
-                else:
-                    self.stores_dropped += len(keys)
-                self._writing = 0
-                self._lock.notify_all()
-            if ok:
-                for _ in keys:
-                    self.store_latency.observe(elapsed / len(keys))
-
-    def _write(self, batch: list[tuple[BlockRecord, torch.Tensor]]) -> int | None:
-        """SETs the batch in one round trip; the keys in Redis' database after it, or None on failure."""
+    def _write(self, batch: list[Block]) -> bool:
+        """SETs the batch in one round trip (the writer thread's work) and reads how many keys Redis
+        holds after it; False on failure."""
         try:
             pipe = self._client.pipeline(transaction=False)
             for record, kv in batch:
@@ -369,46 +319,33 @@ class RedisTier:
             replies = pipe.execute()
         except redis.RedisError as e:
             self._failed(f"writing {len(batch)} blocks", e)
-            return None
+            return False
         self._succeeded()
-        return int(replies[-1])
-
-    def _drop_queue(self) -> None:
-        """Caller holds the lock."""
-        self.stores_dropped += len(self._queue)
-        self._queue.clear()
-        self._pending.clear()
-        self._queued_bytes = 0
+        with self._lock:
+            self._db_keys = int(replies[-1])
+        return True
 
     def flush(self) -> None:
         """Wait until every queued block is written, or dropped because Redis is down."""
-        with self._lock:
-            while (self._queue or self._writing) and self._writer.is_alive():
-                if self._queue and time.monotonic() < self._down_until and not self._writing:
-                    self._drop_queue()
-                    break
-                self._lock.wait(timeout=0.1)
+        self._writes.flush()
 
     def usage(self) -> TierUsage:
         with self._lock:
             return TierUsage(
                 name=self.name,
                 num_blocks=self._db_keys,
-                bytes_used=self._queued_bytes,
-                capacity_bytes=self.queue_bytes,
-                stores=self.stores,
-                stores_dropped=self.stores_dropped,
+                bytes_used=self._writes.queued_bytes,
+                capacity_bytes=self._writes.max_bytes,
+                stores=self._writes.written,
+                stores_dropped=self._writes.dropped,
                 loads=self.loads,
                 loads_failed=self.loads_failed,
                 load_latency=self.load_latency.snapshot(),
-                store_latency=self.store_latency.snapshot(),
+                store_latency=self._writes.latency.snapshot(),
                 misses=self.misses,
                 errors=self.errors,
             )
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        self._writer.join()
+        self._writes.close()
         self._client.close()

@@ -1,37 +1,28 @@
 """Engine: the synchronous step loop. add_request -> step() -> RequestDeltas, until every request ends."""
 
 import itertools
-import logging
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.disk_tier import DiskTier
-from kvserve.cache.lower_tiers import LowerTiers
-from kvserve.cache.manager import CacheUsage, KVCacheManager, Pin
-from kvserve.cache.redis_tier import RedisTier
-from kvserve.cache.tiers import LowerTier
+from kvserve.cache.manager import CacheUsage
+from kvserve.cache.pins import Pin
 from kvserve.config import EngineConfig
 from kvserve.engine import sampler
-from kvserve.engine.grammar import GrammarCompiler
+from kvserve.engine.factory import EngineParts, build_parts
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.reply_memory import ReplyMemory
-from kvserve.engine.request import DEFAULT_TENANT, Request
+from kvserve.engine.request import DEFAULT_TENANT, Appended, Request
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import ScheduledStep
 from kvserve.engine.text_stream import TextStream
-from kvserve.engine.validation import CheckedPrompt, RequestLimits, validate_request, validate_token_ids
+from kvserve.engine.validation import CheckedPrompt, validate_request, validate_token_ids
 from kvserve.errors import InvalidRequestError
-from kvserve.model.fingerprint import model_fingerprint
-from kvserve.model.loader import LoadedModel, load_model
-from kvserve.model.runner import DTYPES, ModelRunner
-from kvserve.secret import DISK_TIER_PURPOSE, derive_key, load_or_create_secret
-
-log = logging.getLogger("kvserve.engine")
+from kvserve.model.loader import LoadedModel
+from kvserve.model.runner import StepLogits
 
 
 @dataclass(frozen=True)
@@ -53,112 +44,33 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None) -> None:
-        self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
+    """The synchronous engine: requests in (`add_request`), one batch per `step`, RequestDeltas out.
+
+    Each step schedules (the scheduler decides who runs), executes (one forward pass), samples, and
+    appends each sampled token to its request, which says whether it ended (`Request.append`)."""
+
+    def __init__(self, config: EngineConfig | EngineParts, model: LoadedModel | None = None) -> None:
+        """An engine on `parts` (engine/factory.py); given an EngineConfig instead, it builds them first,
+        on `model` when given, else on the model the config names."""
+        parts = config if isinstance(config, EngineParts) else build_parts(config, model)
+        self.config = parts.config
+        self.model = parts.model
+        self.tokenizer = parts.model.tokenizer
+        self.runner = parts.runner
+        self.kv = parts.kv
+        self.scheduler = parts.scheduler
+        self.limits = parts.limits
+        self.grammars = parts.grammars
+        self.max_model_len = parts.max_model_len
+        self.bytes_per_block = parts.bytes_per_block
         self._threads = torch.get_num_threads()
-        started = time.monotonic()
-        self.model = model or load_model(config.model, config.cache_dir)
-        self.tokenizer = self.model.tokenizer
-        mc = self.model.config
-        self.max_model_len = self._max_model_len()
-        self.bytes_per_block = (
-            mc.kv_bytes_per_token(DTYPES[config.kv_cache_dtype].itemsize) * config.block_size
-        )
-        num_blocks = config.kv_cache_memory // self.bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block "
-                f"({self.bytes_per_block})"
-            )
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks,
-            config.block_size,
-            self.max_model_len,
-            config.device,
-            config.dtype,
-            config.weight_dtype,
-            config.attention,
-            config.cache_dir,
-            config.kv_cache_dtype,
-        )
-        max_pinned_blocks = config.max_pinned_tokens // config.block_size
-        if max_pinned_blocks >= num_blocks:
-            raise ValueError(
-                f"max_pinned_tokens={config.max_pinned_tokens} leaves no room in a pool of "
-                f"{num_blocks * config.block_size} tokens; lower it or raise kv_cache_memory"
-            )
-        self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            self._lower_tiers(),
-            max_pinned_blocks,
-            max_pinned_blocks_per_namespace=(
-                None
-                if config.max_pinned_tokens_per_tenant is None
-                else config.max_pinned_tokens_per_tenant // config.block_size
-            ),
-        )
-        self.scheduler = Scheduler(config, self.kv)
-        self.limits = RequestLimits(
-            vocab_size=mc.vocab_size,
-            max_model_len=self.max_model_len,
-            max_request_tokens=self.request_pool_tokens,
-            max_sequences_per_request=config.max_sequences_per_request,
-        )
-        # Structured outputs: compiled where requests are validated, never on the engine thread's step.
-        self.grammars = GrammarCompiler(
-            self.tokenizer.hf_tokenizer, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids
-        )
         self.replies = ReplyMemory()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         # Seeds for requests that bring none: a run of the same requests samples the same text.
-        self._seeds = random.Random(config.seed)
+        self._seeds = random.Random(self.config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        log.info(
-            "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-            "prefix cache %s, disk tier %s, redis tier %s",
-            time.monotonic() - started,
-            self.model.name,
-            num_blocks,
-            config.block_size,
-            num_blocks * config.block_size,
-            self.max_model_len,
-            "on" if config.enable_prefix_caching else "off",
-            config.kv_disk or "off",
-            "on" if config.kv_remote else "off",
-        )
-
-    def _lower_tiers(self) -> LowerTiers | None:
-        c = self.config
-        if c.kv_disk is None and c.kv_remote is None:
-            return None
-        fingerprint = model_fingerprint(self.model, c.weight_dtype, c.block_size, c.kv_cache_dtype)
-        secret = c.secret if c.secret is not None else load_or_create_secret(c.cache_dir)
-        tiers: list[LowerTier] = []
-        if c.kv_disk is not None:
-            tiers.append(
-                DiskTier(c.kv_disk, c.kv_disk_size, fingerprint, derive_key(secret, DISK_TIER_PURPOSE))
-            )
-        if c.kv_remote is not None:
-            tiers.append(RedisTier(c.kv_remote, secret))
-        return LowerTiers(tiers, self.runner.kv_cache, fingerprint, c.block_size)
-
-    def _max_model_len(self) -> int:
-        mc = self.model.config
-        limit = mc.max_position_embeddings
-        if mc.sliding_window is not None:
-            # Our attention has no sliding window: staying inside it keeps the output exact.
-            limit = min(limit, mc.sliding_window)
-        asked = self.config.max_model_len
-        if asked is not None and asked > limit:
-            raise ValueError(f"max_model_len {asked} exceeds what the model supports ({limit})")
-        return asked or limit
 
     @property
     def num_blocks(self) -> int:
@@ -196,29 +108,34 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         (checked,) = self.validate_request([prompt], params)
-        n = len(checked.token_ids)
-        max_tokens = checked.max_tokens
+        request = self._new_request(request_id, checked, params, namespace, tenant)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self.prompt_tokens += request.num_prompt_tokens
+        return request
+
+    def _new_request(
+        self, request_id: str, checked: CheckedPrompt, params: SamplingParams, namespace: str, tenant: str
+    ) -> Request:
         stream = TextStream(
             self.tokenizer.decode_stream(params.skip_special_tokens),
             params.stop,
             params.include_stop_str_in_output,
         )
-        request = Request(
+        return Request(
             request_id,
             checked.token_ids,
             params,
-            max_tokens,
+            checked.max_tokens,
             stream,
             namespace,
             arrival=next(self._arrivals),
             seed=self._seeds.randrange(2**63),
             tenant=tenant,
             grammar=None if checked.grammar is None else checked.grammar.start(),
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            max_model_len=self.max_model_len,
         )
-        self.requests[request_id] = request
-        self.scheduler.add(request)
-        self.prompt_tokens += n
-        return request
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks (they stay cached); False if it is unknown or done."""
@@ -233,36 +150,53 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestDelta]:
+        """One engine step: schedule, execute the batch, sample a token for each request that samples,
+        append it. Returns a delta for each request that sampled."""
         self.kv.expire_pins()
-        scheduled = self.scheduler.schedule()
-        if scheduled.empty:
-            if self.scheduler.has_work() and not scheduled.preempted:
-                # Every request that passed validation fits the pool, so this is a scheduler bug: fail
-                # loudly rather than spin with requests that can never run.
-                raise RuntimeError(
-                    f"the scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
-                    f"{len(self.scheduler.running)} running requests"
-                )
+        scheduled = self._schedule()
+        if scheduled is None:
             return []
-        sampled = scheduled.sampled
+        logits = self._execute(scheduled)
+        tokens, chosen = self._sample(scheduled, logits.sampled)
+        self.scheduler.after_step(scheduled)
+        return [
+            self._append(request, token, logprob)
+            for request, token, logprob in zip(scheduled.sampled, tokens, chosen, strict=True)
+        ]
+
+    def _schedule(self) -> ScheduledStep | None:
+        """The scheduler's batch for this step; None when it has nothing to run."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.empty:
+            return scheduled
+        if self.scheduler.has_work() and not scheduled.preempted:
+            # Every request that passed validation fits the pool, so this is a scheduler bug: fail
+            # loudly rather than spin with requests that can never run.
+            raise RuntimeError(
+                f"the scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
+                f"{len(self.scheduler.running)} running requests"
+            )
+        return None
+
+    def _execute(self, scheduled: ScheduledStep) -> StepLogits:
+        """One forward pass over the batch; scores the prompt positions of chunks that asked for them."""
         if self.config.single_token_threads is not None:
             threads = self.config.single_token_threads if scheduled.num_tokens == 1 else self._threads
             # Only on a change: a stream decoding alone keeps one count step after step.
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         logits = self.runner.execute(scheduled.batch)
-        scoring = [r for r, c in scheduled.prefills if c.all_logits]
-        for request, chunk, chunk_logits in zip(
-            scoring, [c for _, c in scheduled.prefills if c.all_logits], logits.chunks, strict=True
-        ):
+        scoring = [(r, c) for r, c in scheduled.prefills if c.all_logits]
+        for (request, chunk), chunk_logits in zip(scoring, logits.chunks, strict=True):
             self._score_prompt(request, chunk.start, chunk_logits)
-        tokens = sampler.sample(logits.sampled, sampled, self.tokenizer.eos_token_ids)
-        chosen = self._token_logprobs(logits.sampled, sampled, tokens)
-        self.scheduler.after_step(scheduled)
-        return [
-            self._append(request, token, logprob)
-            for request, token, logprob in zip(sampled, tokens, chosen, strict=True)
-        ]
+        return logits
+
+    def _sample(
+        self, scheduled: ScheduledStep, logits: torch.Tensor
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """A token for each sampling row, and its logprob for the rows that asked."""
+        tokens = sampler.sample(logits, scheduled.sampled, self.tokenizer.eos_token_ids)
+        return tokens, self._token_logprobs(logits, scheduled.sampled, tokens)
 
     def _score_prompt(self, request: Request, start: int, logits: torch.Tensor) -> None:
         """Logits at prompt positions start, start+1, ... score the prompt tokens after them; positions
@@ -300,69 +234,26 @@ class Engine:
         prompt_logprobs = None
         if request.prompt_logprobs is not None and request.num_output_tokens == 0:
             prompt_logprobs = list(request.prompt_logprobs)
-        if request.max_tokens == 0:
-            # The prompt alone was asked for (its logprobs): the sampled token is not part of the reply.
-            self._finish(request, "length", False)
-            return self._delta(request, [], [], request.text_stream.flush(), "length", prompt_logprobs)
-        request.token_ids.append(token)
-        if request.first_token_time is None:
-            request.first_token_time = time.time()
-        self.generation_tokens += 1
-        params = request.params
-        # Before min_tokens no stop applies (the sampler has kept stop tokens out already).
-        check_stop = request.num_output_tokens >= params.min_tokens
-        eos = not params.ignore_eos and token in self.tokenizer.eos_token_ids
-        stop_token = check_stop and (token in params.stop_token_ids or eos)
-        if stop_token and not params.include_stop_str_in_output:
-            text = request.text_stream.flush()
-        else:
-            text = request.text_stream.push(token, check_stop)
-            if stop_token:
-                text += request.text_stream.flush()
-        grammar_ended = request.grammar is not None and self._advance_grammar(request, token)
-        if stop_token or request.text_stream.stopped:
-            reason: str | None = "stop"
-        elif grammar_ended:
-            # The grammar consumed its end (an end-of-sequence token that ignore_eos or min_tokens kept
-            # from stopping): nothing may follow it.
-            reason = "stop"
-            text += request.text_stream.flush()
-        elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = "length"
-            text += request.text_stream.flush()
-        else:
-            reason = None
-        if reason is not None:
-            self._finish(request, reason, stop_token)
-        logprobs = [] if logprob is None else [logprob]
-        return self._delta(request, [token], logprobs, text, reason, prompt_logprobs)
-
-    @staticmethod
-    def _advance_grammar(request: Request, token: int) -> bool:
-        """Move the request's grammar past `token`; True if the grammar has ended."""
-        grammar = request.grammar
-        assert grammar is not None
-        if not grammar.accept(token):
-            # The mask allows only what the grammar accepts, so this is the end-of-sequence fallback of
-            # a grammar that this model's vocabulary cannot continue.
-            log.warning("request %s left its grammar: %s", request.request_id, grammar.error)
-        return grammar.finished
+        appended = request.append(token)
+        self.generation_tokens += len(appended.token_ids)
+        if appended.finish_reason is not None:
+            self._finish(request, appended.finish_reason)
+        logprobs = [] if logprob is None or not appended.token_ids else [logprob]
+        return self._delta(request, appended, logprobs, prompt_logprobs)
 
     @staticmethod
     def _delta(
         request: Request,
-        token_ids: list[int],
+        appended: Appended,
         logprobs: list[TokenLogprob],
-        text: str,
-        reason: str | None,
         prompt_logprobs: list[TokenLogprob | None] | None,
     ) -> RequestDelta:
         return RequestDelta(
             request_id=request.request_id,
-            token_ids=token_ids,
-            text=text,
-            finished=reason is not None,
-            finish_reason=reason,
+            token_ids=appended.token_ids,
+            text=appended.text,
+            finished=appended.finish_reason is not None,
+            finish_reason=appended.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=request.num_output_tokens,
@@ -370,13 +261,13 @@ class Engine:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _finish(self, request: Request, reason: str, stop_token: bool) -> None:
+    def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         self.scheduler.finish(request)
         self.requests.pop(request.request_id, None)
         # Unless a stop string cut it, the reply's text is its tokens (minus a stop token): remember them,
         # so that the next turn of the chat finds this reply in the cache token for token.
-        reply = request.output_token_ids[:-1] if stop_token else request.output_token_ids
+        reply = request.reply_token_ids
         if (
             reply
             and not request.text_stream.stopped

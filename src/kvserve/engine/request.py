@@ -1,7 +1,11 @@
-"""Request: one generation's tokens, KV blocks and progress, as the scheduler and engine see it."""
+"""Request: one generation's tokens, KV blocks and progress, as the scheduler and engine see it; and
+when it ends (`Request.append`)."""
 
 import enum
+import logging
 import time
+from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 
@@ -10,6 +14,8 @@ from kvserve.engine.grammar import GrammarState
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.text_stream import TextStream
+
+log = logging.getLogger("kvserve.engine")
 
 # The fairness key of requests that name no tenant (one tenant: first come, first served).
 DEFAULT_TENANT = "default"
@@ -21,6 +27,16 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class Appended:
+    """What one sampled token did to its request: the tokens and text its reply gained, and why the
+    request ended there (None while it goes on)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
 class Request:
     """`token_ids` is the prompt followed by the generated tokens. While running, the KV of
     token_ids[:num_computed] is in `kv.blocks`; the last sampled token's KV is computed in the next step.
@@ -28,7 +44,10 @@ class Request:
     admission between tenants (see scheduler.py).
 
     With `params.prompt_logprobs`, `prompt_logprobs` grows as chunks compute logits at prompt positions:
-    entry p scores prompt token p (entry 0 is None: nothing precedes the first token)."""
+    entry p scores prompt token p (entry 0 is None: nothing precedes the first token).
+
+    `append` takes each sampled token and decides whether the request ends there; `eos_token_ids` (the
+    model's end-of-sequence tokens) and `max_model_len` (the context) are what it needs beyond `params`."""
 
     def __init__(
         self,
@@ -42,6 +61,8 @@ class Request:
         seed: int = 0,
         tenant: str = DEFAULT_TENANT,
         grammar: GrammarState | None = None,
+        eos_token_ids: Collection[int] = (),
+        max_model_len: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -69,6 +90,10 @@ class Request:
         self.held_back_ids: torch.Tensor | None = None
         # Where the output stands in its structured-output constraint (its own, also for each of n samples).
         self.grammar = grammar
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        # Whether the last token was a stop token, which is not part of the reply's text.
+        self.ended_on_stop_token = False
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -98,3 +123,65 @@ class Request:
         if self.prompt_logprobs is None or not self.needs_prompt_logits:
             return None
         return len(self.prompt_logprobs) - 1
+
+    @property
+    def reply_token_ids(self) -> list[int]:
+        """The output tokens that make the reply's text: all of them but an ending stop token."""
+        out = self.output_token_ids
+        return out[:-1] if self.ended_on_stop_token else out
+
+    def append(self, token: int) -> Appended:
+        """Take the token sampled for this request; say what it adds to the reply and whether the request
+        ends here. The rules, in order:
+        - max_tokens == 0 (only the prompt's logprobs were asked for): the token is not part of the reply,
+          and the request ends ("length").
+        - Before min_tokens outputs no stop applies (the sampler has kept stop tokens out already).
+        - A stop token (`params.stop_token_ids`, or an end-of-sequence token unless `ignore_eos`) ends it
+          ("stop"); its text is shown only with `include_stop_str_in_output`.
+        - A stop string, found by the incremental detokenizer, ends it ("stop"), the text cut at it.
+        - A grammar that has consumed its end ends it ("stop"): nothing may follow it.
+        - `max_tokens` outputs, or a full context (`max_model_len`), end it ("length").
+        Text held back in case it began a stop string is flushed whenever the request ends."""
+        stream = self.text_stream
+        if self.max_tokens == 0:
+            return Appended([], stream.flush(), "length")
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        params = self.params
+        check_stop = self.num_output_tokens >= params.min_tokens
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        stop_token = check_stop and (token in params.stop_token_ids or eos)
+        if stop_token and not params.include_stop_str_in_output:
+            text = stream.flush()
+        else:
+            text = stream.push(token, check_stop)
+            if stop_token:
+                text += stream.flush()
+        grammar_ended = self.grammar is not None and self._advance_grammar(token)
+        if stop_token or stream.stopped:
+            reason: str | None = "stop"
+        elif grammar_ended:
+            # The grammar consumed its end (an end-of-sequence token that ignore_eos or min_tokens kept
+            # from stopping): nothing may follow it.
+            reason = "stop"
+            text += stream.flush()
+        elif self.num_output_tokens >= self.max_tokens or (
+            self.max_model_len is not None and self.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+            text += stream.flush()
+        else:
+            reason = None
+        self.ended_on_stop_token = stop_token
+        return Appended([token], text, reason)
+
+    def _advance_grammar(self, token: int) -> bool:
+        """Move the grammar past `token`; True if the grammar has ended."""
+        grammar = self.grammar
+        assert grammar is not None
+        if not grammar.accept(token):
+            # The mask allows only what the grammar accepts, so this is the end-of-sequence fallback of
+            # a grammar that this model's vocabulary cannot continue.
+            log.warning("request %s left its grammar: %s", self.request_id, grammar.error)
+        return grammar.finished

@@ -1,0 +1,123 @@
+"""Pins: prefixes held in memory until a time, and the caps on how many blocks may be pinned.
+
+A `PinTable` records pins and enforces their caps; it never touches a reference count. The
+KVCacheManager does: it locks a prefix's blocks before `add` and releases a pin's blocks after `remove`
+hands it back. Together they keep these invariants (`KVCacheManager.check` verifies them):
+- Every pin in the table owns one pool reference to each of its `blocks`, so a pinned block is never
+  evictable; a pin leaves the table only through `remove` (unpinned, or expired on the manager's clock).
+- The distinct blocks of all pins never exceed `max_blocks`, nor those of one namespace (a tenant or a
+  shared group) `max_blocks_per_namespace`: `add` refuses a pin that would exceed either before it
+  records anything.
+- A namespace pins a prefix at most once: pinning it again extends the pin that holds it (`extend`).
+"""
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class PinRefused(ValueError):
+    """A pin that the cache cannot take (pinning off, over the cap, shorter than a block)."""
+
+
+@dataclass(eq=False)
+class Pin:
+    """A prefix held in memory until `expires_at` (the manager's clock): it owns one pool reference to
+    each of `blocks`, the full blocks of `tokens`."""
+
+    pin_id: str
+    namespace: str
+    tokens: tuple[int, ...]
+    blocks: list[int]
+    expires_at: float
+
+
+class PinTable:
+    def __init__(self, max_blocks: int, max_blocks_per_namespace: int | None, block_size: int) -> None:
+        self.max_blocks = max_blocks
+        # Namespaces are tenants (or shared groups): one tenant's pins cannot take every pinnable block.
+        self.max_blocks_per_namespace = (
+            max_blocks if max_blocks_per_namespace is None else max_blocks_per_namespace
+        )
+        self.block_size = block_size
+        self._pins: dict[str, Pin] = {}
+        self._ids = itertools.count(1)
+
+    def pinnable_prefix(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """The full blocks of `tokens`, the part a pin holds; PinRefused when it is empty or over the cap
+        on its own."""
+        bs = self.block_size
+        n = len(tokens) // bs
+        if n == 0:
+            raise PinRefused(f"the prefix is shorter than one KV block ({bs} tokens): nothing to pin")
+        if n > self.max_blocks:
+            raise PinRefused(
+                f"the prefix needs {n * bs} pinned tokens, over the cap of {self.max_blocks * bs}"
+            )
+        return tuple(tokens[: n * bs])
+
+    def extend(self, namespace: str, prefix: tuple[int, ...], expires_at: float) -> Pin | None:
+        """The namespace's pin of `prefix`, now held at least until `expires_at`; None if it has none."""
+        for pin in self._pins.values():
+            if pin.namespace == namespace and pin.tokens == prefix:
+                pin.expires_at = max(pin.expires_at, expires_at)
+                return pin
+        return None
+
+    def add(self, namespace: str, prefix: tuple[int, ...], blocks: list[int], expires_at: float) -> Pin:
+        """Record a pin of `prefix` that owns a reference to each of `blocks` (taken by the caller).
+        Raises PinRefused, recording nothing, when it would exceed a cap."""
+        bs = self.block_size
+        added = len(prefix)
+        total = len(self.blocks() | set(blocks))
+        if total > self.max_blocks:
+            raise PinRefused(
+                f"pinning {added} more tokens would hold {total * bs} pinned tokens, over the cap of "
+                f"{self.max_blocks * bs}; unpin something first"
+            )
+        mine = len(self.blocks_in(namespace) | set(blocks))
+        if mine > self.max_blocks_per_namespace:
+            raise PinRefused(
+                f"pinning {added} more tokens would hold {mine * bs} pinned tokens in this namespace, "
+                f"over its cap of {self.max_blocks_per_namespace * bs}; unpin something first"
+            )
+        pin = Pin(f"pin-{next(self._ids)}", namespace, prefix, blocks, expires_at)
+        self._pins[pin.pin_id] = pin
+        return pin
+
+    def remove(self, namespace: str, pin_id: str) -> Pin | None:
+        """Take the namespace's pin out of the table (its references are the caller's to release); None
+        if it has none by that id."""
+        pin = self._pins.get(pin_id)
+        if pin is None or pin.namespace != namespace:
+            return None
+        del self._pins[pin_id]
+        return pin
+
+    def expired(self, now: float) -> list[Pin]:
+        return [p for p in self._pins.values() if p.expires_at <= now]
+
+    def of(self, namespace: str) -> list[Pin]:
+        return [p for p in self._pins.values() if p.namespace == namespace]
+
+    def all(self) -> list[Pin]:
+        return list(self._pins.values())
+
+    def blocks(self) -> set[int]:
+        return {b for p in self._pins.values() for b in p.blocks}
+
+    def blocks_in(self, namespace: str) -> set[int]:
+        return {b for p in self._pins.values() if p.namespace == namespace for b in p.blocks}
+
+    def references(self) -> Counter[int]:
+        """How many pool references the pins hold on each block."""
+        return Counter(b for p in self._pins.values() for b in p.blocks)
+
+    def check(self) -> None:
+        """Assert the caps (the references are checked by the manager, which owns them)."""
+        if len(self.blocks()) > self.max_blocks:
+            raise AssertionError("more blocks are pinned than the cap allows")
+        for namespace in {p.namespace for p in self._pins.values()}:
+            if len(self.blocks_in(namespace)) > self.max_blocks_per_namespace:
+                raise AssertionError(f"namespace {namespace!r} pins more blocks than its cap")

@@ -1,0 +1,154 @@
+"""Engine wiring: one EngineConfig in, the parts an Engine runs on out.
+
+`build_parts` loads the model (unless given one), sizes the KV pool, builds the model runner, the lower
+cache tiers, the KVCacheManager, the scheduler, the request limits and the grammar compiler. The Engine
+receives them ready (`Engine(parts)`), so it holds no construction logic, and a test can hand it parts
+built another way.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.cache.disk_tier import DiskTier
+from kvserve.cache.lower_tiers import LowerTiers
+from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.redis_tier import RedisTier
+from kvserve.cache.tiers import LowerTier
+from kvserve.config import EngineConfig
+from kvserve.engine.grammar import GrammarCompiler
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.validation import RequestLimits
+from kvserve.model.fingerprint import model_fingerprint
+from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.runner import DTYPES, ModelRunner
+from kvserve.secret import DISK_TIER_PURPOSE, derive_key, load_or_create_secret
+
+log = logging.getLogger("kvserve.engine")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What an Engine runs on. `kv` owns the pool of `runner`'s KV cache; `scheduler` admits into `kv`;
+    `limits` describe what a request may ask of this pool and model."""
+
+    config: EngineConfig
+    model: LoadedModel
+    runner: ModelRunner
+    kv: KVCacheManager
+    scheduler: Scheduler
+    limits: RequestLimits
+    grammars: GrammarCompiler
+    max_model_len: int
+    bytes_per_block: int
+
+
+def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> EngineParts:
+    """Build every part from `config`, loading the model unless `model` is given. Raises ValueError for
+    settings that cannot work together (a pool below one block, pins that would fill it, a context over
+    what the model supports)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    started = time.monotonic()
+    model = model or load_model(config.model, config.cache_dir)
+    max_model_len = _max_model_len(config, model)
+    bytes_per_block = (
+        model.config.kv_bytes_per_token(DTYPES[config.kv_cache_dtype].itemsize) * config.block_size
+    )
+    num_blocks = config.kv_cache_memory // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block ({bytes_per_block})"
+        )
+    runner = ModelRunner(
+        model,
+        num_blocks,
+        config.block_size,
+        max_model_len,
+        config.device,
+        config.dtype,
+        config.weight_dtype,
+        config.attention,
+        config.cache_dir,
+        config.kv_cache_dtype,
+    )
+    max_pinned_blocks = config.max_pinned_tokens // config.block_size
+    if max_pinned_blocks >= num_blocks:
+        raise ValueError(
+            f"max_pinned_tokens={config.max_pinned_tokens} leaves no room in a pool of "
+            f"{num_blocks * config.block_size} tokens; lower it or raise kv_cache_memory"
+        )
+    kv = KVCacheManager(
+        num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        _lower_tiers(config, model, runner),
+        max_pinned_blocks,
+        max_pinned_blocks_per_namespace=(
+            None
+            if config.max_pinned_tokens_per_tenant is None
+            else config.max_pinned_tokens_per_tenant // config.block_size
+        ),
+    )
+    limits = RequestLimits(
+        vocab_size=model.config.vocab_size,
+        max_model_len=max_model_len,
+        # The KV tokens one request may use: the pool less what pins may hold.
+        max_request_tokens=(num_blocks - max_pinned_blocks) * config.block_size,
+        max_sequences_per_request=config.max_sequences_per_request,
+    )
+    tokenizer = model.tokenizer
+    # Structured outputs: compiled where requests are validated, never on the engine thread's step.
+    grammars = GrammarCompiler(tokenizer.hf_tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    log.info(
+        "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
+        "prefix cache %s, disk tier %s, redis tier %s",
+        time.monotonic() - started,
+        model.name,
+        num_blocks,
+        config.block_size,
+        num_blocks * config.block_size,
+        max_model_len,
+        "on" if config.enable_prefix_caching else "off",
+        config.kv_disk or "off",
+        "on" if config.kv_remote else "off",
+    )
+    return EngineParts(
+        config=config,
+        model=model,
+        runner=runner,
+        kv=kv,
+        scheduler=Scheduler(config, kv),
+        limits=limits,
+        grammars=grammars,
+        max_model_len=max_model_len,
+        bytes_per_block=bytes_per_block,
+    )
+
+
+def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) -> LowerTiers | None:
+    """The disk and Redis tiers that config asks for, in that order below memory; None when neither."""
+    if config.kv_disk is None and config.kv_remote is None:
+        return None
+    fingerprint = model_fingerprint(model, config.weight_dtype, config.block_size, config.kv_cache_dtype)
+    secret = config.secret if config.secret is not None else load_or_create_secret(config.cache_dir)
+    tiers: list[LowerTier] = []
+    if config.kv_disk is not None:
+        mac_key = derive_key(secret, DISK_TIER_PURPOSE)
+        tiers.append(DiskTier(config.kv_disk, config.kv_disk_size, fingerprint, mac_key))
+    if config.kv_remote is not None:
+        tiers.append(RedisTier(config.kv_remote, secret))
+    return LowerTiers(tiers, runner.kv_cache, fingerprint, config.block_size)
+
+
+def _max_model_len(config: EngineConfig, model: LoadedModel) -> int:
+    limit = model.config.max_position_embeddings
+    if model.config.sliding_window is not None:
+        # Our attention has no sliding window: staying inside it keeps the output exact.
+        limit = min(limit, model.config.sliding_window)
+    asked = config.max_model_len
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len {asked} exceeds what the model supports ({limit})")
+    return asked or limit
