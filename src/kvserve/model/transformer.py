@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from kvserve.model.linear import Linear, make_linear
+from kvserve.model.native_build import KernelUnavailableError
+from kvserve.model.native_decoder import DecoderLayer, NativeDecoder
 from kvserve.model.quant_blocks import QuantizedWeight, concat
 from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear, make_block_linear
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
@@ -103,6 +105,29 @@ class Transformer:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        self.cache_dir = cache_dir
+        # The decode-only steps' native path, once a KV cache is attached (`attach_native_decoder`).
+        self.decoder: NativeDecoder | None = None
+
+    def attach_native_decoder(self, kv: KVCache) -> None:
+        """Run steps of decodes only through one native call for every layer, over `kv`, where the
+        products are native (gguf or q8_0 weights on the CPU in float32). Raises KernelUnavailableError
+        when the decoder cannot serve this cache; the per-op path then serves every step."""
+        products = [(layer.qkv, layer.o, layer.gate, layer.up, layer.down) for layer in self.layers]
+        if not all(isinstance(p, QuantLinear) for ps in products for p in ps):
+            raise KernelUnavailableError("the native decoder runs the native quantized products only")
+        c = self.config
+        layers: list[DecoderLayer] = []
+        for layer in self.layers:
+            qkv, o, gate, up, down = (layer.qkv, layer.o, layer.gate, layer.up, layer.down)
+            assert isinstance(qkv, QuantLinear) and isinstance(o, QuantLinear)
+            assert isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)
+            assert isinstance(down, QuantLinear)
+            layers.append((layer.attn_norm, layer.mlp_norm, qkv, o, gate, up, down))
+        dims = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, kv.block_size)
+        self.decoder = NativeDecoder(
+            layers, dims, c.rms_norm_eps, self.scale, self.rotary.cos, self.rotary.sin, kv, self.cache_dir
+        )
 
     @torch.inference_mode()
     def forward(
@@ -112,6 +137,10 @@ class Transformer:
         c = self.config
         n = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
+        decoder = self.decoder
+        if decoder is not None and decoder.kv is kv and not meta.prefills and meta.native is not None:
+            assert meta.decode_tables is not None and meta.decode_lens is not None
+            return decoder(h, positions, meta.slot_mapping, meta.decode_tables, meta.decode_lens, meta.native)
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
             x = self.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
