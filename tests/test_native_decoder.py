@@ -67,3 +67,16 @@ def test_without_native_products_and_attention_there_is_no_native_decoder(
 ) -> None:
     runner = ModelRunner(tiny_model, 8, 4, 32, "cpu", "float32", weight_dtype, attention)
     assert runner.transformer.decoder is None
+
+
+def test_the_gguf_embedding_reads_the_files_blocks_with_the_float_rows_values(
+    default_model: LoadedModel,
+) -> None:
+    """No float copy of the vocabulary stays resident under gguf weights: the lookup dequantizes the
+    Q8_0 rows it needs, the same values as the float rows."""
+    runner = ModelRunner(default_model, 8, 16, 64, "cpu", "float32", "gguf", "auto")
+    transformer = runner.transformer
+    assert transformer.embed is None and transformer.embed_blocks is not None
+    ids = torch.tensor([0, 17, 4096, 49151, 17])
+    expected = default_model.weights["model.embed_tokens.weight"][ids]
+    assert torch.equal(transformer.embedding(ids), expected)

@@ -5,7 +5,7 @@ both residual adds ride on the matmuls that precede them. Every linear, the tied
 stored in `weight_dtype` (see kvserve.model.linear); the embedding lookup and the norms stay in `dtype`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,7 @@ class Transformer:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -70,7 +70,13 @@ class Transformer:
         def linear(name: str, bias: bool) -> Linear:
             return product([name + ".weight"], take(name + ".bias") if bias else None)
 
-        self.embed = take("model.embed_tokens.weight")
+        # The lookup reads the file's blocks where the products do (the same values as the float rows, a
+        # quarter of their bytes for Q8_0): no float copy of the vocabulary stays resident.
+        self.embed_blocks = blocks.get("model.embed_tokens.weight")
+        if weight_dtype != "gguf" or device.type != "cpu":
+            self.embed_blocks = None
+        self.embed = None if self.embed_blocks is not None else take("model.embed_tokens.weight")
+        self.dtype = dtype
         self.norm = take("model.norm.weight")
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head = product([head], None)
@@ -92,10 +98,14 @@ class Transformer:
                 )
             )
         expected = (config.vocab_size, config.hidden_size)
-        if tuple(self.embed.shape) != expected:
+        if self.embed_blocks is not None:
+            shape: tuple[int, ...] = (self.embed_blocks.out_features, self.embed_blocks.in_features)
+        else:
+            assert self.embed is not None
+            shape = tuple(self.embed.shape)
+        if shape != expected:
             raise ModelLoadError(
-                "model.embed_tokens.weight",
-                f"shape {tuple(self.embed.shape)} does not match config {expected}",
+                "model.embed_tokens.weight", f"shape {shape} does not match config {expected}"
             )
         # Where the products run natively, so do the norms: one call each instead of five torch ops.
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
@@ -129,6 +139,13 @@ class Transformer:
             layers, dims, c.rms_norm_eps, self.scale, self.rotary.cos, self.rotary.sin, kv, self.cache_dir
         )
 
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `input_ids` [T] in the compute dtype, [T, hidden]."""
+        if self.embed_blocks is not None:
+            return self.embed_blocks.rows(input_ids).to(self.dtype)
+        assert self.embed is not None
+        return F.embedding(input_ids, self.embed)
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
@@ -136,7 +153,7 @@ class Transformer:
         """Hidden states [T, hidden] after the last layer (before the final norm)."""
         c = self.config
         n = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = self.embedding(input_ids)
         decoder = self.decoder
         if decoder is not None and decoder.kv is kv and not meta.prefills and meta.native is not None:
             assert meta.decode_tables is not None and meta.decode_lens is not None
