@@ -66,8 +66,12 @@ def interleave(weight: QuantizedWeight) -> torch.Tensor:
     data = weight.data
     grouped = weight.out_features // COL_TILE * COL_TILE
     nb = weight.in_features // QK
+    # Copied straight into one buffer: a temporary as large as the weight would stay in the heap.
+    out = torch.empty(data.numel(), dtype=torch.uint8)
     head = data[:grouped].reshape(grouped // COL_TILE, COL_TILE, nb, -1).transpose(1, 2)
-    return torch.cat((head.reshape(-1), data[grouped:].reshape(-1)))
+    out[: head.numel()].view(grouped // COL_TILE, nb, COL_TILE, -1).copy_(head)
+    out[head.numel() :].copy_(data[grouped:].reshape(-1))
+    return out
 
 
 class QuantLinear(Linear):

@@ -60,11 +60,18 @@ class Transformer:
             return weights[name].to(device=device, dtype=dtype)
 
         def product(names: list[str], bias: torch.Tensor | None) -> Linear:
+            parts = [blocks.get(n) for n in names]
+            joined = concat([p for p in parts if p is not None]) if all(parts) else None
+            native = weight_dtype == "gguf" and device.type == "cpu" and dtype == torch.float32
+            if native and joined is not None:
+                # The float weights are read only for a fallback: not at all where the kernel runs.
+                try:
+                    return QuantLinear(joined, bias, cache_dir)
+                except KernelUnavailableError:
+                    pass
             weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             if weight_dtype not in ("gguf", "q8_0"):
                 return make_linear(weight, bias, weight_dtype)
-            parts = [blocks.get(n) for n in names]
-            joined = concat([p for p in parts if p is not None]) if all(parts) else None
             return make_block_linear(weight, bias, joined, weight_dtype, cache_dir)
 
         def linear(name: str, bias: bool) -> Linear:
