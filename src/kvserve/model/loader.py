@@ -84,8 +84,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     """A model's tensors by name, each read from its safetensors file when asked for.
 
     Nothing stays resident on the mapping's account: a tensor lives as long as its user keeps it. With
-    gguf weights the Transformer keeps the blocks, so the float32 copies of the products (about 540 MB for
-    the default model) are read once at load and freed.
+    gguf weights the Transformer runs the file's blocks and reads the products' float32 weights only for a
+    fallback, so they are not kept in memory (the model fingerprint reads each once).
     """
 
     def __init__(self, files: dict[str, str]) -> None:
