@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-structured bench-redis bench-cluster bench-peer cluster test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-structured bench-redis bench-cluster bench-peer cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,9 @@ bench-redis: install deps
 
 bench-overhead: install
 	$(BIN)/python -m benchmarks.bench_overhead
+
+bench-decode: install
+	$(BIN)/python -m benchmarks.bench_decode
 
 bench-structured: install
 	$(BIN)/python -m benchmarks.bench_structured

@@ -7,6 +7,7 @@ file and the reason.
 import importlib.util
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ class LoadedModel:
     name: str
     path: str
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     # A GGUF's quantized weight matrices as its own blocks, by the names of `weights` (whose float32
     # tensors are the same values dequantized); empty for safetensors models.
@@ -79,21 +80,53 @@ def load_config(model_dir: str) -> ModelConfig:
         raise ModelLoadError(path, str(e)) from None
 
 
-def load_weights(model_dir: str) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """A model's tensors by name, each read from its safetensors file when asked for.
+
+    Nothing stays resident on the mapping's account: a tensor lives as long as its user keeps it. With
+    gguf weights the Transformer runs the file's blocks and reads the products' float32 weights only for a
+    fallback, so they are not kept in memory (the model fingerprint reads each once).
+    """
+
+    def __init__(self, files: dict[str, str]) -> None:
+        """`files`: the file that holds each tensor, by name."""
+        self._files = files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        path = self._files[name]
+        try:
+            with safe_open(path, framework="pt") as f:
+                tensor: torch.Tensor = f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(path, f"corrupt or unreadable safetensors file ({e})") from None
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def load_weights(model_dir: str) -> LazyWeights:
+    """The model's tensors: each file's header is checked now, every tensor read when used."""
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(model_dir, "no *.safetensors weight files (pickled .bin weights are not loaded)")
-    weights: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
     for name in files:
         path = os.path.join(model_dir, name)
         try:
-            weights.update(load_file(path))
+            # Opening checks the header against the file's size: a truncated file is refused here.
+            with safe_open(path, framework="pt") as f:
+                where.update(dict.fromkeys(f.keys(), path))
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(path, f"corrupt or unreadable safetensors file ({e})") from None
-    return weights
+    return LazyWeights(where)
 
 
 def load_tokenizer(model_dir: str, config: ModelConfig | None = None) -> Tokenizer:

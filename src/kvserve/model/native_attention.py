@@ -69,6 +69,13 @@ class NativeDecodeAttention:
             raise KernelUnavailableError("this C compiler has no _Float16: no float16-cache kernel")
         return cls(lib, dtype, kv)
 
+    @property
+    def address(self) -> int:
+        """The kernel's function address, for native callers (the decoder layers)."""
+        address = ctypes.cast(getattr(self.lib, _SYMBOLS[self.dtype, self.kv_dtype]), ctypes.c_void_p).value
+        assert address is not None
+        return address
+
     def __call__(
         self,
         q: torch.Tensor,

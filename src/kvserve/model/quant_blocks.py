@@ -81,6 +81,9 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
     first = weights[0]
     if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
         return None
+    if len(weights) == 1:
+        # No copy: the model's products hold their blocks as loaded.
+        return first
     return QuantizedWeight(first.qtype, torch.cat([w.data for w in weights]), first.in_features)
 
 

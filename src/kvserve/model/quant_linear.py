@@ -36,6 +36,10 @@ def load_library(cache_dir: str) -> ctypes.CDLL:
     lib.quant_linear_vectorized.restype = _C
     lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
     lib.rms_norm_rows.restype = None
+    lib.decoder_layers.argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _C]
+    lib.decoder_layers.restype = _C
+    lib.decoder_layers_kv16.argtypes = []
+    lib.decoder_layers_kv16.restype = _C
     return lib
 
 
@@ -62,8 +66,12 @@ def interleave(weight: QuantizedWeight) -> torch.Tensor:
     data = weight.data
     grouped = weight.out_features // COL_TILE * COL_TILE
     nb = weight.in_features // QK
+    # Copied straight into one buffer: a temporary as large as the weight would stay in the heap.
+    out = torch.empty(data.numel(), dtype=torch.uint8)
     head = data[:grouped].reshape(grouped // COL_TILE, COL_TILE, nb, -1).transpose(1, 2)
-    return torch.cat((head.reshape(-1), data[grouped:].reshape(-1)))
+    out[: head.numel()].view(grouped // COL_TILE, nb, COL_TILE, -1).copy_(head)
+    out[head.numel() :].copy_(data[grouped:].reshape(-1))
+    return out
 
 
 class QuantLinear(Linear):
@@ -84,6 +92,11 @@ class QuantLinear(Linear):
         if self.bias is not None and self.bias.shape != (weight.out_features,):
             raise ValueError(f"bias of shape {tuple(self.bias.shape)} for {weight.out_features} outputs")
         self.portable = portable
+
+    @property
+    def data_ptr(self) -> int:
+        """The address of the kernel's layout of the blocks."""
+        return int(self._data.data_ptr())
 
     @property
     def vectorized(self) -> bool:

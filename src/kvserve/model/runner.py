@@ -92,6 +92,11 @@ class ModelRunner:
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.kv_dtype
         )
         self.native = self._native_attention(attention, cache_dir)
+        if self.native is not None:
+            try:
+                self.transformer.attach_native_decoder(self.kv_cache)
+            except KernelUnavailableError as e:
+                log.info("decode steps run op by op: %s", e)
 
     def _native_attention(self, attention: str, cache_dir: str | None) -> NativeDecodeAttention | None:
         if attention not in ATTENTION_BACKENDS:

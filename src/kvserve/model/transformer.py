@@ -5,7 +5,7 @@ both residual adds ride on the matmuls that precede them. Every linear, the tied
 stored in `weight_dtype` (see kvserve.model.linear); the embedding lookup and the norms stay in `dtype`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from kvserve.model.linear import Linear, make_linear
+from kvserve.model.native_build import KernelUnavailableError
+from kvserve.model.native_decoder import DecoderLayer, NativeDecoder
 from kvserve.model.quant_blocks import QuantizedWeight, concat
 from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear, make_block_linear
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
@@ -39,7 +41,7 @@ class Transformer:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -58,17 +60,30 @@ class Transformer:
             return weights[name].to(device=device, dtype=dtype)
 
         def product(names: list[str], bias: torch.Tensor | None) -> Linear:
+            parts = [blocks.get(n) for n in names]
+            joined = concat([p for p in parts if p is not None]) if all(parts) else None
+            native = weight_dtype == "gguf" and device.type == "cpu" and dtype == torch.float32
+            if native and joined is not None:
+                # The float weights are read only for a fallback: not at all where the kernel runs.
+                try:
+                    return QuantLinear(joined, bias, cache_dir)
+                except KernelUnavailableError:
+                    pass
             weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             if weight_dtype not in ("gguf", "q8_0"):
                 return make_linear(weight, bias, weight_dtype)
-            parts = [blocks.get(n) for n in names]
-            joined = concat([p for p in parts if p is not None]) if all(parts) else None
             return make_block_linear(weight, bias, joined, weight_dtype, cache_dir)
 
         def linear(name: str, bias: bool) -> Linear:
             return product([name + ".weight"], take(name + ".bias") if bias else None)
 
-        self.embed = take("model.embed_tokens.weight")
+        # The lookup reads the file's blocks where the products do (the same values as the float rows, a
+        # quarter of their bytes for Q8_0): no float copy of the vocabulary stays resident.
+        self.embed_blocks = blocks.get("model.embed_tokens.weight")
+        if weight_dtype != "gguf" or device.type != "cpu":
+            self.embed_blocks = None
+        self.embed = None if self.embed_blocks is not None else take("model.embed_tokens.weight")
+        self.dtype = dtype
         self.norm = take("model.norm.weight")
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head = product([head], None)
@@ -90,10 +105,14 @@ class Transformer:
                 )
             )
         expected = (config.vocab_size, config.hidden_size)
-        if tuple(self.embed.shape) != expected:
+        if self.embed_blocks is not None:
+            shape: tuple[int, ...] = (self.embed_blocks.out_features, self.embed_blocks.in_features)
+        else:
+            assert self.embed is not None
+            shape = tuple(self.embed.shape)
+        if shape != expected:
             raise ModelLoadError(
-                "model.embed_tokens.weight",
-                f"shape {tuple(self.embed.shape)} does not match config {expected}",
+                "model.embed_tokens.weight", f"shape {shape} does not match config {expected}"
             )
         # Where the products run natively, so do the norms: one call each instead of five torch ops.
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
@@ -103,6 +122,36 @@ class Transformer:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        self.cache_dir = cache_dir
+        # The decode-only steps' native path, once a KV cache is attached (`attach_native_decoder`).
+        self.decoder: NativeDecoder | None = None
+
+    def attach_native_decoder(self, kv: KVCache) -> None:
+        """Run steps of decodes only through one native call for every layer, over `kv`, where the
+        products are native (gguf or q8_0 weights on the CPU in float32). Raises KernelUnavailableError
+        when the decoder cannot serve this cache; the per-op path then serves every step."""
+        products = [(layer.qkv, layer.o, layer.gate, layer.up, layer.down) for layer in self.layers]
+        if not all(isinstance(p, QuantLinear) for ps in products for p in ps):
+            raise KernelUnavailableError("the native decoder runs the native quantized products only")
+        c = self.config
+        layers: list[DecoderLayer] = []
+        for layer in self.layers:
+            qkv, o, gate, up, down = (layer.qkv, layer.o, layer.gate, layer.up, layer.down)
+            assert isinstance(qkv, QuantLinear) and isinstance(o, QuantLinear)
+            assert isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)
+            assert isinstance(down, QuantLinear)
+            layers.append((layer.attn_norm, layer.mlp_norm, qkv, o, gate, up, down))
+        dims = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, kv.block_size)
+        self.decoder = NativeDecoder(
+            layers, dims, c.rms_norm_eps, self.scale, self.rotary.cos, self.rotary.sin, kv, self.cache_dir
+        )
+
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `input_ids` [T] in the compute dtype, [T, hidden]."""
+        if self.embed_blocks is not None:
+            return self.embed_blocks.rows(input_ids).to(self.dtype)
+        assert self.embed is not None
+        return F.embedding(input_ids, self.embed)
 
     @torch.inference_mode()
     def forward(
@@ -111,7 +160,11 @@ class Transformer:
         """Hidden states [T, hidden] after the last layer (before the final norm)."""
         c = self.config
         n = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = self.embedding(input_ids)
+        decoder = self.decoder
+        if decoder is not None and decoder.kv is kv and not meta.prefills and meta.native is not None:
+            assert meta.decode_tables is not None and meta.decode_lens is not None
+            return decoder(h, positions, meta.slot_mapping, meta.decode_tables, meta.decode_lens, meta.native)
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
             x = self.rms_norm(h, layer.attn_norm, c.rms_norm_eps)

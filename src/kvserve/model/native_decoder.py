@@ -1,0 +1,163 @@
+"""Every decoder layer of a step's decode rows in one native call (`decoder_layers` in
+kernels/quant_linear.c).
+
+The per-op path runs about ninety torch ops and ctypes calls per layer and token (norms, products, rope's
+eight ops, two K/V writes with their casts, views); on a small model they cost as much as the products.
+This path runs the same operations in the same order inside one C function, so its bits are the per-op
+path's (tests/test_native_decoder.py compares them) and a decode stays batch-invariant. It serves steps of
+decodes only, on the CPU in float32 with gguf or q8_0 weights and the native attention kernel; every other
+step, and every other setting, takes the per-op path, which stays the reference.
+"""
+
+import ctypes
+
+import torch
+
+from kvserve.model.attention import KVCache
+from kvserve.model.native_attention import NativeDecodeAttention
+from kvserve.model.native_build import KernelUnavailableError
+from kvserve.model.quant_linear import QuantLinear, load_library
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("type", _I), ("w", _P), ("bias", _P), ("n_in", _I), ("n_out", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("attn_norm", _P),
+        ("mlp_norm", _P),
+        ("qkv", _QLinear),
+        ("o", _QLinear),
+        ("gate", _QLinear),
+        ("up", _QLinear),
+        ("down", _QLinear),
+    ]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _I),
+        ("hidden", _I),
+        ("heads", _I),
+        ("kv_heads", _I),
+        ("head_dim", _I),
+        ("intermediate", _I),
+        ("block_size", _I),
+        ("layer_slots", _I),
+        ("kv_half", _I),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("cos", _P),
+        ("sin", _P),
+    ]
+
+
+# A layer's attention norm, MLP norm, and its qkv, o, gate, up and down products.
+DecoderLayer = tuple[
+    torch.Tensor, torch.Tensor, QuantLinear, QuantLinear, QuantLinear, QuantLinear, QuantLinear
+]
+
+
+def _qlinear(linear: QuantLinear) -> _QLinear:
+    w = linear.weight
+    bias = None if linear.bias is None else linear.bias.data_ptr()
+    return _QLinear(w.qtype, linear.data_ptr, bias, w.in_features, w.out_features)
+
+
+class NativeDecoder:
+    """The decoder layers of one Transformer over one KV cache, for steps of decodes only.
+
+    Holds pointers into the Transformer's weights, rope tables and the cache: it lives as long as they do.
+    """
+
+    def __init__(
+        self,
+        layers: list[DecoderLayer],
+        dims: tuple[int, int, int, int, int, int],
+        eps: float,
+        scale: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        cache_dir: str,
+    ) -> None:
+        self.lib = load_library(cache_dir)
+        hidden, heads, kv_heads, head_dim, intermediate, block_size = dims
+        k_cache, v_cache = kv.k, kv.v
+        if k_cache.dtype not in (torch.float32, torch.float16) or not k_cache.is_contiguous():
+            raise KernelUnavailableError(
+                f"the native decoder takes a float32 or float16 cache, not {k_cache.dtype}"
+            )
+        if k_cache.dtype == torch.float16 and not self.lib.decoder_layers_kv16():
+            raise KernelUnavailableError("this C compiler has no _Float16: no float16 cache writes")
+        assert v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        self.kv = kv
+        self._keep = (cos, sin)
+        self._layers = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    attn.data_ptr(),
+                    mlp.data_ptr(),
+                    _qlinear(qkv),
+                    _qlinear(o),
+                    _qlinear(g),
+                    _qlinear(u),
+                    _qlinear(d),
+                )
+                for attn, mlp, qkv, o, g, u, d in layers
+            )
+        )
+        self._decoder = _Decoder(
+            len(layers),
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            intermediate,
+            block_size,
+            k_cache.shape[1],
+            int(k_cache.dtype == torch.float16),
+            eps,
+            scale,
+            self._layers,
+            cos.data_ptr(),
+            sin.data_ptr(),
+        )
+        self._k, self._v = k_cache.data_ptr(), v_cache.data_ptr()
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        attention: NativeDecodeAttention,
+    ) -> torch.Tensor:
+        """h [rows, hidden] float32 (updated in place and returned); positions, slots, lens [rows] and
+        tables [rows, width] int64, contiguous."""
+        assert h.is_contiguous() and h.dtype == torch.float32
+        status = self.lib.decoder_layers(
+            ctypes.byref(self._decoder),
+            h.data_ptr(),
+            h.shape[0],
+            positions.data_ptr(),
+            slots.data_ptr(),
+            self._k,
+            self._v,
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+            attention.address,
+            torch.get_num_threads(),
+        )
+        if status == -2:
+            raise MemoryError("the native decoder could not allocate its scratch memory")
+        if status != 0:
+            raise ValueError("the native decoder refused this model's shapes")
+        return h

@@ -1,0 +1,82 @@
+"""The native decoder (every layer of a decode-only step in one call) gives the per-op path's bits."""
+
+import pytest
+import torch
+
+from kvserve.model.loader import LoadedModel
+from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
+
+
+def _prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list[SequenceChunk]:
+    """One decode for each prompt length, its prompt already in the cache (16 blocks per sequence)."""
+    gen = torch.Generator().manual_seed(seed)
+    decodes = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, 4096, (n,), generator=gen).tolist()
+        table = list(range(16 * i, 16 * (i + 1)))
+        runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[:-1], 0, table, False)]))
+        decodes.append(SequenceChunk(ids[-1:], n - 1, table, True))
+    return decodes
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_decode_step_through_the_native_decoder_equals_the_per_op_path(
+    tiny_model: LoadedModel, kv_dtype: str
+) -> None:
+    """Logits and the K/V written into the cache, bit for bit, for decodes of different lengths."""
+    runner = ModelRunner(tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native", kv_dtype=kv_dtype)
+    decoder = runner.transformer.decoder
+    assert decoder is not None
+    decodes = _prefilled(runner, [5, 41, 18], seed=11)
+    k0, v0 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
+    fused = runner.execute(ForwardBatch(decodes=list(decodes))).sampled
+    k1, v1 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
+    assert not torch.equal(k1, k0)
+    runner.kv_cache.k.copy_(k0)
+    runner.kv_cache.v.copy_(v0)
+    runner.transformer.decoder = None
+    per_op = runner.execute(ForwardBatch(decodes=list(decodes))).sampled
+    assert torch.equal(fused, per_op)
+    assert torch.equal(runner.kv_cache.k, k1) and torch.equal(runner.kv_cache.v, v1)
+
+
+def test_a_decode_through_the_native_decoder_is_batch_invariant(tiny_model: LoadedModel) -> None:
+    runner = ModelRunner(tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native")
+    decodes = _prefilled(runner, [30, 7, 52, 12], seed=5)
+    batch = runner.execute(ForwardBatch(decodes=list(decodes))).sampled
+    for i, d in enumerate(decodes):
+        assert torch.equal(runner.execute(ForwardBatch(decodes=[d])).sampled[0], batch[i])
+
+
+def test_the_default_model_decodes_through_the_native_decoder(default_model: LoadedModel) -> None:
+    """The default GGUF (Q4_1 products, a Q8_0 head, a float16 cache) takes the native decoder, with the
+    per-op path's bits."""
+    runner = ModelRunner(default_model, 64, 16, 512, "cpu", "float32", "gguf", "auto", kv_dtype="float16")
+    assert runner.transformer.decoder is not None
+    prompt = list(range(100, 140))
+    runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt[:-1], 0, [0, 1, 2], False)]))
+    step = ForwardBatch(decodes=[SequenceChunk(prompt[-1:], len(prompt) - 1, [0, 1, 2], True)])
+    fused = runner.execute(step).sampled
+    runner.transformer.decoder = None
+    assert torch.equal(runner.execute(step).sampled, fused)
+
+
+@pytest.mark.parametrize(("weight_dtype", "attention"), [("float16", "native"), ("q8_0", "torch")])
+def test_without_native_products_and_attention_there_is_no_native_decoder(
+    tiny_model: LoadedModel, weight_dtype: str, attention: str
+) -> None:
+    runner = ModelRunner(tiny_model, 8, 4, 32, "cpu", "float32", weight_dtype, attention)
+    assert runner.transformer.decoder is None
+
+
+def test_the_gguf_embedding_reads_the_files_blocks_with_the_float_rows_values(
+    default_model: LoadedModel,
+) -> None:
+    """No float copy of the vocabulary stays resident under gguf weights: the lookup dequantizes the
+    Q8_0 rows it needs, the same values as the float rows."""
+    runner = ModelRunner(default_model, 8, 16, 64, "cpu", "float32", "gguf", "auto")
+    transformer = runner.transformer
+    assert transformer.embed is None and transformer.embed_blocks is not None
+    ids = torch.tensor([0, 17, 4096, 49151, 17])
+    expected = default_model.weights["model.embed_tokens.weight"][ids]
+    assert torch.equal(transformer.embedding(ids), expected)
