@@ -3,19 +3,23 @@
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from kvserve.config import EngineConfig
+from kvserve.engine.chat import encode_chat
 from kvserve.engine.engine import Engine, EngineStats
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import (
     CompletionOutput,
     Logprob,
     PositionLogprobs,
+    PromptOutputs,
     RequestDelta,
     RequestOutput,
 )
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.validation import CheckedPrompt
 from kvserve.model.tokenizer import ChatMessage
 
 
@@ -25,6 +29,17 @@ class TokensPrompt(TypedDict):
 
 Prompt = str | TokensPrompt
 Conversation = Sequence[ChatMessage]
+
+
+@dataclass
+class _Run:
+    """One prompt of a batch: its checked prompt, its samples' outputs as they fold, its latencies."""
+
+    request_id: str
+    text: str | None
+    prompt: CheckedPrompt
+    outputs: PromptOutputs
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class LLM:
@@ -42,9 +57,8 @@ class LLM:
         return None, list(prompt["prompt_token_ids"])
 
     def chat_token_ids(self, messages: Conversation, namespace: str = "") -> list[int]:
-        return self.tokenizer.encode_chat(
-            messages, known_reply=lambda text: self.engine.replies.lookup(namespace, text)
-        )
+        """A conversation's token ids, earlier replies spliced in as their generated ids (engine/chat.py)."""
+        return encode_chat(self.tokenizer, self.engine.replies, messages, namespace)
 
     def generate(
         self,
@@ -103,52 +117,60 @@ class LLM:
     ) -> list[RequestOutput]:
         """Every sample of every prompt in one continuous batch; the n samples of a prompt are n engine
         requests, which read the prompt's KV from the prefix cache once the first has computed it."""
-        outputs: list[RequestOutput] = []
-        # Engine request id -> (its prompt's output, the sample's index).
-        samples: dict[str, tuple[RequestOutput, int]] = {}
         started = time.monotonic()
         per_prompt = self._params_per_prompt(len(prompts), params)
-        # Every prompt is checked before any is queued, so a bad one leaves nothing running. Each prompt is
-        # its own request: the cap on prompts x n is for one network request, not an offline batch.
+        # The one check: every prompt before any is queued, so a bad one leaves nothing running. Each
+        # prompt is its own request: the cap on prompts x n is for one network request, not a batch.
         checked = [
             self.engine.validate_request([ids], p)[0] for (_, ids), p in zip(prompts, per_prompt, strict=True)
         ]
+        runs: list[_Run] = []
+        # Engine request id -> (its prompt's run, the sample's index).
+        samples: dict[str, tuple[_Run, int]] = {}
         for (text, _), p, prompt in zip(prompts, per_prompt, checked, strict=True):
-            base = str(next(self._ids))
-            out = RequestOutput(base, text, prompt.token_ids, [], finished=False)
-            outputs.append(out)
+            run = _Run(str(next(self._ids)), text, prompt, PromptOutputs.start(len(prompt.token_ids), p.n))
+            runs.append(run)
             for i in range(p.n):
-                rid = base if p.n == 1 else f"{base}-{i}"
+                rid = run.request_id if p.n == 1 else f"{run.request_id}-{i}"
                 self.engine.add_request(rid, prompt, p.for_sample(i))
-                logprobs: list[PositionLogprobs] | None = [] if p.logprobs is not None else None
-                out.outputs.append(CompletionOutput(i, "", [], logprobs=logprobs))
-                samples[rid] = (out, i)
-        cached: dict[str, int] = {}
+                samples[rid] = (run, i)
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 if delta.request_id not in samples:
                     continue
-                out, i = samples[delta.request_id]
-                completion = out.outputs[i]
-                if "first_token_latency" not in out.metrics:
-                    out.metrics["first_token_latency"] = time.monotonic() - started
-                completion.text += delta.text
-                completion.token_ids += delta.token_ids
-                if completion.logprobs is not None:
-                    completion.logprobs += [self._position(lp) for lp in delta.logprobs]
-                if delta.prompt_logprobs is not None:
-                    out.prompt_logprobs = [
-                        None if lp is None else self._position(lp) for lp in delta.prompt_logprobs
-                    ]
-                # What was cached before the request: its samples after the first find the prompt cached.
-                cached[delta.request_id] = delta.num_cached_tokens
-                out.num_cached_tokens = min(c for r, c in cached.items() if samples[r][0] is out)
-                if delta.finished:
-                    completion.finish_reason = delta.finish_reason
-                    out.finished = all(c.finish_reason is not None for c in out.outputs)
-                    if out.finished:
-                        out.metrics["latency"] = time.monotonic() - started
-        return outputs
+                run, i = samples[delta.request_id]
+                run.metrics.setdefault("first_token_latency", time.monotonic() - started)
+                run.outputs.add(i, delta)
+                if delta.finished and run.outputs.finished:
+                    run.metrics["latency"] = time.monotonic() - started
+        return [self._request_output(run) for run in runs]
+
+    def _request_output(self, run: "_Run") -> RequestOutput:
+        folded = run.outputs
+        with_logprobs = run.prompt.params.logprobs is not None
+        return RequestOutput(
+            run.request_id,
+            run.text,
+            run.prompt.token_ids,
+            [
+                CompletionOutput(
+                    i,
+                    s.text,
+                    s.token_ids,
+                    s.finish_reason,
+                    [self._position(lp) for lp in s.logprobs] if with_logprobs else None,
+                )
+                for i, s in enumerate(folded.samples)
+            ],
+            finished=folded.finished,
+            num_cached_tokens=folded.num_cached_tokens,
+            metrics=run.metrics,
+            prompt_logprobs=(
+                None
+                if folded.prompt_logprobs is None
+                else [None if lp is None else self._position(lp) for lp in folded.prompt_logprobs]
+            ),
+        )
 
     def _position(self, logprob: TokenLogprob) -> PositionLogprobs:
         """vLLM's shape: the top-k tokens with their ranks, and the chosen token with its own rank."""

@@ -12,6 +12,11 @@ Capacity is counted in sequences (each of a request's n samples is one generate 
 tenants: `max_waiting + max_num_seqs` sequences may be in flight, and a tenant under its equal share of
 them (that total over the tenants in flight, itself included) is admitted even when others have filled
 the rest. So one tenant's flood can neither turn another away nor grow the queue past twice the limit.
+
+It is the server's one door to the engine: besides generate, it validates requests (`validate`, the one
+check of a request, on the caller's thread), encodes chats with the reply splice (`encode_chat`), and
+offers the cache views (`stats`, `snapshot`, `cache_view`), pins and the reset, each run on the engine
+thread between steps. `engine` is reached only from here (and by tests).
 """
 
 import asyncio
@@ -26,12 +31,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.config import EngineConfig
+from kvserve.engine.chat import encode_chat
 from kvserve.engine.engine import Engine, EngineStats
+from kvserve.engine.grammar import StructuredOutputs
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.request import DEFAULT_TENANT
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.snapshot import CacheView, PinView, Snapshot, pin_view, take_cache_view, take_snapshot
 from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import EngineOverloadedError, KVServeError
+from kvserve.model.tokenizer import ChatMessage
 
 log = logging.getLogger("kvserve.engine")
 
@@ -108,6 +118,47 @@ class AsyncEngine:
                 "retry later"
             )
 
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The ids the model can embed (a model may have more than its tokenizer)."""
+        return self.engine.limits.vocab_size
+
+    @property
+    def pinning_enabled(self) -> bool:
+        return self.engine.config.enable_prefix_caching and self.engine.kv.max_pinned_blocks > 0
+
+    def validate(
+        self, prompts: Sequence[Sequence[int] | CheckedPrompt], params: SamplingParams
+    ) -> list[CheckedPrompt]:
+        """Check a request (its prompts, each run params.n times): the one check of engine/validation.py.
+        Any thread may call it, and since it reads every prompt token and compiles the request's
+        constraint, callers on the event loop should not; `generate` takes what it returns unchecked."""
+        return self.engine.validate_request(prompts, params)
+
+    def compile_constraint(self, spec: StructuredOutputs) -> None:
+        """Compile a constraint into the grammar cache (validation then finds it there), so that a caller
+        can name what it was built from in the InvalidRequestError of one the grammar library rejects."""
+        self.engine.grammars.compile(spec)
+
+    def encode_chat(
+        self, messages: Sequence[ChatMessage], namespace: str = "", add_generation_prompt: bool = True
+    ) -> list[int]:
+        """A conversation's token ids, earlier replies in `namespace` spliced in as their generated ids
+        (engine/chat.py); off the event loop for a long chat."""
+        return encode_chat(self.tokenizer, self.engine.replies, messages, namespace, add_generation_prompt)
+
     async def generate(
         self,
         prompt: Sequence[int] | CheckedPrompt,
@@ -120,13 +171,17 @@ class AsyncEngine:
         leaving the iteration early (or cancelling) aborts the request.
 
         Raises InvalidRequestError before anything is queued if the request can never be served, and
-        EngineOverloadedError if the engine is at capacity and `tenant` holds its share of it. A
-        prompt from `Engine.validate_request` is not scanned again.
+        EngineOverloadedError if the engine is at capacity and `tenant` holds its share of it. A prompt
+        that `validate` checked with these params (or the request's, of which these are a sample) is
+        not checked again, here or by the engine.
         """
         if self.failure is not None:
             raise self.failure
         self._check_capacity(tenant)
-        (checked,) = self.engine.validate_request([prompt], params)
+        if isinstance(prompt, CheckedPrompt) and prompt.checked_for(params):
+            checked = prompt
+        else:
+            (checked,) = self.validate([prompt], params)
         rid = request_id or f"req-{next(self._ids)}"
         out: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._in_flight += 1
@@ -158,9 +213,43 @@ class AsyncEngine:
         self._commands.put(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
+    async def ping(self) -> None:
+        """Return once the engine thread has answered (it steps, or waits for work)."""
+        await self.call(lambda e: None)
+
     async def stats(self) -> EngineStats:
         stats: EngineStats = await self.call(lambda e: e.stats())
         return stats
+
+    async def snapshot(self, namespace: str | None = None) -> Snapshot:
+        """The engine now (engine/snapshot.py), limited to one namespace when it is given."""
+        snapshot: Snapshot = await self.call(lambda e: take_snapshot(e, namespace))
+        return snapshot
+
+    async def cache_view(self, namespace: str) -> CacheView:
+        """The pool and its lower tiers, and `namespace`'s pins."""
+        view: CacheView = await self.call(lambda e: take_cache_view(e, namespace))
+        return view
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request is using; how many were freed."""
+        freed: int = await self.call(lambda e: e.reset_prefix_cache())
+        return freed
+
+    async def pin(self, namespace: str, tokens: Sequence[int], ttl_s: float) -> PinView | None:
+        """Pin the full blocks of `tokens` (see Engine.pin): None if they are not all cached; PinRefused
+        when the cache cannot take the pin."""
+
+        def pin(engine: Engine) -> PinView | None:
+            found = engine.pin(namespace, tokens, ttl_s)
+            return None if found is None else pin_view(engine, found)
+
+        view: PinView | None = await self.call(pin)
+        return view
+
+    async def unpin(self, namespace: str, pin_id: str) -> bool:
+        found: bool = await self.call(lambda e: e.unpin(namespace, pin_id))
+        return found
 
     def _apply(self, command: _Submit | _Abort | _Call) -> None:
         if isinstance(command, _Submit):

@@ -100,14 +100,18 @@ class Engine:
         """Queue a request; raises InvalidRequestError when it can never be served as asked.
 
         One request is one sample: callers run `n > 1` as n requests with `params.for_sample(i)`, which
-        share the prompt's KV through the prefix cache; a prompt from `validate_request` is not scanned
-        again. `tenant` is whose share of the queue and the running slots the request counts in (see
+        share the prompt's KV through the prefix cache. A prompt that `validate_request` checked with
+        these params (or the request's, of which these are a sample) is not checked again; any other
+        prompt is. `tenant` is whose share of the queue and the running slots the request counts in (see
         the scheduler); `namespace` is the cache namespace its KV lives in."""
         if not isinstance(params, SamplingParams) or params.n != 1:
             raise InvalidRequestError("an engine request is one sample: submit params.for_sample(i)", "n")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        (checked,) = self.validate_request([prompt], params)
+        if isinstance(prompt, CheckedPrompt) and prompt.checked_for(params):
+            checked = prompt
+        else:
+            (checked,) = self.validate_request([prompt], params)
         request = self._new_request(request_id, checked, params, namespace, tenant)
         self.requests[request_id] = request
         self.scheduler.add(request)

@@ -1,4 +1,9 @@
-"""What the engine reports: per-step deltas while streaming, whole RequestOutputs offline."""
+"""What the engine reports: per-step deltas while streaming, and what folds them into whole outputs.
+
+`PromptOutputs` is the one accumulator: the server's choices and usage and `LLM`'s RequestOutputs are
+both read from it, so the n samples of a prompt add up (text, ids, logprobs, finish reason, the cached
+count of the prompt) in one place.
+"""
 
 from dataclasses import dataclass, field
 
@@ -20,6 +25,60 @@ class RequestDelta:
     num_output_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class SampleOutput:
+    """One sample of a prompt as its deltas arrive."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    # What the prefix cache held of the prompt when the sample was admitted; None before its first delta.
+    num_cached_tokens: int | None = None
+
+
+@dataclass
+class PromptOutputs:
+    """The samples of one prompt, folded from their deltas by `add`."""
+
+    num_prompt_tokens: int
+    samples: list[SampleOutput]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @classmethod
+    def start(cls, num_prompt_tokens: int, n: int) -> "PromptOutputs":
+        return cls(num_prompt_tokens, [SampleOutput() for _ in range(n)])
+
+    def add(self, sample: int, delta: RequestDelta) -> SampleOutput:
+        """Fold one delta of sample `sample` in; returns that sample."""
+        out = self.samples[sample]
+        out.text += delta.text
+        out.token_ids += delta.token_ids
+        out.logprobs += delta.logprobs
+        out.finish_reason = delta.finish_reason
+        out.num_output_tokens = delta.num_output_tokens
+        out.num_cached_tokens = delta.num_cached_tokens
+        self.num_prompt_tokens = delta.num_prompt_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        return out
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """What was cached of the prompt before the request: the fewest any sample found (the samples
+        after the first find what the first computed)."""
+        return min((s.num_cached_tokens for s in self.samples if s.num_cached_tokens is not None), default=0)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(s.num_output_tokens for s in self.samples)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
 
 
 @dataclass(frozen=True)

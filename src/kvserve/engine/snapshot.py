@@ -1,13 +1,16 @@
-"""A point-in-time view of the engine for people watching it: pool, counters, hot prefixes, requests.
+"""Point-in-time views of the engine for people watching it: the snapshot (pool, counters, hot prefixes,
+requests) and one namespace's cache view (pool usage, tiers, pins).
 
-Taken on the engine thread (through `AsyncEngine.call`) and cheap by construction: the hot prefixes come
-from the prefix cache's bounded hit set, requests are capped, and pool usage is the manager's summary.
-The server's dashboard and `kvserve chat`'s `/stats` both render it.
+Taken on the engine thread (through `AsyncEngine.snapshot` and `AsyncEngine.cache_view`) and cheap by
+construction: the hot prefixes come from the prefix cache's bounded hit set, requests are capped, and
+pool usage is the manager's summary. The server's dashboard, `GET /v1/cache` and `kvserve chat`'s
+`/stats` render them.
 """
 
 import time
 from dataclasses import dataclass
 
+from kvserve.cache.manager import CacheUsage, Pin
 from kvserve.cache.prefix_cache import Branch
 from kvserve.engine.engine import Engine, EngineStats
 from kvserve.engine.request import Request, RequestStatus
@@ -68,4 +71,36 @@ def take_snapshot(
         branches=branches,
         requests=[_info(r, now) for r in mine[:max_requests]],
         num_requests=len(mine),
+    )
+
+
+@dataclass(frozen=True)
+class PinView:
+    """A pin as its owner sees it: how many tokens it holds and how long it has left."""
+
+    pin_id: str
+    num_tokens: int
+    expires_in_s: float
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """The KV pool and its lower tiers, and one namespace's pins."""
+
+    usage: CacheUsage
+    block_size: int
+    bytes_per_block: int
+    pins: list[PinView]
+
+
+def pin_view(engine: Engine, pin: Pin) -> PinView:
+    return PinView(pin.pin_id, len(pin.tokens), max(0.0, pin.expires_at - engine.kv.clock()))
+
+
+def take_cache_view(engine: Engine, namespace: str) -> CacheView:
+    return CacheView(
+        usage=engine.kv.usage(),
+        block_size=engine.config.block_size,
+        bytes_per_block=engine.bytes_per_block,
+        pins=[pin_view(engine, p) for p in engine.pins(namespace)],
     )

@@ -1,9 +1,12 @@
 """validate_request: the one check every request passes before the engine queues anything of it.
 
-Every door calls it: the engine's add_request (so `LLM` too), the server's chat and completions routes
-(once for all prompts and samples of an HTTP request), and pins (`validate_token_ids`, the part that
-checks token ids). It bounds every field to what the engine can hold, so that nothing a client sends can
-raise on the engine thread, where any exception stops the engine for everyone:
+It runs once per request, at the door that takes the request in: `AsyncEngine.validate` for the server
+(once for all prompts and samples of an HTTP request), `LLM` for an offline batch, `Engine.add_request`
+only for a prompt that comes unchecked; pins run `validate_token_ids`, the part that checks token ids.
+What it returns, a CheckedPrompt, is the proof the later doors accept without checking again.
+
+It bounds every field to what the engine can hold, so that nothing a client sends can raise on the
+engine thread, where any exception stops the engine for everyone:
 
 - the fields of SamplingParams (checked when it is made: types, ranges, finiteness);
 - `n`, and prompts x n, at most `max_sequences_per_request` (an EngineConfig setting);
@@ -21,7 +24,7 @@ first. The samples of one request share one validation (see CheckedPrompt).
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvserve.engine.grammar import CompiledGrammar, GrammarCompiler
 from kvserve.engine.sampling_params import SamplingParams
@@ -44,16 +47,31 @@ class RequestLimits:
         return min(self.max_model_len, self.max_request_tokens)
 
 
+# What a sample of a request shares with it: every field but n and the seed, which no check reads.
+_SAMPLE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in ("n", "seed"))
+
+
 @dataclass(frozen=True)
 class CheckedPrompt:
-    """A prompt that `validate_request` accepted: its token ids, plain ints in the vocabulary, and its
-    effective max_tokens. Passed back to validate_request (with a sample's params), only the checks
-    that cost no more than a constant run again: n samples of a long prompt scan its ids once."""
+    """A prompt that `validate_request` accepted with `params`: its token ids, plain ints in the
+    vocabulary, and its effective max_tokens. Only validate_request makes one. The doors that queue a
+    request (`AsyncEngine.generate`, `Engine.add_request`) take it as proof and check nothing again when
+    it comes with those params or one of their samples (`checked_for`); with any other params it is
+    checked again, and then only the checks that cost no more than a constant run: n samples of a long
+    prompt scan its ids once."""
 
     token_ids: list[int]
     max_tokens: int
-    # The compiled constraint of the params it was checked with (None when they have none).
+    params: SamplingParams
+    # The compiled constraint of `params` (None when they have none).
     grammar: CompiledGrammar | None = None
+
+    def checked_for(self, params: SamplingParams) -> bool:
+        """Whether `params` are the ones this prompt was checked with, or a sample of them
+        (`params.for_sample(i)`, a shallow copy: every other field is the same object)."""
+        if params is self.params:
+            return True
+        return params.n == 1 and all(getattr(params, f) is getattr(self.params, f) for f in _SAMPLE_FIELDS)
 
 
 def validate_token_ids(limits: RequestLimits, token_ids: Sequence[int], param: str = "prompt") -> list[int]:
@@ -162,9 +180,9 @@ def validate_request(
         ids = prompt.token_ids if isinstance(prompt, CheckedPrompt) else validate_token_ids(limits, prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        checked.append(CheckedPrompt(ids, _max_tokens(limits, len(ids), params)))
+        checked.append(CheckedPrompt(ids, _max_tokens(limits, len(ids), params), params))
     # Last: the other checks cost less than a compile, and a request they refuse compiles nothing.
     grammar = _compile(grammars, prompts, params)
     if grammar is not None:
-        checked = [CheckedPrompt(c.token_ids, c.max_tokens, grammar) for c in checked]
+        checked = [CheckedPrompt(c.token_ids, c.max_tokens, params, grammar) for c in checked]
     return checked

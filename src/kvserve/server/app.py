@@ -29,6 +29,8 @@ from kvserve.server.auth import (
     check_admin_key,
     stats_scope,
 )
+from kvserve.server.cache_views import cache_status
+from kvserve.server.context import ServerContext, check_model
 from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.formats import ChatFormat, CompletionFormat, PromptInput
@@ -41,7 +43,8 @@ from kvserve.server.limits import (
 )
 from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.pinning import cache_status, check_pinning_on, pin_prefix, pin_tokens, unpin
+from kvserve.server.pinning import check_pinning_on, pin_prefix, pin_tokens, unpin
+from kvserve.server.prompts import chat_prompt, completion_prompts, prompt_batch, text_prompt
 from kvserve.server.protocol import (
     CacheStatus,
     ChatCompletionRequest,
@@ -57,16 +60,7 @@ from kvserve.server.protocol import (
     TokenizeResponse,
 )
 from kvserve.server.request_id import RequestIdMiddleware
-from kvserve.server.serving import (
-    ServerContext,
-    chat_prompt,
-    check_model,
-    completion_prompts,
-    prompt_batch,
-    respond,
-    sampling_params,
-    text_prompt,
-)
+from kvserve.server.serving import respond, sampling_params
 from kvserve.server.tenants import Tenants, load_or_create_secret
 from kvserve.server.tools import constraint, tool_use
 from kvserve.server.unsupported import check_chat, check_completion
@@ -114,7 +108,7 @@ async def health(ctx: Context) -> Response:
         raise APIError(503, f"The {ctx.async_engine.failure}.", "server_error", code="engine_failed")
     try:
         # Shielded: a timeout must not cancel the call's future, which the engine thread completes later.
-        await asyncio.wait_for(asyncio.shield(ctx.async_engine.call(lambda engine: None)), HEALTH_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.shield(ctx.async_engine.ping()), HEALTH_TIMEOUT_S)
     except TimeoutError as e:
         raise APIError(503, "The engine is not answering.", "server_error", code="engine_unavailable") from e
     return Response(status_code=200)
@@ -142,8 +136,7 @@ async def metrics(ctx: Context) -> Response:
 @admin.post("/reset_prefix_cache")
 async def reset_prefix_cache(ctx: Context) -> dict[str, int]:
     """Drop every cached block no request is using (as vLLM's route does, for benchmark clients)."""
-    freed: int = await ctx.async_engine.call(lambda engine: engine.reset_prefix_cache())
-    return {"freed_blocks": freed}
+    return {"freed_blocks": await ctx.async_engine.reset_prefix_cache()}
 
 
 @api.post("/v1/chat/completions", dependencies=[InFlight])
@@ -171,7 +164,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
             params = dataclasses.replace(params, structured_outputs=tool_grammar)
             try:
                 # Compiled here to name the tools in an error; validation then finds it in the cache.
-                ctx.async_engine.engine.grammars.compile(tool_grammar)
+                ctx.async_engine.compile_constraint(tool_grammar)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"the tools' schemas are rejected: {e.message}", "tools") from None
         elif tools is not None and tools.choice != "none":
@@ -303,7 +296,7 @@ async def delete_pin(pin_id: str, request: Request, ctx: Context) -> PinDeleted:
 
 @api.get("/v1/cache")
 async def cache(request: Request, ctx: Context) -> CacheStatus:
-    return await cache_status(ctx, cache_namespace(request))
+    return cache_status(await ctx.async_engine.cache_view(cache_namespace(request)))
 
 
 def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenants | None = None) -> FastAPI:
@@ -312,14 +305,13 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
     `tenants` defaults to one tenant: `options.api_key`'s, or everyone when it is None (`serve` passes
     the tenants of the key file). `options.admin_key` opens the admin routes and the whole dashboard.
     Prompts x n of one request are bounded by the engine's `max_sequences_per_request`."""
-    engine = async_engine.engine
     if tenants is None:
         tenants = Tenants(
-            load_or_create_secret(engine.config.cache_dir), options.api_key, admin_key=options.admin_key
+            load_or_create_secret(async_engine.config.cache_dir), options.api_key, admin_key=options.admin_key
         )
     elif options.admin_key is not None:
         tenants.set_admin_key(options.admin_key)
-    name = options.served_model_name or engine.model.name
+    name = options.served_model_name or async_engine.model_name
     dashboard = Dashboard(StatsHistory.empty(), options.dashboard_show_text)
 
     @asynccontextmanager
@@ -340,16 +332,16 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
     app.state.context = ServerContext(
         async_engine=async_engine,
         model_name=name,
-        max_model_len=engine.max_model_len,
+        max_model_len=async_engine.max_model_len,
         metrics=ServerMetrics(name),
         tenants=tenants,
         created=int(time.time()),
         options=options,
         in_flight=InFlightLimiter(options.max_in_flight_per_tenant),
-        prompt_guard=PromptGuard(engine.max_model_len, engine.tokenizer.max_token_chars()),
+        prompt_guard=PromptGuard(async_engine.max_model_len, async_engine.tokenizer.max_token_chars()),
         # What AsyncEngine.generate admits: the waiting queue and the running batch.
         admission=SequenceAdmission(async_engine.capacity, async_engine.in_flight_by_tenant),
-        max_sequences_per_request=engine.config.max_sequences_per_request,
+        max_sequences_per_request=async_engine.config.max_sequences_per_request,
     )
     app.state.dashboard = dashboard
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)

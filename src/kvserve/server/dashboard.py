@@ -23,9 +23,9 @@ from pydantic import BaseModel, Field
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.engine import EngineStats
-from kvserve.engine.snapshot import Snapshot, take_snapshot
+from kvserve.engine.snapshot import Snapshot
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.server.pinning import lower_tiers
+from kvserve.server.cache_views import lower_tiers
 from kvserve.server.protocol import TierInfo
 
 HISTORY_SECONDS = 600
@@ -201,7 +201,7 @@ class Dashboard:
     ) -> CacheStatsResponse:
         """The JSON of `GET /v1/cache/stats`: everything (`namespace` None), or one tenant's namespace
         with its own (queries, hits) totals."""
-        snapshot: Snapshot = await async_engine.call(lambda engine: take_snapshot(engine, namespace))
+        snapshot = await async_engine.snapshot(namespace)
         tokenizer = async_engine.tokenizer if self.show_text else None
         full = render(snapshot, model, self.history, tokenizer, label)
         if namespace is None:

@@ -6,12 +6,13 @@ per-token logprobs; text completions echo the prompt on request and use the lega
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from kvserve.engine.logprobs import TokenLogprob
+from kvserve.engine.outputs import PromptOutputs, SampleOutput
 from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.protocol import (
     AssistantMessage,
@@ -38,16 +39,35 @@ class PromptInput:
     text: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class Choice:
-    """One choice as it grows: the text and logprobs so far, the prompt's logprobs once computed."""
+    """One choice as it grows: sample `sample` of its prompt's outputs, which the deltas fold into (the
+    text and logprobs so far, the prompt's logprobs once computed)."""
 
     index: int
     prompt: PromptInput
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    outputs: PromptOutputs
+    sample: int
+
+    @property
+    def output(self) -> SampleOutput:
+        return self.outputs.samples[self.sample]
+
+    @property
+    def text(self) -> str:
+        return self.output.text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.output.logprobs
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        return self.outputs.prompt_logprobs
 
 
 @dataclass(frozen=True)

@@ -11,66 +11,30 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Coroutine, Sequence
 from contextlib import aclosing, suppress
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
-from jinja2 import TemplateError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.engine import Engine
 from kvserve.engine.logprobs import TokenLogprob
-from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.outputs import PromptOutputs, RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import InvalidRequestError
-from kvserve.model.tokenizer import Tokenizer
-from kvserve.options import ServerOptions
 from kvserve.server.auth import caller
-from kvserve.server.errors import APIError, ClientDisconnected, ErrorResponse, to_api_error
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import ClientDisconnected, ErrorResponse, to_api_error
 from kvserve.server.formats import Choice, OutputFormat, PromptInput, ResponseIds
-from kvserve.server.limits import InFlightLimiter, PromptGuard, Reservation, SequenceAdmission
-from kvserve.server.metrics import RequestTimer, ServerMetrics
-from kvserve.server.protocol import ChatMessage, PromptTokensDetails, SamplingRequest, Usage
+from kvserve.server.limits import Reservation
+from kvserve.server.metrics import RequestTimer
+from kvserve.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvserve.server.structured import structured_outputs
-from kvserve.server.tenants import Tenants
-from kvserve.server.tools import ToolUse, conversation
 
 log = logging.getLogger("kvserve.server")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ServerContext:
-    """What every route needs: the engine, the served model's name and limits, metrics, the tenants
-    (with the admin key) and the server's options. `admission` holds room in the engine's queue for
-    whole requests."""
-
-    async_engine: AsyncEngine
-    model_name: str
-    max_model_len: int
-    metrics: ServerMetrics
-    tenants: Tenants
-    created: int
-    in_flight: InFlightLimiter
-    prompt_guard: PromptGuard
-    admission: SequenceAdmission
-    max_sequences_per_request: int
-    options: ServerOptions
-
-
-def check_model(ctx: ServerContext, model: str | None) -> None:
-    """A request may name the served model or none at all; any other name is a 404, as OpenAI answers."""
-    if model and model != ctx.model_name:
-        raise APIError(
-            404,
-            f"The model '{model}' does not exist; this server serves '{ctx.model_name}' (GET /v1/models).",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -113,62 +77,9 @@ def sampling_params(
     )
 
 
-def chat_prompt(
-    ctx: ServerContext,
-    messages: list[ChatMessage],
-    namespace: str,
-    add_generation_prompt: bool = True,
-    tools: ToolUse | None = None,
-) -> list[int]:
-    """Token ids of a conversation (with its tools, calls and results in the generic format of
-    server/tools.py); earlier replies of this engine come back as their exact ids, so the next turn of
-    a chat finds its whole history in the prefix cache."""
-    ctx.prompt_guard.check([m.text for m in messages], "messages")
-    engine = ctx.async_engine.engine
-    try:
-        return engine.tokenizer.encode_chat(
-            conversation(messages, tools),
-            add_generation_prompt,
-            known_reply=lambda text: engine.replies.lookup(namespace, text),
-        )
-    except (ValueError, TemplateError) as e:
-        raise InvalidRequestError(f"The chat template cannot render these messages: {e}", "messages") from e
-
-
-def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-    return tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
-
-
-def check_token_ids(vocab: int, batch: Sequence[str | Sequence[int]], param: str = "prompt") -> None:
-    """Token ids a client sends must be in [0, vocab) before anything reads them: the tokenizer cannot
-    decode, nor a cache key pack, what is out of range."""
-    if any(not isinstance(p, str) and any(not 0 <= t < vocab for t in p) for p in batch):
-        raise APIError(400, f"Prompt token ids must be in [0, {vocab}).", param=param)
-
-
-CompletionPrompt = str | list[int] | list[str] | list[list[int]]
-
-
-def prompt_batch(prompt: CompletionPrompt) -> list[str | list[int]]:
-    """A completions `prompt` as a batch: one text or token-id list, or a batch of either."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
-        return [prompt]  # type: ignore[list-item]
-    return list(prompt)  # type: ignore[arg-type]
-
-
-def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt) -> list[PromptInput]:
-    """Each prompt of a completions `prompt` with its echo text."""
-    batch = prompt_batch(prompt)
-    # Checked before the echo text is decoded from them.
-    check_token_ids(tokenizer.vocab_size, batch)
-    return [
-        PromptInput(text_prompt(tokenizer, p), p if isinstance(p, str) else tokenizer.decode(p, False))
-        for p in batch
-    ]
-
-
 class Generation:
-    """One engine request (one choice) as the server sees it: its deltas, usage, latencies and log line."""
+    """One engine request (one choice) as the server sees it: its deltas, latencies and log line. The
+    deltas fold into its choice's prompt outputs, which usage and the response read."""
 
     def __init__(
         self,
@@ -190,16 +101,16 @@ class Generation:
         self._deltas = ctx.async_engine.generate(prompt, params, namespace, engine_id, tenant)
         self._first: RequestDelta | None = None
         self._ended = False
-        self.num_prompt_tokens = len(choice.prompt.token_ids)
-        self.num_cached_tokens = 0
-        self.num_output_tokens = 0
 
     async def start(self) -> None:
         """Wait for the first delta. A request the engine refuses (full queue) raises here, while the
         HTTP status can still say so."""
         try:
             self._first = self._observe(await anext(self._deltas))
-            self._metrics.tenant_prefix_cache(self._tenant, self.num_prompt_tokens, self.num_cached_tokens)
+            output = self.choice.output
+            self._metrics.tenant_prefix_cache(
+                self._tenant, self.choice.outputs.num_prompt_tokens, output.num_cached_tokens or 0
+            )
         except asyncio.CancelledError:
             self._end()
             raise
@@ -228,14 +139,7 @@ class Generation:
 
     def _observe(self, delta: RequestDelta) -> RequestDelta:
         self._timer.tokens(len(delta.token_ids))
-        self.num_prompt_tokens = delta.num_prompt_tokens
-        self.num_cached_tokens = delta.num_cached_tokens
-        self.num_output_tokens = delta.num_output_tokens
-        self.choice.text += delta.text
-        self.choice.logprobs += delta.logprobs
-        if delta.prompt_logprobs is not None:
-            self.choice.prompt_logprobs = delta.prompt_logprobs
-        self.choice.finish_reason = delta.finish_reason
+        self.choice.outputs.add(self.choice.sample, delta)
         return delta
 
     def _end(self, log_line: bool = True) -> None:
@@ -250,12 +154,13 @@ class Generation:
         if not log_line:
             return
         ttft = self._timer.ttft
+        output = self.choice.output
         log.info(
             "%s: prompt %d tokens (%d cached), %d completion tokens, finish %s, ttft %s, total %.3fs",
             self.log_id,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-            self.num_output_tokens,
+            self.choice.outputs.num_prompt_tokens,
+            output.num_cached_tokens or 0,
+            output.num_output_tokens,
             reason,
             "-" if ttft is None else f"{ttft:.3f}s",
             elapsed,
@@ -263,20 +168,16 @@ class Generation:
 
 
 def usage(generations: Sequence[Generation]) -> Usage:
-    """Each prompt counts once however many samples share it; its cached tokens are what was cached
-    before the request (the fewest any of its samples found)."""
-    prompts: dict[int, tuple[int, int]] = {}
-    for g in generations:
-        key = id(g.choice.prompt)
-        tokens, cached = prompts.get(key, (g.num_prompt_tokens, g.num_cached_tokens))
-        prompts[key] = (tokens, min(cached, g.num_cached_tokens))
-    prompt_tokens = sum(t for t, _ in prompts.values())
-    completion_tokens = sum(g.num_output_tokens for g in generations)
+    """Each prompt counts once however many samples share it, with its cached tokens (what was cached
+    before the request: see PromptOutputs)."""
+    prompts = list({id(g.choice.outputs): g.choice.outputs for g in generations}.values())
+    prompt_tokens = sum(p.num_prompt_tokens for p in prompts)
+    completion_tokens = sum(g.choice.output.num_output_tokens for g in generations)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(c for _, c in prompts.values())),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(p.num_cached_tokens for p in prompts)),
     )
 
 
@@ -306,7 +207,14 @@ async def cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, T]) -
 async def _merged(
     generations: Sequence[Generation],
 ) -> AsyncGenerator[tuple[Generation, RequestDelta], None]:
-    """The deltas of every generation as they come; leaving early aborts those still running."""
+    """The deltas of every generation as they come; leaving early aborts those still running. One
+    generation's deltas are read straight from its engine queue, with no pump between."""
+    if len(generations) == 1:
+        (g,) = generations
+        async with aclosing(g.deltas()) as deltas:
+            async for delta in deltas:
+                yield g, delta
+        return
     queue: asyncio.Queue[tuple[Generation, RequestDelta | BaseException | None]] = asyncio.Queue()
 
     async def pump(g: Generation) -> None:
@@ -422,12 +330,13 @@ async def _run_all(generations: Sequence[Generation]) -> list[Choice]:
 
 
 def _validated_samples(
-    engine: Engine, prompts: Sequence[PromptInput], params: SamplingParams, prompt_param: str
+    async_engine: AsyncEngine, prompts: Sequence[PromptInput], params: SamplingParams, prompt_param: str
 ) -> tuple[list[CheckedPrompt], list[SamplingParams]]:
     """The checked prompts, and the params of each of the n samples, built once and shared by every
-    prompt: what can never run is refused before anything is queued."""
+    prompt: what can never run is refused before anything is queued. The one check of the request: the
+    engine takes the checked prompts with these samples as they are."""
     try:
-        checked = engine.validate_request([p.token_ids for p in prompts], params)
+        checked = async_engine.validate([p.token_ids for p in prompts], params)
     except InvalidRequestError as e:
         if e.param != "prompt":
             raise
@@ -454,11 +363,12 @@ async def respond(
     tenant = caller(request).tenant.name
     # Validation reads every prompt token and the bias of each sample: off the event loop.
     checked, samples = await asyncio.to_thread(
-        _validated_samples, ctx.async_engine.engine, prompts, params, fmt.prompt_param
+        _validated_samples, ctx.async_engine, prompts, params, fmt.prompt_param
     )
     many = len(prompts) * params.n > 1
     generations = []
     for i, prompt in enumerate(prompts):
+        outputs = PromptOutputs.start(len(prompt.token_ids), params.n)
         for j, sample in enumerate(samples):
             index = i * params.n + j
             generations.append(
@@ -466,7 +376,7 @@ async def respond(
                     ctx,
                     f"{log_id}[{index}]" if many else log_id,
                     f"{ids.id}-{index}",
-                    Choice(index, prompt),
+                    Choice(index, prompt, outputs, j),
                     checked[i],
                     sample,
                     namespace,

@@ -1,0 +1,35 @@
+"""Chat encoding with the reply splice: the one way a conversation becomes prompt token ids.
+
+The chat template renders the messages, and each assistant message that repeats a reply the engine
+generated in the same namespace comes back as the exact ids it was generated as (engine/reply_memory.py),
+so the next turn of a chat finds its whole history in the prefix cache. The server (through
+`AsyncEngine.encode_chat`) and `LLM` both call it. It reads only the tokenizer and the thread-safe reply
+memory, so any thread may, and a long chat should be encoded off the event loop.
+"""
+
+from collections.abc import Sequence
+
+from jinja2 import TemplateError
+
+from kvserve.engine.reply_memory import ReplyMemory
+from kvserve.errors import InvalidRequestError
+from kvserve.model.tokenizer import ChatMessage, Tokenizer
+
+
+def encode_chat(
+    tokenizer: Tokenizer,
+    replies: ReplyMemory,
+    messages: Sequence[ChatMessage],
+    namespace: str = "",
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of a conversation, earlier replies spliced in as their generated ids; a conversation
+    the template cannot render is an InvalidRequestError on `messages`."""
+    try:
+        return tokenizer.encode_chat(
+            messages,
+            add_generation_prompt,
+            known_reply=lambda text: replies.lookup(namespace, text),
+        )
+    except (ValueError, TemplateError) as e:
+        raise InvalidRequestError(f"The chat template cannot render these messages: {e}", "messages") from e

@@ -1,0 +1,40 @@
+"""ServerContext: what every route needs, built once by `create_app` and shared by the route modules."""
+
+from dataclasses import dataclass
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.options import ServerOptions
+from kvserve.server.errors import APIError
+from kvserve.server.limits import InFlightLimiter, PromptGuard, SequenceAdmission
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.tenants import Tenants
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What every route needs: the engine, the served model's name and limits, metrics, the tenants
+    (with the admin key) and the server's options. `admission` holds room in the engine's queue for
+    whole requests."""
+
+    async_engine: AsyncEngine
+    model_name: str
+    max_model_len: int
+    metrics: ServerMetrics
+    tenants: Tenants
+    created: int
+    in_flight: InFlightLimiter
+    prompt_guard: PromptGuard
+    admission: SequenceAdmission
+    max_sequences_per_request: int
+    options: ServerOptions
+
+
+def check_model(ctx: ServerContext, model: str | None) -> None:
+    """A request may name the served model or none at all; any other name is a 404, as OpenAI answers."""
+    if model and model != ctx.model_name:
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{ctx.model_name}' (GET /v1/models).",
+            param="model",
+            code="model_not_found",
+        )
