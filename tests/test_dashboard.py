@@ -177,6 +177,30 @@ def test_hot_branches_are_bounded_ranked_and_forget_evicted_prefixes() -> None:
     assert cache.hot_branches(10) == []
 
 
+def test_hot_branches_form_a_tree_with_one_trunk_for_a_shared_prompt() -> None:
+    """Two conversations over one system prompt: the prompt is listed once, as the trunk, though no match
+    ended at it; each conversation is a branch of it, headed by the tokens where it parts."""
+    pool = BlockPool(32)
+    cache = PrefixCache(pool, 2)
+    system = [1, 2, 3, 4]
+    chats = [[*system, 10, 11, 12, 13], [*system, 20, 21]]
+    for tokens in chats:
+        blocks = pool.allocate(len(tokens) // 2)
+        cache.insert("", tokens, blocks)
+        for b in blocks:
+            pool.release(b)
+    for _ in range(3):
+        cache.match("", [*chats[0], 99])
+    cache.match("", [*chats[1], 99])
+    assert [(b.num_tokens, b.hits, b.parent, b.start, b.head) for b in cache.hot_branches(10)] == [
+        (8, 3, 2, 4, (10, 11)),
+        (6, 1, 2, 4, (20, 21)),
+        (4, 0, None, 0, (1, 2)),
+    ]
+    # A branch alone is a root, headed by its first tokens, as before.
+    assert [(b.parent, b.start, b.head) for b in cache.hot_branches(1)] == [(None, 0, (1, 2))]
+
+
 def test_a_partial_prefix_that_grows_keeps_its_hits() -> None:
     """A chat's reply tail is a partial block; the next turn's full block replaces it, hits included."""
     pool = BlockPool(8)
