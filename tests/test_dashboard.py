@@ -34,8 +34,8 @@ def _engine(model: LoadedModel) -> Engine:
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 3) -> dict[str, object]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    request = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=request, timeout=60)
     assert r.status_code == 200, r.text
     body: dict[str, object] = r.json()
     return body

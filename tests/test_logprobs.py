@@ -45,11 +45,11 @@ def hf_logprobs(tiny_path: str) -> Callable[[list[int]], torch.Tensor]:
     """transformers' log_softmax at every position of a token sequence: row p scores token p + 1."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
 
     def logprobs(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+            return model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)  # type: ignore[no-any-return]
 
     return logprobs
 

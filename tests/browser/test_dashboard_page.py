@@ -61,7 +61,7 @@ def test_the_dashboard_shows_the_cache_at_work() -> None:
                 for follow_up in ("Thanks! And croissants?", "Great, see you then."):
                     reply = client.chat.completions.create(
                         model=model,
-                        messages=messages,
+                        messages=messages,  # type: ignore[arg-type]
                         max_tokens=12,
                         temperature=0,  # type: ignore[arg-type]
                     )
@@ -106,7 +106,7 @@ def test_the_dashboard_shows_the_cache_at_work() -> None:
             time.sleep(2)  # one more poll, so the chart holds the traffic's points
             os.makedirs(OUTPUT, exist_ok=True)
             driver.save_screenshot(os.path.join(OUTPUT, "dashboard.png"))
-            errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]  # type: ignore[no-untyped-call]
             assert errors == []
         finally:
             driver.quit()
