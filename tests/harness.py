@@ -7,7 +7,7 @@ chunkings are far too small to flip a greedy token: any difference in output is 
 import random
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -82,6 +82,8 @@ class Spec:
     prompt and output, as the next turn of a chat (submitted once j has ended). `n` samples run as n
     requests submitted together; `prompt_logprobs` asks for the prompt's logprobs (computed at every
     position, cached or not). `constraint` constrains its output (the reference runs it the same way).
+    `sampling` overrides greedy's SamplingParams fields (a seed and temperature, stop strings, EOS,
+    penalties); the reference runs each sample with the same params.
     """
 
     base: tuple[str, int]
@@ -93,6 +95,7 @@ class Spec:
     n: int = 1
     prompt_logprobs: bool = False
     constraint: StructuredOutputs | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,6 +109,10 @@ class Run:
     aborted: set[int] = field(default_factory=set)
     max_tokens: dict[int, int] = field(default_factory=dict)
     constraints: dict[int, StructuredOutputs | None] = field(default_factory=dict)
+    params: dict[int, SamplingParams] = field(default_factory=dict)
+    # Per (spec, sample): prompt tokens the cache served, and how the sample ended.
+    cached: dict[tuple[int, int], int] = field(default_factory=dict)
+    finish_reasons: dict[tuple[int, int], str | None] = field(default_factory=dict)
 
 
 def _sample_id(i: int, j: int) -> str:
@@ -158,6 +165,8 @@ def drive(
             run.outputs[i] = []
             run.constraints[i] = spec.constraint
             params = greedy(max_tokens, 0 if spec.prompt_logprobs else None, spec.n, spec.constraint)
+            params = replace(params, **spec.sampling) if spec.sampling else params
+            run.params[i] = params
             for j in range(spec.n):
                 run.samples[(i, j)] = []
                 engine.add_request(_sample_id(i, j), prompt, params.for_sample(j), spec.namespace)
@@ -165,6 +174,8 @@ def drive(
         for delta in engine.step():
             i, j = _parse_id(delta.request_id)
             run.samples[(i, j)] += delta.token_ids
+            run.cached[(i, j)] = delta.num_cached_tokens
+            run.finish_reasons[(i, j)] = delta.finish_reason
             if delta.prompt_logprobs is not None:
                 run.prompt_logprobs[i] = [lp.logprob for lp in delta.prompt_logprobs[1:] if lp is not None]
             if delta.finished and not any(_sample_id(i, k) in engine.requests for k in range(specs[i].n)):
@@ -193,18 +204,27 @@ def drive(
 class Reference:
     outputs: dict[int, list[int]]
     prompt_logprobs: dict[int, list[float]]
+    # By (spec, sample): sample 0 of every spec, and the later samples of seeded specs (each its own seed).
+    samples: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    finish_reasons: dict[tuple[int, int], str | None] = field(default_factory=dict)
 
 
 def reference_outputs(reference: Engine, run: Run) -> Reference:
     """Every prompt of `run` generated in one batch by a no-cache engine, with its prompt logprobs."""
     for i, prompt in run.prompts.items():
-        params = greedy(run.max_tokens[i], 0, structured_outputs=run.constraints.get(i))
-        reference.add_request(f"ref-{i}", prompt, params)
+        params = run.params.get(i) or greedy(run.max_tokens[i], structured_outputs=run.constraints.get(i))
+        samples = 1 if params.seed is None else params.n
+        params = replace(params, n=1, prompt_logprobs=0)
+        for j in range(samples):
+            reference.add_request(f"ref-{_sample_id(i, j)}", prompt, params.for_sample(j))
     out = Reference({i: [] for i in run.prompts}, {})
     while reference.has_unfinished_requests():
         for delta in reference.step():
-            i = int(delta.request_id[4:])
-            out.outputs[i] += delta.token_ids
+            i, j = _parse_id(delta.request_id[4:])
+            out.samples[(i, j)] = out.samples.get((i, j), []) + delta.token_ids
+            out.finish_reasons[(i, j)] = delta.finish_reason
+            if j == 0:
+                out.outputs[i] += delta.token_ids
             if delta.prompt_logprobs is not None:
                 out.prompt_logprobs[i] = [lp.logprob for lp in delta.prompt_logprobs[1:] if lp is not None]
     return out
@@ -214,11 +234,14 @@ def assert_matches_reference(run: Run, expected: Reference) -> None:
     """Every sample's tokens equal the reference's (greedy samples of one prompt are alike), and prompt
     logprobs, computed whatever the cache held, equal the no-cache engine's."""
     for (i, j), got in run.samples.items():
-        want = expected.outputs[i]
+        # Unseeded samples of one prompt are alike: each compares with the reference's sample 0.
+        key = (i, j) if (i, j) in expected.samples else (i, 0)
+        want = expected.samples[key]
         if i in run.aborted:
             assert got == want[: len(got)], f"request {i} sample {j} (aborted) diverged from the reference"
         else:
             assert got == want, f"request {i} sample {j} diverged from the reference"
+            assert run.finish_reasons[(i, j)] == expected.finish_reasons[key], f"request {i} sample {j}"
     for i, got_logprobs in run.prompt_logprobs.items():
         want_logprobs = expected.prompt_logprobs[i]
         assert len(got_logprobs) == len(want_logprobs) == len(run.prompts[i]) - 1

@@ -68,4 +68,4 @@ def test_several_replies_each_at_their_own_message(tok: Tokenizer) -> None:
     text = tok.render_chat(messages)
     at = text.index(first)
     head = tok.encode(text[:at], add_special_tokens=False)
-    assert ids[: len(head) + len(first)] == head + known[first]
+    assert ids[: len(head) + len(first)] == head + known[first]  # type: ignore[operator]

@@ -35,7 +35,8 @@ def _engine(model: LoadedModel) -> Engine:
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 3) -> dict[str, object]:
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=60)
+    request = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=request, timeout=60)
     assert r.status_code == 200, r.text
     body: dict[str, object] = r.json()
     return body
@@ -46,25 +47,39 @@ def _stats(url: str, **headers: str) -> httpx.Response:
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_stats_json_matches_the_engine_after_known_traffic(tiny_model: LoadedModel, serve_app: Serve) -> None:
+def test_stats_json_matches_hand_counts_after_known_traffic(
+    tiny_model: LoadedModel, serve_app: Serve
+) -> None:
     engine = _engine(tiny_model)
     with serve_app(create_app(AsyncEngine(engine), ServerOptions())) as url:
         for user in ([300, 301, 302], [400, 401], [500, 501, 502, 503]):
             _complete(url, [*SYSTEM, *user])
         body = _stats(url).json()
-        s = engine.stats()
-        counters = body["counters"]
-        assert counters["cache_queries"] == s.cache_queries and counters["cache_hits"] == s.cache_hits
-        assert counters["saved_prefill_tokens"] == s.cache_hits > 0
-        assert counters["prefill_tokens_computed"] == s.prefill_tokens_computed
-        assert counters["hit_rate"] == pytest.approx(s.hit_rate)
+        # Counted by hand: prompts of 67, 66 and 68 tokens; the first hits nothing, the later two hit the
+        # 64-token system prompt (four whole blocks; their own tokens differ from the first token on).
+        assert body["counters"] == {
+            "prompt_tokens": 201,
+            "generation_tokens": 9,
+            "cache_queries": 201,
+            "cache_hits": 128,
+            "prefill_tokens_computed": 73,
+            "saved_prefill_tokens": 128,
+            "hit_rate": pytest.approx(128 / 201),
+            "preemptions": 0,
+        }
+        # The tiny model's KV: 2 layers x (K, V) x 2 heads x 16 dims x 2 bytes (float16) = 256 bytes a
+        # token, 4 KiB a 16-token block, so 4 MiB hold 1,024 blocks. Cached: the system prompt's four
+        # blocks, and each request's tail block (its last 3 + 2 generated tokens hold KV: the third
+        # generated token is never fed back). No request runs: usage (the fraction they hold) is 0.
         pool = body["pool"]
-        assert (
-            pool["free"] + pool["cached"] + pool["in_use"] + pool["pinned"]
-            == pool["blocks"]
-            == engine.num_blocks
+        assert (pool["blocks"], pool["block_size"], pool["usage"]) == (1024, 16, 0.0)
+        assert (pool["free"], pool["cached"], pool["in_use"], pool["pinned"], pool["evicted"]) == (
+            1017,
+            7,
+            0,
+            0,
+            0,
         )
-        assert pool["in_use"] == pool["pinned"] == 0 and pool["cached"] == s.cache.num_cached > 0
         assert pool["tiers"] == []
         # The two later requests hit the shared system prompt: one branch, 64 tokens, 2 hits.
         top = body["branches"][0]
@@ -74,10 +89,11 @@ def test_stats_json_matches_the_engine_after_known_traffic(tiny_model: LoadedMod
         # Sampled once a second, so the traffic's last counts show up within a second or two.
         deadline = time.monotonic() + 30
         history = _stats(url).json()["history"]
-        while (not history or history[-1]["cache_hits"] != s.cache_hits) and time.monotonic() < deadline:
+        while (not history or history[-1]["cache_hits"] != 128) and time.monotonic() < deadline:
             time.sleep(0.2)
             history = _stats(url).json()["history"]
-        assert history[-1]["cache_hits"] == s.cache_hits
+        assert (history[-1]["cache_queries"], history[-1]["cache_hits"]) == (201, 128)
+        assert history[-1]["prefill_tokens_computed"] == 73
         assert [p["cache_hits"] for p in history] == sorted(p["cache_hits"] for p in history)
 
 
@@ -162,6 +178,30 @@ def test_hot_branches_are_bounded_ranked_and_forget_evicted_prefixes() -> None:
     assert cache.hot_branches(1)[0].hits == 6
     cache.reset()
     assert cache.hot_branches(10) == []
+
+
+def test_hot_branches_form_a_tree_with_one_trunk_for_a_shared_prompt() -> None:
+    """Two conversations over one system prompt: the prompt is listed once, as the trunk, though no match
+    ended at it; each conversation is a branch of it, headed by the tokens where it parts."""
+    pool = BlockPool(32)
+    cache = PrefixCache(pool, 2)
+    system = [1, 2, 3, 4]
+    chats = [[*system, 10, 11, 12, 13], [*system, 20, 21]]
+    for tokens in chats:
+        blocks = pool.allocate(len(tokens) // 2)
+        cache.insert("", tokens, blocks)
+        for b in blocks:
+            pool.release(b)
+    for _ in range(3):
+        cache.match("", [*chats[0], 99])
+    cache.match("", [*chats[1], 99])
+    assert [(b.num_tokens, b.hits, b.parent, b.start, b.head) for b in cache.hot_branches(10)] == [
+        (8, 3, 2, 4, (10, 11)),
+        (6, 1, 2, 4, (20, 21)),
+        (4, 0, None, 0, (1, 2)),
+    ]
+    # A branch alone is a root, headed by its first tokens, as before.
+    assert [(b.parent, b.start, b.head) for b in cache.hot_branches(1)] == [(None, 0, (1, 2))]
 
 
 def test_a_partial_prefix_that_grows_keeps_its_hits() -> None:

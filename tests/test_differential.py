@@ -4,21 +4,26 @@ Workloads mix shared system prompts, multi-turn chains, exact repeats, two names
 aborts at any point (mid-prefill, mid-decode), n > 1 samples of one prompt, requests constrained by a
 regex or a choice (structured outputs: their grammar state must follow the tokens through preemption and
 cache hits alike), and requests for prompt logprobs (which compute every prompt position whatever the
-cache holds, and must equal the no-cache engine's); configs range over block sizes 1..32, pools from one
+cache holds, and must equal the no-cache engine's), seeded sampling (a seeded sample must be as
+cache-transparent as a greedy one), stop strings, EOS (made likely by a logit_bias) and the three
+penalties; configs range over block sizes 1..32, pools from one
 that barely fits the largest request to large ones, token budgets from 1, 1..64 sequences, both
 decode-attention backends (the reference runs the portable one), the disk tier on or off (with the
 tiny pools, most of its cases evict and load blocks back from disk) and the Redis tier on or off (a real
 redis-server, emptied for each case; below the disk when both are on). Every step
 checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's
-blocks holding exactly the KV of their tokens.
+blocks holding exactly the KV of their tokens. A cache that never hits would pass all that, so every
+case also checks its hits: a request that repeats a finished one's prompt (a block or more of it, in the
+same namespace, with nothing evicted) finds it cached, and with the cache off nothing is.
 
-`make test` runs a fixed (derandomized) set of examples; `KVSERVE_DIFFERENTIAL_EXAMPLES=5000 pytest
-tests/test_differential.py` runs a longer, randomized search for nightly use.
+`make test` runs a fixed (derandomized) set of examples; `KVSERVE_LONG_TESTS=1` (or
+`KVSERVE_DIFFERENTIAL_EXAMPLES=5000`) runs a longer, randomized search for nightly use.
 """
 
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -29,6 +34,7 @@ from kvserve.engine.grammar import StructuredOutputs
 from kvserve.model.loader import LoadedModel
 from tests.harness import (
     MAX_MODEL_LEN,
+    Run,
     Spec,
     assert_cached_kv_is_fresh,
     assert_matches_reference,
@@ -39,7 +45,9 @@ from tests.harness import (
 )
 from tests.redis_server import RedisServer
 
-_NIGHTLY = os.environ.get("KVSERVE_DIFFERENTIAL_EXAMPLES")
+_NIGHTLY = os.environ.get("KVSERVE_DIFFERENTIAL_EXAMPLES") or (
+    "5000" if os.environ.get("KVSERVE_LONG_TESTS") == "1" else None
+)
 EXAMPLES = int(_NIGHTLY) if _NIGHTLY else 300
 SETTINGS = settings(
     max_examples=EXAMPLES,
@@ -78,6 +86,30 @@ _CONSTRAINTS = [
 ]
 
 
+# The tiny model's EOS token (tests/helpers.py). Its flat logits put EOS near the top: small biases make
+# EOS come at varied points (from the first token on), greedy or sampled.
+_EOS = 2
+
+
+@st.composite
+def samplings(draw: st.DrawFn) -> dict[str, Any]:
+    """SamplingParams fields over greedy's: most requests stay greedy, the rest mix the options."""
+    out: dict[str, Any] = {}
+    if draw(st.integers(0, 3)) == 0:
+        out |= {"temperature": draw(st.sampled_from([0.6, 1.0, 1.8])), "seed": draw(st.integers(0, 2**16))}
+    if draw(st.integers(0, 4)) == 0:
+        out["stop"] = draw(st.lists(st.sampled_from(["e", "in", " a", "."]), min_size=1, max_size=2))
+    if draw(st.integers(0, 4)) == 0:
+        out |= {"ignore_eos": False, "logit_bias": {_EOS: draw(st.sampled_from([0.2, 0.4, 0.8, 2.0]))}}
+    if draw(st.integers(0, 4)) == 0:
+        out |= {
+            "presence_penalty": draw(st.sampled_from([-1.0, 0.0, 1.5])),
+            "frequency_penalty": draw(st.sampled_from([0.0, 0.7, 2.0])),
+            "repetition_penalty": draw(st.sampled_from([1.0, 0.8, 1.6])),
+        }
+    return out
+
+
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))
@@ -98,6 +130,7 @@ def cases(draw: st.DrawFn) -> Case:
                 n=draw(st.sampled_from([1, 1, 1, 1, 2, 3])),
                 prompt_logprobs=draw(st.sampled_from([False, False, False, True])),
                 constraint=draw(st.sampled_from([None, None, None, *_CONSTRAINTS])),
+                sampling=draw(samplings()),
             )
         )
     enable_prefix_caching = draw(st.booleans()) or draw(st.booleans())
@@ -124,6 +157,36 @@ def cases(draw: st.DrawFn) -> Case:
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def assert_repeats_hit(case: Case, run: Run, evicted: int) -> None:
+    """Where a hit is certain, it happened: request i repeats (or follows) request j, j ended normally
+    before i was submitted, i asked for no prompt logprobs (which run uncached), both share a namespace
+    and i's prompt begins with at least a whole block plus one token of j's prompt, and nothing was
+    evicted. With the cache off, nothing hits."""
+    if not case.enable_prefix_caching:
+        assert all(n == 0 for n in run.cached.values()), run.cached
+        return
+    if evicted:
+        return
+    for i, spec in enumerate(case.specs):
+        kind, j = spec.base
+        if kind == "system" or i in run.aborted or j in run.aborted or spec.prompt_logprobs:
+            continue
+        if spec.namespace != case.specs[j].namespace:
+            continue
+        shared = min(_common_prefix(run.prompts[i], run.prompts[j]), len(run.prompts[i]) - 1)
+        if shared >= case.block_size:
+            assert run.cached[(i, 0)] >= case.block_size, (i, j, shared, run.cached[(i, 0)])
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +220,7 @@ def test_engine_matches_a_no_cache_engine_token_for_token(
         try:
             run = drive(engine, case.systems, case.specs)
             assert_matches_reference(run, reference_outputs(reference, run))
+            assert_repeats_hit(case, run, engine.stats().cache.num_evicted)
             assert_no_leak(engine)
             if case.enable_prefix_caching:
                 assert_cached_kv_is_fresh(engine, tiny_model, sample=6)

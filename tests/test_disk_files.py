@@ -99,12 +99,12 @@ CORPUS: list[tuple[str, Damage]] = [
     ("huge header length", lambda p, o: _replace(p, MAGIC + b"\xff\xff\xff\xff" + p.read_bytes()[12:])),
     ("another block's valid file", lambda p, o: _replace(p, o)),
     ("open to other users", lambda p, o: p.chmod(0o644)),
-    ("FIFO", lambda p, o: (p.unlink(), os.mkfifo(p))),
+    ("FIFO", lambda p, o: (p.unlink(), os.mkfifo(p))),  # type: ignore[list-item, func-returns-value]
     ("symlink to a valid copy", lambda p, o: _symlink_to_a_copy(p)),
     ("huge sparse file", lambda p, o: _sparse(p)),
     # Last: a folder in a block's place stays (it is not ours to remove), so that block is not stored
     # again and the next damage of its file would go unseen.
-    ("folder", lambda p, o: (p.unlink(), p.mkdir())),
+    ("folder", lambda p, o: (p.unlink(), p.mkdir())),  # type: ignore[list-item, func-returns-value]
 ]
 # Left out of the index at startup, with a warning, without being opened.
 SKIPPED_AT_STARTUP = {"FIFO", "folder", "symlink to a valid copy", "huge sparse file"}

@@ -25,6 +25,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.validation import validate_request
 from kvserve.errors import InvalidRequestError
 from kvserve.model.loader import LoadedModel
+from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 
 SERVER = Path(kvserve.server.__file__).parent
@@ -56,7 +57,7 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def url(
     tiny_model: LoadedModel, serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> Iterator[str]:
-    with serve_app(create_app(AsyncEngine(_engine(tiny_model)))) as url:
+    with serve_app(create_app(AsyncEngine(_engine(tiny_model)), ServerOptions())) as url:
         yield url
 
 
@@ -69,7 +70,7 @@ def test_a_chat_request_of_n_samples_is_checked_once(
     by Engine.add_request. (The default model: a chat template's role names are beyond the tiny one's
     vocabulary.)"""
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 3, "temperature": 1.0}
-    with serve_app(create_app(AsyncEngine(make_engine(max_model_len=256)))) as url:
+    with serve_app(create_app(AsyncEngine(make_engine(max_model_len=256)), ServerOptions())) as url:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 3

@@ -245,7 +245,7 @@ def test_refused_values_raise_invalid_request_error_only(make_engine: Callable[.
         ("repetition_penalty", 1e-300),
     ]:
         with pytest.raises(InvalidRequestError) as e:
-            engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4, **{field: value}))
+            engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4, **{field: value}))  # type: ignore[arg-type]
         assert e.value.param == field, field
     assert not engine.has_unfinished_requests()
 

@@ -66,8 +66,8 @@ def tokenizer_calls(server: PinServer, monkeypatch: pytest.MonkeyPatch) -> list[
     tokenizer = server.async_engine.tokenizer
     calls: list[str] = []
     encode, render = tokenizer.encode, tokenizer.render_chat
-    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append("encode") or encode(*a, **k))
-    monkeypatch.setattr(tokenizer, "render_chat", lambda *a, **k: calls.append("render") or render(*a, **k))
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append("encode") or encode(*a, **k))  # type: ignore[func-returns-value]
+    monkeypatch.setattr(tokenizer, "render_chat", lambda *a, **k: calls.append("render") or render(*a, **k))  # type: ignore[func-returns-value]
     return calls
 
 
@@ -121,7 +121,9 @@ def test_pin_token_ids_outside_the_vocabulary_are_refused_before_the_engine(
     pinned: list[int] = []
     pin = engine.pin
     monkeypatch.setattr(
-        engine, "pin", lambda ns, tokens, ttl: pinned.append(len(tokens)) or pin(ns, tokens, ttl)
+        engine,
+        "pin",
+        lambda ns, tokens, ttl: pinned.append(len(tokens)) or pin(ns, tokens, ttl),  # type: ignore[func-returns-value]
     )
     vocab = engine.model.config.vocab_size
     for bad in ([2**64] * 8, [-1] * 8, [*PREFIX, vocab], [10**30]):

@@ -1,6 +1,7 @@
 """Pinning: a pinned prefix stays in memory through a flood that evicts everything else, until its TTL
 ends or it is unpinned; pins are capped and scoped to their namespace; the HTTP API over it."""
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -131,13 +132,24 @@ def test_pin_api(url: str) -> None:
         }
         gone = client.delete(f"/v1/cache/pin/{pin['id']}")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "pin_not_found"
-        metrics = {
-            (s.name, s.labels.get("tier")): s.value
-            for f in text_string_to_metric_families(client.get("/metrics").text)
-            for s in f.samples
-        }
+
+        def scrape() -> dict[tuple[str, str | None], float]:
+            return {
+                (s.name, s.labels.get("tier")): s.value
+                for f in text_string_to_metric_families(client.get("/metrics").text)
+                for s in f.samples
+            }
+
+        # The pinned prefix's 10 blocks were offered to the disk, written behind: wait for them.
+        deadline = time.monotonic() + 30
+        metrics = scrape()
+        while metrics[("kvserve_kv_tier_blocks", "disk")] < 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            metrics = scrape()
         assert metrics[("kvserve_prefix_cache_hits_by_tier_total", "disk")] == 0
-        assert metrics[("kvserve_kv_tier_bytes_used", "disk")] >= 0
+        # Each file holds a block's KV: 4 tokens x 2 layers x (K, V) x 2 heads x 16 dims x 8 bytes.
+        blocks = metrics[("kvserve_kv_tier_blocks", "disk")]
+        assert blocks >= 10 and metrics[("kvserve_kv_tier_bytes_used", "disk")] >= blocks * 4 * 1024
         assert ("kvserve_kv_tier_load_seconds_count", "disk") in metrics
         assert ("kvserve_kv_tier_store_seconds_bucket", "disk") in metrics
 

@@ -107,7 +107,7 @@ def test_a_value_rewritten_without_the_secret_is_refused(redis_server: RedisServ
         store_all(tier, run)
         client = redis_server.client()
         name = tier.redis_key(run[1].key)
-        value = bytearray(client.get(name) or b"")
+        value = bytearray(client.get(name) or b"")  # type: ignore[arg-type]
         value[100] ^= 1
         client.set(name, bytes(value))
         # Another block's intact value moved under this name is refused too: the MAC binds the name.

@@ -149,8 +149,8 @@ def test_a_prompt_over_the_context_is_refused_before_rendering(
     tokenizer = server.async_engine.tokenizer
     calls: list[str] = []
     render, encode = tokenizer.render_chat, tokenizer.encode
-    monkeypatch.setattr(tokenizer, "render_chat", lambda *a, **k: calls.append("render") or render(*a, **k))
-    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append("encode") or encode(*a, **k))
+    monkeypatch.setattr(tokenizer, "render_chat", lambda *a, **k: calls.append("render") or render(*a, **k))  # type: ignore[func-returns-value]
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append("encode") or encode(*a, **k))  # type: ignore[func-returns-value]
     # Within the body limit, but more characters than MAX_MODEL_LEN of the longest tokens could hold.
     huge = "word " * 12_000
     messages = [{"role": "user", "content": huge}]

@@ -172,7 +172,7 @@ def test_json_object_regex_choice_and_grammar_outputs_match(engine: Engine) -> N
             ((_, text, reason),) = _run(engine, [(PROMPTS[0], params)])
             if so.json_object and reason == "length":
                 continue  # an unbounded object may run past max_tokens; the others are bounded
-            assert reason == "stop" and ok(text), (so.kind, text)
+            assert reason == "stop" and ok(text), (so.kind, text)  # type: ignore[no-untyped-call]
 
 
 def test_the_end_of_sequence_comes_only_where_the_grammar_accepts(engine: Engine) -> None:
@@ -311,7 +311,7 @@ def test_a_constrained_row_changes_no_other_row_bitwise(engine: Engine) -> None:
             checked.token_ids,
             params,
             4,
-            None,
+            None,  # type: ignore[arg-type]
             grammar=checked.grammar.start() if grammar else None,  # type: ignore[arg-type, union-attr]
         )
 

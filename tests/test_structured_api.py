@@ -141,7 +141,11 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
         role: Literal["admin", "user"]
 
     parsed = client.chat.completions.parse(
-        model=NAME, messages=ASK, response_format=Person, max_tokens=80, temperature=0
+        model=NAME,
+        messages=ASK,  # type: ignore[arg-type]
+        response_format=Person,
+        max_tokens=80,
+        temperature=0,
     )
     person = parsed.choices[0].message.parsed
     assert isinstance(person, Person) and 0 <= person.age <= 120

@@ -4,10 +4,12 @@ another tenant cached from one that nobody did."""
 
 import asyncio
 import os
+import queue
 import random
 import signal
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -21,10 +23,11 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from scipy.stats import ks_2samp
 
-from kvserve.config import default_cache_dir
+from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.errors import KVServeError
+from kvserve.model.loader import LoadedModel
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tenants import (
@@ -321,11 +324,25 @@ def test_sighup_reloads_the_key_file(tmp_path: Path) -> None:
             headers = {"Authorization": f"Bearer {key}"}
             return httpx.get(f"{url}/v1/models", headers=headers, timeout=30).status_code
 
-        def log_until(text: str) -> str:
-            assert process.stdout is not None
+        # Read on a thread, so that a server that stops logging fails the test instead of hanging it.
+        lines: queue.Queue[str] = queue.Queue()
+        stdout = process.stdout
+
+        def read_log() -> None:
+            for line in iter(stdout.readline, b""):
+                lines.put(line.decode())
+            lines.put("")  # the end of the log
+
+        threading.Thread(target=read_log, daemon=True).start()
+
+        def log_until(text: str, timeout_s: float = 60) -> str:
+            deadline = time.monotonic() + timeout_s
             seen = ""
             while text not in seen:
-                line = process.stdout.readline().decode()
+                try:
+                    line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise AssertionError(f"no {text!r} in the log within {timeout_s} s: {seen}") from None
                 assert line, f"the server exited before logging {text!r}: {seen}"
                 seen += line
             return seen
@@ -417,3 +434,78 @@ def test_a_fifo_in_place_of_the_key_file_does_not_block_the_reload(tmp_path: Pat
     os.mkfifo(key_file)
     tenants.reload()
     assert tenants.authenticate("key-aaaaaaaa") == Tenant("a")
+
+
+PIN_PROMPT = list(range(2000, 2048))  # three whole blocks of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def pin_server(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model: LoadedModel,
+    serve_app: Callable[[FastAPI], AbstractContextManager[str]],
+) -> Iterator[TenantServer]:
+    """Tenants on the tiny model with pinning on: the cache routes' isolation, not the model, is tested."""
+    folder = tmp_path_factory.mktemp("tenant-pins")
+    key_file = folder / "keys"
+    key_file.write_text(KEY_FILE)
+    tenants = Tenants(load_or_create_secret(str(folder)), key_file=str(key_file))
+    config = EngineConfig(
+        kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32", max_pinned_tokens=256
+    )
+    async_engine = AsyncEngine(Engine(config, model=tiny_model))
+    with serve_app(create_app(async_engine, ServerOptions(admin_key=ADMIN_KEY), tenants)) as url:
+        yield TenantServer(url, tenants, async_engine)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_cache_routes_and_pins_are_per_tenant_and_the_admin_sees_all(pin_server: TenantServer) -> None:
+    def get(key: str, path: str) -> httpx.Response:
+        return httpx.get(f"{pin_server.url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    def pins(tenant: str) -> list[str]:
+        r = get(KEYS[tenant], "/v1/cache")
+        assert r.status_code == 200, r.text
+        return [p["id"] for p in r.json()["pins"]]
+
+    r = pin_server.post("a", "/v1/cache/pin", {"prompt": PIN_PROMPT, "ttl_s": 60})
+    assert r.status_code == 200, r.text
+    pin_a = r.json()
+    assert pin_a["pinned_tokens"] == 48
+    status = get(KEYS["a"], "/v1/cache").json()
+    assert [p["id"] for p in status["pins"]] == [pin_a["id"]]
+    assert status["tiers"][0]["pinned_blocks"] == 3
+    # Other tenants neither see a's pin nor can remove it; a shared group sees its members' pins.
+    assert pins("b") == pins("c") == [] and get(ADMIN_KEY, "/v1/cache").json()["pins"] == []
+    gone = httpx.delete(
+        f"{pin_server.url}/v1/cache/pin/{pin_a['id']}", headers={"Authorization": f"Bearer {KEYS['b']}"}
+    )
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "pin_not_found"
+    assert pins("a") == [pin_a["id"]]
+    pin_c = pin_server.post("c", "/v1/cache/pin", {"prompt": PIN_PROMPT, "ttl_s": 60}).json()
+    assert pins("d") == pins("c") == [pin_c["id"]] and pins("a") == [pin_a["id"]]
+
+    # a's pinned prefix serves a's completion and nobody else's.
+    hit = pin_server.complete("a", [*PIN_PROMPT, 7])
+    assert cached(hit) == 48
+    assert cached(pin_server.complete("b", [*PIN_PROMPT, 7])) == 0
+
+    # The dashboard's data: a tenant sees its own prefixes and counters only, the admin every tenant's.
+    mine = get(KEYS["a"], "/v1/cache/stats").json()
+    assert mine["scope"] == "tenant" and mine["history"] == []
+    assert {b["namespace"] for b in mine["branches"]} == {"a"}
+    # a's completions: one, of 49 prompt tokens, 48 of them from the pin (a pin's own prefill is no
+    # completion, and is not counted).
+    assert (mine["counters"]["cache_queries"], mine["counters"]["cache_hits"]) == (49, 48)
+    assert mine["requests"] == [] and mine["num_requests"] == 0
+    every = get(ADMIN_KEY, "/v1/cache/stats").json()
+    assert every["scope"] == "all"
+    assert {"a"} <= {b["namespace"] for b in every["branches"]}
+    assert get(KEYS["b"], "/v1/cache/stats").json()["branches"] == []
+    for pin in (pin_a, pin_c):
+        owner = "a" if pin is pin_a else "d"
+        r = httpx.delete(
+            f"{pin_server.url}/v1/cache/pin/{pin['id']}", headers={"Authorization": f"Bearer {KEYS[owner]}"}
+        )
+        assert r.status_code == 200, r.text
+    assert pins("a") == pins("c") == []

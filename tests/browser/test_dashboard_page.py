@@ -1,8 +1,9 @@
 """The dashboard in a real headless Chromium (`make test-browser`, not part of `make test`).
 
 A real `kvserve serve` process, multi-turn chats over a shared system prompt through the official client,
-and the page watched until it shows a non-zero hit rate and the system prompt's branch, with no console
-errors. The screenshot goes to build/test-browser/dashboard.png.
+and the page watched until it shows a non-zero hit rate and the system prompt's branch as a trunk with
+the conversations nested under it, with no console errors. The screenshot goes to
+build/test-browser/dashboard.png.
 """
 
 import os
@@ -60,7 +61,7 @@ def test_the_dashboard_shows_the_cache_at_work() -> None:
                 for follow_up in ("Thanks! And croissants?", "Great, see you then."):
                     reply = client.chat.completions.create(
                         model=model,
-                        messages=messages,
+                        messages=messages,  # type: ignore[arg-type]
                         max_tokens=12,
                         temperature=0,  # type: ignore[arg-type]
                     )
@@ -83,12 +84,29 @@ def test_the_dashboard_shows_the_cache_at_work() -> None:
             )
             rows = driver.find_elements(By.CSS_SELECTOR, "#prefix-tree tbody tr")
             assert rows and "%" in driver.find_element(By.ID, "hit-rate-value").text
+
+            def nested() -> bool:
+                """The system prompt is a trunk row, and a row right under it (one level deeper) shows
+                a conversation: where it parts from the trunk, not the system prompt's words again."""
+                tree = [
+                    (int(r.get_attribute("data-depth") or 0), r.text)
+                    for r in driver.find_elements(By.CSS_SELECTOR, "#prefix-tree tbody tr")
+                ]
+                return any(
+                    "support assistant" in text
+                    and j + 1 < len(tree)
+                    and tree[j + 1][0] == depth + 1
+                    and "support assistant" not in tree[j + 1][1]
+                    for j, (depth, text) in enumerate(tree)
+                )
+
+            _wait_for(nested, "the conversations nested under the system prompt")
             legend = driver.find_element(By.CSS_SELECTOR, "#pool-usage .legend").text
             assert "cached (evictable)" in legend and "free" in legend
             time.sleep(2)  # one more poll, so the chart holds the traffic's points
             os.makedirs(OUTPUT, exist_ok=True)
             driver.save_screenshot(os.path.join(OUTPUT, "dashboard.png"))
-            errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]  # type: ignore[no-untyped-call]
             assert errors == []
         finally:
             driver.quit()

@@ -33,13 +33,17 @@ class _Node:
 @dataclass(frozen=True)
 class Branch:
     """A cached prefix that requests hit: `num_tokens` long, hit `hits` times, last at `last_hit` (Unix
-    time); `head` is its first tokens."""
+    time). As a tree: `parent` is the index, in the same list, of the longest listed prefix that this one
+    extends (None: none), `start` that prefix's length (0 without one), and `head` the first tokens after
+    it, where this branch parts from its parent."""
 
     namespace: str
     num_tokens: int
     hits: int
     last_hit: float
     head: tuple[int, ...]
+    parent: int | None = None
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,18 +150,39 @@ class PrefixCache:
             self._hot = dict.fromkeys(keep)
 
     def hot_branches(self, limit: int, namespace: str | None = None) -> list[Branch]:
-        """The `limit` heaviest hit prefixes by tokens x hits (of one namespace, or all), heaviest first.
+        """The `limit` heaviest hit prefixes by tokens x hits (of one namespace, or all), heaviest first,
+        then the prefixes where their paths part (fewer than `limit`), so that they form a tree: a shared
+        system prompt is one trunk even when no match ended exactly at its end.
 
-        Costs the number of distinct prefixes hit lately (at most 2 x HOT_LIMIT), not the tree's size.
-        A partial hit counts for the whole node it matched into.
+        Costs the number of distinct prefixes hit lately (at most 2 x HOT_LIMIT) plus the listed
+        prefixes' lengths in blocks, not the tree's size. A partial hit counts for the whole node it
+        matched into.
         """
         nodes = (n for n in self._hot if namespace is None or n.namespace == namespace)
+        hot = heapq.nlargest(limit, nodes, key=lambda n: n.depth * n.hits)
+        # Each hot node's path up to its namespace's root (which has no parent), shared parts walked once.
+        children: dict[_Node, set[_Node]] = {}
+        for node in hot:
+            child = node
+            while child.parent is not None and child.parent.parent is not None:
+                below = children.setdefault(child.parent, set())
+                if child in below:
+                    break
+                below.add(child)
+                child = child.parent
+        listed = dict.fromkeys(hot)
+        listed.update((n, None) for n, below in children.items() if len(below) > 1 and n not in listed)
+        index = {n: i for i, n in enumerate(listed)}
         out = []
-        for node in heapq.nlargest(limit, nodes, key=lambda n: n.depth * n.hits):
-            first = node
-            while first.parent is not None and first.parent.parent is not None:
-                first = first.parent
-            out.append(Branch(node.namespace, node.depth, node.hits, node.last_hit, first.tokens))
+        for node in listed:
+            first, up = node, node.parent
+            while up is not None and up.parent is not None and up not in index:
+                first, up = up, up.parent
+            parent = index.get(up) if up is not None else None
+            start = up.depth if up is not None and parent is not None else 0
+            out.append(
+                Branch(node.namespace, node.depth, node.hits, node.last_hit, first.tokens, parent, start)
+            )
         return out
 
     def insert(self, namespace: str, tokens: Sequence[int], blocks: Sequence[int]) -> int:

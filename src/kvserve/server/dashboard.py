@@ -71,14 +71,18 @@ class HistoryPoint(BaseModel):
 
 
 class BranchStats(BaseModel):
-    """A cached prefix that requests hit: `tokens` long, `hits` times, last at `last_hit` (Unix time);
-    `text` is its beginning, only with --dashboard-show-text."""
+    """A cached prefix that requests hit: `tokens` long, `hits` times, last at `last_hit` (Unix time).
+    It extends branch number `parent` of the list (None: no listed one), which is `start` tokens long;
+    `text` is where it parts from that one (its first tokens after `start`), only with
+    --dashboard-show-text."""
 
     namespace: str
     tokens: int
     hits: int
     last_hit: float
     text: str | None
+    parent: int | None
+    start: int
 
 
 class RequestStats(BaseModel):
@@ -234,6 +238,8 @@ def render(
                 hits=b.hits,
                 last_hit=b.last_hit,
                 text=None if tokenizer is None else tokenizer.decode(list(b.head[:HEAD_TOKENS])),
+                parent=b.parent,
+                start=b.start,
             )
             for b in snapshot.branches
         ],

@@ -50,5 +50,10 @@ class LogprobRenderer:
                 out.top_logprobs.append(None)
             else:
                 out.token_logprobs.append(_finite(e.logprob))
-                out.top_logprobs.append({self._tokenizer.token_text(t): _finite(v) for t, v in e.top})
+                top: dict[str, float] = {}
+                for t, v in e.top:
+                    # Tokens may share a text (pieces of one UTF-8 character, each U+FFFD): the dict keeps
+                    # the likeliest one's logprob, as `top` comes most likely first.
+                    top.setdefault(self._tokenizer.token_text(t), _finite(v))
+                out.top_logprobs.append(top)
         return out, offset

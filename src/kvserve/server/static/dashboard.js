@@ -96,19 +96,34 @@ function drawHitRate(counters, history) {
   }
 }
 
+// The hot prefixes as an indented tree: each under the longest listed prefix it extends, so that a shared
+// system prompt is one trunk and the conversations over it its branches; siblings heaviest first.
 function drawBranches(branches, now) {
   const body = $("#prefix-tree tbody");
   body.replaceChildren();
-  branches.forEach((b, i) => {
+  const children = branches.map(() => []);
+  const roots = [];
+  branches.forEach((b, i) => (b.parent === null ? roots : children[b.parent]).push(i));
+  // Hits through a prefix: matches that ended at it or at a listed prefix extending it.
+  const through = branches.map(() => 0);
+  const total = (i) => (through[i] = branches[i].hits + children[i].reduce((sum, c) => sum + total(c), 0));
+  roots.forEach(total);
+  const heaviestFirst = (x, y) => branches[y].tokens * through[y] - branches[x].tokens * through[x];
+  const visit = (i, depth) => {
+    const b = branches[i];
     const row = body.insertRow();
-    cell(row, String(i + 1));
-    cell(row, formatCount(b.tokens));
+    row.dataset.depth = String(depth);
+    const text = b.text === null ? "(hidden: --dashboard-show-text)" : b.text.replace(/\n/g, "↵ ");
+    const prefix = cell(row, (depth ? "└ … " : "") + text, "text");
+    prefix.style.paddingLeft = `${8 + 22 * depth}px`;
+    cell(row, formatCount(b.tokens) + (b.start ? ` (+${formatCount(b.tokens - b.start)})` : ""));
     cell(row, formatCount(b.hits));
-    cell(row, formatCount(b.tokens * b.hits));
-    cell(row, formatAgo(now - b.last_hit));
+    cell(row, formatCount(through[i]));
+    cell(row, b.last_hit ? formatAgo(now - b.last_hit) : "–");
     cell(row, b.namespace);
-    cell(row, b.text === null ? "(hidden: --dashboard-show-text)" : b.text.replace(/\n/g, "↵ "), "text");
-  });
+    children[i].sort(heaviestFirst).forEach((c) => visit(c, depth + 1));
+  };
+  roots.sort(heaviestFirst).forEach((r) => visit(r, 0));
   $("#prefix-tree .empty").hidden = branches.length > 0;
 }
 
