@@ -77,16 +77,20 @@ def cached(result: dict[str, Any]) -> int:
     return value
 
 
+def _key_file_tenants(tmp_path_factory: pytest.TempPathFactory, name: str) -> Tenants:
+    folder = tmp_path_factory.mktemp(name)
+    key_file = folder / "keys"
+    key_file.write_text(KEY_FILE)
+    return Tenants(load_or_create_secret(str(folder)), key_file=str(key_file))
+
+
 @pytest.fixture(scope="module")
 def server(
     tmp_path_factory: pytest.TempPathFactory,
     make_engine: Callable[..., Engine],
     serve_app: Callable[[FastAPI], AbstractContextManager[str]],
 ) -> Iterator[TenantServer]:
-    folder = tmp_path_factory.mktemp("tenants")
-    key_file = folder / "keys"
-    key_file.write_text(KEY_FILE)
-    tenants = Tenants(load_or_create_secret(str(folder)), key_file=str(key_file))
+    tenants = _key_file_tenants(tmp_path_factory, "tenants")
     async_engine = AsyncEngine(
         make_engine(kv_cache_memory=256 * 2**20, max_model_len=2048, weight_dtype="int8")
     )
@@ -446,10 +450,7 @@ def pin_server(
     serve_app: Callable[[FastAPI], AbstractContextManager[str]],
 ) -> Iterator[TenantServer]:
     """Tenants on the tiny model with pinning on: the cache routes' isolation, not the model, is tested."""
-    folder = tmp_path_factory.mktemp("tenant-pins")
-    key_file = folder / "keys"
-    key_file.write_text(KEY_FILE)
-    tenants = Tenants(load_or_create_secret(str(folder)), key_file=str(key_file))
+    tenants = _key_file_tenants(tmp_path_factory, "tenant-pins")
     config = EngineConfig(
         kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32", max_pinned_tokens=256
     )
