@@ -44,6 +44,8 @@ enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
 #define QK 32
 #define ROW_TILE 4
 #define COL_TILE 4
+/* Column tiles a thread takes at a time: 64 outputs, enough to amortize the hand-off. */
+#define CHUNK_TILES 16
 #define ROW_CHUNK 32
 #define PREFETCH_BLOCKS 32
 
@@ -414,20 +416,17 @@ int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, 
     }
     const struct product p = {type, w,     (size_t)bb, nb,    n_in, n_out, n_out / COL_TILE * COL_TILE,
                               x,    sx,    bias,       other, out,  op};
-    /* Each thread takes a contiguous run of outputs, a multiple of the column tile. */
+    /* Threads take runs of CHUNK_TILES column tiles as they come free, not a fixed share: a thread the OS
+     * preempts (the server's event loop shares the cores) then delays the product by one run, not by its
+     * whole share. Each output is still summed by one thread in one order, so the bits never change. */
     const int64_t tiles = (n_out + COL_TILE - 1) / COL_TILE;
+    const int64_t runs = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
     int nt = threads < 1 ? 1 : threads;
-    if (nt > tiles)
-        nt = (int)tiles;
-#pragma omp parallel num_threads(nt)
-    {
-#ifdef _OPENMP
-        const int me = omp_get_thread_num();
-#else
-        const int me = 0;
-        nt = 1;
-#endif
-        const int64_t o0 = tiles * me / nt * COL_TILE, o1e = tiles * (me + 1) / nt * COL_TILE;
+    if (nt > runs)
+        nt = (int)runs;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t r = 0; r < runs; r++) {
+        const int64_t o0 = r * CHUNK_TILES * COL_TILE, o1e = (r + 1) * CHUNK_TILES * COL_TILE;
         const int64_t o1 = o1e < n_out ? o1e : n_out;
 #if HAVE_AVX2
         if (!portable)
