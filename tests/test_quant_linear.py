@@ -87,10 +87,11 @@ def test_the_vector_path_and_the_portable_path_give_the_same_bits(name: str) -> 
 
 
 @pytest.mark.parametrize("name", [*sorted(TYPES), "K8"])
-@pytest.mark.parametrize("n_rows", [8, 21])
+@pytest.mark.parametrize("n_rows", [9, 37])
 def test_the_avx512_and_avx2_tiles_and_the_portable_path_give_the_same_bits(name: str, n_rows: int) -> None:
-    # 131 outputs: 32 column groups and three outputs outside any; 21 rows: two 8-row tiles and five
-    # rows across the group. Where the build has no AVX-512 tiles, both vector runs take the AVX2 ones.
+    # 131 outputs: 32 column groups and three outputs outside any; 37 rows: a 32-row chunk of four
+    # 8-row tiles, then five rows on the AVX2 tiles (as are all 9). Where the build has no AVX-512 tiles,
+    # both vector runs take the AVX2 ones.
     if name == "K8":
         blocks = from_k_quant(k_quant_blocks(torch.zeros(131, 512), Q4_K), Q4_K, 512)
     else:

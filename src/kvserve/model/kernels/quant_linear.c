@@ -21,9 +21,10 @@
  *
  * Work is split over output columns between threads (OpenMP), each output computed by one thread. Rows
  * are taken four at a time where the batch has them (each block is widened once for four rows), and one
- * at a time across four outputs otherwise (decodes). Where the build has AVX-512, batches take a column
- * group's four outputs eight rows at a time instead, two outputs' lanes side by side in each 16-lane
- * register: the same operations per lane, so the same bits.
+ * at a time across four outputs otherwise (decodes). Where the build has AVX-512, batches of 16 rows or
+ * more take a column group's four outputs eight rows at a time instead, its blocks widened once per row
+ * chunk into a float32 buffer, two outputs' lanes side by side in each 16-lane register: the same
+ * operations per lane, so the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -272,21 +273,59 @@ static inline __attribute__((always_inline)) void vector_tile(int type, int rows
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define HAVE_AVX512 1
 /* The AVX-512 tile: WR rows x WP pairs of outputs (2 * WP of them, a column group). Its WR * WP 16-lane
- * accumulators, 4 * WP widened quants, their scales and 4 activation vectors fit the 32 registers. */
-#define WR 8
-#define WP 2
+ * accumulators and 4 activation vectors stay in registers; the widened blocks are read from a buffer. */
+#define WR 8 /* at most res's eight rows in vector_range */
+#define WP (COL_TILE / 2)
+/* Floats per block in the widened buffer: per pair four quant vectors and two scale vectors, then the
+ * four outputs' offsets (padded to a vector). */
+#define WIDE_BLOCK ((WP * 6 + 1) * 16)
 /* Two 8-lane vectors side by side: a in the low half, b in the high half. */
 static inline __m512 pair(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
-/* WR rows x 2 * WP outputs of a column group (its blocks interleaved, see `column`). Each 16-lane
- * accumulator holds two outputs' eight lanes side by side, so every lane takes exactly the operations of
- * `vector_tile` (the same products, fused multiply-adds and scales, in the same order): the same bits, with
- * each block widened once for WR rows and each row's activations loaded once for 2 * WP outputs. */
-static inline __attribute__((always_inline)) void wide_tile(int type, const uint8_t *w, size_t block_stride,
-                                                            int64_t nb, const float *x, int64_t x_stride,
-                                                            const float *sx, float *res)
+/* A column group's nb blocks (interleaved, see `column`) widened once into `buf` (64-byte aligned, nb *
+ * WIDE_BLOCK floats) for every row tile of a row chunk: per pair, vector k holds the two outputs' quants
+ * 8k..8k+7 side by side, and the scales likewise. The values are exact, so reading them back is the same
+ * as widening in registers. */
+static inline __attribute__((always_inline)) void widen(int type, const uint8_t *w, size_t block_stride,
+                                                        int64_t nb, float *buf)
 {
     const int bb = block_bytes(type);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * block_stride;
+        for (int line = 0; line < 2 * WP * bb; line += 64)
+            _mm_prefetch((const char *)blk + PREFETCH_BLOCKS * block_stride + line, _MM_HINT_T0);
+        float *fb = buf + b * WIDE_BLOCK, *m = fb + WP * 6 * 16;
+        for (int h = 0; h < WP; h++) {
+            const uint8_t *lo_blk = blk + 2 * h * bb, *hi_blk = lo_blk + bb;
+            __m256 a[4], c[4];
+            vector_quants(type, lo_blk, a);
+            vector_quants(type, hi_blk, c);
+            for (int k = 0; k < 4; k++)
+                _mm512_store_ps(fb + (h * 6 + k) * 16, pair(a[k], c[k]));
+            float d0[2], d1[2];
+            for (int i = 0; i < 2; i++) {
+                const uint8_t *one = i ? hi_blk : lo_blk;
+                if (type == TYPE_K8) {
+                    d0[i] = read_f32(one), d1[i] = read_f32(one + 4), m[2 * h + i] = read_f32(one + 8);
+                } else {
+                    d0[i] = d1[i] = _cvtsh_ss(read_u16(one));
+                    m[2 * h + i] = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(one + 2)) : 0.0f;
+                }
+            }
+            _mm512_store_ps(fb + (h * 6 + 4) * 16, pair(_mm256_set1_ps(d0[0]), _mm256_set1_ps(d0[1])));
+            _mm512_store_ps(fb + (h * 6 + 5) * 16, pair(_mm256_set1_ps(d1[0]), _mm256_set1_ps(d1[1])));
+        }
+    }
+}
+
+/* WR rows x 2 * WP outputs of a column group widened by `widen`. Each 16-lane accumulator holds two
+ * outputs' eight lanes side by side, so every lane takes exactly the operations of `vector_tile` (the same
+ * products, fused multiply-adds and scales, in the same order): the same bits, with each block widened once
+ * per row chunk and each row's activations loaded once for 2 * WP outputs. */
+static inline __attribute__((always_inline)) void wide_tile(int type, const float *buf, int64_t nb,
+                                                            const float *x, int64_t x_stride, const float *sx,
+                                                            float *res)
+{
     const int has_offset = type == TYPE_Q4_1 || type == TYPE_K8;
     __m512 acc[WR][WP];
     __m128 offset[WR];
@@ -296,48 +335,28 @@ static inline __attribute__((always_inline)) void wide_tile(int type, const uint
         offset[r] = _mm_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * block_stride;
-        for (int line = 0; line < (2 * WP) * bb; line += 64)
-            _mm_prefetch((const char *)blk + PREFETCH_BLOCKS * block_stride + line, _MM_HINT_T0);
-        __m512 v[WP][4], d0[WP], d1[WP];
-        float m[4] = {0};
-        for (int h = 0; h < WP; h++) {
-            const uint8_t *lo_blk = blk + 2 * h * bb, *hi_blk = lo_blk + bb;
-            __m256 a[4], c[4];
-            vector_quants(type, lo_blk, a);
-            vector_quants(type, hi_blk, c);
-            for (int k = 0; k < 4; k++)
-                v[h][k] = pair(a[k], c[k]);
-            if (type == TYPE_K8) {
-                d0[h] = pair(_mm256_set1_ps(read_f32(lo_blk)), _mm256_set1_ps(read_f32(hi_blk)));
-                d1[h] = pair(_mm256_set1_ps(read_f32(lo_blk + 4)), _mm256_set1_ps(read_f32(hi_blk + 4)));
-                m[2 * h] = read_f32(lo_blk + 8), m[2 * h + 1] = read_f32(hi_blk + 8);
-            } else {
-                d0[h] = pair(_mm256_set1_ps(_cvtsh_ss(read_u16(lo_blk))), _mm256_set1_ps(_cvtsh_ss(read_u16(hi_blk))));
-                d1[h] = d0[h];
-                m[2 * h] = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(lo_blk + 2)) : 0.0f;
-                m[2 * h + 1] = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(hi_blk + 2)) : 0.0f;
-            }
-        }
-        const __m128 mv = _mm_loadu_ps(m);
+        const float *fb = buf + b * WIDE_BLOCK;
+        const __m128 mv = _mm_load_ps(fb + WP * 6 * 16);
         for (int r = 0; r < WR; r++) {
             const float *xb = x + r * x_stride + b * QK;
             __m512 xv[4];
             for (int k = 0; k < 4; k++)
                 xv[k] = _mm512_broadcast_f32x8(_mm256_loadu_ps(xb + 8 * k));
             for (int h = 0; h < WP; h++) {
+                const float *v = fb + h * 6 * 16;
+                const __m512 d0 = _mm512_load_ps(v + 4 * 16);
                 if (type == TYPE_K8) {
-                    __m512 lo = _mm512_mul_ps(v[h][0], xv[0]);
-                    lo = _mm512_fmadd_ps(v[h][1], xv[1], lo);
-                    __m512 hi = _mm512_mul_ps(v[h][2], xv[2]);
-                    hi = _mm512_fmadd_ps(v[h][3], xv[3], hi);
-                    acc[r][h] = _mm512_fmadd_ps(d1[h], hi, _mm512_fmadd_ps(d0[h], lo, acc[r][h]));
+                    __m512 lo = _mm512_mul_ps(_mm512_load_ps(v), xv[0]);
+                    lo = _mm512_fmadd_ps(_mm512_load_ps(v + 16), xv[1], lo);
+                    __m512 hi = _mm512_mul_ps(_mm512_load_ps(v + 32), xv[2]);
+                    hi = _mm512_fmadd_ps(_mm512_load_ps(v + 48), xv[3], hi);
+                    acc[r][h] = _mm512_fmadd_ps(_mm512_load_ps(v + 5 * 16), hi, _mm512_fmadd_ps(d0, lo, acc[r][h]));
                 } else {
-                    __m512 t = _mm512_mul_ps(v[h][0], xv[0]);
-                    t = _mm512_fmadd_ps(v[h][1], xv[1], t);
-                    t = _mm512_fmadd_ps(v[h][2], xv[2], t);
-                    t = _mm512_fmadd_ps(v[h][3], xv[3], t);
-                    acc[r][h] = _mm512_fmadd_ps(d0[h], t, acc[r][h]);
+                    __m512 t = _mm512_mul_ps(_mm512_load_ps(v), xv[0]);
+                    t = _mm512_fmadd_ps(_mm512_load_ps(v + 16), xv[1], t);
+                    t = _mm512_fmadd_ps(_mm512_load_ps(v + 32), xv[2], t);
+                    t = _mm512_fmadd_ps(_mm512_load_ps(v + 48), xv[3], t);
+                    acc[r][h] = _mm512_fmadd_ps(d0, t, acc[r][h]);
                 }
             }
             if (has_offset)
@@ -354,11 +373,18 @@ static inline __attribute__((always_inline)) void wide_tile(int type, const uint
         }
     }
 }
+
+typedef void (*widen_fn)(const uint8_t *, size_t, int64_t, float *);
+typedef void (*wide_fn)(const float *, int64_t, const float *, int64_t, const float *, float *);
 #define WIDE_TILE(NAME, TYPE)                                                                             \
-    static void NAME##_wide(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,         \
-                            const float *sx, float *res)                                                 \
+    static void NAME##_widen(const uint8_t *w, size_t rb, int64_t nb, float *buf)                        \
     {                                                                                                    \
-        wide_tile(TYPE, w, rb, nb, x, xs, sx, res);                                                      \
+        widen(TYPE, w, rb, nb, buf);                                                                     \
+    }                                                                                                    \
+    static void NAME##_wide(const float *buf, int64_t nb, const float *x, int64_t xs, const float *sx,    \
+                            float *res)                                                                  \
+    {                                                                                                    \
+        wide_tile(TYPE, buf, nb, x, xs, sx, res);                                                        \
     }
 WIDE_TILE(q8_0, TYPE_Q8_0)
 WIDE_TILE(q4_0, TYPE_Q4_0)
@@ -439,36 +465,48 @@ static void scalar_range(const struct product *p, int64_t rows, int64_t o0, int6
 /* `wide`: whether to take the AVX-512 tiles where the build has them (the AVX2 tiles give the same bits). */
 static void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
 {
-    tile_fn by_rows, by_cols, one, by_both = NULL;
+    tile_fn by_rows, by_cols, one;
+#if HAVE_AVX512
+    widen_fn widen_group = NULL;
+    wide_fn by_both = NULL;
+#endif
     switch (p->type) {
     case TYPE_Q8_0:
         by_rows = q8_0_rows, by_cols = q8_0_cols, one = q8_0_one;
 #if HAVE_AVX512
-        by_both = q8_0_wide;
+        widen_group = q8_0_widen, by_both = q8_0_wide;
 #endif
         break;
     case TYPE_Q4_0:
         by_rows = q4_0_rows, by_cols = q4_0_cols, one = q4_0_one;
 #if HAVE_AVX512
-        by_both = q4_0_wide;
+        widen_group = q4_0_widen, by_both = q4_0_wide;
 #endif
         break;
     case TYPE_Q4_1:
         by_rows = q4_1_rows, by_cols = q4_1_cols, one = q4_1_one;
 #if HAVE_AVX512
-        by_both = q4_1_wide;
+        widen_group = q4_1_widen, by_both = q4_1_wide;
 #endif
         break;
     default:
         by_rows = k8_rows, by_cols = k8_cols, one = k8_one;
 #if HAVE_AVX512
-        by_both = k8_wide;
+        widen_group = k8_widen, by_both = k8_wide;
 #endif
         break;
     }
-    if (!wide)
+#if HAVE_AVX512
+    /* The widened blocks of one column group; without it (or `wide`), the AVX2 tiles (the same bits). */
+    const size_t buf_bytes = ((size_t)p->nb * WIDE_BLOCK * sizeof(float) + 63) / 64 * 64;
+    float *buf = wide && rows >= 2 * WR ? aligned_alloc(64, buf_bytes) : NULL;
+    if (!buf)
         by_both = NULL;
-    float res[64];
+#else
+    (void)wide;
+#endif
+    /* Up to eight rows (the AVX-512 tile) x COL_TILE outputs. */
+    float res[8 * COL_TILE];
     /* Rows in chunks, so that a chunk's activations stay in cache while the outputs' weights stream. */
     for (int64_t t0 = 0; t0 < rows; t0 += ROW_CHUNK) {
         const int64_t t1 = t0 + ROW_CHUNK < rows ? t0 + ROW_CHUNK : rows;
@@ -476,22 +514,27 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
             int64_t t = t0;
             const uint8_t *w = column(p, o);
             const size_t bs = block_stride(p, o);
-            if (by_both && t1 - t0 >= WR && o + COL_TILE <= o1 && o < p->grouped) {
-                /* A column group WR rows at a time, then the rest of the rows across the group. */
-                for (; t + WR <= t1; t += WR)
-                    for (int c0 = 0; c0 < COL_TILE; c0 += 2 * WP) {
-                        by_both(w + c0 * p->bb, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
-                        for (int r = 0; r < WR; r++)
-                            for (int c = 0; c < 2 * WP; c++)
-                                store(p, t + r, o + c0 + c, res[r * 2 * WP + c]);
-                    }
+#if HAVE_AVX512
+            if (by_both && t1 - t0 >= 2 * WR && o + COL_TILE <= o1 && o < p->grouped) {
+                /* A column group WR rows at a time, then the rest of the rows across the group. Below two
+                 * tiles' rows, widening into the buffer costs more than it saves. */
+                widen_group(w, bs, p->nb, buf);
+                for (; t + WR <= t1; t += WR) {
+                    by_both(buf, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
+                    for (int r = 0; r < WR; r++)
+                        for (int c = 0; c < COL_TILE; c++)
+                            store(p, t + r, o + c, res[r * COL_TILE + c]);
+                }
                 for (; t < t1; t++) {
                     by_cols(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
                     for (int c = 0; c < COL_TILE; c++)
                         store(p, t, o + c, res[c]);
                 }
                 o += COL_TILE;
-            } else if (o1 - o < COL_TILE || t1 - t0 >= ROW_TILE) {
+                continue;
+            }
+#endif
+            if (o1 - o < COL_TILE || t1 - t0 >= ROW_TILE) {
                 /* One output at a time: four rows per tile, then the rest one by one. */
                 for (; t + ROW_TILE <= t1; t += ROW_TILE) {
                     by_rows(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
@@ -513,6 +556,9 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
             }
         }
     }
+#if HAVE_AVX512
+    free(buf);
+#endif
 }
 #endif
 
