@@ -86,6 +86,27 @@ def test_the_vector_path_and_the_portable_path_give_the_same_bits(name: str) -> 
     assert torch.equal(fast.silu(x), portable.silu(x))
 
 
+@pytest.mark.parametrize("name", [*sorted(TYPES), "K8"])
+@pytest.mark.parametrize("n_rows", [9, 37])
+def test_the_avx512_and_avx2_tiles_and_the_portable_path_give_the_same_bits(name: str, n_rows: int) -> None:
+    # 131 outputs: 32 column groups and three outputs outside any; 37 rows: a 32-row chunk of four
+    # 8-row tiles, then five rows on the AVX2 tiles (as are all 9). Where the build has no AVX-512 tiles,
+    # both vector runs take the AVX2 ones.
+    if name == "K8":
+        blocks = from_k_quant(k_quant_blocks(torch.zeros(131, 512), Q4_K), Q4_K, 512)
+    else:
+        blocks = gguf_blocks(random_weight(131, 512), TYPES[name])
+    wide = QuantLinear(blocks, torch.randn(131), default_cache_dir())
+    if not wide.vectorized:
+        pytest.skip("this CPU has no AVX2 path to compare")
+    narrow = QuantLinear(blocks, wide.bias, default_cache_dir(), wide=False)
+    portable = QuantLinear(blocks, wide.bias, default_cache_dir(), portable=True)
+    x = rows(n_rows, 512)
+    assert torch.equal(wide(x), narrow(x))
+    assert torch.equal(wide(x), portable(x))
+    assert torch.equal(wide(x)[n_rows - 1], wide(x[n_rows - 1 :])[0])
+
+
 @pytest.mark.parametrize("name", sorted(TYPES))
 def test_fused_ops_are_the_op_after_the_product(name: str) -> None:
     blocks = gguf_blocks(random_weight(64, 128), TYPES[name])

@@ -77,11 +77,18 @@ def interleave(weight: QuantizedWeight) -> torch.Tensor:
 class QuantLinear(Linear):
     """y = op(x @ dequantize(weight).T + bias) on the weight's blocks, x float32 on the CPU.
 
-    `portable` forces the kernel's portable path (tests compare it with the vector path).
+    `portable` forces the kernel's portable path (tests compare it with the vector path); `wide` False
+    keeps a batch on the AVX2 tiles where the build also has AVX-512 ones (the same bits; for tests and
+    benchmarks).
     """
 
     def __init__(
-        self, weight: QuantizedWeight, bias: torch.Tensor | None, cache_dir: str, portable: bool = False
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        cache_dir: str,
+        portable: bool = False,
+        wide: bool = True,
     ) -> None:
         if weight.data.device.type != "cpu":
             raise KernelUnavailableError("quantized weights run on the CPU")
@@ -92,6 +99,7 @@ class QuantLinear(Linear):
         if self.bias is not None and self.bias.shape != (weight.out_features,):
             raise ValueError(f"bias of shape {tuple(self.bias.shape)} for {weight.out_features} outputs")
         self.portable = portable
+        self.wide = wide
 
     @property
     def data_ptr(self) -> int:
@@ -123,7 +131,7 @@ class QuantLinear(Linear):
             n_out,
             op,
             torch.get_num_threads(),
-            int(self.portable),
+            1 if self.portable else 0 if self.wide else 2,
         )
         if status == -2:
             raise MemoryError("the quantized linear kernel could not allocate its scratch memory")

@@ -21,7 +21,10 @@
  *
  * Work is split over output columns between threads (OpenMP), each output computed by one thread. Rows
  * are taken four at a time where the batch has them (each block is widened once for four rows), and one
- * at a time across four outputs otherwise (decodes).
+ * at a time across four outputs otherwise (decodes). Where the build has AVX-512, batches of 16 rows or
+ * more take a column group's four outputs eight rows at a time instead, its blocks widened once per row
+ * chunk into a float32 buffer, two outputs' lanes side by side in each 16-lane register: the same
+ * operations per lane, so the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -269,6 +272,130 @@ static inline __attribute__((always_inline)) void vector_tile(int type, int rows
         res[i] = vector_total(acc[i], offset[i]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define HAVE_AVX512 1
+/* The AVX-512 tile: WR rows x WP pairs of outputs (2 * WP of them, a column group). Its WR * WP 16-lane
+ * accumulators and 4 activation vectors stay in registers; the widened blocks are read from a buffer. */
+#define WR 8 /* at most res's eight rows in vector_range */
+#define WP (COL_TILE / 2)
+/* Floats per block in the widened buffer: per pair four quant vectors and two scale vectors, then the
+ * four outputs' offsets (padded to a vector). */
+#define WIDE_BLOCK ((WP * 6 + 1) * 16)
+/* Two 8-lane vectors side by side: a in the low half, b in the high half. */
+static inline __m512 pair(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+
+/* A column group's nb blocks (interleaved, see `column`) widened once into `buf` (64-byte aligned, nb *
+ * WIDE_BLOCK floats) for every row tile of a row chunk: per pair, vector k holds the two outputs' quants
+ * 8k..8k+7 side by side, and the scales likewise. The values are exact, so reading them back is the same
+ * as widening in registers. */
+static inline __attribute__((always_inline)) void widen(int type, const uint8_t *w, size_t block_stride,
+                                                        int64_t nb, float *buf)
+{
+    const int bb = block_bytes(type);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * block_stride;
+        for (int line = 0; line < 2 * WP * bb; line += 64)
+            _mm_prefetch((const char *)blk + PREFETCH_BLOCKS * block_stride + line, _MM_HINT_T0);
+        float *fb = buf + b * WIDE_BLOCK, *m = fb + WP * 6 * 16;
+        for (int h = 0; h < WP; h++) {
+            const uint8_t *lo_blk = blk + 2 * h * bb, *hi_blk = lo_blk + bb;
+            __m256 a[4], c[4];
+            vector_quants(type, lo_blk, a);
+            vector_quants(type, hi_blk, c);
+            for (int k = 0; k < 4; k++)
+                _mm512_store_ps(fb + (h * 6 + k) * 16, pair(a[k], c[k]));
+            float d0[2], d1[2];
+            for (int i = 0; i < 2; i++) {
+                const uint8_t *one = i ? hi_blk : lo_blk;
+                if (type == TYPE_K8) {
+                    d0[i] = read_f32(one), d1[i] = read_f32(one + 4), m[2 * h + i] = read_f32(one + 8);
+                } else {
+                    d0[i] = d1[i] = _cvtsh_ss(read_u16(one));
+                    m[2 * h + i] = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(one + 2)) : 0.0f;
+                }
+            }
+            _mm512_store_ps(fb + (h * 6 + 4) * 16, pair(_mm256_set1_ps(d0[0]), _mm256_set1_ps(d0[1])));
+            _mm512_store_ps(fb + (h * 6 + 5) * 16, pair(_mm256_set1_ps(d1[0]), _mm256_set1_ps(d1[1])));
+        }
+    }
+}
+
+/* WR rows x 2 * WP outputs of a column group widened by `widen`. Each 16-lane accumulator holds two
+ * outputs' eight lanes side by side, so every lane takes exactly the operations of `vector_tile` (the same
+ * products, fused multiply-adds and scales, in the same order): the same bits, with each block widened once
+ * per row chunk and each row's activations loaded once for 2 * WP outputs. */
+static inline __attribute__((always_inline)) void wide_tile(int type, const float *buf, int64_t nb,
+                                                            const float *x, int64_t x_stride, const float *sx,
+                                                            float *res)
+{
+    const int has_offset = type == TYPE_Q4_1 || type == TYPE_K8;
+    __m512 acc[WR][WP];
+    __m128 offset[WR];
+    for (int r = 0; r < WR; r++) {
+        for (int h = 0; h < WP; h++)
+            acc[r][h] = _mm512_setzero_ps();
+        offset[r] = _mm_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const float *fb = buf + b * WIDE_BLOCK;
+        const __m128 mv = _mm_load_ps(fb + WP * 6 * 16);
+        for (int r = 0; r < WR; r++) {
+            const float *xb = x + r * x_stride + b * QK;
+            __m512 xv[4];
+            for (int k = 0; k < 4; k++)
+                xv[k] = _mm512_broadcast_f32x8(_mm256_loadu_ps(xb + 8 * k));
+            for (int h = 0; h < WP; h++) {
+                const float *v = fb + h * 6 * 16;
+                const __m512 d0 = _mm512_load_ps(v + 4 * 16);
+                if (type == TYPE_K8) {
+                    __m512 lo = _mm512_mul_ps(_mm512_load_ps(v), xv[0]);
+                    lo = _mm512_fmadd_ps(_mm512_load_ps(v + 16), xv[1], lo);
+                    __m512 hi = _mm512_mul_ps(_mm512_load_ps(v + 32), xv[2]);
+                    hi = _mm512_fmadd_ps(_mm512_load_ps(v + 48), xv[3], hi);
+                    acc[r][h] = _mm512_fmadd_ps(_mm512_load_ps(v + 5 * 16), hi, _mm512_fmadd_ps(d0, lo, acc[r][h]));
+                } else {
+                    __m512 t = _mm512_mul_ps(_mm512_load_ps(v), xv[0]);
+                    t = _mm512_fmadd_ps(_mm512_load_ps(v + 16), xv[1], t);
+                    t = _mm512_fmadd_ps(_mm512_load_ps(v + 32), xv[2], t);
+                    t = _mm512_fmadd_ps(_mm512_load_ps(v + 48), xv[3], t);
+                    acc[r][h] = _mm512_fmadd_ps(d0, t, acc[r][h]);
+                }
+            }
+            if (has_offset)
+                offset[r] = _mm_fmadd_ps(mv, _mm_set1_ps(sx[r * nb + b]), offset[r]);
+        }
+    }
+    for (int r = 0; r < WR; r++) {
+        float lanes[16], off[4];
+        _mm_storeu_ps(off, offset[r]);
+        for (int h = 0; h < WP; h++) {
+            _mm512_storeu_ps(lanes, acc[r][h]);
+            res[r * (2 * WP) + 2 * h] = lane_sum(lanes) + off[2 * h];
+            res[r * (2 * WP) + 2 * h + 1] = lane_sum(lanes + 8) + off[2 * h + 1];
+        }
+    }
+}
+
+typedef void (*widen_fn)(const uint8_t *, size_t, int64_t, float *);
+typedef void (*wide_fn)(const float *, int64_t, const float *, int64_t, const float *, float *);
+#define WIDE_TILE(NAME, TYPE)                                                                             \
+    static void NAME##_widen(const uint8_t *w, size_t rb, int64_t nb, float *buf)                        \
+    {                                                                                                    \
+        widen(TYPE, w, rb, nb, buf);                                                                     \
+    }                                                                                                    \
+    static void NAME##_wide(const float *buf, int64_t nb, const float *x, int64_t xs, const float *sx,    \
+                            float *res)                                                                  \
+    {                                                                                                    \
+        wide_tile(TYPE, buf, nb, x, xs, sx, res);                                                        \
+    }
+WIDE_TILE(q8_0, TYPE_Q8_0)
+WIDE_TILE(q4_0, TYPE_Q4_0)
+WIDE_TILE(q4_1, TYPE_Q4_1)
+WIDE_TILE(k8, TYPE_K8)
+#else
+#define HAVE_AVX512 0
+#endif
+
 #define DEFINE_TILES(NAME, TYPE)                                                                          \
     static void NAME##_rows(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,         \
                             const float *sx, float *res)                                                 \
@@ -337,24 +464,51 @@ static void scalar_range(const struct product *p, int64_t rows, int64_t o0, int6
 }
 
 #if HAVE_AVX2
-static void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1)
+/* `wide`: whether to take the AVX-512 tiles where the build has them (the AVX2 tiles give the same bits). */
+static void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
 {
     tile_fn by_rows, by_cols, one;
+#if HAVE_AVX512
+    widen_fn widen_group = NULL;
+    wide_fn by_both = NULL;
+#endif
     switch (p->type) {
     case TYPE_Q8_0:
         by_rows = q8_0_rows, by_cols = q8_0_cols, one = q8_0_one;
+#if HAVE_AVX512
+        widen_group = q8_0_widen, by_both = q8_0_wide;
+#endif
         break;
     case TYPE_Q4_0:
         by_rows = q4_0_rows, by_cols = q4_0_cols, one = q4_0_one;
+#if HAVE_AVX512
+        widen_group = q4_0_widen, by_both = q4_0_wide;
+#endif
         break;
     case TYPE_Q4_1:
         by_rows = q4_1_rows, by_cols = q4_1_cols, one = q4_1_one;
+#if HAVE_AVX512
+        widen_group = q4_1_widen, by_both = q4_1_wide;
+#endif
         break;
     default:
         by_rows = k8_rows, by_cols = k8_cols, one = k8_one;
+#if HAVE_AVX512
+        widen_group = k8_widen, by_both = k8_wide;
+#endif
         break;
     }
-    float res[ROW_TILE * COL_TILE];
+#if HAVE_AVX512
+    /* The widened blocks of one column group; without it (or `wide`), the AVX2 tiles (the same bits). */
+    const size_t buf_bytes = ((size_t)p->nb * WIDE_BLOCK * sizeof(float) + 63) / 64 * 64;
+    float *buf = wide && rows >= 2 * WR ? aligned_alloc(64, buf_bytes) : NULL;
+    if (!buf)
+        by_both = NULL;
+#else
+    (void)wide;
+#endif
+    /* Up to eight rows (the AVX-512 tile) x COL_TILE outputs. */
+    float res[8 * COL_TILE];
     /* Rows in chunks, so that a chunk's activations stay in cache while the outputs' weights stream. */
     for (int64_t t0 = 0; t0 < rows; t0 += ROW_CHUNK) {
         const int64_t t1 = t0 + ROW_CHUNK < rows ? t0 + ROW_CHUNK : rows;
@@ -362,6 +516,26 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
             int64_t t = t0;
             const uint8_t *w = column(p, o);
             const size_t bs = block_stride(p, o);
+#if HAVE_AVX512
+            if (by_both && t1 - t0 >= 2 * WR && o + COL_TILE <= o1 && o < p->grouped) {
+                /* A column group WR rows at a time, then the rest of the rows across the group. Below two
+                 * tiles' rows, widening into the buffer costs more than it saves. */
+                widen_group(w, bs, p->nb, buf);
+                for (; t + WR <= t1; t += WR) {
+                    by_both(buf, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
+                    for (int r = 0; r < WR; r++)
+                        for (int c = 0; c < COL_TILE; c++)
+                            store(p, t + r, o + c, res[r * COL_TILE + c]);
+                }
+                for (; t < t1; t++) {
+                    by_cols(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
+                    for (int c = 0; c < COL_TILE; c++)
+                        store(p, t, o + c, res[c]);
+                }
+                o += COL_TILE;
+                continue;
+            }
+#endif
             if (o1 - o < COL_TILE || t1 - t0 >= ROW_TILE) {
                 /* One output at a time: four rows per tile, then the rest one by one. */
                 for (; t + ROW_TILE <= t1; t += ROW_TILE) {
@@ -384,6 +558,9 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
             }
         }
     }
+#if HAVE_AVX512
+    free(buf);
+#endif
 }
 #endif
 
@@ -392,8 +569,8 @@ int quant_linear_vectorized(void) { return HAVE_AVX2; }
 
 /* x: [rows, n_in] float32, contiguous; w: n_out * n_in / 32 blocks of `type`, laid out as `column`
  * says (quant_linear.py's `interleave`); bias: [n_out] or
- * NULL; other: [rows, n_out] for OP_ADD and OP_MUL, else NULL; out: [rows, n_out]. `portable` forces the
- * portable path (for tests). Returns 0, -1 for an unknown type or shape, -2 when out of memory. */
+ * NULL; other: [rows, n_out] for OP_ADD and OP_MUL, else NULL; out: [rows, n_out]. `portable` 1 forces the
+ * portable path, 2 the AVX2 tiles without the AVX-512 ones (for tests). Returns 0, -1 for an unknown type or shape, -2 when out of memory. */
 int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, const float *other, float *out,
                  int64_t rows, int64_t n_in, int64_t n_out, int op, int threads, int portable)
 {
@@ -429,8 +606,8 @@ int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, 
         const int64_t o0 = r * CHUNK_TILES * COL_TILE, o1e = (r + 1) * CHUNK_TILES * COL_TILE;
         const int64_t o1 = o1e < n_out ? o1e : n_out;
 #if HAVE_AVX2
-        if (!portable)
-            vector_range(&p, rows, o0, o1);
+        if (portable != 1)
+            vector_range(&p, rows, o0, o1, portable != 2);
         else
 #endif
             scalar_range(&p, rows, o0, o1);
