@@ -1,7 +1,11 @@
 """The native decoder (every layer of a decode-only step in one call) gives the per-op path's bits."""
 
+import random
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvserve.model.loader import LoadedModel
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
@@ -59,6 +63,42 @@ def test_the_default_model_decodes_through_the_native_decoder(default_model: Loa
     fused = runner.execute(step).sampled
     runner.transformer.decoder = None
     assert torch.equal(runner.execute(step).sampled, fused)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    block_size=st.sampled_from([1, 2, 3, 16]),
+    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=5),
+    kv_dtype=st.sampled_from(["float32", "float16"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_native_decoder_equals_the_per_op_path_for_any_block_size_and_scattered_tables(
+    tiny_model: LoadedModel, block_size: int, lengths: list[int], kv_dtype: str, seed: int
+) -> None:
+    """Small and odd block sizes, blocks handed out in a shuffled order, a pool with no block to spare:
+    the decoder's K/V writes and its attention read the same slots as the per-op path's."""
+    rng = random.Random(seed)
+    need = [-(-n // block_size) for n in lengths]
+    blocks = list(range(sum(need)))
+    rng.shuffle(blocks)
+    tables = [blocks[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(lengths))]
+    runner = ModelRunner(
+        tiny_model, len(blocks), block_size, 64, "cpu", "float32", "q8_0", "native", kv_dtype=kv_dtype
+    )
+    assert runner.transformer.decoder is not None
+    decodes = []
+    for n, table in zip(lengths, tables, strict=True):
+        ids = [rng.randrange(4096) for _ in range(n)]
+        runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[:-1], 0, table, False)]))
+        decodes.append(SequenceChunk(ids[-1:], n - 1, table, True))
+    k0, v0 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
+    fused = runner.execute(ForwardBatch(decodes=list(decodes))).sampled
+    k1, v1 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
+    runner.kv_cache.k.copy_(k0)
+    runner.kv_cache.v.copy_(v0)
+    runner.transformer.decoder = None
+    assert torch.equal(runner.execute(ForwardBatch(decodes=list(decodes))).sampled, fused)
+    assert torch.equal(runner.kv_cache.k, k1) and torch.equal(runner.kv_cache.v, v1)
 
 
 @pytest.mark.parametrize(("weight_dtype", "attention"), [("float16", "native"), ("q8_0", "torch")])
