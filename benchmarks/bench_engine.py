@@ -3,7 +3,8 @@
 Same weights, same process, interleaved. Against transformers (both float32): prefill tokens/s (512 and
 2048 tokens), single-stream decode tokens/s, and kvserve's aggregate decode tokens/s at batch 8 and 32.
 Then the same kvserve measures for each `weight_dtype` (float32, float16, int8, q8_0 and gguf, the GGUF's
-own blocks), with ratios to float32 and gguf's to float16; every mode runs the default float16 KV cache.
+own blocks; gguf also with `decode_activations` float32, the decode rows without int16 activations), with
+ratios to float32 and gguf's to float16; every mode runs the default float16 KV cache.
 Run: `make bench-engine` (writes benchmarks/results/engine.{json,md}).
 """
 
@@ -77,7 +78,11 @@ def ours_batch_decode(engine: Engine, batch: int, new_tokens: int, seed: int) ->
     return tokens / (time.perf_counter() - decode_start)
 
 
-WEIGHT_DTYPES = ("float32", "float16", "int8", "q8_0", "gguf")
+# Each mode's engine settings: the weight dtypes, and gguf's decode rows in float32 beside its default.
+MODES: dict[str, dict[str, str]] = {
+    **{d: {"weight_dtype": d} for d in ("float32", "float16", "int8", "q8_0", "gguf")},
+    "gguf, float32 decodes": {"weight_dtype": "gguf", "decode_activations": "float32"},
+}
 
 
 def weight_dtype_table(
@@ -132,12 +137,12 @@ def main() -> None:
     engines = {
         mode: make_engine(
             model,
-            weight_dtype=mode,
+            **settings,
             enable_prefix_caching=False,
             max_num_batched_tokens=2048,
             kv_cache_memory=512 * 2**20,
         )
-        for mode in WEIGHT_DTYPES
+        for mode, settings in MODES.items()
     }
     for warm in engines.values():
         ours_prefill(warm, 64, 0)

@@ -50,7 +50,10 @@ def main() -> None:
     io = engine.runner.kv_cache
     shape, dtype = io.block_shape(), io.dtype
     block_size = engine.config.block_size
-    fingerprint = model_fingerprint(model, engine.config.weight_dtype, block_size, engine.config.dtype)
+    config = engine.config
+    fingerprint = model_fingerprint(
+        model, config.weight_dtype, config.decode_activations, block_size, config.kv_cache_dtype
+    )
     block_bytes = io.read_block(0).numel() * dtype.itemsize
     engine.close()
     redis_server = RedisProcess(maxmemory="2gb")

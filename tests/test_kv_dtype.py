@@ -71,8 +71,14 @@ def test_float16_holds_twice_the_tokens_in_the_same_bytes(make_engine: Callable[
 
 
 def test_the_fingerprint_tells_the_kv_dtypes_apart(default_model: LoadedModel) -> None:
-    assert model_fingerprint(default_model, "gguf", 16, "float16") != model_fingerprint(
-        default_model, "gguf", 16, "float32"
+    assert model_fingerprint(default_model, "gguf", "int16", 16, "float16") != model_fingerprint(
+        default_model, "gguf", "int16", 16, "float32"
+    )
+
+
+def test_the_fingerprint_tells_the_decode_activations_apart(default_model: LoadedModel) -> None:
+    assert model_fingerprint(default_model, "gguf", "int16", 16, "float16") != model_fingerprint(
+        default_model, "gguf", "float32", 16, "float16"
     )
 
 
@@ -98,9 +104,12 @@ def chat_prompts(model: LoadedModel) -> list[list[int]]:
 def test_float16_kv_keeps_the_float32_greedy_replies(
     make_engine: Callable[..., Engine], default_model: LoadedModel
 ) -> None:
+    # Decode rows in float32, so that only the KV dtype differs: with int16 decodes as well, a near tie
+    # on one of these replies falls the other way (their agreement rate is test_weight_dtype_quality's).
     prompts = chat_prompts(default_model)
-    half = greedy(make_engine(kv_dtype="float16", enable_prefix_caching=False), prompts, 48)
-    full = greedy(make_engine(kv_dtype="float32", enable_prefix_caching=False), prompts, 48)
+    settings = {"enable_prefix_caching": False, "decode_activations": "float32"}
+    half = greedy(make_engine(kv_dtype="float16", **settings), prompts, 48)
+    full = greedy(make_engine(kv_dtype="float32", **settings), prompts, 48)
     assert half == full
 
 

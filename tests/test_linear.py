@@ -15,6 +15,7 @@ from kvserve.config import default_cache_dir
 from kvserve.model.linear import Float32Linear, Fp16Linear, Int8Linear, Linear, make_linear
 from kvserve.model.quant_blocks import Q4_0, Q4_1, Q8_0, QuantizedWeight
 from kvserve.model.quant_linear import QuantLinear, make_block_linear
+from tests.helpers import AllDecodes
 
 # (in, out) of the default model's products: qkv, o, gate and up, down, and the tied lm_head.
 SHAPES = {
@@ -50,15 +51,24 @@ MODES: dict[str, Compare] = {
     "gguf-Q8_0": bitwise,
     "gguf-Q4_0": bitwise,
     "gguf-Q4_1": bitwise,
+    # Every row a decode row: int16 activations.
+    "q8_0/int16": bitwise,
+    "gguf-Q8_0/int16": bitwise,
+    "gguf-Q4_0/int16": bitwise,
+    "gguf-Q4_1/int16": bitwise,
 }
 GGUF_TYPES = {"gguf-Q8_0": Q8_0, "gguf-Q4_0": Q4_0, "gguf-Q4_1": Q4_1}
 BLOCK_MODES = {"q8_0", *GGUF_TYPES}
 
 
 def build(mode: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
-    """`mode`'s Linear; "gguf-<type>" runs blocks made by the gguf package's own quantizer."""
+    """`mode`'s Linear; "gguf-<type>" runs blocks made by the gguf package's own quantizer, and
+    "<mode>/int16" takes every row as a decode row."""
+    int16 = mode.endswith("/int16")
+    mode = mode.removesuffix("/int16")
     if mode == "q8_0":
-        return make_block_linear(w, b, None, "q8_0", default_cache_dir())
+        linear: Linear = make_block_linear(w, b, None, "q8_0", default_cache_dir(), int16)
+        return AllDecodes(linear) if int16 else linear
     if mode in GGUF_TYPES:
         import numpy as np
         from gguf import GGMLQuantizationType
@@ -66,7 +76,8 @@ def build(mode: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
 
         data = quantize(w.numpy(), GGMLQuantizationType(GGUF_TYPES[mode]))
         blocks = QuantizedWeight(GGUF_TYPES[mode], torch.from_numpy(np.ascontiguousarray(data)), w.shape[1])
-        return QuantLinear(blocks, b, default_cache_dir())
+        quant = QuantLinear(blocks, b, default_cache_dir(), int16_decodes=int16)
+        return AllDecodes(quant) if int16 else quant
     return make_linear(w, b, mode)
 
 
@@ -109,7 +120,7 @@ def test_fused_ops_are_the_op_after_the_product_and_row_invariant(mode: str) -> 
     gate = inputs(1536, rows=200, seed=3)
     residual = inputs(576, rows=200, seed=4)
     # The native kernel computes silu with libm's expf, torch with its own exp: equal to an ulp or so.
-    (close if mode in BLOCK_MODES else same)(up.silu(x), F.silu(up(x)))
+    (close if mode.removesuffix("/int16") in BLOCK_MODES else same)(up.silu(x), F.silu(up(x)))
     same(up.mul(x, gate), up(x) * gate)
     same(down.add(gate, residual), down(gate) + residual)
     for size in (1, 2, 7, 33, 200):

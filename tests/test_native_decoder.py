@@ -23,12 +23,15 @@ def _prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list[Seque
     return decodes
 
 
+@pytest.mark.parametrize("int16", [False, True], ids=["float32 decodes", "int16 decodes"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_a_decode_step_through_the_native_decoder_equals_the_per_op_path(
-    tiny_model: LoadedModel, kv_dtype: str
+    tiny_model: LoadedModel, kv_dtype: str, int16: bool
 ) -> None:
     """Logits and the K/V written into the cache, bit for bit, for decodes of different lengths."""
-    runner = ModelRunner(tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native", kv_dtype=kv_dtype)
+    runner = ModelRunner(
+        tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native", kv_dtype=kv_dtype, int16_decodes=int16
+    )
     decoder = runner.transformer.decoder
     assert decoder is not None
     decodes = _prefilled(runner, [5, 41, 18], seed=11)
@@ -44,8 +47,9 @@ def test_a_decode_step_through_the_native_decoder_equals_the_per_op_path(
     assert torch.equal(runner.kv_cache.k, k1) and torch.equal(runner.kv_cache.v, v1)
 
 
-def test_a_decode_through_the_native_decoder_is_batch_invariant(tiny_model: LoadedModel) -> None:
-    runner = ModelRunner(tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native")
+@pytest.mark.parametrize("int16", [False, True], ids=["float32 decodes", "int16 decodes"])
+def test_a_decode_through_the_native_decoder_is_batch_invariant(tiny_model: LoadedModel, int16: bool) -> None:
+    runner = ModelRunner(tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native", int16_decodes=int16)
     decodes = _prefilled(runner, [30, 7, 52, 12], seed=5)
     batch = runner.execute(ForwardBatch(decodes=list(decodes))).sampled
     for i, d in enumerate(decodes):

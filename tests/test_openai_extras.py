@@ -81,8 +81,9 @@ def test_n_samples_share_one_prefill_and_seeds_reproduce(server: Server, client:
     after = server.call(lambda e: e.stats())
     assert [c.index for c in first.choices] == [0, 1, 2, 3]
     # The first sample prefills the prompt; the other three read it from the cache and run only its last
-    # token, whose logits they sample from, as a decode step.
-    assert after.prefill_tokens_computed - before.prefill_tokens_computed == len(prompt)
+    # token, whose logits they sample from, as a one-token prefill chunk (a prompt token runs as a prefill
+    # row whatever the cache held, so the four samples start from the same logits).
+    assert after.prefill_tokens_computed - before.prefill_tokens_computed == len(prompt) + 3
     assert first.usage is not None and first.usage.prompt_tokens == len(prompt)
     texts = [c.text for c in first.choices]
     assert len(set(texts)) > 1, "four seeded samples should differ"

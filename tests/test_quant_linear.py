@@ -14,16 +14,20 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvserve.config import default_cache_dir
 from kvserve.model.linear import Float32Linear, Fp16Linear
 from kvserve.model.quant_blocks import (
+    K8,
     Q4_0,
     Q4_1,
     Q4_K,
     Q5_K,
     Q6_K,
     Q8_0,
+    QK,
     QuantizedWeight,
     concat,
     from_k_quant,
@@ -232,3 +236,129 @@ def test_a_gguf_files_k_quant_and_q4_1_tensors_load_as_blocks_of_the_same_weight
         q.dequantize(), torch.from_numpy(np.ascontiguousarray(expected))
     )
     assert torch.equal(loaded["model.layers.0.mlp.down_proj.weight"].data, down.data)
+
+
+# ---- Decode rows with int16 activations -------------------------------------------------------------
+
+
+def q16_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n_in] as the kernel quantizes a decode row, dequantized: per block of 32, d = max|x| /
+    32767 and q = x * (32767 / max|x|) rounded to nearest even, all in float32; returned as q * d in
+    float64, the exact value the integer products stand for."""
+    blocks = x.reshape(-1, QK)
+    amax = blocks.abs().amax(dim=1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros(()))
+    q = torch.round(blocks * inverse).clamp(-32767, 32767)
+    return (q.double() * (amax / 32767.0).double()).reshape(x.shape)
+
+
+def offsets(blocks: QuantizedWeight) -> torch.Tensor:
+    """The offset part of each weight (Q4_1's m, K8's m; 0 for the types without one): the blocks with
+    their quants zeroed. The kernel multiplies it by the exact float x, not the quantized one."""
+    quants_at = {Q4_1: (4, 20), K8: (12, 44)}
+    if blocks.qtype not in quants_at:
+        return torch.zeros(blocks.out_features, blocks.in_features)
+    start, size = quants_at[blocks.qtype]
+    data = blocks.data.clone()
+    view = data.view(blocks.out_features, -1, size)
+    view[:, :, start:] = 0
+    return QuantizedWeight(blocks.qtype, data, blocks.in_features).dequantize()
+
+
+def all_blocks() -> dict[str, QuantizedWeight]:
+    w = random_weight(131, 512)
+    made = {name: gguf_blocks(w, qtype) for name, qtype in TYPES.items()}
+    # From Q6_K: its sub-blocks of 16 give a K8 block two different scales (Q4_K's of 32 give one).
+    made["K8"] = from_k_quant(k_quant_blocks(torch.zeros(131, 512), Q6_K), Q6_K, 512)
+    return made
+
+
+@pytest.mark.parametrize("name", [*sorted(TYPES), "K8"])
+@pytest.mark.parametrize("n_rows", [1, 3, 4, 9])
+def test_int16_rows_are_the_product_of_their_quantized_activations(name: str, n_rows: int) -> None:
+    blocks = all_blocks()[name]
+    bias = torch.randn(131) * 0.1
+    linear = QuantLinear(blocks, bias, default_cache_dir(), int16_decodes=True)
+    x = rows(n_rows, 512)
+    ours = linear(x, n_rows).double()
+    m = offsets(blocks).double()
+    x16 = q16_activations(x)
+    exact = F.linear(x16, blocks.dequantize().double() - m, bias.double()) + F.linear(x.double(), m)
+    error = (ours - exact).norm(dim=1) / exact.norm(dim=1).clamp(min=1e-30)
+    assert error.max() < 1e-6
+    # And within int16's rounding of the float product: 15 bits of each block's largest value.
+    float_rows = F.linear(x.double(), blocks.dequantize().double(), bias.double())
+    drift = (ours - float_rows).norm(dim=1) / float_rows.norm(dim=1).clamp(min=1e-30)
+    assert drift.max() < 1e-4
+
+
+@pytest.mark.parametrize("name", [*sorted(TYPES), "K8"])
+def test_int16_rows_are_the_same_on_every_path_and_in_any_batch(name: str) -> None:
+    blocks = all_blocks()[name]
+    fast = QuantLinear(blocks, torch.randn(131), default_cache_dir(), int16_decodes=True)
+    portable = QuantLinear(blocks, fast.bias, default_cache_dir(), int16_decodes=True, portable=True)
+    x = rows(9, 512)
+    for decodes in (1, 4, 5, 9):
+        mixed = fast(x, decodes)
+        assert torch.equal(mixed, portable(x, decodes))
+        # The first `decodes` rows are int16 rows, the rest float rows, each as it is alone.
+        assert torch.equal(mixed[:decodes], fast(x[:decodes], decodes))
+        assert torch.equal(mixed[decodes:], fast(x[decodes:]))
+    alone = torch.cat([fast(x[i : i + 1], 1) for i in range(9)])
+    assert torch.equal(fast(x, 9), alone)
+    assert torch.equal(fast.silu(x, 9), portable.silu(x, 9))
+
+
+def test_without_int16_decodes_every_row_is_a_float_row() -> None:
+    blocks = gguf_blocks(random_weight(64, 128), Q4_1)
+    linear = QuantLinear(blocks, None, default_cache_dir())
+    x = rows(5, 128)
+    assert torch.equal(linear(x, 5), linear(x))
+    assert not torch.equal(
+        QuantLinear(blocks, None, default_cache_dir(), int16_decodes=True)(x, 5), linear(x)
+    )
+
+
+def test_a_non_finite_activation_makes_its_int16_row_not_finite() -> None:
+    linear = QuantLinear(
+        gguf_blocks(random_weight(64, 128), Q8_0), None, default_cache_dir(), int16_decodes=True
+    )
+    x = rows(3, 128)
+    x[0, 40] = float("inf")
+    x[1, 3] = float("nan")
+    out = linear(x, 3)
+    assert not out[0].isfinite().any() and not out[1].isfinite().any() and out[2].isfinite().all()
+    if linear.vectorized:
+        portable = QuantLinear(linear.weight, None, default_cache_dir(), int16_decodes=True, portable=True)
+        assert torch.equal(out[2], portable(x, 3)[2])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_int16_rows_property(data: st.DataObject) -> None:
+    """Any type, shape, split of decode and float rows and scale of activations (tiny, huge, zero blocks,
+    values that round to the int16 limits): the vector and portable paths agree bit for bit, and each
+    row is what it is alone."""
+    name = data.draw(st.sampled_from(sorted(TYPES)), label="type")
+    n_in = 32 * data.draw(st.integers(1, 6), label="blocks")
+    n_out = data.draw(st.integers(1, 70), label="outputs")
+    n_rows = data.draw(st.integers(1, 9), label="rows")
+    decodes = data.draw(st.integers(0, n_rows), label="decodes")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    gen = torch.Generator().manual_seed(seed)
+    blocks = gguf_blocks(torch.randn(n_out, n_in, generator=gen) * 0.05, TYPES[name])
+    scale = torch.tensor(
+        data.draw(
+            st.lists(st.sampled_from([0.0, 1e-30, 1e-3, 1.0, 1e3, 1e30]), min_size=n_rows, max_size=n_rows),
+            label="scales",
+        )
+    )
+    x = torch.randn(n_rows, n_in, generator=gen) * scale.unsqueeze(1)
+    fast = QuantLinear(blocks, None, default_cache_dir(), int16_decodes=True)
+    out = fast(x, decodes)
+    if fast.vectorized:
+        assert torch.equal(
+            out, QuantLinear(blocks, None, default_cache_dir(), int16_decodes=True, portable=True)(x, decodes)
+        )
+    for i in range(n_rows):
+        assert torch.equal(out[i], fast(x[i : i + 1], 1 if i < decodes else 0)[0])

@@ -46,6 +46,7 @@ def format_bytes(value: int) -> str:
 # float64 is for reference runs (exact enough that batch shapes never flip a greedy token).
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 WEIGHT_DTYPES = ("gguf", "q8_0", "float32", "float16", "int8")
+DECODE_ACTIVATIONS = ("int16", "float32")
 KV_DTYPES = ("auto", *DTYPES)
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
@@ -107,6 +108,14 @@ class EngineConfig:
         "model at a fraction of its bytes; float16 for other models), q8_0 (8-bit blocks made at load), "
         "float32 (exact), float16 (half the bytes) or int8 (per-channel); default %(default)s",
         choices=WEIGHT_DTYPES,
+    )
+    decode_activations: str = option(
+        "float32",
+        "with gguf or q8_0 weights, the activations of decode rows (and of rows whose logits are taken): "
+        "float32 (the float32 model up to summation order) or int16 (quantized per block of 32, integer "
+        "products: 1.3x faster layer products, 99.97%% top-1 agreement with float32, but a reply can "
+        "then depend on whether its prompt was cached); default %(default)s",
+        choices=DECODE_ACTIVATIONS,
     )
     kv_dtype: str = option(
         "auto",
@@ -211,6 +220,10 @@ class EngineConfig:
                 f"attention must be one of {', '.join(ATTENTION_BACKENDS)}",
             ),
             (self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}"),
+            (
+                self.decode_activations in DECODE_ACTIVATIONS,
+                f"decode_activations must be one of {', '.join(DECODE_ACTIVATIONS)}",
+            ),
             (self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}"),
             (
                 self.weight_dtype != "int8"

@@ -73,6 +73,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         config.attention,
         config.cache_dir,
         config.kv_cache_dtype,
+        config.decode_activations == "int16",
     )
     max_pinned_blocks = config.max_pinned_tokens // config.block_size
     if max_pinned_blocks >= num_blocks:
@@ -132,7 +133,9 @@ def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) 
     """The disk and Redis tiers that config asks for, in that order below memory; None when neither."""
     if config.kv_disk is None and config.kv_remote is None:
         return None
-    fingerprint = model_fingerprint(model, config.weight_dtype, config.block_size, config.kv_cache_dtype)
+    fingerprint = model_fingerprint(
+        model, config.weight_dtype, config.decode_activations, config.block_size, config.kv_cache_dtype
+    )
     secret = config.secret if config.secret is not None else load_or_create_secret(config.cache_dir)
     tiers: list[LowerTier] = []
     if config.kv_disk is not None:

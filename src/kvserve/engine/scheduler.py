@@ -159,9 +159,11 @@ class Scheduler:
         sample = start + n == request.num_tokens
         tokens = request.token_ids[start : start + n]
         chunk = SequenceChunk(tokens, start, request.kv.blocks, sample, request.needs_prompt_logits)
-        # The decode path is for one sampled token after computed context; any other chunk, a one-token
-        # piece of a prompt included, is a prefill chunk.
-        if n == 1 and start > 0 and sample:
+        # The decode path is for one generated token after computed context; any other chunk is a prefill
+        # chunk, a prompt's last token after a cache hit included. Decode rows take int16 activations
+        # (EngineConfig.decode_activations), so a prompt token must run as a prefill row whether or not
+        # the rest of its prompt was cached: otherwise a cache hit would change the logits it samples from.
+        if n == 1 and start >= request.num_prompt_tokens and sample:
             step.decodes.append((request, chunk))
         else:
             step.prefills.append((request, chunk))

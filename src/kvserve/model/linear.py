@@ -52,22 +52,27 @@ def _binary(
 
 
 class Linear(ABC):
-    """y = x @ weight.T + bias, plus the op that follows it in the model."""
+    """y = x @ weight.T + bias, plus the op that follows it in the model.
+
+    `decodes`: the first `decodes` rows of x are one-token rows (decodes, or rows whose logits are taken).
+    A Linear may compute those another way than the rest (the native blocks give them int16 activations),
+    but always the same way for such a row, so its output still does not depend on its batch.
+    """
 
     @abstractmethod
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor: ...
 
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
+    def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         """silu(linear(x))"""
-        return F.silu(self(x), inplace=True)
+        return F.silu(self(x, decodes), inplace=True)
 
-    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         """linear(x) + other"""
-        return self(x).add_(other)
+        return self(x, decodes).add_(other)
 
-    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    def mul(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         """linear(x) * other"""
-        return self(x).mul_(other)
+        return self(x, decodes).mul_(other)
 
 
 class Float32Linear(Linear):
@@ -79,22 +84,22 @@ class Float32Linear(Linear):
         self.bias = bias
         self._fused = weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         if self._fused:
             return _pointwise(x, self.weight, self.bias, "none")
         return F.linear(x, self.weight, self.bias)
 
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
+    def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         if self._fused:
             return _pointwise(x, self.weight, self.bias, "swish")
         return super().silu(x)
 
-    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         if self._fused:
             return _binary(x, other, self.weight, self.bias, "add")
         return super().add(x, other)
 
-    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    def mul(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         if self._fused:
             return _binary(x, other, self.weight, self.bias, "mul")
         return super().mul(x, other)
@@ -110,7 +115,7 @@ class Fp16Linear(Linear):
         # Packing once at load: it converts to float16 and lays the weights out in fbgemm's blocks.
         self._packed: object = torch.ops.quantized.linear_prepack_fp16(weight, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         return out
 
@@ -163,7 +168,7 @@ class Int8Linear(Linear):
         self._bias = bias
         self._in_features = weight.shape[1]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         rows = x.reshape(-1, self._in_features)
         # Per row, not per tensor: a row's scale, hence its output, must not depend on its batch.
         values, row_scale = _symmetric_int8(rows, dim=1)

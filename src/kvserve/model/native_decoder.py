@@ -49,6 +49,7 @@ class _Decoder(ctypes.Structure):
         ("block_size", _I),
         ("layer_slots", _I),
         ("kv_half", _I),
+        ("q16", _I),
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
         ("layers", ctypes.POINTER(_Layer)),
@@ -87,6 +88,8 @@ class NativeDecoder:
         cache_dir: str,
     ) -> None:
         self.lib = load_library(cache_dir)
+        if len({p.int16_decodes for layer in layers for p in layer[2:]}) > 1:
+            raise KernelUnavailableError("the native decoder runs every product with one activation mode")
         hidden, heads, kv_heads, head_dim, intermediate, block_size = dims
         k_cache, v_cache = kv.k, kv.v
         if k_cache.dtype not in (torch.float32, torch.float16) or not k_cache.is_contiguous():
@@ -122,6 +125,7 @@ class NativeDecoder:
             block_size,
             k_cache.shape[1],
             int(k_cache.dtype == torch.float16),
+            int(layers[0][2].int16_decodes) if layers else 0,
             eps,
             scale,
             self._layers,

@@ -30,7 +30,7 @@ _C = ctypes.c_int
 @functools.cache
 def load_library(cache_dir: str) -> ctypes.CDLL:
     lib = load_kernel("quant_linear", cache_dir, COMPILE_FLAGS)
-    lib.quant_linear.argtypes = [_C, _P, _P, _P, _P, _P, _I, _I, _I, _C, _C, _C]
+    lib.quant_linear.argtypes = [_C, _P, _P, _P, _P, _P, _I, _I, _I, _C, _C, _C, _I]
     lib.quant_linear.restype = _C
     lib.quant_linear_vectorized.argtypes = []
     lib.quant_linear_vectorized.restype = _C
@@ -66,10 +66,12 @@ def interleave(weight: QuantizedWeight) -> torch.Tensor:
     data = weight.data
     grouped = weight.out_features // COL_TILE * COL_TILE
     nb = weight.in_features // QK
+    # Spelled out, not -1: a product of fewer than COL_TILE outputs has no group to infer it from.
+    block = data.shape[1] // nb
     # Copied straight into one buffer: a temporary as large as the weight would stay in the heap.
     out = torch.empty(data.numel(), dtype=torch.uint8)
-    head = data[:grouped].reshape(grouped // COL_TILE, COL_TILE, nb, -1).transpose(1, 2)
-    out[: head.numel()].view(grouped // COL_TILE, nb, COL_TILE, -1).copy_(head)
+    head = data[:grouped].reshape(grouped // COL_TILE, COL_TILE, nb, block).transpose(1, 2)
+    out[: head.numel()].view(grouped // COL_TILE, nb, COL_TILE, block).copy_(head)
     out[head.numel() :].copy_(data[grouped:].reshape(-1))
     return out
 
@@ -77,9 +79,11 @@ def interleave(weight: QuantizedWeight) -> torch.Tensor:
 class QuantLinear(Linear):
     """y = op(x @ dequantize(weight).T + bias) on the weight's blocks, x float32 on the CPU.
 
-    `portable` forces the kernel's portable path (tests compare it with the vector path); `wide` False
-    keeps a batch on the AVX2 tiles where the build also has AVX-512 ones (the same bits; for tests and
-    benchmarks).
+    `int16_decodes`: the decode rows (`decodes`, see Linear) run with int16 activations, about twice as
+    fast as widening every quant to float32 (kernels/quant_linear.c says how, docs/design.md what it
+    costs in accuracy); False computes every row in float32. `portable` forces the kernel's portable path
+    (tests compare it with the vector path); `wide` False keeps a batch on the AVX2 tiles where the build
+    also has AVX-512 ones (the same bits; for tests and benchmarks).
     """
 
     def __init__(
@@ -87,6 +91,7 @@ class QuantLinear(Linear):
         weight: QuantizedWeight,
         bias: torch.Tensor | None,
         cache_dir: str,
+        int16_decodes: bool = False,
         portable: bool = False,
         wide: bool = True,
     ) -> None:
@@ -98,6 +103,7 @@ class QuantLinear(Linear):
         self.bias = None if bias is None else bias.detach().float().contiguous()
         if self.bias is not None and self.bias.shape != (weight.out_features,):
             raise ValueError(f"bias of shape {tuple(self.bias.shape)} for {weight.out_features} outputs")
+        self.int16_decodes = int16_decodes
         self.portable = portable
         self.wide = wide
 
@@ -111,7 +117,7 @@ class QuantLinear(Linear):
         """Whether the kernel was built with its AVX2 path."""
         return bool(self.lib.quant_linear_vectorized())
 
-    def _run(self, x: torch.Tensor, op: int, other: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, op: int, other: torch.Tensor | None, decodes: int) -> torch.Tensor:
         n_in, n_out = self.weight.in_features, self.weight.out_features
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != n_in:
             raise ValueError(f"expected float32 CPU input [..., {n_in}], got {x.dtype} {tuple(x.shape)}")
@@ -132,6 +138,7 @@ class QuantLinear(Linear):
             op,
             torch.get_num_threads(),
             1 if self.portable else 0 if self.wide else 2,
+            min(decodes, rows.shape[0]) if self.int16_decodes else 0,
         )
         if status == -2:
             raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
@@ -141,17 +148,17 @@ class QuantLinear(Linear):
             )
         return out.view(*x.shape[:-1], n_out)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x, _OP_NONE, None)
+    def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        return self._run(x, _OP_NONE, None, decodes)
 
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x, _OP_SILU, None)
+    def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        return self._run(x, _OP_SILU, None, decodes)
 
-    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return self._run(x, _OP_ADD, other)
+    def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        return self._run(x, _OP_ADD, other, decodes)
 
-    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return self._run(x, _OP_MUL, other)
+    def mul(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        return self._run(x, _OP_MUL, other, decodes)
 
 
 def make_block_linear(
@@ -160,6 +167,7 @@ def make_block_linear(
     blocks: QuantizedWeight | None,
     weight_dtype: str,
     cache_dir: str,
+    int16_decodes: bool = False,
 ) -> Linear:
     """The Linear of a block mode: "gguf" (the file's own `blocks`) or "q8_0" (`weight` quantized now).
 
@@ -177,7 +185,7 @@ def make_block_linear(
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return make_linear(blocks.dequantize().to(weight.device, weight.dtype), bias, "float32")
     try:
-        return QuantLinear(blocks, bias, cache_dir)
+        return QuantLinear(blocks, bias, cache_dir, int16_decodes)
     except KernelUnavailableError as e:
         log.warning("quantized weights fall back to float16: %s", e)
         return make_linear(weight, bias, "float16")

@@ -64,9 +64,11 @@ class ModelRunner:
         attention: str = "auto",
         cache_dir: str | None = None,
         kv_dtype: str | None = None,
+        int16_decodes: bool = False,
     ):
         """`dtype` is the compute dtype, `kv_dtype` the KV cache's (default: `dtype`), `weight_dtype` the
-        storage of the linear weights.
+        storage of the linear weights; `int16_decodes` gives the native products' decode and logits rows
+        int16 activations (EngineConfig.decode_activations).
 
         `attention` picks the decode-attention backend: "native" (the C kernel, built into `cache_dir`,
         by default kvserve's cache folder; an error if it cannot run here), "torch" (portable), or
@@ -87,6 +89,7 @@ class ModelRunner:
             weight_dtype,
             model.quantized,
             cache_dir or default_cache_dir(),
+            int16_decodes,
         )
         self.kv_cache = KVCache(
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.kv_dtype

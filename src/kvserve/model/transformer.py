@@ -48,9 +48,11 @@ class Transformer:
         weight_dtype: str,
         quantized: dict[str, QuantizedWeight] | None = None,
         cache_dir: str = "",
+        int16_decodes: bool = False,
     ) -> None:
         """`quantized`: the file's blocks by weight name, for weight_dtype "gguf"; `cache_dir` holds the
-        native kernels."""
+        native kernels; `int16_decodes`: the native products take decode and logits rows with int16
+        activations (EngineConfig.decode_activations)."""
         self.config = config
         blocks = quantized or {}
 
@@ -66,13 +68,13 @@ class Transformer:
             if native and joined is not None:
                 # The float weights are read only for a fallback: not at all where the kernel runs.
                 try:
-                    return QuantLinear(joined, bias, cache_dir)
+                    return QuantLinear(joined, bias, cache_dir, int16_decodes)
                 except KernelUnavailableError:
                     pass
             weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             if weight_dtype not in ("gguf", "q8_0"):
                 return make_linear(weight, bias, weight_dtype)
-            return make_block_linear(weight, bias, joined, weight_dtype, cache_dir)
+            return make_block_linear(weight, bias, joined, weight_dtype, cache_dir, int16_decodes)
 
         def linear(name: str, bias: bool) -> Linear:
             return product([name + ".weight"], take(name + ".bias") if bias else None)
@@ -160,6 +162,7 @@ class Transformer:
         """Hidden states [T, hidden] after the last layer (before the final norm)."""
         c = self.config
         n = input_ids.shape[0]
+        d = meta.num_decodes
         h = self.embedding(input_ids)
         decoder = self.decoder
         if decoder is not None and decoder.kv is kv and not meta.prefills and meta.native is not None:
@@ -168,17 +171,20 @@ class Transformer:
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
             x = self.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
-            qkv = layer.qkv(x)
+            qkv = layer.qkv(x, d)
             # q and k heads side by side, so one rotary pass covers both.
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim), cos, sin)
             q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, kv.block_size, self.scale)
-            h = layer.o.add(attn.view(n, self.q_size), h)
+            h = layer.o.add(attn.view(n, self.q_size), h, d)
             x = self.rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
-            h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)
+            h = layer.down.add(layer.up.mul(x, layer.gate.silu(x, d), d), h, d)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.rms_norm(hidden, self.norm, self.config.rms_norm_eps))
+        """Every row's logits, all taken as one-token rows: a token's logits are computed one way,
+        whether it was a decode or ended a prefill."""
+        x = self.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return self.lm_head(x, x.shape[0])

@@ -8,8 +8,8 @@
  * K8 is kvserve's own: the K-quants (Q4_K, Q5_K, Q6_K) convert to it exactly at load (quant_blocks.py).
  * (4-bit: byte j holds element j in its low nibble and element j + 16 in its high nibble.)
  *
- * Nothing is requantized: the quants are widened to float32 in registers and every product and sum is in
- * float32. Per block, eight lanes l each sum q * x over the block's elements 8k + l (k = 0..3: one
+ * The weights are never requantized. For float rows the quants are widened to float32 in registers and
+ * every product and sum is in float32 (int16 rows: see "Decode rows" below). Per block, eight lanes l each sum q * x over the block's elements 8k + l (k = 0..3: one
  * multiply, then three fused multiply-adds), and a lane's running total takes d times that block sum by
  * a fused multiply-add (K8: each half's two-term sum times its own scale, low half first). The offset
  * term of Q4_1 and K8, m times the block's sum of x, is summed apart in block order.
@@ -183,6 +183,90 @@ static float scalar_dot(int type, const uint8_t *w, size_t block_stride, int64_t
     return lane_sum(acc) + offset;
 }
 
+/* ---- Decode rows: int16 activations ------------------------------------------------------------------
+ *
+ * A decode row uses each weight once, so the float path's cost is widening every quant to float32 (about
+ * two dozen operations per block of 32). A decode row's activations are instead quantized once per block
+ * to int16 (dx = max |x| / 32767, q = x * (32767 / max |x|) rounded to nearest even), and each block's
+ * sum of weight quants times activation quants is exact in int32: per block, lane l holds the four
+ * products of elements 2l, 2l + 1, 16 + 2l and 17 + 2l (K8: the low half's two and the high half's two
+ * apart), and takes (float) that sum times d * dx by a fused multiply-add; the offset term and the final
+ * lane tree are the float path's. Integer sums have no order, so the bits are again the same for every
+ * batch, tile, thread count and instruction set. int16 keeps 15 bits of each block's largest value
+ * (llama.cpp's 8-bit activations keep 7, and lose top-1 agreement with float32 on about 1 token in 40 on
+ * the default model; int16 on 1 in 3,000, see docs/design.md, Weight precision). */
+#define Q16_MAX 32767.0f
+
+/* Row x's nb blocks quantized: q [nb * 32] and dx [nb]. A block with a value that is not finite gets dx
+ * NaN (and quants 0), so the row's outputs are NaN as the float path's would be. */
+static void quantize_q16(const float *x, int64_t nb, int16_t *q, float *dx)
+{
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0;
+        int finite = 1;
+        for (int j = 0; j < QK; j++) {
+            const float a = fabsf(xb[j]);
+            finite &= a <= 3.4028234663852886e38f;
+            amax = a > amax ? a : amax;
+        }
+        int16_t *qb = q + b * QK;
+        if (!finite) {
+            dx[b] = NAN;
+            memset(qb, 0, sizeof(int16_t) * QK);
+            continue;
+        }
+        const float id = amax > 0 ? Q16_MAX / amax : 0.0f;
+        dx[b] = amax / Q16_MAX;
+        for (int j = 0; j < QK; j++) {
+            const float v = nearbyintf(xb[j] * id);
+            qb[j] = (int16_t)(v > Q16_MAX ? Q16_MAX : v < -Q16_MAX ? -Q16_MAX : v);
+        }
+    }
+}
+
+/* The block's quants as integers, elements in order (Q4_0 with its 8 taken off). */
+static inline void int_quants(int type, const uint8_t *blk, int32_t q[QK])
+{
+    if (type == TYPE_Q8_0 || type == TYPE_K8) {
+        const int at = type == TYPE_K8 ? 12 : 2;
+        for (int j = 0; j < QK; j++)
+            q[j] = (int8_t)blk[at + j];
+        return;
+    }
+    const uint8_t *qs = blk + (type == TYPE_Q4_1 ? 4 : 2);
+    const int bias = type == TYPE_Q4_0 ? 8 : 0;
+    for (int j = 0; j < QK / 2; j++) {
+        q[j] = (qs[j] & 0x0f) - bias;
+        q[j + QK / 2] = (qs[j] >> 4) - bias;
+    }
+}
+
+static float scalar_dot_q16(int type, const uint8_t *w, size_t block_stride, int64_t nb, const int16_t *xq,
+                            const float *dx, const float *sx)
+{
+    float acc[8] = {0}, offset = 0;
+    int32_t q[QK];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * block_stride;
+        const int16_t *xb = xq + b * QK;
+        int_quants(type, blk, q);
+        float d0, d1, m;
+        scales(type, blk, &d0, &d1, &m);
+        for (int l = 0; l < 8; l++) {
+            const int32_t lo = q[2 * l] * xb[2 * l] + q[2 * l + 1] * xb[2 * l + 1];
+            const int32_t hi = q[16 + 2 * l] * xb[16 + 2 * l] + q[17 + 2 * l] * xb[17 + 2 * l];
+            if (type == TYPE_K8)
+                acc[l] = fmaf((float)hi, d1 * dx[b], fmaf((float)lo, d0 * dx[b], acc[l]));
+            else
+                acc[l] = fmaf((float)(lo + hi), d0 * dx[b], acc[l]);
+        }
+        if (type == TYPE_Q4_1 || type == TYPE_K8)
+            offset = fmaf(m, sx[b], offset);
+    }
+    return lane_sum(acc) + offset;
+}
+
 #if HAVE_AVX2
 /* The four vectors of block `blk`'s quants as floats, elements 8k..8k+7 in vector k. */
 static inline __attribute__((always_inline)) void vector_quants(int type, const uint8_t *blk, __m256 v[4])
@@ -271,6 +355,98 @@ static inline __attribute__((always_inline)) void vector_tile(int type, int rows
     for (int i = 0; i < rows * cols; i++)
         res[i] = vector_total(acc[i], offset[i]);
 }
+
+/* The block's quants as int16: elements 0..15 in lo, 16..31 in hi. */
+static inline __attribute__((always_inline)) void q16_quants(int type, const uint8_t *blk, __m256i *lo,
+                                                             __m256i *hi)
+{
+    if (type == TYPE_Q8_0 || type == TYPE_K8) {
+        const uint8_t *qs = blk + (type == TYPE_K8 ? 12 : 2);
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+        return;
+    }
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (type == TYPE_Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    if (type == TYPE_Q4_0) {
+        const __m256i eight = _mm256_set1_epi16(8);
+        *lo = _mm256_sub_epi16(*lo, eight);
+        *hi = _mm256_sub_epi16(*hi, eight);
+    }
+}
+
+/* ROWS int16 rows x COLS outputs, as `scalar_dot_q16` computes each; res[r * COLS + c]. */
+static inline __attribute__((always_inline)) void q16_tile(int type, int rows, int cols, const uint8_t *w,
+                                                           size_t block_stride, int64_t nb, const int16_t *xq,
+                                                           int64_t x_stride, const float *dx, const float *sx,
+                                                           float *res)
+{
+    const int bb = block_bytes(type);
+    __m256 acc[ROW_TILE * COL_TILE];
+    float offset[ROW_TILE * COL_TILE];
+    for (int i = 0; i < rows * cols; i++) {
+        acc[i] = _mm256_setzero_ps();
+        offset[i] = 0;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        for (int c = 0; c < cols; c++) {
+            const uint8_t *blk = w + c * bb + b * block_stride;
+            _mm_prefetch((const char *)blk + PREFETCH_BLOCKS * block_stride, _MM_HINT_T0);
+            __m256i lo, hi;
+            q16_quants(type, blk, &lo, &hi);
+            float d0, d1, m;
+            if (type == TYPE_K8) {
+                d0 = read_f32(blk), d1 = read_f32(blk + 4), m = read_f32(blk + 8);
+            } else {
+                d0 = d1 = _cvtsh_ss(read_u16(blk));
+                m = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(blk + 2)) : 0.0f;
+            }
+            for (int r = 0; r < rows; r++) {
+                const int16_t *xb = xq + r * x_stride + b * QK;
+                const float x_scale = dx[r * nb + b];
+                const __m256i plo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb));
+                const __m256i phi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16)));
+                __m256 *a = &acc[r * cols + c];
+                if (type == TYPE_K8) {
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(d0 * x_scale), *a);
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(d1 * x_scale), *a);
+                } else {
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)),
+                                         _mm256_set1_ps(d0 * x_scale), *a);
+                }
+                if (type == TYPE_Q4_1 || type == TYPE_K8)
+                    offset[r * cols + c] = fmaf(m, sx[r * nb + b], offset[r * cols + c]);
+            }
+        }
+    }
+    for (int i = 0; i < rows * cols; i++)
+        res[i] = vector_total(acc[i], offset[i]);
+}
+
+typedef void (*q16_fn)(const uint8_t *, size_t, int64_t, const int16_t *, int64_t, const float *, const float *,
+                       float *);
+#define DEFINE_Q16_TILES(NAME, TYPE)                                                                      \
+    static void NAME##_q16_rows(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,   \
+                                const float *dx, const float *sx, float *res)                            \
+    {                                                                                                    \
+        q16_tile(TYPE, ROW_TILE, 1, w, rb, nb, x, xs, dx, sx, res);                                      \
+    }                                                                                                    \
+    static void NAME##_q16_cols(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,   \
+                                const float *dx, const float *sx, float *res)                            \
+    {                                                                                                    \
+        q16_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, dx, sx, res);                                      \
+    }                                                                                                    \
+    static void NAME##_q16_one(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,    \
+                               const float *dx, const float *sx, float *res)                             \
+    {                                                                                                    \
+        q16_tile(TYPE, 1, 1, w, rb, nb, x, xs, dx, sx, res);                                             \
+    }
+DEFINE_Q16_TILES(q8_0, TYPE_Q8_0)
+DEFINE_Q16_TILES(q4_0, TYPE_Q4_0)
+DEFINE_Q16_TILES(q4_1, TYPE_Q4_1)
+DEFINE_Q16_TILES(k8, TYPE_K8)
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define HAVE_AVX512 1
@@ -428,6 +604,10 @@ struct product {
     const float *x, *sx, *bias, *other;
     float *out;
     int op;
+    /* Rows [0, q16_rows) run with int16 activations: xq [q16_rows, n_in] and dx [q16_rows, nb]. */
+    int64_t q16_rows;
+    const int16_t *xq;
+    const float *dx;
 };
 
 static inline void store(const struct product *p, int64_t t, int64_t o, float v)
@@ -457,14 +637,66 @@ static inline size_t block_stride(const struct product *p, int64_t o)
 static void scalar_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1)
 {
     for (int64_t t = 0; t < rows; t++)
-        for (int64_t o = o0; o < o1; o++)
+        for (int64_t o = o0; o < o1; o++) {
+            const uint8_t *w = column(p, o);
+            const size_t bs = block_stride(p, o);
+            const float *sx = p->sx + t * p->nb;
             store(p, t, o,
-                  scalar_dot(p->type, column(p, o), block_stride(p, o), p->nb, p->x + t * p->n_in,
-                             p->sx + t * p->nb));
+                  t < p->q16_rows
+                      ? scalar_dot_q16(p->type, w, bs, p->nb, p->xq + t * p->n_in, p->dx + t * p->nb, sx)
+                      : scalar_dot(p->type, w, bs, p->nb, p->x + t * p->n_in, sx));
+        }
 }
 
 #if HAVE_AVX2
 /* `wide`: whether to take the AVX-512 tiles where the build has them (the AVX2 tiles give the same bits). */
+/* Outputs [o0, o1) of the int16 rows: four rows per output, the rest one at a time across four outputs. */
+static void q16_range(const struct product *p, int64_t o0, int64_t o1)
+{
+    q16_fn by_rows, by_cols, one;
+    switch (p->type) {
+    case TYPE_Q8_0:
+        by_rows = q8_0_q16_rows, by_cols = q8_0_q16_cols, one = q8_0_q16_one;
+        break;
+    case TYPE_Q4_0:
+        by_rows = q4_0_q16_rows, by_cols = q4_0_q16_cols, one = q4_0_q16_one;
+        break;
+    case TYPE_Q4_1:
+        by_rows = q4_1_q16_rows, by_cols = q4_1_q16_cols, one = q4_1_q16_one;
+        break;
+    default:
+        by_rows = k8_q16_rows, by_cols = k8_q16_cols, one = k8_q16_one;
+        break;
+    }
+    const int64_t rows = p->q16_rows, nb = p->nb, n = p->n_in;
+    float res[ROW_TILE * COL_TILE];
+    for (int64_t o = o0; o < o1;) {
+        const uint8_t *w = column(p, o);
+        const size_t bs = block_stride(p, o);
+        int64_t t = 0;
+        if (o1 - o < COL_TILE || o >= p->grouped || rows >= ROW_TILE) {
+            for (; t + ROW_TILE <= rows; t += ROW_TILE) {
+                by_rows(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t * nb, res);
+                for (int r = 0; r < ROW_TILE; r++)
+                    store(p, t + r, o, res[r]);
+            }
+            for (; t < rows; t++) {
+                one(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t * nb, res);
+                store(p, t, o, res[0]);
+            }
+            o += 1;
+        } else {
+            for (; t < rows; t++) {
+                by_cols(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t * nb, res);
+                for (int c = 0; c < COL_TILE; c++)
+                    store(p, t, o + c, res[c]);
+            }
+            o += COL_TILE;
+        }
+    }
+}
+
+/* Outputs [o0, o1) of the float rows [q16_rows, rows). */
 static void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
 {
     tile_fn by_rows, by_cols, one;
@@ -501,7 +733,7 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
 #if HAVE_AVX512
     /* The widened blocks of one column group; without it (or `wide`), the AVX2 tiles (the same bits). */
     const size_t buf_bytes = ((size_t)p->nb * WIDE_BLOCK * sizeof(float) + 63) / 64 * 64;
-    float *buf = wide && rows >= 2 * WR ? aligned_alloc(64, buf_bytes) : NULL;
+    float *buf = wide && rows - p->q16_rows >= 2 * WR ? aligned_alloc(64, buf_bytes) : NULL;
     if (!buf)
         by_both = NULL;
 #else
@@ -510,7 +742,7 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
     /* Up to eight rows (the AVX-512 tile) x COL_TILE outputs. */
     float res[8 * COL_TILE];
     /* Rows in chunks, so that a chunk's activations stay in cache while the outputs' weights stream. */
-    for (int64_t t0 = 0; t0 < rows; t0 += ROW_CHUNK) {
+    for (int64_t t0 = p->q16_rows; t0 < rows; t0 += ROW_CHUNK) {
         const int64_t t1 = t0 + ROW_CHUNK < rows ? t0 + ROW_CHUNK : rows;
         for (int64_t o = o0; o < o1;) {
             int64_t t = t0;
@@ -568,31 +800,36 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
 int quant_linear_vectorized(void) { return HAVE_AVX2; }
 
 /* x: [rows, n_in] float32, contiguous; w: n_out * n_in / 32 blocks of `type`, laid out as `column`
- * says (quant_linear.py's `interleave`); bias: [n_out] or
- * NULL; other: [rows, n_out] for OP_ADD and OP_MUL, else NULL; out: [rows, n_out]. `portable` 1 forces the
- * portable path, 2 the AVX2 tiles without the AVX-512 ones (for tests). Returns 0, -1 for an unknown type or shape, -2 when out of memory. */
+ * says (quant_linear.py's `interleave`); bias: [n_out] or NULL; other: [rows, n_out] for OP_ADD and
+ * OP_MUL, else NULL; out: [rows, n_out]. The first `q16_rows` rows (decodes) run with int16 activations.
+ * `portable` 1 forces the portable path, 2 the AVX2 tiles without the AVX-512 ones (for tests). Returns
+ * 0, -1 for an unknown type or shape, -2 when out of memory. */
 int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, const float *other, float *out,
-                 int64_t rows, int64_t n_in, int64_t n_out, int op, int threads, int portable)
+                 int64_t rows, int64_t n_in, int64_t n_out, int op, int threads, int portable, int64_t q16_rows)
 {
     const int bb = block_bytes(type);
-    if (bb == 0 || n_in % QK != 0)
+    if (bb == 0 || n_in % QK != 0 || q16_rows < 0 || q16_rows > rows)
         return -1;
     const int64_t nb = n_in / QK;
-    float *sx = NULL;
-    if (type == TYPE_Q4_1 || type == TYPE_K8) {
-        sx = malloc(sizeof(float) * (size_t)(rows * nb) + 1);
-        if (!sx)
-            return -2;
-        for (int64_t i = 0; i < rows * nb; i++) {
-            const float *xb = x + i * QK;
-            float s = 0;
-            for (int j = 0; j < QK; j++)
-                s += xb[j];
-            sx[i] = s;
-        }
+    /* One allocation: the rows' block sums of x (Q4_1, K8), then the int16 rows' scales and quants. */
+    const size_t sx_n = (type == TYPE_Q4_1 || type == TYPE_K8) ? (size_t)(rows * nb) : 0;
+    const size_t dx_n = (size_t)(q16_rows * nb);
+    float *scratch = malloc(sizeof(float) * (sx_n + dx_n) + sizeof(int16_t) * (size_t)(q16_rows * n_in) + 1);
+    if (!scratch)
+        return -2;
+    float *sx = sx_n ? scratch : NULL, *dx = scratch + sx_n;
+    int16_t *xq = (int16_t *)(dx + dx_n);
+    for (size_t i = 0; i < sx_n; i++) {
+        const float *xb = x + i * QK;
+        float s = 0;
+        for (int j = 0; j < QK; j++)
+            s += xb[j];
+        sx[i] = s;
     }
-    const struct product p = {type, w,     (size_t)bb, nb,    n_in, n_out, n_out / COL_TILE * COL_TILE,
-                              x,    sx,    bias,       other, out,  op};
+    for (int64_t t = 0; t < q16_rows; t++)
+        quantize_q16(x + t * n_in, nb, xq + t * n_in, dx + t * nb);
+    const struct product p = {type, w,  (size_t)bb, nb, n_in,     n_out, n_out / COL_TILE * COL_TILE,
+                              x,    sx, bias,       other, out, op, q16_rows, xq, dx};
     /* Threads take runs of CHUNK_TILES column tiles as they come free, not a fixed share: a thread the OS
      * preempts (the server's event loop shares the cores) then delays the product by one run, not by its
      * whole share. Each output is still summed by one thread in one order, so the bits never change. */
@@ -606,13 +843,16 @@ int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, 
         const int64_t o0 = r * CHUNK_TILES * COL_TILE, o1e = (r + 1) * CHUNK_TILES * COL_TILE;
         const int64_t o1 = o1e < n_out ? o1e : n_out;
 #if HAVE_AVX2
-        if (portable != 1)
-            vector_range(&p, rows, o0, o1, portable != 2);
-        else
+        if (portable != 1) {
+            if (q16_rows > 0)
+                q16_range(&p, o0, o1);
+            if (rows > q16_rows)
+                vector_range(&p, rows, o0, o1, portable != 2);
+        } else
 #endif
             scalar_range(&p, rows, o0, o1);
     }
-    free(sx);
+    free(scratch);
     return 0;
 }
 
@@ -659,6 +899,8 @@ struct decoder {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
     /* Slots per layer in the caches ([layers, slots, kv_heads, head_dim]); 1 when the cache is float16. */
     int64_t layer_slots, kv_half;
+    /* 1: the products take the rows with int16 activations (they are all decodes). */
+    int64_t q16;
     double eps, scale;
     const struct decoder_layer *layers;
     /* cos and sin tables [positions, head_dim / 2]. */
@@ -668,10 +910,11 @@ struct decoder {
 typedef int (*attention_fn)(const float *, int64_t, float *, const void *, const void *, const int64_t *,
                             int64_t, const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, double, int);
 
-static int run_linear(const struct qlinear *l, const float *x, const float *other, float *out, int64_t rows,
-                      int op, int threads)
+static int run_linear(const struct decoder *m, const struct qlinear *l, const float *x, const float *other,
+                      float *out, int64_t rows, int op, int threads)
 {
-    return quant_linear((int)l->type, l->w, x, l->bias, other, out, rows, l->n_in, l->n_out, op, threads, 0);
+    return quant_linear((int)l->type, l->w, x, l->bias, other, out, rows, l->n_in, l->n_out, op, threads, 0,
+                        m->q16 ? rows : 0);
 }
 
 static void rope_rows(float *qkv, int64_t rows, int64_t stride, int64_t heads, int64_t dim,
@@ -743,7 +986,7 @@ int decoder_layers(const struct decoder *m, float *h, int64_t rows, const int64_
         const struct decoder_layer *l = &m->layers[i];
         void *kc = (uint8_t *)k_cache + (size_t)i * layer_bytes, *vc = (uint8_t *)v_cache + (size_t)i * layer_bytes;
         rms_norm_rows(h, l->attn_norm, x, rows, m->hidden, (float)m->eps);
-        if ((status = run_linear(&l->qkv, x, NULL, qkv, rows, OP_NONE, threads)))
+        if ((status = run_linear(m, &l->qkv, x, NULL, qkv, rows, OP_NONE, threads)))
             break;
         rope_rows(qkv, rows, qkv_size, m->heads + m->kv_heads, m->head_dim, positions, m->cos, m->sin);
         if ((status = write_kv(m, kc, qkv + q_size, rows, qkv_size, slots)))
@@ -755,14 +998,14 @@ int decoder_layers(const struct decoder *m, float *h, int64_t rows, const int64_
             status = -2;
             break;
         }
-        if ((status = run_linear(&l->o, attn, h, h, rows, OP_ADD, threads)))
+        if ((status = run_linear(m, &l->o, attn, h, h, rows, OP_ADD, threads)))
             break;
         rms_norm_rows(h, l->mlp_norm, x, rows, m->hidden, (float)m->eps);
-        if ((status = run_linear(&l->gate, x, NULL, gate, rows, OP_SILU, threads)))
+        if ((status = run_linear(m, &l->gate, x, NULL, gate, rows, OP_SILU, threads)))
             break;
-        if ((status = run_linear(&l->up, x, gate, up, rows, OP_MUL, threads)))
+        if ((status = run_linear(m, &l->up, x, gate, up, rows, OP_MUL, threads)))
             break;
-        status = run_linear(&l->down, up, h, h, rows, OP_ADD, threads);
+        status = run_linear(m, &l->down, up, h, h, rows, OP_ADD, threads);
     }
     free(scratch);
     return status;
