@@ -9,8 +9,8 @@
  * (4-bit: byte j holds element j in its low nibble and element j + 16 in its high nibble.)
  *
  * The weights are never requantized. For float rows the quants are widened to float32 in registers and
- * every product and sum is in float32 (int16 rows: see "Decode rows" below). Per block, eight lanes l each sum q * x over the block's elements 8k + l (k = 0..3: one
- * multiply, then three fused multiply-adds), and a lane's running total takes d times that block sum by
+ * every product and sum is in float32 (int16 rows: see "Decode rows" below). Per block, eight lanes l
+ * each sum q * x over the block's elements 8k + l (k = 0..3: one multiply, then three fused multiply-adds), and a lane's running total takes d times that block sum by
  * a fused multiply-add (K8: each half's two-term sum times its own scale, low half first). The offset
  * term of Q4_1 and K8, m times the block's sum of x, is summed apart in block order.
  * At the end the lanes are added in one fixed tree. That order is the same for every output of every row,
