@@ -7,11 +7,14 @@ prompt, then 8 conversations at once), `shared-prefix` and `sharegpt` (8 real co
 against both. Both hold the same KV bytes: llama.cpp's `-c 16384` in float16 is 360 MiB, and kvserve
 gets `--kv-cache-memory 360MiB`. The resident memory (RSS) of both servers is sampled throughout, and
 its peak reported (peer-rss). Results and plots go to benchmarks/results/peer-*. Run: `make bench-peer`.
-Never part of `make test` or CI.
+Never part of `make test` or CI. `--workloads` runs some of them; `--kvserve-args` adds serve flags (for
+example "--decode-activations int16") and `--results` sends that run's reports elsewhere.
 """
 
+import argparse
 import glob
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -137,23 +140,45 @@ def bench(workload: str, targets: list[str], out: str, *args: str) -> None:
     subprocess.run([*command, *args], check=True)
 
 
+# Each workload: the `kvserve bench` workload and its arguments.
+WORKLOADS: dict[str, list[str]] = {
+    "multiturn-1": [
+        "multiturn",
+        *("--conversations", "1", "--turns", "10", "--system-tokens", "1500", "--reply-tokens", "64"),
+    ],
+    "multiturn-8": [
+        "multiturn",
+        *("--conversations", "8", "--turns", "4", "--system-tokens", "1500", "--reply-tokens", "64"),
+        *("--max-in-flight", "8"),
+    ],
+    "shared-prefix": ["shared-prefix"],
+    "sharegpt": ["sharegpt", "--conversations", "8", "--max-in-flight", "4"],
+}
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, default: all")
+    parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags, one string")
+    parser.add_argument("--results", default=RESULTS, help="folder of the reports (default %(default)s)")
+    args = parser.parse_args()
+    workloads = args.workloads.split(",")
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads: {', '.join(sorted(unknown))}; known: {', '.join(WORKLOADS)}")
     binary = build_llama_server(os.path.join(default_cache_dir(), "peer"))
-    flags = ["--threads", "2", "--kv-cache-memory", KV_MEMORY]
+    flags = ["--threads", "2", "--kv-cache-memory", KV_MEMORY, *shlex.split(args.kvserve_args)]
     with (
         llama_server(binary) as llama,
         local_servers([flags], 300) as (kvserve,),
         PeakRss({"kvserve": listening_pid(kvserve), "llama.cpp": listening_pid(llama)}) as rss,
     ):
         targets = [f"kvserve={kvserve}", f"llama.cpp={llama}"]
-        one = ["--conversations", "1", "--turns", "10", "--system-tokens", "1500", "--reply-tokens", "64"]
-        bench("multiturn", targets, os.path.join(RESULTS, "peer-multiturn-1"), *one)
-        eight = ["--conversations", "8", "--turns", "4", "--system-tokens", "1500", "--reply-tokens", "64"]
-        bench("multiturn", targets, os.path.join(RESULTS, "peer-multiturn-8"), *eight, "--max-in-flight", "8")
-        bench("shared-prefix", targets, os.path.join(RESULTS, "peer-shared-prefix"))
-        sharegpt = ["--conversations", "8", "--max-in-flight", "4"]
-        bench("sharegpt", targets, os.path.join(RESULTS, "peer-sharegpt"), *sharegpt)
-    write_rss(rss.peak)
+        for name in workloads:
+            workload, *rest = WORKLOADS[name]
+            bench(workload, targets, os.path.join(args.results, f"peer-{name}"), *rest)
+    if args.results == RESULTS and len(workloads) == len(WORKLOADS):
+        write_rss(rss.peak)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def kernel(dtype: torch.dtype) -> NativeDecodeAttention:
-    return NativeDecodeAttention.load(default_cache_dir(), torch.device("cpu"), dtype)
+def kernel(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> NativeDecodeAttention:
+    return NativeDecodeAttention.load(default_cache_dir(), torch.device("cpu"), dtype, kv_dtype)
 
 
 @dataclass
@@ -39,7 +39,9 @@ def cases(draw: st.DrawFn) -> Case:
     return Case(
         heads=heads,
         kv_heads=kv_heads,
-        dim=draw(st.sampled_from([4, 8, 64])),
+        # 64 and 128 take the float rows' vector path (by heads, eight positions at a time), the rest
+        # the generic one.
+        dim=draw(st.sampled_from([4, 8, 64, 128])),
         block_size=draw(st.sampled_from([1, 2, 4, 16])),
         lens=draw(st.lists(st.integers(1, 70), min_size=1, max_size=6)),
         seed=draw(st.integers(0, 2**16)),
@@ -84,30 +86,38 @@ def _reference(args: dict[str, Any], case: Case) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@settings(max_examples=60, deadline=None)
-@given(case=cases(), double=st.booleans())
-def test_kernel_equals_attention_over_each_rows_gathered_context(case: Case, double: bool) -> None:
-    dtype = torch.float64 if double else torch.float32
-    args = _inputs(case, dtype)
-    got = kernel(dtype)(**args)
-    tolerance = 1e-12 if double else 2e-5
+@settings(max_examples=80, deadline=None)
+@given(case=cases(), dtype=st.sampled_from(["float64", "float32", "float32 with a float16 cache"]))
+def test_kernel_equals_attention_over_each_rows_gathered_context(case: Case, dtype: str) -> None:
+    compute = torch.float64 if dtype == "float64" else torch.float32
+    args = _inputs(case, compute)
+    kv_dtype = None
+    if dtype.endswith("float16 cache"):
+        kv_dtype = torch.float16
+        args = dict(args, k_cache=args["k_cache"].half(), v_cache=args["v_cache"].half())
+    got = kernel(compute, kv_dtype)(**args)
+    tolerance = 1e-12 if dtype == "float64" else 2e-5
     torch.testing.assert_close(got.double(), _reference(args, case), atol=tolerance, rtol=tolerance)
 
 
 @settings(max_examples=30, deadline=None)
-@given(case=cases())
-def test_a_row_is_bitwise_the_same_alone_in_any_batch_and_at_any_thread_count(case: Case) -> None:
+@given(case=cases(), half=st.booleans())
+def test_a_row_is_bitwise_the_same_alone_in_any_batch_and_at_any_thread_count(case: Case, half: bool) -> None:
     args = _inputs(case, torch.float32)
-    batch = kernel(torch.float32)(**args)
+    kv_dtype = torch.float16 if half else None
+    if half:
+        args = dict(args, k_cache=args["k_cache"].half(), v_cache=args["v_cache"].half())
+    attend = kernel(torch.float32, kv_dtype)
+    batch = attend(**args)
     for r in range(len(case.lens)):
         alone = dict(
             args, q=args["q"][r : r + 1], tables=args["tables"][r : r + 1], lens=args["lens"][r : r + 1]
         )
-        assert torch.equal(kernel(torch.float32)(**alone)[0], batch[r])
+        assert torch.equal(attend(**alone)[0], batch[r])
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert torch.equal(kernel(torch.float32)(**args), batch)
+        assert torch.equal(attend(**args), batch)
     finally:
         torch.set_num_threads(threads)
 

@@ -7,22 +7,158 @@
  * its context and its length: never on the other rows of the step or on the thread count. That is what
  * makes decodes bitwise batch-invariant.
  *
- * The same code is built for float and double (double serves the float64 reference runs of the tests),
+ * The generic code is built for float and double (double serves the float64 reference runs of the tests),
  * and for float with a float16 cache (KV): each cached position's row is widened to float as it is
  * read (exactly, with F16C where the CPU has it: a conversion per element in the inner loop kept it from
  * vectorizing and doubled the decode time at long contexts), and every product and sum stays in float.
+ * Float rows with a head size of 64 or 128 take a vector path instead (`fast_row_*`, below), 1.7-2x the
+ * generic code at 1,500-2,000 positions with a float16 cache (one row, one thread, side by side).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+/* The float rows' fast path (AVX2, FMA, F16C; head_dim 64 or 128): the same three passes, ordered for
+ * registers. Heads go one at a time, grouped by KV head so that a KV head's keys and values stay in L2
+ * across the query heads that share them. Scores: the query head's vectors stay in registers, eight
+ * positions' dot products are accumulated side by side (widening float16 as they load) and reduced
+ * together, one add tree for eight sums instead of eight horizontal sums. Values: the head's output
+ * stays in registers across every position. Each row is still one task, computed start to end by one
+ * thread, so its bits depend on its query, context and length alone. Returns 0 where it does not apply
+ * (other head sizes, no AVX2), and the generic row runs. */
+static int no_fast_row_f64(const double *q, double *out, const double *kc, const double *vc,
+                           const int64_t *table, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
+                           int64_t block_size, double scale, double *scores)
+{
+    (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)heads, (void)kv_heads, (void)dim;
+    (void)block_size, (void)scale, (void)scores;
+    return 0;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+#ifdef __FLT16_MAX__
+static inline __m256 load8_f16(const _Float16 *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#endif
+
+/* Lane i: the sum of v[i]'s eight lanes. */
+static inline __m256 sum8(const __m256 v[8])
+{
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+#define DEFINE_FAST_HEAD(NAME, KV, LOAD8, D)                                                             \
+    static void NAME(const float *restrict qh, float *restrict oh, const KV *restrict kc,                \
+                     const KV *restrict vc, const int64_t *restrict table, int64_t n, int64_t stride,    \
+                     int64_t block_size, float scale, float *restrict sh)                                \
+    {                                                                                                   \
+        enum { C = D / 8 };                                                                             \
+        __m256 qv[C];                                                                                   \
+        for (int c = 0; c < C; c++)                                                                     \
+            qv[c] = _mm256_loadu_ps(qh + 8 * c);                                                        \
+        const __m256 sv = _mm256_set1_ps(scale);                                                        \
+        for (int64_t start = 0; start < n; start += block_size) {                                       \
+            const int64_t len = n - start < block_size ? n - start : block_size;                        \
+            const KV *k = kc + table[start / block_size] * block_size * stride;                         \
+            for (int64_t i0 = 0; i0 < len; i0 += 8) {                                                   \
+                const int64_t m = len - i0 < 8 ? len - i0 : 8;                                          \
+                __m256 acc[8];                                                                          \
+                for (int i = 0; i < 8; i++) {                                                           \
+                    /* Past the block's end, the last position again: computed, never stored. */        \
+                    const KV *kr = k + (i0 + (i < m ? i : m - 1)) * stride;                             \
+                    __m256 a = _mm256_mul_ps(qv[0], LOAD8(kr));                                         \
+                    for (int c = 1; c < C; c++)                                                         \
+                        a = _mm256_fmadd_ps(qv[c], LOAD8(kr + 8 * c), a);                               \
+                    acc[i] = a;                                                                         \
+                }                                                                                       \
+                const __m256 s = _mm256_mul_ps(sum8(acc), sv);                                          \
+                if (m == 8) {                                                                           \
+                    _mm256_storeu_ps(sh + start + i0, s);                                               \
+                } else {                                                                                \
+                    float lanes[8];                                                                     \
+                    _mm256_storeu_ps(lanes, s);                                                         \
+                    for (int64_t i = 0; i < m; i++)                                                     \
+                        sh[start + i0 + i] = lanes[i];                                                  \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        float mx = sh[0];                                                                               \
+        for (int64_t p = 1; p < n; p++)                                                                 \
+            mx = sh[p] > mx ? sh[p] : mx;                                                               \
+        float sum = 0;                                                                                  \
+        for (int64_t p = 0; p < n; p++) {                                                               \
+            sh[p] = expf(sh[p] - mx);                                                                   \
+            sum += sh[p];                                                                               \
+        }                                                                                               \
+        const float inv = 1 / sum;                                                                      \
+        __m256 acc[C];                                                                                  \
+        for (int c = 0; c < C; c++)                                                                     \
+            acc[c] = _mm256_setzero_ps();                                                               \
+        for (int64_t start = 0; start < n; start += block_size) {                                       \
+            const int64_t len = n - start < block_size ? n - start : block_size;                        \
+            const KV *v = vc + table[start / block_size] * block_size * stride;                         \
+            for (int64_t i = 0; i < len; i++, v += stride) {                                            \
+                const __m256 w = _mm256_set1_ps(sh[start + i]);                                         \
+                for (int c = 0; c < C; c++)                                                             \
+                    acc[c] = _mm256_fmadd_ps(w, LOAD8(v + 8 * c), acc[c]);                              \
+            }                                                                                           \
+        }                                                                                               \
+        const __m256 iv = _mm256_set1_ps(inv);                                                          \
+        for (int c = 0; c < C; c++)                                                                     \
+            _mm256_storeu_ps(oh + 8 * c, _mm256_mul_ps(acc[c], iv));                                    \
+    }
+
+#define DEFINE_FAST_ROW(NAME, KV, LOAD8)                                                                 \
+    DEFINE_FAST_HEAD(NAME##_64, KV, LOAD8, 64)                                                          \
+    DEFINE_FAST_HEAD(NAME##_128, KV, LOAD8, 128)                                                        \
+    static int NAME(const float *q, float *out, const KV *kc, const KV *vc, const int64_t *table,       \
+                    int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,         \
+                    float scale, float *scores)                                                          \
+    {                                                                                                   \
+        if (dim != 64 && dim != 128)                                                                    \
+            return 0;                                                                                   \
+        const int64_t group = heads / kv_heads, stride = kv_heads * dim;                                \
+        for (int64_t g = 0; g < kv_heads; g++)                                                          \
+            for (int64_t h = g * group; h < (g + 1) * group; h++)                                       \
+                (dim == 64 ? NAME##_64 : NAME##_128)(q + h * dim, out + h * dim, kc + g * dim,          \
+                                                     vc + g * dim, table, n, stride, block_size, scale,  \
+                                                     scores);                                            \
+        return 1;                                                                                       \
+    }
+DEFINE_FAST_ROW(fast_row_f32, float, load8_f32)
+#ifdef __FLT16_MAX__
+DEFINE_FAST_ROW(fast_row_f16, _Float16, load8_f16)
+#endif
+#else
+static int fast_row_f32(const float *q, float *out, const float *kc, const float *vc, const int64_t *table,
+                        int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
+                        float *scores)
+{
+    (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)heads, (void)kv_heads, (void)dim;
+    (void)block_size, (void)scale, (void)scores;
+    return 0;
+}
+#ifdef __FLT16_MAX__
+static int fast_row_f16(const float *q, float *out, const _Float16 *kc, const _Float16 *vc,
+                        const int64_t *table, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
+                        int64_t block_size, float scale, float *scores)
+{
+    (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)heads, (void)kv_heads, (void)dim;
+    (void)block_size, (void)scale, (void)scores;
+    return 0;
+}
+#endif
 #endif
 
 /* The row of a cached position as T: the cache's own row when KV is T. */
 #define SAME_ROW(src, wide, n) (src)
 
-#define DEFINE_PAGED_ATTENTION(T, KV, EXP, NAME, ROW)                                                     \
+#define DEFINE_PAGED_ATTENTION(T, KV, EXP, NAME, ROW, FAST)                                                     \
     static void NAME##_row(const T *restrict q, T *restrict out, const KV *restrict kc,              \
                            const KV *restrict vc, const int64_t *restrict table, int64_t n,          \
                            int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,       \
@@ -102,17 +238,20 @@
                     failed = 1;                                                                       \
                     continue;                                                                         \
                 }                                                                                     \
-                NAME##_row(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,                 \
-                           tables + r * table_width, lens[r], heads, kv_heads, dim, block_size,       \
-                           (T)scale, scores, scores + heads * longest);                               \
+                if (!FAST(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,                  \
+                          tables + r * table_width, lens[r], heads, kv_heads, dim, block_size,        \
+                          (T)scale, scores))                                                          \
+                    NAME##_row(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,             \
+                               tables + r * table_width, lens[r], heads, kv_heads, dim, block_size,   \
+                               (T)scale, scores, scores + heads * longest);                           \
             }                                                                                         \
             free(scores);                                                                             \
         }                                                                                             \
         return failed ? -1 : 0;                                                                       \
     }
 
-DEFINE_PAGED_ATTENTION(float, float, expf, paged_decode_attention_f32, SAME_ROW)
-DEFINE_PAGED_ATTENTION(double, double, exp, paged_decode_attention_f64, SAME_ROW)
+DEFINE_PAGED_ATTENTION(float, float, expf, paged_decode_attention_f32, SAME_ROW, fast_row_f32)
+DEFINE_PAGED_ATTENTION(double, double, exp, paged_decode_attention_f64, SAME_ROW, no_fast_row_f64)
 /* Compilers without the _Float16 type build the rest; the caller then finds no float16 symbol. */
 #ifdef __FLT16_MAX__
 /* n float16 values widened to float into `wide` (exact either way, so both paths give the same bits). */
@@ -127,5 +266,5 @@ static inline const float *widen_f16(const _Float16 *restrict src, float *restri
         wide[i] = (float)src[i];
     return wide;
 }
-DEFINE_PAGED_ATTENTION(float, _Float16, expf, paged_decode_attention_f32_kv16, widen_f16)
+DEFINE_PAGED_ATTENTION(float, _Float16, expf, paged_decode_attention_f32_kv16, widen_f16, fast_row_f16)
 #endif
