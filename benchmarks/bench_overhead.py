@@ -80,10 +80,8 @@ def main() -> None:
     args = parser.parse_args()
     threads = setup_threads()
     server = start_server(args.port, threads)
-    # The same settings as the server's, its one-token-step thread count included.
-    engine = make_engine(
-        default_model(), kv_cache_memory=512 * 2**20, threads=threads, single_token_threads=1
-    )
+    # The same settings as the server's.
+    engine = make_engine(default_model(), kv_cache_memory=512 * 2**20, threads=threads)
     rows = []
     try:
         for i in range(args.rounds):

@@ -16,7 +16,7 @@ from kvserve.cluster.launch import ClusterConfig
 from kvserve.config import EngineConfig
 from kvserve.errors import ConfigError
 from kvserve.flags import flag_name, flagged_fields, from_flags, to_argv
-from kvserve.options import SERVER_ENGINE_DEFAULTS, ServerOptions
+from kvserve.options import ServerOptions
 
 ENV_DEFAULTS = ("KVSERVE_API_KEY", "KVSERVE_ADMIN_KEY", "KVSERVE_TENANT_SECRET_FILE")
 
@@ -31,9 +31,8 @@ def test_serve_parses_to_the_dataclasses_defaults() -> None:
     args = build_parser().parse_args(["serve"])
     config, options = engine_config(args), from_flags(ServerOptions, args)
     # Field by field, so that a drifting default names itself.
-    assert dataclasses.asdict(config) == dataclasses.asdict(EngineConfig(**SERVER_ENGINE_DEFAULTS))
+    assert dataclasses.asdict(config) == dataclasses.asdict(EngineConfig())
     assert dataclasses.asdict(options) == dataclasses.asdict(ServerOptions())
-    assert config.single_token_threads == 1 and EngineConfig().single_token_threads is None
 
 
 @pytest.mark.parametrize("command", [["chat"], ["generate", "a prompt"]])
@@ -116,7 +115,7 @@ def test_kvserve_serve_hands_its_options_to_serve(monkeypatch: pytest.MonkeyPatc
     assert main(["serve", "--admin-key", "admin-key-1", "--max-waiting", "3", "--block-size", "32"]) == 0
     [(config, options)] = seen
     assert options == ServerOptions(api_key="key-from-env", admin_key="admin-key-1")
-    assert config == EngineConfig(single_token_threads=1, max_waiting=3, block_size=32)
+    assert config == EngineConfig(max_waiting=3, block_size=32)
 
 
 def test_origins_are_a_json_list_or_a_comma_list(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ from kvserve.cluster.launch import ClusterConfig, run_until_interrupted
 from kvserve.config import EngineConfig
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.flags import add_flags, from_flags
-from kvserve.options import SERVER_ENGINE_DEFAULTS, ServerOptions
+from kvserve.options import ServerOptions
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import Engine
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     _engine_arguments(serve)
-    add_flags(serve, EngineConfig, _SERVER_ENGINE_FLAGS, defaults=SERVER_ENGINE_DEFAULTS)
+    add_flags(serve, EngineConfig, _SERVER_ENGINE_FLAGS)
     add_flags(serve, ServerOptions)
     serve.set_defaults(func=cmd_serve)
 

@@ -70,11 +70,12 @@ class EngineConfig:
     of one forward pass (decodes plus prefill chunks), which is what keeps long prefills from stalling
     running streams. `max_model_len=None` takes the model's own context length. `seed` seeds the sampling
     of requests that bring no seed of their own. `single_token_threads`, when set, is the thread count
-    of a step that computes one token (one stream decoding alone): such a step is bound by memory and
-    gains little from more threads, while a server needs a core for its event loop; `kvserve serve`
-    sets 1 (see benchmarks/bench_overhead.py). `attention` is the decode-attention backend: "native"
-    (a C kernel built on first use; bitwise batch-invariant), "torch" (portable) or "auto" (native where
-    it can run: CPU, float32 or float64, a C compiler present). `kv_dtype` is the KV cache's dtype
+    of a step that computes one token (one stream decoding alone), for a machine where the server's
+    event loop should keep cores of its own; unset, every step runs on `threads` (on 2 cores, two
+    threads now win for a lone stream too, see docs/design.md, Threads). `attention` is the
+    decode-attention backend: "native" (a C kernel built on first use; bitwise batch-invariant), "torch"
+    (portable) or "auto" (native where it can run: CPU, float32 or float64, a C compiler present).
+    `kv_dtype` is the KV cache's dtype
     (see `kv_cache_dtype`); with float16 the cache holds twice the tokens per byte, and every attention
     path reads the same rounded values.
 
@@ -153,7 +154,7 @@ class EngineConfig:
     single_token_threads: int | None = option(
         None,
         "threads for a step of one token (one stream decoding alone), leaving the other cores to HTTP; "
-        "0 uses --threads for every step (default %(default)s)",
+        "0 or unset: --threads for every step",
         parse=_threads_or_none,
     )
     seed: int = 0

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -77,16 +77,15 @@ def add_flags(
     names: Iterable[str] | None = None,
     *,
     exclude: Iterable[str] = (),
-    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """One argument per flag field of `cls` (see `flagged_fields`), but those in `exclude`; its
-    destination is the field's name. `defaults` replaces fields' defaults for this command."""
+    destination is the field's name."""
     skip = set(exclude)
     for f in flagged_fields(cls, names):
         if f.name in skip:
             continue
         flag: Flag = f.metadata[_METADATA_KEY]
-        default = (defaults or {}).get(f.name, f.default)
+        default = f.default
         if flag.env is not None:
             default = os.environ.get(flag.env, default)
         shown = flag.show(default) if flag.show is not None and default is not None else None

@@ -2,19 +2,12 @@
 dataclass beside EngineConfig; `kvserve serve`'s flags are built from its fields (kvserve.flags)."""
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any
 
 from kvserve.config import format_bytes, parse_bytes
 from kvserve.errors import ConfigError
 from kvserve.flags import option
-
-# What `kvserve serve` sets in EngineConfig unlike an offline run: a step of one token is bound by
-# memory and gains little from more threads, while the server needs a core for its event loop (see
-# benchmarks/bench_overhead.py).
-SERVER_ENGINE_DEFAULTS: Mapping[str, Any] = MappingProxyType({"single_token_threads": 1})
 
 
 def parse_origins(text: str) -> tuple[str, ...]:

@@ -30,10 +30,11 @@
  * thread, so its bits depend on its query, context and length alone. Returns 0 where it does not apply
  * (other head sizes, no AVX2), and the generic row runs. */
 static int no_fast_row_f64(const double *q, double *out, const double *kc, const double *vc,
-                           const int64_t *table, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
-                           int64_t block_size, double scale, double *scores)
+                           const int64_t *table, int64_t n, int64_t h0, int64_t h1, int64_t heads,
+                           int64_t kv_heads, int64_t dim, int64_t block_size, double scale, double *scores)
 {
     (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)heads, (void)kv_heads, (void)dim;
+    (void)h0, (void)h1;
     (void)block_size, (void)scale, (void)scores;
     return 0;
 }
@@ -116,18 +117,22 @@ static inline __m256 sum8(const __m256 v[8])
 #define DEFINE_FAST_ROW(NAME, KV, LOAD8)                                                                 \
     DEFINE_FAST_HEAD(NAME##_64, KV, LOAD8, 64)                                                          \
     DEFINE_FAST_HEAD(NAME##_128, KV, LOAD8, 128)                                                        \
+    /* Heads [h0, h1) of one row; with q NULL, only whether this path takes the shape. Heads go in     \
+     * order, so a KV head's group runs back to back. */                                                \
     static int NAME(const float *q, float *out, const KV *kc, const KV *vc, const int64_t *table,       \
-                    int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,         \
-                    float scale, float *scores)                                                          \
+                    int64_t n, int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads, int64_t dim,     \
+                    int64_t block_size, float scale, float *scores)                                      \
     {                                                                                                   \
         if (dim != 64 && dim != 128)                                                                    \
             return 0;                                                                                   \
+        if (!q)                                                                                         \
+            return 1;                                                                                   \
         const int64_t group = heads / kv_heads, stride = kv_heads * dim;                                \
-        for (int64_t g = 0; g < kv_heads; g++)                                                          \
-            for (int64_t h = g * group; h < (g + 1) * group; h++)                                       \
-                (dim == 64 ? NAME##_64 : NAME##_128)(q + h * dim, out + h * dim, kc + g * dim,          \
-                                                     vc + g * dim, table, n, stride, block_size, scale,  \
-                                                     scores);                                            \
+        for (int64_t h = h0; h < h1; h++) {                                                             \
+            const int64_t g = h / group;                                                                \
+            (dim == 64 ? NAME##_64 : NAME##_128)(q + h * dim, out + h * dim, kc + g * dim, vc + g * dim, \
+                                                 table, n, stride, block_size, scale, scores);          \
+        }                                                                                               \
         return 1;                                                                                       \
     }
 DEFINE_FAST_ROW(fast_row_f32, float, load8_f32)
@@ -136,19 +141,21 @@ DEFINE_FAST_ROW(fast_row_f16, _Float16, load8_f16)
 #endif
 #else
 static int fast_row_f32(const float *q, float *out, const float *kc, const float *vc, const int64_t *table,
-                        int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
-                        float *scores)
+                        int64_t n, int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads, int64_t dim,
+                        int64_t block_size, float scale, float *scores)
 {
     (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)heads, (void)kv_heads, (void)dim;
+    (void)h0, (void)h1;
     (void)block_size, (void)scale, (void)scores;
     return 0;
 }
 #ifdef __FLT16_MAX__
 static int fast_row_f16(const float *q, float *out, const _Float16 *kc, const _Float16 *vc,
-                        const int64_t *table, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
-                        int64_t block_size, float scale, float *scores)
+                        const int64_t *table, int64_t n, int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads,
+                        int64_t dim, int64_t block_size, float scale, float *scores)
 {
     (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)heads, (void)kv_heads, (void)dim;
+    (void)h0, (void)h1;
     (void)block_size, (void)scale, (void)scores;
     return 0;
 }
@@ -228,19 +235,25 @@ static int fast_row_f16(const float *q, float *out, const _Float16 *kc, const _F
         for (int64_t r = 0; r < rows; r++)                                                            \
             longest = lens[r] > longest ? lens[r] : longest;                                          \
         int failed = 0;                                                                               \
+        /* Fewer rows than threads (one stream): the vector path's heads are the tasks instead, each  \
+         * still computed whole by one thread, so the bits do not change. */                          \
+        const int by_head = rows < threads && FAST(NULL, NULL, NULL, NULL, NULL, 0, 0, 0, heads, kv_heads, \
+                                                   dim, block_size, 0, NULL);                         \
+        const int64_t tasks = by_head ? rows * heads : rows;                                          \
         _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                            \
         {                                                                                             \
             T *scores = malloc(sizeof(T) * (size_t)(heads * (longest + dim)));                        \
             /* Every thread must reach the worksharing loop: a failed allocation only skips work. */  \
             _Pragma("omp for schedule(dynamic, 1)")                                                   \
-            for (int64_t r = 0; r < rows; r++) {                                                      \
+            for (int64_t t = 0; t < tasks; t++) {                                                     \
                 if (!scores) {                                                                        \
                     failed = 1;                                                                       \
                     continue;                                                                         \
                 }                                                                                     \
+                const int64_t r = by_head ? t / heads : t, h0 = by_head ? t % heads : 0;              \
                 if (!FAST(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,                  \
-                          tables + r * table_width, lens[r], heads, kv_heads, dim, block_size,        \
-                          (T)scale, scores))                                                          \
+                          tables + r * table_width, lens[r], h0, by_head ? h0 + 1 : heads, heads,     \
+                          kv_heads, dim, block_size, (T)scale, scores))                               \
                     NAME##_row(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,             \
                                tables + r * table_width, lens[r], heads, kv_heads, dim, block_size,   \
                                (T)scale, scores, scores + heads * longest);                           \
