@@ -45,6 +45,22 @@ static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8_f16(const _Float16 *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
+/* A head's rows of block `b` of the table (`row_bytes` at each of the block's positions, `elem` bytes an
+ * element), fetched into cache ahead of use: blocks sit anywhere in the pool, so the hardware
+ * prefetcher loses the stream at every block boundary. */
+#define AHEAD 2
+static inline void prefetch_block(const void *head, const int64_t *table, int64_t b, int64_t n,
+                                  int64_t block_size, int64_t stride, size_t elem, size_t row_bytes)
+{
+    if (b * block_size >= n)
+        return;
+    const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;
+    const char *row = (const char *)head + (size_t)(table[b] * block_size * stride) * elem;
+    for (int64_t i = 0; i < len; i++, row += (size_t)stride * elem)
+        for (size_t line = 0; line < row_bytes; line += 64)
+            _mm_prefetch(row + line, _MM_HINT_T0);
+}
+
 /* Lane i: the sum of v[i]'s eight lanes. */
 static inline __m256 sum8(const __m256 v[8])
 {
@@ -66,6 +82,7 @@ static inline __m256 sum8(const __m256 v[8])
         for (int64_t start = 0; start < n; start += block_size) {                                       \
             const int64_t len = n - start < block_size ? n - start : block_size;                        \
             const KV *k = kc + table[start / block_size] * block_size * stride;                         \
+            prefetch_block(kc, table, start / block_size + AHEAD, n, block_size, stride, sizeof(KV), D * sizeof(KV)); \
             for (int64_t i0 = 0; i0 < len; i0 += 8) {                                                   \
                 const int64_t m = len - i0 < 8 ? len - i0 : 8;                                          \
                 __m256 acc[8];                                                                          \
@@ -103,6 +120,7 @@ static inline __m256 sum8(const __m256 v[8])
         for (int64_t start = 0; start < n; start += block_size) {                                       \
             const int64_t len = n - start < block_size ? n - start : block_size;                        \
             const KV *v = vc + table[start / block_size] * block_size * stride;                         \
+            prefetch_block(vc, table, start / block_size + AHEAD, n, block_size, stride, sizeof(KV), D * sizeof(KV)); \
             for (int64_t i = 0; i < len; i++, v += stride) {                                            \
                 const __m256 w = _mm256_set1_ps(sh[start + i]);                                         \
                 for (int c = 0; c < C; c++)                                                             \
