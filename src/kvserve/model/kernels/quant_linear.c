@@ -297,6 +297,17 @@ static inline __attribute__((always_inline)) void vector_quants(int type, const 
     }
 }
 
+/* `scales` with the CPU's float16 conversion (the same values). */
+static inline void vector_scales(int type, const uint8_t *blk, float *d0, float *d1, float *m)
+{
+    if (type == TYPE_K8) {
+        *d0 = read_f32(blk), *d1 = read_f32(blk + 4), *m = read_f32(blk + 8);
+        return;
+    }
+    *d0 = *d1 = _cvtsh_ss(read_u16(blk));
+    *m = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(blk + 2)) : 0.0f;
+}
+
 static inline float vector_total(__m256 acc, float offset)
 {
     float lanes[8];
@@ -324,12 +335,7 @@ static inline __attribute__((always_inline)) void vector_tile(int type, int rows
             __m256 v[4];
             vector_quants(type, blk, v);
             float d0, d1, m;
-            if (type == TYPE_K8) {
-                d0 = read_f32(blk), d1 = read_f32(blk + 4), m = read_f32(blk + 8);
-            } else {
-                d0 = d1 = _cvtsh_ss(read_u16(blk));
-                m = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(blk + 2)) : 0.0f;
-            }
+            vector_scales(type, blk, &d0, &d1, &m);
             const __m256 d = _mm256_set1_ps(d0);
             for (int r = 0; r < rows; r++) {
                 const float *xb = x + r * x_stride + b * QK;
@@ -397,12 +403,7 @@ static inline __attribute__((always_inline)) void q16_tile(int type, int rows, i
             __m256i lo, hi;
             q16_quants(type, blk, &lo, &hi);
             float d0, d1, m;
-            if (type == TYPE_K8) {
-                d0 = read_f32(blk), d1 = read_f32(blk + 4), m = read_f32(blk + 8);
-            } else {
-                d0 = d1 = _cvtsh_ss(read_u16(blk));
-                m = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(blk + 2)) : 0.0f;
-            }
+            vector_scales(type, blk, &d0, &d1, &m);
             for (int r = 0; r < rows; r++) {
                 const int16_t *xb = xq + r * x_stride + b * QK;
                 const float x_scale = dx[r * nb + b];
@@ -483,12 +484,7 @@ static inline __attribute__((always_inline)) void widen(int type, const uint8_t 
             float d0[2], d1[2];
             for (int i = 0; i < 2; i++) {
                 const uint8_t *one = i ? hi_blk : lo_blk;
-                if (type == TYPE_K8) {
-                    d0[i] = read_f32(one), d1[i] = read_f32(one + 4), m[2 * h + i] = read_f32(one + 8);
-                } else {
-                    d0[i] = d1[i] = _cvtsh_ss(read_u16(one));
-                    m[2 * h + i] = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(one + 2)) : 0.0f;
-                }
+                vector_scales(type, one, &d0[i], &d1[i], &m[2 * h + i]);
             }
             _mm512_store_ps(fb + (h * 6 + 4) * 16, pair(_mm256_set1_ps(d0[0]), _mm256_set1_ps(d0[1])));
             _mm512_store_ps(fb + (h * 6 + 5) * 16, pair(_mm256_set1_ps(d1[0]), _mm256_set1_ps(d1[1])));
