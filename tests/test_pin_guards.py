@@ -5,6 +5,7 @@ slots."""
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -197,5 +198,9 @@ def test_a_pin_holds_an_in_flight_slot(pinning_on: PinServer) -> None:
     assert pinned.status_code == 200, pinned.text
     assert_error(beside, 429, code="rate_limit_exceeded")
     assert_error(second_pin, 429, code="rate_limit_exceeded")
+    # The slot is let go once the response has been sent, which can be just after the client has it.
+    deadline = time.monotonic() + 10
+    while pinning_on.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert pinning_on.in_flight() == 0
     assert httpx.delete(f"{pinning_on.url}/v1/cache/pin/{pinned.json()['id']}", timeout=30).status_code == 200
