@@ -26,6 +26,7 @@
  * chunk into a float32 buffer, two outputs' lanes side by side in each 16-lane register: the same
  * operations per lane, so the same bits.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -207,7 +208,7 @@ static void quantize_q16(const float *x, int64_t nb, int16_t *q, float *dx)
         int finite = 1;
         for (int j = 0; j < QK; j++) {
             const float a = fabsf(xb[j]);
-            finite &= a <= 3.4028234663852886e38f;
+            finite &= a <= FLT_MAX;
             amax = a > amax ? a : amax;
         }
         int16_t *qb = q + b * QK;
