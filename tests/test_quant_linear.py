@@ -93,8 +93,8 @@ def test_the_vector_path_and_the_portable_path_give_the_same_bits(name: str) -> 
 @pytest.mark.parametrize("name", [*sorted(TYPES), "K8"])
 @pytest.mark.parametrize("n_rows", [9, 37])
 def test_the_avx512_and_avx2_tiles_and_the_portable_path_give_the_same_bits(name: str, n_rows: int) -> None:
-    # 131 outputs: 32 column groups and three outputs outside any; 37 rows: a 32-row chunk of four
-    # 8-row tiles, then five rows on the AVX2 tiles (as are all 9). Where the build has no AVX-512 tiles,
+    # 131 outputs: 32 column groups and three outputs outside any; 37 rows: six 6-row tiles and a 1-row
+    # one; 9 rows stay on the AVX2 tiles (eight rows, then one). Where the build has no AVX-512 tiles,
     # both vector runs take the AVX2 ones.
     if name == "K8":
         blocks = from_k_quant(k_quant_blocks(torch.zeros(131, 512), Q4_K), Q4_K, 512)
@@ -109,6 +109,36 @@ def test_the_avx512_and_avx2_tiles_and_the_portable_path_give_the_same_bits(name
     assert torch.equal(wide(x), narrow(x))
     assert torch.equal(wide(x), portable(x))
     assert torch.equal(wide(x)[n_rows - 1], wide(x[n_rows - 1 :])[0])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_float_rows_property(data: st.DataObject) -> None:
+    """Any type (K8 too), width and batch: the tiles a batch falls into (eight, four or one rows per output,
+    AVX-512 groups of one to six rows, row chunks sized to the L1 cache for wide inputs) give the bits of
+    the portable path and of each row alone."""
+    name = data.draw(st.sampled_from([*sorted(TYPES), "K8"]), label="type")
+    n_blocks = data.draw(st.integers(1, 60), label="blocks")
+    # K-quant super-blocks hold 256 weights.
+    n_in = 256 * -(-n_blocks // 8) if name == "K8" else 32 * n_blocks
+    n_out = data.draw(st.integers(1, 40), label="outputs")
+    n_rows = data.draw(st.integers(1, 60), label="rows")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n_out, n_in, generator=gen) * 0.05
+    if name == "K8":
+        blocks = from_k_quant(k_quant_blocks(w, Q6_K), Q6_K, n_in)
+    else:
+        blocks = gguf_blocks(w, TYPES[name])
+    bias = torch.randn(n_out, generator=gen)
+    x = torch.randn(n_rows, n_in, generator=gen) * torch.logspace(-3, 3, n_rows).unsqueeze(1)
+    fast = QuantLinear(blocks, bias, default_cache_dir())
+    out = fast(x)
+    if fast.vectorized:
+        assert torch.equal(out, QuantLinear(blocks, bias, default_cache_dir(), wide=False)(x))
+        assert torch.equal(out, QuantLinear(blocks, bias, default_cache_dir(), portable=True)(x))
+    for i in data.draw(st.lists(st.integers(0, n_rows - 1), min_size=1, max_size=4), label="probes"):
+        assert torch.equal(out[i], fast(x[i : i + 1])[0])
 
 
 @pytest.mark.parametrize("name", sorted(TYPES))

@@ -41,6 +41,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.snapshot import CacheView, PinView, Snapshot, pin_view, take_cache_view, take_snapshot
 from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import EngineOverloadedError, KVServeError
+from kvserve.model import openmp
 from kvserve.model.tokenizer import ChatMessage
 
 log = logging.getLogger("kvserve.engine")
@@ -87,6 +88,9 @@ class AsyncEngine:
         self._in_flight = 0
         self._in_flight_by_tenant: Counter[str] = Counter()
         self._ids = itertools.count()
+        # From here the engine thread runs every step: the OpenMP workers this thread kept (from loading
+        # the model) would only make libgomp stop spin-waiting between the engine's parallel regions.
+        openmp.release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 

@@ -20,11 +20,12 @@
  * -ffp-contract=off so that the compiler keeps exactly these operations.
  *
  * Work is split over output columns between threads (OpenMP), each output computed by one thread. Rows
- * are taken four at a time where the batch has them (each block is widened once for four rows), and one
- * at a time across four outputs otherwise (decodes). Where the build has AVX-512, batches of 16 rows or
- * more take a column group's four outputs eight rows at a time instead, its blocks widened once per row
- * chunk into a float32 buffer, two outputs' lanes side by side in each 16-lane register: the same
- * operations per lane, so the same bits.
+ * are taken eight (then four) at a time where the batch has them (each block is widened once for the
+ * tile's rows, and their offset terms are summed side by side in one vector), and one at a time across
+ * four outputs otherwise (decodes). Where the build has AVX-512, batches of WIDE_MIN rows or more take a
+ * column group's four outputs up to six rows at a time instead, its blocks widened once per row chunk into
+ * a float32 buffer, two outputs' lanes side by side in each 16-lane register: the same operations per
+ * lane, so the same bits.
  */
 #include <float.h>
 #include <math.h>
@@ -47,10 +48,14 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_K8 = 100 };
 enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
 #define QK 32
 #define ROW_TILE 4
+#define FLOAT_ROW_TILE 8
 #define COL_TILE 4
 /* Column tiles a thread takes at a time: 64 outputs, enough to amortize the hand-off. */
 #define CHUNK_TILES 16
-#define ROW_CHUNK 32
+#define ROW_CHUNK 48
+/* Activation bytes a row chunk of the AVX2 tiles may take: they are read again for every output, so they
+ * should stay in the L1 data cache (32-48 KiB) beside the blocks. */
+#define L1_ROWS_BYTES 24576
 #define PREFETCH_BLOCKS 32
 
 static float half_to_float(uint16_t h)
@@ -156,7 +161,7 @@ static void scalar_quants(int type, const uint8_t *blk, float q[QK])
 }
 
 static float scalar_dot(int type, const uint8_t *w, size_t block_stride, int64_t nb, const float *x,
-                        const float *sx)
+                        const float *sx, int64_t ss)
 {
     float acc[8] = {0}, offset = 0, q[QK];
     for (int64_t b = 0; b < nb; b++) {
@@ -179,7 +184,7 @@ static float scalar_dot(int type, const uint8_t *w, size_t block_stride, int64_t
             acc[l] = fmaf(d0, t, acc[l]);
         }
         if (type == TYPE_Q4_1 || type == TYPE_K8)
-            offset = fmaf(m, sx[b], offset);
+            offset = fmaf(m, sx[b * ss], offset);
     }
     return lane_sum(acc) + offset;
 }
@@ -244,7 +249,7 @@ static inline void int_quants(int type, const uint8_t *blk, int32_t q[QK])
 }
 
 static float scalar_dot_q16(int type, const uint8_t *w, size_t block_stride, int64_t nb, const int16_t *xq,
-                            const float *dx, const float *sx)
+                            const float *dx, const float *sx, int64_t ss)
 {
     float acc[8] = {0}, offset = 0;
     int32_t q[QK];
@@ -263,7 +268,7 @@ static float scalar_dot_q16(int type, const uint8_t *w, size_t block_stride, int
                 acc[l] = fmaf((float)(lo + hi), d0 * dx[b], acc[l]);
         }
         if (type == TYPE_Q4_1 || type == TYPE_K8)
-            offset = fmaf(m, sx[b], offset);
+            offset = fmaf(m, sx[b * ss], offset);
     }
     return lane_sum(acc) + offset;
 }
@@ -319,11 +324,16 @@ static inline float vector_total(__m256 acc, float offset)
 /* ROWS rows x COLS outputs; res[r * COLS + c]. Called with constant ROWS and COLS so that it unrolls. */
 static inline __attribute__((always_inline)) void vector_tile(int type, int rows, int cols, const uint8_t *w,
                                                               size_t block_stride, int64_t nb, const float *x,
-                                                              int64_t x_stride, const float *sx, float *res)
+                                                              int64_t x_stride, const float *sx, int64_t ss,
+                                                              float *res)
 {
     const int bb = block_bytes(type);
-    __m256 acc[ROW_TILE * COL_TILE];
-    float offset[ROW_TILE * COL_TILE];
+    __m256 acc[FLOAT_ROW_TILE * COL_TILE];
+    float offset[FLOAT_ROW_TILE * COL_TILE];
+    /* A row tile's offsets side by side: one fused multiply-add per block, the same as each row's own. */
+    const int row_offsets = cols == 1 && (rows == 8 || rows == 4);
+    __m256 offsets = _mm256_setzero_ps();
+    __m128 offsets4 = _mm_setzero_ps();
     for (int i = 0; i < rows * cols; i++) {
         acc[i] = _mm256_setzero_ps();
         offset[i] = 0;
@@ -354,11 +364,19 @@ static inline __attribute__((always_inline)) void vector_tile(int type, int rows
                     t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
                     acc[r * cols + c] = _mm256_fmadd_ps(d, t, acc[r * cols + c]);
                 }
-                if (type == TYPE_Q4_1 || type == TYPE_K8)
-                    offset[r * cols + c] = fmaf(m, sx[r * nb + b], offset[r * cols + c]);
+                if ((type == TYPE_Q4_1 || type == TYPE_K8) && !row_offsets)
+                    offset[r * cols + c] = fmaf(m, sx[b * ss + r], offset[r * cols + c]);
             }
+            if ((type == TYPE_Q4_1 || type == TYPE_K8) && rows == 8 && row_offsets)
+                offsets = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx + b * ss), offsets);
+            if ((type == TYPE_Q4_1 || type == TYPE_K8) && rows == 4 && row_offsets)
+                offsets4 = _mm_fmadd_ps(_mm_set1_ps(m), _mm_loadu_ps(sx + b * ss), offsets4);
         }
     }
+    if (row_offsets && rows == 8)
+        _mm256_storeu_ps(offset, offsets);
+    if (row_offsets && rows == 4)
+        _mm_storeu_ps(offset, offsets4);
     for (int i = 0; i < rows * cols; i++)
         res[i] = vector_total(acc[i], offset[i]);
 }
@@ -388,7 +406,7 @@ static inline __attribute__((always_inline)) void q16_quants(int type, const uin
 static inline __attribute__((always_inline)) void q16_tile(int type, int rows, int cols, const uint8_t *w,
                                                            size_t block_stride, int64_t nb, const int16_t *xq,
                                                            int64_t x_stride, const float *dx, const float *sx,
-                                                           float *res)
+                                                           int64_t ss, float *res)
 {
     const int bb = block_bytes(type);
     __m256 acc[ROW_TILE * COL_TILE];
@@ -419,7 +437,7 @@ static inline __attribute__((always_inline)) void q16_tile(int type, int rows, i
                                          _mm256_set1_ps(d0 * x_scale), *a);
                 }
                 if (type == TYPE_Q4_1 || type == TYPE_K8)
-                    offset[r * cols + c] = fmaf(m, sx[r * nb + b], offset[r * cols + c]);
+                    offset[r * cols + c] = fmaf(m, sx[b * ss + r], offset[r * cols + c]);
             }
         }
     }
@@ -428,22 +446,22 @@ static inline __attribute__((always_inline)) void q16_tile(int type, int rows, i
 }
 
 typedef void (*q16_fn)(const uint8_t *, size_t, int64_t, const int16_t *, int64_t, const float *, const float *,
-                       float *);
+                       int64_t, float *);
 #define DEFINE_Q16_TILES(NAME, TYPE)                                                                      \
     static void NAME##_q16_rows(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,   \
-                                const float *dx, const float *sx, float *res)                            \
+                                const float *dx, const float *sx, int64_t ss, float *res)                \
     {                                                                                                    \
-        q16_tile(TYPE, ROW_TILE, 1, w, rb, nb, x, xs, dx, sx, res);                                      \
+        q16_tile(TYPE, ROW_TILE, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                      \
     }                                                                                                    \
     static void NAME##_q16_cols(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,   \
-                                const float *dx, const float *sx, float *res)                            \
+                                const float *dx, const float *sx, int64_t ss, float *res)                \
     {                                                                                                    \
-        q16_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, dx, sx, res);                                      \
+        q16_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, dx, sx, ss, res);                                      \
     }                                                                                                    \
     static void NAME##_q16_one(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,    \
-                               const float *dx, const float *sx, float *res)                             \
+                               const float *dx, const float *sx, int64_t ss, float *res)                 \
     {                                                                                                    \
-        q16_tile(TYPE, 1, 1, w, rb, nb, x, xs, dx, sx, res);                                             \
+        q16_tile(TYPE, 1, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                             \
     }
 DEFINE_Q16_TILES(q8_0, TYPE_Q8_0)
 DEFINE_Q16_TILES(q4_0, TYPE_Q4_0)
@@ -452,10 +470,13 @@ DEFINE_Q16_TILES(k8, TYPE_K8)
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define HAVE_AVX512 1
-/* The AVX-512 tile: WR rows x WP pairs of outputs (2 * WP of them, a column group). Its WR * WP 16-lane
- * accumulators and 4 activation vectors stay in registers; the widened blocks are read from a buffer. */
-#define WR 8 /* at most res's eight rows in vector_range */
+/* The AVX-512 tile: up to WR rows x WP pairs of outputs (2 * WP of them, a column group). Its WR * WP
+ * 16-lane block sums and running totals stay in registers (24 of the 32); the widened blocks are read from
+ * a buffer. */
+#define WR 6 /* at most res's eight rows in vector_range */
 #define WP (COL_TILE / 2)
+/* Below two full tiles' rows, widening into the buffer costs more than the AVX2 tiles lose. */
+#define WIDE_MIN (2 * WR)
 /* Floats per block in the widened buffer: per pair four quant vectors and two scale vectors, then the
  * four outputs' offsets (padded to a vector). */
 #define WIDE_BLOCK ((WP * 6 + 1) * 16)
@@ -495,50 +516,52 @@ static inline __attribute__((always_inline)) void widen(int type, const uint8_t 
 
 /* WR rows x 2 * WP outputs of a column group widened by `widen`. Each 16-lane accumulator holds two
  * outputs' eight lanes side by side, so every lane takes exactly the operations of `vector_tile` (the same
- * products, fused multiply-adds and scales, in the same order): the same bits, with each block widened once
- * per row chunk and each row's activations loaded once for 2 * WP outputs. */
-static inline __attribute__((always_inline)) void wide_tile(int type, const float *buf, int64_t nb,
+ * products, fused multiply-adds and scales, in the same order): the same bits. Within a block the quant
+ * vectors are the outer loop, so that each widened vector is loaded once for WR rows and each row's
+ * activations once for 2 * WP outputs; the WR * WP block sums and running totals stay in registers. */
+static inline __attribute__((always_inline)) void wide_tile(int type, int rows, const float *buf, int64_t nb,
                                                             const float *x, int64_t x_stride, const float *sx,
-                                                            float *res)
+                                                            int64_t ss, float *res)
 {
-    const int has_offset = type == TYPE_Q4_1 || type == TYPE_K8;
-    __m512 acc[WR][WP];
-    __m128 offset[WR];
-    for (int r = 0; r < WR; r++) {
+    __m512 acc[WR][WP], t[WR][WP];
+    for (int r = 0; r < rows; r++)
         for (int h = 0; h < WP; h++)
-            acc[r][h] = _mm512_setzero_ps();
-        offset[r] = _mm_setzero_ps();
-    }
+            acc[r][h] = t[r][h] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const float *fb = buf + b * WIDE_BLOCK;
-        const __m128 mv = _mm_load_ps(fb + WP * 6 * 16);
-        for (int r = 0; r < WR; r++) {
-            const float *xb = x + r * x_stride + b * QK;
-            __m512 xv[4];
-            for (int k = 0; k < 4; k++)
-                xv[k] = _mm512_broadcast_f32x8(_mm256_loadu_ps(xb + 8 * k));
-            for (int h = 0; h < WP; h++) {
-                const float *v = fb + h * 6 * 16;
-                const __m512 d0 = _mm512_load_ps(v + 4 * 16);
-                if (type == TYPE_K8) {
-                    __m512 lo = _mm512_mul_ps(_mm512_load_ps(v), xv[0]);
-                    lo = _mm512_fmadd_ps(_mm512_load_ps(v + 16), xv[1], lo);
-                    __m512 hi = _mm512_mul_ps(_mm512_load_ps(v + 32), xv[2]);
-                    hi = _mm512_fmadd_ps(_mm512_load_ps(v + 48), xv[3], hi);
-                    acc[r][h] = _mm512_fmadd_ps(_mm512_load_ps(v + 5 * 16), hi, _mm512_fmadd_ps(d0, lo, acc[r][h]));
-                } else {
-                    __m512 t = _mm512_mul_ps(_mm512_load_ps(v), xv[0]);
-                    t = _mm512_fmadd_ps(_mm512_load_ps(v + 16), xv[1], t);
-                    t = _mm512_fmadd_ps(_mm512_load_ps(v + 32), xv[2], t);
-                    t = _mm512_fmadd_ps(_mm512_load_ps(v + 48), xv[3], t);
-                    acc[r][h] = _mm512_fmadd_ps(d0, t, acc[r][h]);
+        const float *fb = buf + b * WIDE_BLOCK, *xb = x + b * QK;
+        for (int k = 0; k < 4; k++) {
+            /* K8 sums each half apart: a fresh block sum at k = 2. */
+            const int fresh = k == 0 || (type == TYPE_K8 && k == 2);
+            __m512 w[WP];
+            for (int h = 0; h < WP; h++)
+                w[h] = _mm512_load_ps(fb + (h * 6 + k) * 16);
+            for (int r = 0; r < rows; r++) {
+                const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(xb + r * x_stride + 8 * k));
+                for (int h = 0; h < WP; h++)
+                    t[r][h] = fresh ? _mm512_mul_ps(w[h], xv) : _mm512_fmadd_ps(w[h], xv, t[r][h]);
+            }
+            /* The half or block is whole: its sum times its scale (K8: d0 for the low half, d1 high). */
+            if (k == 3 || (type == TYPE_K8 && k == 1)) {
+                const int scale = type == TYPE_K8 && k == 3 ? 5 : 4;
+                for (int h = 0; h < WP; h++) {
+                    const __m512 d = _mm512_load_ps(fb + (h * 6 + scale) * 16);
+                    for (int r = 0; r < rows; r++)
+                        acc[r][h] = _mm512_fmadd_ps(d, t[r][h], acc[r][h]);
                 }
             }
-            if (has_offset)
-                offset[r] = _mm_fmadd_ps(mv, _mm_set1_ps(sx[r * nb + b]), offset[r]);
         }
     }
-    for (int r = 0; r < WR; r++) {
+    /* The offset term in block order, as `vector_tile` sums it (the rows' chains side by side). */
+    __m128 offset[WR];
+    for (int r = 0; r < rows; r++)
+        offset[r] = _mm_setzero_ps();
+    if (type == TYPE_Q4_1 || type == TYPE_K8)
+        for (int64_t b = 0; b < nb; b++) {
+            const __m128 m = _mm_load_ps(buf + b * WIDE_BLOCK + WP * 6 * 16);
+            for (int r = 0; r < rows; r++)
+                offset[r] = _mm_fmadd_ps(m, _mm_set1_ps(sx[b * ss + r]), offset[r]);
+        }
+    for (int r = 0; r < rows; r++) {
         float lanes[16], off[4];
         _mm_storeu_ps(off, offset[r]);
         for (int h = 0; h < WP; h++) {
@@ -550,17 +573,26 @@ static inline __attribute__((always_inline)) void wide_tile(int type, const floa
 }
 
 typedef void (*widen_fn)(const uint8_t *, size_t, int64_t, float *);
-typedef void (*wide_fn)(const float *, int64_t, const float *, int64_t, const float *, float *);
+typedef void (*wide_fn)(const float *, int64_t, const float *, int64_t, const float *, int64_t, float *);
+#define WIDE_ROWS(NAME, TYPE, R)                                                                          \
+    static void NAME##_wide##R(const float *buf, int64_t nb, const float *x, int64_t xs, const float *sx,  \
+                               int64_t ss, float *res)                                                   \
+    {                                                                                                    \
+        wide_tile(TYPE, R, buf, nb, x, xs, sx, ss, res);                                                 \
+    }
 #define WIDE_TILE(NAME, TYPE)                                                                             \
     static void NAME##_widen(const uint8_t *w, size_t rb, int64_t nb, float *buf)                        \
     {                                                                                                    \
         widen(TYPE, w, rb, nb, buf);                                                                     \
     }                                                                                                    \
-    static void NAME##_wide(const float *buf, int64_t nb, const float *x, int64_t xs, const float *sx,    \
-                            float *res)                                                                  \
-    {                                                                                                    \
-        wide_tile(TYPE, buf, nb, x, xs, sx, res);                                                        \
-    }
+    WIDE_ROWS(NAME, TYPE, 1)                                                                             \
+    WIDE_ROWS(NAME, TYPE, 2)                                                                             \
+    WIDE_ROWS(NAME, TYPE, 3)                                                                             \
+    WIDE_ROWS(NAME, TYPE, 4)                                                                             \
+    WIDE_ROWS(NAME, TYPE, 5)                                                                             \
+    WIDE_ROWS(NAME, TYPE, 6)                                                                             \
+    static const wide_fn NAME##_wide[WR + 1] = {NULL,          NAME##_wide1, NAME##_wide2, NAME##_wide3,  \
+                                                NAME##_wide4, NAME##_wide5, NAME##_wide6};
 WIDE_TILE(q8_0, TYPE_Q8_0)
 WIDE_TILE(q4_0, TYPE_Q4_0)
 WIDE_TILE(q4_1, TYPE_Q4_1)
@@ -571,19 +603,24 @@ WIDE_TILE(k8, TYPE_K8)
 
 #define DEFINE_TILES(NAME, TYPE)                                                                          \
     static void NAME##_rows(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,         \
-                            const float *sx, float *res)                                                 \
+                            const float *sx, int64_t ss, float *res)                                     \
     {                                                                                                    \
-        vector_tile(TYPE, ROW_TILE, 1, w, rb, nb, x, xs, sx, res);                                       \
+        vector_tile(TYPE, 8, 1, w, rb, nb, x, xs, sx, ss, res);                                          \
+    }                                                                                                    \
+    static void NAME##_rows4(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,        \
+                             const float *sx, int64_t ss, float *res)                                    \
+    {                                                                                                    \
+        vector_tile(TYPE, 4, 1, w, rb, nb, x, xs, sx, ss, res);                                          \
     }                                                                                                    \
     static void NAME##_cols(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,         \
-                            const float *sx, float *res)                                                 \
+                            const float *sx, int64_t ss, float *res)                                     \
     {                                                                                                    \
-        vector_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, sx, res);                                       \
+        vector_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, sx, ss, res);                                       \
     }                                                                                                    \
     static void NAME##_one(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,          \
-                           const float *sx, float *res)                                                  \
+                           const float *sx, int64_t ss, float *res)                                      \
     {                                                                                                    \
-        vector_tile(TYPE, 1, 1, w, rb, nb, x, xs, sx, res);                                              \
+        vector_tile(TYPE, 1, 1, w, rb, nb, x, xs, sx, ss, res);                                              \
     }
 DEFINE_TILES(q8_0, TYPE_Q8_0)
 DEFINE_TILES(q4_0, TYPE_Q4_0)
@@ -591,13 +628,15 @@ DEFINE_TILES(q4_1, TYPE_Q4_1)
 DEFINE_TILES(k8, TYPE_K8)
 #endif
 
-typedef void (*tile_fn)(const uint8_t *, size_t, int64_t, const float *, int64_t, const float *, float *);
+typedef void (*tile_fn)(const uint8_t *, size_t, int64_t, const float *, int64_t, const float *, int64_t,
+                        float *);
 
 struct product {
     int type;
     const uint8_t *w;
     size_t bb;
-    int64_t nb, n_in, n_out, grouped;
+    int64_t nb, n_in, n_out, grouped, rows;
+    /* sx: the rows' block sums of x, row t's block b at sx[b * rows + t] (a row tile's side by side). */
     const float *x, *sx, *bias, *other;
     float *out;
     int op;
@@ -637,11 +676,11 @@ static void scalar_range(const struct product *p, int64_t rows, int64_t o0, int6
         for (int64_t o = o0; o < o1; o++) {
             const uint8_t *w = column(p, o);
             const size_t bs = block_stride(p, o);
-            const float *sx = p->sx + t * p->nb;
+            const float *sx = p->sx + t;
             store(p, t, o,
                   t < p->q16_rows
-                      ? scalar_dot_q16(p->type, w, bs, p->nb, p->xq + t * p->n_in, p->dx + t * p->nb, sx)
-                      : scalar_dot(p->type, w, bs, p->nb, p->x + t * p->n_in, sx));
+                      ? scalar_dot_q16(p->type, w, bs, p->nb, p->xq + t * p->n_in, p->dx + t * p->nb, sx, rows)
+                      : scalar_dot(p->type, w, bs, p->nb, p->x + t * p->n_in, sx, rows));
         }
 }
 
@@ -673,18 +712,18 @@ static void q16_range(const struct product *p, int64_t o0, int64_t o1)
         int64_t t = 0;
         if (o1 - o < COL_TILE || o >= p->grouped || rows >= ROW_TILE) {
             for (; t + ROW_TILE <= rows; t += ROW_TILE) {
-                by_rows(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t * nb, res);
+                by_rows(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t, p->rows, res);
                 for (int r = 0; r < ROW_TILE; r++)
                     store(p, t + r, o, res[r]);
             }
             for (; t < rows; t++) {
-                one(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t * nb, res);
+                one(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t, p->rows, res);
                 store(p, t, o, res[0]);
             }
             o += 1;
         } else {
             for (; t < rows; t++) {
-                by_cols(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t * nb, res);
+                by_cols(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t, p->rows, res);
                 for (int c = 0; c < COL_TILE; c++)
                     store(p, t, o + c, res[c]);
             }
@@ -696,32 +735,32 @@ static void q16_range(const struct product *p, int64_t o0, int64_t o1)
 /* Outputs [o0, o1) of the float rows [q16_rows, rows). */
 static void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
 {
-    tile_fn by_rows, by_cols, one;
+    tile_fn by_rows, by_rows4, by_cols, one;
 #if HAVE_AVX512
     widen_fn widen_group = NULL;
-    wide_fn by_both = NULL;
+    const wide_fn *by_both = NULL;
 #endif
     switch (p->type) {
     case TYPE_Q8_0:
-        by_rows = q8_0_rows, by_cols = q8_0_cols, one = q8_0_one;
+        by_rows = q8_0_rows, by_rows4 = q8_0_rows4, by_cols = q8_0_cols, one = q8_0_one;
 #if HAVE_AVX512
         widen_group = q8_0_widen, by_both = q8_0_wide;
 #endif
         break;
     case TYPE_Q4_0:
-        by_rows = q4_0_rows, by_cols = q4_0_cols, one = q4_0_one;
+        by_rows = q4_0_rows, by_rows4 = q4_0_rows4, by_cols = q4_0_cols, one = q4_0_one;
 #if HAVE_AVX512
         widen_group = q4_0_widen, by_both = q4_0_wide;
 #endif
         break;
     case TYPE_Q4_1:
-        by_rows = q4_1_rows, by_cols = q4_1_cols, one = q4_1_one;
+        by_rows = q4_1_rows, by_rows4 = q4_1_rows4, by_cols = q4_1_cols, one = q4_1_one;
 #if HAVE_AVX512
         widen_group = q4_1_widen, by_both = q4_1_wide;
 #endif
         break;
     default:
-        by_rows = k8_rows, by_cols = k8_cols, one = k8_one;
+        by_rows = k8_rows, by_rows4 = k8_rows4, by_cols = k8_cols, one = k8_one;
 #if HAVE_AVX512
         widen_group = k8_widen, by_both = k8_wide;
 #endif
@@ -730,7 +769,7 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
 #if HAVE_AVX512
     /* The widened blocks of one column group; without it (or `wide`), the AVX2 tiles (the same bits). */
     const size_t buf_bytes = ((size_t)p->nb * WIDE_BLOCK * sizeof(float) + 63) / 64 * 64;
-    float *buf = wide && rows - p->q16_rows >= 2 * WR ? aligned_alloc(64, buf_bytes) : NULL;
+    float *buf = wide && rows - p->q16_rows >= WIDE_MIN ? aligned_alloc(64, buf_bytes) : NULL;
     if (!buf)
         by_both = NULL;
 #else
@@ -738,48 +777,54 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
 #endif
     /* Up to eight rows (the AVX-512 tile) x COL_TILE outputs. */
     float res[8 * COL_TILE];
-    /* Rows in chunks, so that a chunk's activations stay in cache while the outputs' weights stream. */
-    for (int64_t t0 = p->q16_rows; t0 < rows; t0 += ROW_CHUNK) {
-        const int64_t t1 = t0 + ROW_CHUNK < rows ? t0 + ROW_CHUNK : rows;
+    /* Rows in chunks, so that a chunk's activations stay in cache while the outputs' weights stream: for
+     * the row tiles, as many rows as fit in the L1 data cache beside the blocks (at least one tile). */
+    int64_t chunk = ROW_CHUNK;
+#if HAVE_AVX512
+    if (!by_both)
+#endif
+        chunk = L1_ROWS_BYTES / (p->n_in * (int64_t)sizeof(float)) / 4 * 4;
+    chunk = chunk < 4 ? 4 : chunk > ROW_CHUNK ? ROW_CHUNK : chunk;
+    for (int64_t t0 = p->q16_rows; t0 < rows; t0 += chunk) {
+        const int64_t t1 = t0 + chunk < rows ? t0 + chunk : rows;
         for (int64_t o = o0; o < o1;) {
             int64_t t = t0;
             const uint8_t *w = column(p, o);
             const size_t bs = block_stride(p, o);
 #if HAVE_AVX512
-            if (by_both && t1 - t0 >= 2 * WR && o + COL_TILE <= o1 && o < p->grouped) {
-                /* A column group WR rows at a time, then the rest of the rows across the group. Below two
-                 * tiles' rows, widening into the buffer costs more than it saves. */
+            if (by_both && t1 - t0 >= WIDE_MIN && o + COL_TILE <= o1 && o < p->grouped) {
+                /* A column group WR rows at a time, the last tile taking the rows that are left. */
                 widen_group(w, bs, p->nb, buf);
-                for (; t + WR <= t1; t += WR) {
-                    by_both(buf, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
-                    for (int r = 0; r < WR; r++)
+                for (; t < t1;) {
+                    const int n = t1 - t < WR ? (int)(t1 - t) : WR;
+                    by_both[n](buf, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    for (int r = 0; r < n; r++)
                         for (int c = 0; c < COL_TILE; c++)
                             store(p, t + r, o + c, res[r * COL_TILE + c]);
-                }
-                for (; t < t1; t++) {
-                    by_cols(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
-                    for (int c = 0; c < COL_TILE; c++)
-                        store(p, t, o + c, res[c]);
+                    t += n;
                 }
                 o += COL_TILE;
                 continue;
             }
 #endif
-            if (o1 - o < COL_TILE || t1 - t0 >= ROW_TILE) {
-                /* One output at a time: four rows per tile, then the rest one by one. */
-                for (; t + ROW_TILE <= t1; t += ROW_TILE) {
-                    by_rows(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
-                    for (int r = 0; r < ROW_TILE; r++)
+            if (o1 - o < COL_TILE || t1 - t0 >= 4) {
+                /* One output at a time: eight rows per tile, then four, then the rest one by one. */
+                for (; t + 4 <= t1;) {
+                    const int n = t + 8 <= t1 ? 8 : 4;
+                    (n == 8 ? by_rows : by_rows4)(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows,
+                                                  res);
+                    for (int r = 0; r < n; r++)
                         store(p, t + r, o, res[r]);
+                    t += n;
                 }
                 for (; t < t1; t++) {
-                    one(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
+                    one(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
                     store(p, t, o, res[0]);
                 }
                 o += 1;
             } else {
                 for (; t < t1; t++) {
-                    by_cols(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t * p->nb, res);
+                    by_cols(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
                     for (int c = 0; c < COL_TILE; c++)
                         store(p, t, o + c, res[c]);
                 }
@@ -821,12 +866,13 @@ int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, 
         float s = 0;
         for (int j = 0; j < QK; j++)
             s += xb[j];
-        sx[i] = s;
+        sx[(int64_t)i % nb * rows + (int64_t)i / nb] = s;
     }
     for (int64_t t = 0; t < q16_rows; t++)
         quantize_q16(x + t * n_in, nb, xq + t * n_in, dx + t * nb);
-    const struct product p = {type, w,  (size_t)bb, nb, n_in,     n_out, n_out / COL_TILE * COL_TILE,
-                              x,    sx, bias,       other, out, op, q16_rows, xq, dx};
+    const struct product p = {type, w,     (size_t)bb, nb, n_in, n_out,    n_out / COL_TILE * COL_TILE, rows,
+                              x,    sx,    bias,       other, out, op,       q16_rows,                   xq,
+                              dx};
     /* Threads take runs of CHUNK_TILES column tiles as they come free, not a fixed share: a thread the OS
      * preempts (the server's event loop shares the cores) then delays the product by one run, not by its
      * whole share. Each output is still summed by one thread in one order, so the bits never change. */
