@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import huge_pages
 from kvserve.model.native_attention import NativeDecodeAttention
 
 
@@ -69,8 +70,8 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = huge_pages.empty(shape, dtype, device).zero_()
+        self.v = huge_pages.empty(shape, dtype, device).zero_()
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from kvserve.model import huge_pages
 from kvserve.model.linear import Linear, make_linear
 from kvserve.model.native_build import KernelUnavailableError, load_kernel
 from kvserve.model.quant_blocks import QK, QuantizedWeight, quantize_q8_0
@@ -69,7 +70,7 @@ def interleave(weight: QuantizedWeight) -> torch.Tensor:
     # Spelled out, not -1: a product of fewer than COL_TILE outputs has no group to infer it from.
     block = data.shape[1] // nb
     # Copied straight into one buffer: a temporary as large as the weight would stay in the heap.
-    out = torch.empty(data.numel(), dtype=torch.uint8)
+    out = huge_pages.empty((data.numel(),), torch.uint8)
     head = data[:grouped].reshape(grouped // COL_TILE, COL_TILE, nb, block).transpose(1, 2)
     out[: head.numel()].view(grouped // COL_TILE, nb, COL_TILE, block).copy_(head)
     out[head.numel() :].copy_(data[grouped:].reshape(-1))

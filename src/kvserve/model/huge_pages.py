@@ -1,0 +1,54 @@
+"""Back the large CPU buffers the kernels stream (the KV pool, the weight blocks) with 2 MiB pages.
+
+A decode reads the KV pool's blocks wherever they sit in hundreds of MiB, a few KiB per block and KV head,
+and the weights as one stream of about 100 MB per token: with 4 KiB pages nearly every block costs a TLB
+miss. Linux's transparent huge pages are commonly enabled only for memory that asks (`madvise` mode), so
+`empty` asks before the first touch, which is when the kernel chooses the page size. Measured on 2
+cores, one row's attention over 30 layers of 1,500 scattered tokens: 5.6 -> 4.7 ms; eight rows sharing
+them: 15.8 -> 14.3 ms. Elsewhere (no Linux, no huge pages, another device) the buffers are plain ones.
+"""
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+import torch
+
+_HUGE = 2 << 20
+# Linux's MADV_HUGEPAGE.
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _madvise() -> "ctypes._NamedFuncPointer | None":
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except OSError:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def advise(tensor: torch.Tensor) -> bool:
+    """Ask for huge pages over the 2 MiB-aligned spans of `tensor`'s memory; pages already touched keep
+    their size. Returns whether the kernel took the advice (False for small or non-CPU tensors)."""
+    madvise = _madvise()
+    if madvise is None or tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first = -(-start // _HUGE) * _HUGE
+    last = end // _HUGE * _HUGE
+    return last > first and madvise(first, last - first, _MADV_HUGEPAGE) == 0
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`torch.empty`, with huge pages asked for before anything touches the memory."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    advise(tensor)
+    return tensor

@@ -1,0 +1,60 @@
+"""Huge pages for the KV pool and the weight blocks (kvserve.model.huge_pages)."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.model import huge_pages
+from kvserve.model.attention import KVCache
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    try:
+        found = re.search(r"\[(\w+)\]", THP.read_text())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def _huge_kib(tensor: torch.Tensor) -> int:
+    """AnonHugePages summed over the mappings that hold `tensor` (madvise splits a mapping at the advised
+    span), from /proc/self/smaps."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    inside, total = False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span.group(1), 16) < end and start < int(span.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_empty_is_a_plain_tensor_of_the_shape_and_dtype() -> None:
+    t = huge_pages.empty((3, 5), torch.float16)
+    assert t.shape == (3, 5) and t.dtype == torch.float16 and t.is_contiguous()
+
+
+def test_a_buffer_below_one_huge_page_is_left_alone() -> None:
+    assert not huge_pages.advise(torch.empty(1000))
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+def test_a_large_buffer_gets_huge_pages_once_touched() -> None:
+    # Above glibc's largest mmap threshold (32 MiB), so the memory is fresh, never touched before.
+    t = huge_pages.empty((64 << 20,), torch.uint8)
+    assert huge_pages.advise(t)
+    t.fill_(1)
+    assert _huge_kib(t) >= 2048
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+def test_the_kv_pool_is_zeroed_on_huge_pages() -> None:
+    cache = KVCache(2, 4096, 16, 3, 64, torch.device("cpu"), torch.float16)
+    assert not cache.k.any() and not cache.v.any()
+    assert _huge_kib(cache.k) >= 2048 and _huge_kib(cache.v) >= 2048
