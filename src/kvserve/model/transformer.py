@@ -17,7 +17,7 @@ from kvserve.model.linear import Linear, make_linear
 from kvserve.model.native_build import KernelUnavailableError
 from kvserve.model.native_decoder import DecoderLayer, NativeDecoder
 from kvserve.model.quant_blocks import QuantizedWeight, concat
-from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear, make_block_linear
+from kvserve.model.quant_linear import BlockArena, NativeRmsNorm, QuantLinear, make_block_linear
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 from kvserve.model.spec import ModelConfig
 
@@ -55,6 +55,7 @@ class Transformer:
         activations (EngineConfig.decode_activations)."""
         self.config = config
         blocks = quantized or {}
+        arena = BlockArena()
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -68,13 +69,13 @@ class Transformer:
             if native and joined is not None:
                 # The float weights are read only for a fallback: not at all where the kernel runs.
                 try:
-                    return QuantLinear(joined, bias, cache_dir, int16_decodes)
+                    return QuantLinear(joined, bias, cache_dir, int16_decodes, arena=arena)
                 except KernelUnavailableError:
                     pass
             weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             if weight_dtype not in ("gguf", "q8_0"):
                 return make_linear(weight, bias, weight_dtype)
-            return make_block_linear(weight, bias, joined, weight_dtype, cache_dir, int16_decodes)
+            return make_block_linear(weight, bias, joined, weight_dtype, cache_dir, int16_decodes, arena)
 
         def linear(name: str, bias: bool) -> Linear:
             return product([name + ".weight"], take(name + ".bias") if bias else None)
