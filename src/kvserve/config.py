@@ -75,9 +75,8 @@ class EngineConfig:
     threads now win for a lone stream too, see docs/design.md, Threads). `attention` is the
     decode-attention backend: "native" (a C kernel built on first use; bitwise batch-invariant), "torch"
     (portable) or "auto" (native where it can run: CPU, float32 or float64, a C compiler present).
-    `kv_dtype` is the KV cache's dtype
-    (see `kv_cache_dtype`); with float16 the cache holds twice the tokens per byte, and every attention
-    path reads the same rounded values.
+    `kv_dtype` is the KV cache's dtype (see `kv_cache_dtype`); with float16 the cache holds twice the
+    tokens per byte, and every attention path reads the same rounded values.
 
     `kv_disk`, when set, is the folder of the disk tier: blocks computed in memory are also written
     there (behind the step) and found again after eviction or a restart; `kv_disk_size` bounds it.

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +22,7 @@ _MADV_HUGEPAGE = 14
 
 
 @functools.cache
-def _madvise() -> "ctypes._NamedFuncPointer | None":
+def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -24,7 +24,7 @@ def _runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime already loaded in this process (torch's own copy), or None."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if line.count(" ") >= 5}
+            paths = {line.split()[-1] for line in maps}
     except OSError:
         return None
     for path in sorted(paths):

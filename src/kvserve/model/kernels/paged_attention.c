@@ -29,15 +29,16 @@
  * stays in registers across every position. Each row is still one task, computed start to end by one
  * thread, so its bits depend on its query, context and length alone. Returns 0 where it does not apply
  * (other head sizes, no AVX2), and the generic row runs. */
-static int no_fast_row_f64(const double *q, double *out, const double *kc, const double *vc,
-                           const int64_t *table, int64_t n, int64_t h0, int64_t h1, int64_t heads,
-                           int64_t kv_heads, int64_t dim, int64_t block_size, double scale, double *scores)
-{
-    (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)heads, (void)kv_heads, (void)dim;
-    (void)h0, (void)h1;
-    (void)block_size, (void)scale, (void)scores;
-    return 0;
-}
+#define DEFINE_NO_FAST_ROW(NAME, T, KV)                                                                  \
+    static int NAME(const T *q, T *out, const KV *kc, const KV *vc, const int64_t *table, int64_t n,      \
+                    int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, \
+                    T scale, T *scores)                                                                  \
+    {                                                                                                    \
+        (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)h0, (void)h1, (void)heads;   \
+        (void)kv_heads, (void)dim, (void)block_size, (void)scale, (void)scores;                          \
+        return 0;                                                                                        \
+    }
+DEFINE_NO_FAST_ROW(no_fast_row_f64, double, double)
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
@@ -158,25 +159,9 @@ DEFINE_FAST_ROW(fast_row_f32, float, load8_f32)
 DEFINE_FAST_ROW(fast_row_f16, _Float16, load8_f16)
 #endif
 #else
-static int fast_row_f32(const float *q, float *out, const float *kc, const float *vc, const int64_t *table,
-                        int64_t n, int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads, int64_t dim,
-                        int64_t block_size, float scale, float *scores)
-{
-    (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)heads, (void)kv_heads, (void)dim;
-    (void)h0, (void)h1;
-    (void)block_size, (void)scale, (void)scores;
-    return 0;
-}
+DEFINE_NO_FAST_ROW(fast_row_f32, float, float)
 #ifdef __FLT16_MAX__
-static int fast_row_f16(const float *q, float *out, const _Float16 *kc, const _Float16 *vc,
-                        const int64_t *table, int64_t n, int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads,
-                        int64_t dim, int64_t block_size, float scale, float *scores)
-{
-    (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)heads, (void)kv_heads, (void)dim;
-    (void)h0, (void)h1;
-    (void)block_size, (void)scale, (void)scores;
-    return 0;
-}
+DEFINE_NO_FAST_ROW(fast_row_f16, float, _Float16)
 #endif
 #endif
 

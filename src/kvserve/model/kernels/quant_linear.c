@@ -10,9 +10,10 @@
  *
  * The weights are never requantized. For float rows the quants are widened to float32 in registers and
  * every product and sum is in float32 (int16 rows: see "Decode rows" below). Per block, eight lanes l
- * each sum q * x over the block's elements 8k + l (k = 0..3: one multiply, then three fused multiply-adds), and a lane's running total takes d times that block sum by
- * a fused multiply-add (K8: each half's two-term sum times its own scale, low half first). The offset
- * term of Q4_1 and K8, m times the block's sum of x, is summed apart in block order.
+ * each sum q * x over the block's elements 8k + l (k = 0..3: one multiply, then three fused
+ * multiply-adds), and a lane's running total takes d times that block sum by a fused multiply-add (K8:
+ * each half's two-term sum times its own scale, low half first). The offset term of Q4_1 and K8, m times
+ * the block's sum of x, is summed apart in block order.
  * At the end the lanes are added in one fixed tree. That order is the same for every output of every row,
  * whatever the batch, the tile it falls in, the thread count or the instruction set: a row's output is
  * bitwise independent of the rest of its batch, and the AVX2 path and the portable one give the same
@@ -47,6 +48,8 @@
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_K8 = 100 };
 enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
 #define QK 32
+/* Rows per tile of one output: the int16 tiles and the float tiles' second size take ROW_TILE, the
+ * float tiles FLOAT_ROW_TILE first (a vector of eight rows' offset terms). */
 #define ROW_TILE 4
 #define FLOAT_ROW_TILE 8
 #define COL_TILE 4
@@ -331,7 +334,7 @@ static inline __attribute__((always_inline)) void vector_tile(int type, int rows
     __m256 acc[FLOAT_ROW_TILE * COL_TILE];
     float offset[FLOAT_ROW_TILE * COL_TILE];
     /* A row tile's offsets side by side: one fused multiply-add per block, the same as each row's own. */
-    const int row_offsets = cols == 1 && (rows == 8 || rows == 4);
+    const int row_offsets = cols == 1 && (rows == FLOAT_ROW_TILE || rows == ROW_TILE);
     __m256 offsets = _mm256_setzero_ps();
     __m128 offsets4 = _mm_setzero_ps();
     for (int i = 0; i < rows * cols; i++) {
@@ -367,15 +370,15 @@ static inline __attribute__((always_inline)) void vector_tile(int type, int rows
                 if ((type == TYPE_Q4_1 || type == TYPE_K8) && !row_offsets)
                     offset[r * cols + c] = fmaf(m, sx[b * ss + r], offset[r * cols + c]);
             }
-            if ((type == TYPE_Q4_1 || type == TYPE_K8) && rows == 8 && row_offsets)
+            if ((type == TYPE_Q4_1 || type == TYPE_K8) && rows == FLOAT_ROW_TILE && row_offsets)
                 offsets = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx + b * ss), offsets);
-            if ((type == TYPE_Q4_1 || type == TYPE_K8) && rows == 4 && row_offsets)
+            if ((type == TYPE_Q4_1 || type == TYPE_K8) && rows == ROW_TILE && row_offsets)
                 offsets4 = _mm_fmadd_ps(_mm_set1_ps(m), _mm_loadu_ps(sx + b * ss), offsets4);
         }
     }
-    if (row_offsets && rows == 8)
+    if (row_offsets && rows == FLOAT_ROW_TILE)
         _mm256_storeu_ps(offset, offsets);
-    if (row_offsets && rows == 4)
+    if (row_offsets && rows == ROW_TILE)
         _mm_storeu_ps(offset, offsets4);
     for (int i = 0; i < rows * cols; i++)
         res[i] = vector_total(acc[i], offset[i]);
@@ -451,17 +454,17 @@ typedef void (*q16_fn)(const uint8_t *, size_t, int64_t, const int16_t *, int64_
     static void NAME##_q16_rows(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,   \
                                 const float *dx, const float *sx, int64_t ss, float *res)                \
     {                                                                                                    \
-        q16_tile(TYPE, ROW_TILE, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                      \
+        q16_tile(TYPE, ROW_TILE, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                  \
     }                                                                                                    \
     static void NAME##_q16_cols(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,   \
                                 const float *dx, const float *sx, int64_t ss, float *res)                \
     {                                                                                                    \
-        q16_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, dx, sx, ss, res);                                      \
+        q16_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, dx, sx, ss, res);                                  \
     }                                                                                                    \
     static void NAME##_q16_one(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,    \
                                const float *dx, const float *sx, int64_t ss, float *res)                 \
     {                                                                                                    \
-        q16_tile(TYPE, 1, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                             \
+        q16_tile(TYPE, 1, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                         \
     }
 DEFINE_Q16_TILES(q8_0, TYPE_Q8_0)
 DEFINE_Q16_TILES(q4_0, TYPE_Q4_0)
@@ -605,22 +608,22 @@ WIDE_TILE(k8, TYPE_K8)
     static void NAME##_rows(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,         \
                             const float *sx, int64_t ss, float *res)                                     \
     {                                                                                                    \
-        vector_tile(TYPE, 8, 1, w, rb, nb, x, xs, sx, ss, res);                                          \
+        vector_tile(TYPE, FLOAT_ROW_TILE, 1, w, rb, nb, x, xs, sx, ss, res);                             \
     }                                                                                                    \
     static void NAME##_rows4(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,        \
                              const float *sx, int64_t ss, float *res)                                    \
     {                                                                                                    \
-        vector_tile(TYPE, 4, 1, w, rb, nb, x, xs, sx, ss, res);                                          \
+        vector_tile(TYPE, ROW_TILE, 1, w, rb, nb, x, xs, sx, ss, res);                                   \
     }                                                                                                    \
     static void NAME##_cols(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,         \
                             const float *sx, int64_t ss, float *res)                                     \
     {                                                                                                    \
-        vector_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, sx, ss, res);                                       \
+        vector_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, sx, ss, res);                                   \
     }                                                                                                    \
     static void NAME##_one(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,          \
                            const float *sx, int64_t ss, float *res)                                      \
     {                                                                                                    \
-        vector_tile(TYPE, 1, 1, w, rb, nb, x, xs, sx, ss, res);                                              \
+        vector_tile(TYPE, 1, 1, w, rb, nb, x, xs, sx, ss, res);                                          \
     }
 DEFINE_TILES(q8_0, TYPE_Q8_0)
 DEFINE_TILES(q4_0, TYPE_Q4_0)
@@ -679,7 +682,8 @@ static void scalar_range(const struct product *p, int64_t rows, int64_t o0, int6
             const float *sx = p->sx + t;
             store(p, t, o,
                   t < p->q16_rows
-                      ? scalar_dot_q16(p->type, w, bs, p->nb, p->xq + t * p->n_in, p->dx + t * p->nb, sx, rows)
+                      ? scalar_dot_q16(p->type, w, bs, p->nb, p->xq + t * p->n_in, p->dx + t * p->nb, sx,
+                                       rows)
                       : scalar_dot(p->type, w, bs, p->nb, p->x + t * p->n_in, sx, rows));
         }
 }
@@ -779,12 +783,12 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
     float res[8 * COL_TILE];
     /* Rows in chunks, so that a chunk's activations stay in cache while the outputs' weights stream: for
      * the row tiles, as many rows as fit in the L1 data cache beside the blocks (at least one tile). */
-    int64_t chunk = ROW_CHUNK;
+    int64_t chunk = L1_ROWS_BYTES / (p->n_in * (int64_t)sizeof(float)) / ROW_TILE * ROW_TILE;
 #if HAVE_AVX512
-    if (!by_both)
+    if (by_both)
+        chunk = ROW_CHUNK;
 #endif
-        chunk = L1_ROWS_BYTES / (p->n_in * (int64_t)sizeof(float)) / 4 * 4;
-    chunk = chunk < 4 ? 4 : chunk > ROW_CHUNK ? ROW_CHUNK : chunk;
+    chunk = chunk < ROW_TILE ? ROW_TILE : chunk > ROW_CHUNK ? ROW_CHUNK : chunk;
     for (int64_t t0 = p->q16_rows; t0 < rows; t0 += chunk) {
         const int64_t t1 = t0 + chunk < rows ? t0 + chunk : rows;
         for (int64_t o = o0; o < o1;) {
@@ -807,12 +811,12 @@ static void vector_range(const struct product *p, int64_t rows, int64_t o0, int6
                 continue;
             }
 #endif
-            if (o1 - o < COL_TILE || t1 - t0 >= 4) {
+            if (o1 - o < COL_TILE || t1 - t0 >= ROW_TILE) {
                 /* One output at a time: eight rows per tile, then four, then the rest one by one. */
-                for (; t + 4 <= t1;) {
-                    const int n = t + 8 <= t1 ? 8 : 4;
-                    (n == 8 ? by_rows : by_rows4)(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows,
-                                                  res);
+                for (; t + ROW_TILE <= t1;) {
+                    const int n = t + FLOAT_ROW_TILE <= t1 ? FLOAT_ROW_TILE : ROW_TILE;
+                    const tile_fn tile = n == FLOAT_ROW_TILE ? by_rows : by_rows4;
+                    tile(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
                     for (int r = 0; r < n; r++)
                         store(p, t + r, o, res[r]);
                     t += n;
@@ -861,13 +865,14 @@ int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, 
         return -2;
     float *sx = sx_n ? scratch : NULL, *dx = scratch + sx_n;
     int16_t *xq = (int16_t *)(dx + dx_n);
-    for (size_t i = 0; i < sx_n; i++) {
-        const float *xb = x + i * QK;
-        float s = 0;
-        for (int j = 0; j < QK; j++)
-            s += xb[j];
-        sx[(int64_t)i % nb * rows + (int64_t)i / nb] = s;
-    }
+    for (int64_t t = 0; sx && t < rows; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + t * n_in + b * QK;
+            float s = 0;
+            for (int j = 0; j < QK; j++)
+                s += xb[j];
+            sx[b * rows + t] = s;
+        }
     for (int64_t t = 0; t < q16_rows; t++)
         quantize_q16(x + t * n_in, nb, xq + t * n_in, dx + t * nb);
     const struct product p = {type, w,     (size_t)bb, nb, n_in, n_out,    n_out / COL_TILE * COL_TILE, rows,
