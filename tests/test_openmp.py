@@ -51,9 +51,24 @@ def test_a_thread_releases_the_workers_its_parallel_regions_started() -> None:
     assert counts["after release"] == 0
 
 
-def test_release_without_workers_is_harmless() -> None:
-    result: list[bool] = []
-    thread = threading.Thread(target=lambda: result.append(openmp.release_thread_pool()))
-    thread.start()
-    thread.join()
-    assert result in ([True], [False])
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_a_release_leaves_other_threads_workers_alone() -> None:
+    """A thread with no workers of its own (the server's main thread when the model loaded elsewhere)
+    releases nothing of another thread's pool: the pool's workers stay, and its regions still compute."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert (torch.ones(1 << 22) * 2).sum().item() == 2 * (1 << 22)
+        with_workers = _threads()
+        result: list[bool] = []
+        thread = threading.Thread(target=lambda: result.append(openmp.release_thread_pool()))
+        thread.start()
+        thread.join()
+        assert result in ([True], [False])
+        # Give a wrongly released pool the time its workers take to exit.
+        time.sleep(0.2)
+        assert _threads() == with_workers
+        assert (torch.ones(1 << 22) * 3).sum().item() == 3 * (1 << 22)
+        assert _threads() == with_workers
+    finally:
+        torch.set_num_threads(previous)

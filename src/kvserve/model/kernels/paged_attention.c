@@ -2,17 +2,15 @@
  *
  * Each query row attends to the first `lens[r]` positions of its own sequence, read in place from the
  * paged cache (slot = block * block_size + offset, layout [slots, kv_heads, head_dim]): no context is
- * gathered into a copy and no row is padded to the longest one. A row is one task, computed by one
- * thread from start to end with reductions in position order, so its result depends only on its query,
- * its context and its length: never on the other rows of the step or on the thread count. That is what
- * makes decodes bitwise batch-invariant.
+ * gathered into a copy and no row is padded to the longest one. Every reduction runs in a fixed order that
+ * depends only on the row's own query, context and length: never on the other rows of the step or on the
+ * thread count. That is what makes decodes bitwise batch-invariant.
  *
- * The generic code is built for float and double (double serves the float64 reference runs of the tests),
- * and for float with a float16 cache (KV): each cached position's row is widened to float as it is
- * read (exactly, with F16C where the CPU has it: a conversion per element in the inner loop kept it from
- * vectorizing and doubled the decode time at long contexts), and every product and sum stays in float.
- * Float rows with a head size of 64 or 128 take a vector path instead (`fast_row_*`, below), 1.7-2x the
- * generic code at 1,500-2,000 positions with a float16 cache (one row, one thread, side by side).
+ * The generic code (a row is one task, computed by one thread from start to end with reductions in
+ * position order) is built for float and double (double serves the float64 reference runs of the tests),
+ * and for float with a float16 cache (KV): each cached position's row is widened to float as it is read
+ * (exactly, with F16C where the CPU has it), and every product and sum stays in float. Float rows with a
+ * head size of 64 or 128 take a vector path instead (`fast_*`, below).
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,24 +19,44 @@
 #include <immintrin.h>
 #endif
 
-/* The float rows' fast path (AVX2, FMA, F16C; head_dim 64 or 128): the same three passes, ordered for
- * registers. Heads go one at a time, grouped by KV head so that a KV head's keys and values stay in L2
- * across the query heads that share them. Scores: the query head's vectors stay in registers, eight
- * positions' dot products are accumulated side by side (widening float16 as they load) and reduced
- * together, one add tree for eight sums instead of eight horizontal sums. Values: the head's output
- * stays in registers across every position. Each row is still one task, computed start to end by one
- * thread, so its bits depend on its query, context and length alone. Returns 0 where it does not apply
- * (other head sizes, no AVX2), and the generic row runs. */
-#define DEFINE_NO_FAST_ROW(NAME, T, KV)                                                                  \
-    static int NAME(const T *q, T *out, const KV *kc, const KV *vc, const int64_t *table, int64_t n,      \
-                    int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, \
-                    T scale, T *scores)                                                                  \
+/* The float rows' vector path (AVX2, FMA, F16C; head_dim 64 or 128). A row's context is cut into chunks
+ * of whole blocks (CHUNK_BYTES of K and V, or one block where blocks are larger), and a task is one chunk of one
+ * row, every head. Each task first reads its blocks through (`touch_blocks`), then computes from cache:
+ * the query heads that share a KV head (HG at a time) read and widen each cached row once between them.
+ * Each task keeps, per head, its chunk's softmax partial (highest score, sum of exps, weighted values); a
+ * second pass merges a head's chunks in chunk order. Chunk bounds depend on the row's length and the
+ * block size alone, so a row's bits do not depend on the other rows or on the thread count, and one long
+ * row spreads over every thread.
+ * Scores: a position's dot products for the heads are accumulated side by side, eight positions reduced
+ * together (one add tree for eight sums). Values: the heads' outputs stay in registers, four vectors of
+ * each at a time. `fast_*(NULL, ...)` says whether this path takes the shape; where it does not (other
+ * head sizes, no AVX2), the generic row runs.
+ * Measured against the path before it (a task per query head, reading as it computed), interleaved in one
+ * process on 2 cores: a decode step of one stream at 1,500-1,900 positions 14.1 -> 11.1 ms, eight streams
+ * of their own 1,500 positions 51 -> 42 ms; eight streams sharing one 1,500-position prefix about even
+ * (42 -> 43 ms: the shared blocks were in cache already). */
+/* A chunk's K and V: read through into L2 and computed from there (128 positions of the default model's
+ * float16 cache). */
+#define CHUNK_BYTES (96 * 1024)
+#define HG 4
+
+/* Blocks per chunk, for this block size and `row_bytes` of K (as of V) per position. */
+static inline int64_t chunk_blocks(int64_t block_size, size_t row_bytes)
+{
+    const int64_t blocks = (int64_t)(CHUNK_BYTES / (2 * row_bytes)) / block_size;
+    return blocks < 1 ? 1 : blocks;
+}
+
+#define DEFINE_NO_FAST(NAME, T, KV)                                                                      \
+    static int NAME(const T *q, const KV *kc, const KV *vc, const int64_t *table, int64_t n, int64_t b0, \
+                    int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, T scale, \
+                    T *scores, T *part, int64_t part_stride)                                             \
     {                                                                                                    \
-        (void)q, (void)out, (void)kc, (void)vc, (void)table, (void)n, (void)h0, (void)h1, (void)heads;   \
-        (void)kv_heads, (void)dim, (void)block_size, (void)scale, (void)scores;                          \
+        (void)q, (void)kc, (void)vc, (void)table, (void)n, (void)b0, (void)b1, (void)heads;              \
+        (void)kv_heads, (void)dim, (void)block_size, (void)scale, (void)scores, (void)part, (void)part_stride; \
         return 0;                                                                                        \
     }
-DEFINE_NO_FAST_ROW(no_fast_row_f64, double, double)
+DEFINE_NO_FAST(no_fast_f64, double, double)
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
@@ -46,20 +64,26 @@ static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8_f16(const _Float16 *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
-/* A head's rows of block `b` of the table (`row_bytes` at each of the block's positions, `elem` bytes an
- * element), fetched into cache ahead of use: blocks sit anywhere in the pool, so the hardware
- * prefetcher loses the stream at every block boundary. */
-#define AHEAD 2
-static inline void prefetch_block(const void *head, const int64_t *table, int64_t b, int64_t n,
-                                  int64_t block_size, int64_t stride, size_t elem, size_t row_bytes)
+/* Blocks [b0, b1) of both caches (each block's rows of every KV head lie together in the pool), read
+ * once through before the chunk is computed, so that the computing passes find them in cache. Blocks sit
+ * anywhere in the pool, and a pass that computes as it reads has too few misses in flight to keep memory
+ * busy; this loop has nothing but independent loads. Prefetch instructions ahead of the passes did not
+ * help here (measured on an AMD EPYC): the loads nearly halved attention's time at 1,500 positions. */
+static inline void touch_blocks(const void *kc, const void *vc, const int64_t *table, int64_t b0, int64_t b1,
+                                int64_t n, int64_t block_size, size_t row_bytes)
 {
-    if (b * block_size >= n)
-        return;
-    const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;
-    const char *row = (const char *)head + (size_t)(table[b] * block_size * stride) * elem;
-    for (int64_t i = 0; i < len; i++, row += (size_t)stride * elem)
-        for (size_t line = 0; line < row_bytes; line += 64)
-            _mm_prefetch(row + line, _MM_HINT_T0);
+    __m256i sink = _mm256_setzero_si256();
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;
+        const size_t at = (size_t)(table[b] * block_size) * row_bytes;
+        const char *k = (const char *)kc + at, *v = (const char *)vc + at;
+        for (size_t line = 0; line < (size_t)len * row_bytes; line += 64) {
+            sink = _mm256_or_si256(sink, _mm256_loadu_si256((const __m256i *)(k + line)));
+            sink = _mm256_or_si256(sink, _mm256_loadu_si256((const __m256i *)(v + line)));
+        }
+    }
+    /* The loads' only use: keeps them from being optimized away. */
+    __asm__ volatile("" : : "x"(sink));
 }
 
 /* Lane i: the sum of v[i]'s eight lanes. */
@@ -70,98 +94,162 @@ static inline __m256 sum8(const __m256 v[8])
     return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-#define DEFINE_FAST_HEAD(NAME, KV, LOAD8, D)                                                             \
-    static void NAME(const float *restrict qh, float *restrict oh, const KV *restrict kc,                \
-                     const KV *restrict vc, const int64_t *restrict table, int64_t n, int64_t stride,    \
-                     int64_t block_size, float scale, float *restrict sh)                                \
-    {                                                                                                   \
-        enum { C = D / 8 };                                                                             \
-        __m256 qv[C];                                                                                   \
-        for (int c = 0; c < C; c++)                                                                     \
-            qv[c] = _mm256_loadu_ps(qh + 8 * c);                                                        \
-        const __m256 sv = _mm256_set1_ps(scale);                                                        \
-        for (int64_t start = 0; start < n; start += block_size) {                                       \
-            const int64_t len = n - start < block_size ? n - start : block_size;                        \
-            const KV *k = kc + table[start / block_size] * block_size * stride;                         \
-            prefetch_block(kc, table, start / block_size + AHEAD, n, block_size, stride, sizeof(KV), D * sizeof(KV)); \
-            for (int64_t i0 = 0; i0 < len; i0 += 8) {                                                   \
-                const int64_t m = len - i0 < 8 ? len - i0 : 8;                                          \
-                __m256 acc[8];                                                                          \
-                for (int i = 0; i < 8; i++) {                                                           \
-                    /* Past the block's end, the last position again: computed, never stored. */        \
-                    const KV *kr = k + (i0 + (i < m ? i : m - 1)) * stride;                             \
-                    __m256 a = _mm256_mul_ps(qv[0], LOAD8(kr));                                         \
-                    for (int c = 1; c < C; c++)                                                         \
-                        a = _mm256_fmadd_ps(qv[c], LOAD8(kr + 8 * c), a);                               \
-                    acc[i] = a;                                                                         \
-                }                                                                                       \
-                const __m256 s = _mm256_mul_ps(sum8(acc), sv);                                          \
-                if (m == 8) {                                                                           \
-                    _mm256_storeu_ps(sh + start + i0, s);                                               \
-                } else {                                                                                \
-                    float lanes[8];                                                                     \
-                    _mm256_storeu_ps(lanes, s);                                                         \
-                    for (int64_t i = 0; i < m; i++)                                                     \
-                        sh[start + i0 + i] = lanes[i];                                                  \
-                }                                                                                       \
-            }                                                                                           \
-        }                                                                                               \
-        float mx = sh[0];                                                                               \
-        for (int64_t p = 1; p < n; p++)                                                                 \
-            mx = sh[p] > mx ? sh[p] : mx;                                                               \
-        float sum = 0;                                                                                  \
-        for (int64_t p = 0; p < n; p++) {                                                               \
-            sh[p] = expf(sh[p] - mx);                                                                   \
-            sum += sh[p];                                                                               \
-        }                                                                                               \
-        const float inv = 1 / sum;                                                                      \
-        __m256 acc[C];                                                                                  \
-        for (int c = 0; c < C; c++)                                                                     \
-            acc[c] = _mm256_setzero_ps();                                                               \
-        for (int64_t start = 0; start < n; start += block_size) {                                       \
-            const int64_t len = n - start < block_size ? n - start : block_size;                        \
-            const KV *v = vc + table[start / block_size] * block_size * stride;                         \
-            prefetch_block(vc, table, start / block_size + AHEAD, n, block_size, stride, sizeof(KV), D * sizeof(KV)); \
-            for (int64_t i = 0; i < len; i++, v += stride) {                                            \
-                const __m256 w = _mm256_set1_ps(sh[start + i]);                                         \
-                for (int c = 0; c < C; c++)                                                             \
-                    acc[c] = _mm256_fmadd_ps(w, LOAD8(v + 8 * c), acc[c]);                              \
-            }                                                                                           \
-        }                                                                                               \
-        const __m256 iv = _mm256_set1_ps(inv);                                                          \
-        for (int c = 0; c < C; c++)                                                                     \
-            _mm256_storeu_ps(oh + 8 * c, _mm256_mul_ps(acc[c], iv));                                    \
+/* Scores of `hg` query heads (q: their rows, C * 8 floats each, back to back) at the `len` positions of
+ * one block (k: the KV head's row at its first position), into sh[h * width + i]. hg and C are constants
+ * at each call, so the loops over them unroll into registers. */
+#define DEFINE_FAST_SCORES(NAME, KV, LOAD8)                                                              \
+    static inline __attribute__((always_inline)) void NAME(const int hg, const int C, const float *restrict q, \
+                                                           const KV *restrict k, int64_t len, int64_t stride, \
+                                                           __m256 sv, float *restrict sh, int64_t width)  \
+    {                                                                                                    \
+        for (int64_t i0 = 0; i0 < len; i0 += 8) {                                                        \
+            const int64_t m = len - i0 < 8 ? len - i0 : 8;                                               \
+            __m256 acc[HG][8];                                                                           \
+            for (int i = 0; i < 8; i++) {                                                                \
+                /* Past the block's end, the last position again: computed, never stored. */             \
+                const KV *kr = k + (i0 + (i < m ? i : m - 1)) * stride;                                  \
+                __m256 kv = LOAD8(kr), a[HG];                                                            \
+                for (int h = 0; h < hg; h++)                                                             \
+                    a[h] = _mm256_mul_ps(_mm256_loadu_ps(q + h * C * 8), kv);                             \
+                for (int c = 1; c < C; c++) {                                                            \
+                    kv = LOAD8(kr + 8 * c);                                                              \
+                    for (int h = 0; h < hg; h++)                                                         \
+                        a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * C * 8 + 8 * c), kv, a[h]);         \
+                }                                                                                        \
+                for (int h = 0; h < hg; h++)                                                             \
+                    acc[h][i] = a[h];                                                                    \
+            }                                                                                            \
+            for (int h = 0; h < hg; h++) {                                                               \
+                const __m256 s = _mm256_mul_ps(sum8(acc[h]), sv);                                        \
+                float *dst = sh + h * width + i0;                                                        \
+                if (m == 8) {                                                                            \
+                    _mm256_storeu_ps(dst, s);                                                            \
+                } else {                                                                                 \
+                    float lanes[8];                                                                      \
+                    _mm256_storeu_ps(lanes, s);                                                          \
+                    for (int64_t i = 0; i < m; i++)                                                      \
+                        dst[i] = lanes[i];                                                               \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
     }
 
-#define DEFINE_FAST_ROW(NAME, KV, LOAD8)                                                                 \
-    DEFINE_FAST_HEAD(NAME##_64, KV, LOAD8, 64)                                                          \
-    DEFINE_FAST_HEAD(NAME##_128, KV, LOAD8, 128)                                                        \
-    /* Heads [h0, h1) of one row; with q NULL, only whether this path takes the shape. Heads go in     \
-     * order, so a KV head's group runs back to back. */                                                \
-    static int NAME(const float *q, float *out, const KV *kc, const KV *vc, const int64_t *table,       \
-                    int64_t n, int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads, int64_t dim,     \
-                    int64_t block_size, float scale, float *scores)                                      \
-    {                                                                                                   \
-        if (dim != 64 && dim != 128)                                                                    \
-            return 0;                                                                                   \
-        if (!q)                                                                                         \
-            return 1;                                                                                   \
-        const int64_t group = heads / kv_heads, stride = kv_heads * dim;                                \
-        for (int64_t h = h0; h < h1; h++) {                                                             \
-            const int64_t g = h / group;                                                                \
-            (dim == 64 ? NAME##_64 : NAME##_128)(q + h * dim, out + h * dim, kc + g * dim, vc + g * dim, \
-                                                 table, n, stride, block_size, scale, scores);          \
-        }                                                                                               \
-        return 1;                                                                                       \
+/* The `hg` heads' weighted values over the `len` positions of one block (v: the KV head's row at its first
+ * position; w[h * width + i]: head h's weight of position i), added in position order to o[h * o_stride]
+ * (C * 8 floats each), four vectors of each head at a time. */
+#define DEFINE_FAST_VALUES(NAME, KV, LOAD8)                                                              \
+    static inline __attribute__((always_inline)) void NAME(const int hg, const int C, const KV *restrict v, \
+                                                           int64_t len, int64_t stride, const float *restrict w, \
+                                                           int64_t width, float *restrict o, int64_t o_stride) \
+    {                                                                                                    \
+        for (int c0 = 0; c0 < C; c0 += 4) {                                                              \
+            __m256 acc[HG][4];                                                                           \
+            for (int h = 0; h < hg; h++)                                                                 \
+                for (int c = 0; c < 4; c++)                                                              \
+                    acc[h][c] = _mm256_loadu_ps(o + h * o_stride + 8 * (c0 + c));                        \
+            for (int64_t i = 0; i < len; i++) {                                                          \
+                __m256 wv[HG];                                                                           \
+                for (int h = 0; h < hg; h++)                                                             \
+                    wv[h] = _mm256_set1_ps(w[h * width + i]);                                            \
+                for (int c = 0; c < 4; c++) {                                                            \
+                    const __m256 x = LOAD8(v + i * stride + 8 * (c0 + c));                               \
+                    for (int h = 0; h < hg; h++)                                                         \
+                        acc[h][c] = _mm256_fmadd_ps(wv[h], x, acc[h][c]);                                \
+                }                                                                                        \
+            }                                                                                            \
+            for (int h = 0; h < hg; h++)                                                                 \
+                for (int c = 0; c < 4; c++)                                                              \
+                    _mm256_storeu_ps(o + h * o_stride + 8 * (c0 + c), acc[h][c]);                        \
+        }                                                                                                \
     }
-DEFINE_FAST_ROW(fast_row_f32, float, load8_f32)
+
+/* One call per constant (hg, C) pair, so that each unrolls into registers. */
+#define FAST_CASES(CALL, FN, C) CALL(FN, 1, C) CALL(FN, 2, C) CALL(FN, 3, C) CALL(FN, 4, C)
+#define FAST_SWITCH(CALL, FN)                                                                            \
+    if (dim == 64) {                                                                                     \
+        switch (hg) { FAST_CASES(CALL, FN, 8) }                                                          \
+    } else {                                                                                             \
+        switch (hg) { FAST_CASES(CALL, FN, 16) }                                                         \
+    }
+#define SCORES_CALL(FN, G, C)                                                                            \
+    case G:                                                                                              \
+        FN(G, C, qh, k, len, stride, sv, sh, width);                                                     \
+        break;
+#define VALUES_CALL(FN, G, C)                                                                            \
+    case G:                                                                                              \
+        FN(G, C, v, len, stride, w, width, o, part_stride);                                              \
+        break;
+
+/* Every head of one row (q: its [heads, dim] rows) over blocks [b0, b1) of its context (the chunk): per
+ * head h, part[h * part_stride] = the chunk's highest score, then the sum of exp(score - highest), then the
+ * values weighted by those exps. A block's rows for every KV head lie together in the pool, so each block
+ * is read whole, once by the scores and once by the values; `scores` holds heads * (b1 - b0) * block_size
+ * floats. With q NULL, only whether this path takes the shape. */
+#define DEFINE_FAST(NAME, KV, LOAD8)                                                                     \
+    DEFINE_FAST_SCORES(NAME##_scores, KV, LOAD8)                                                         \
+    DEFINE_FAST_VALUES(NAME##_values, KV, LOAD8)                                                         \
+    static int NAME(const float *q, const KV *kc, const KV *vc, const int64_t *table, int64_t n,        \
+                    int64_t b0, int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim,                \
+                    int64_t block_size, float scale, float *scores, float *part, int64_t part_stride)   \
+    {                                                                                                    \
+        if (dim != 64 && dim != 128)                                                                     \
+            return 0;                                                                                    \
+        if (!q)                                                                                          \
+            return 1;                                                                                    \
+        const int64_t group = heads / kv_heads, stride = kv_heads * dim, width = (b1 - b0) * block_size; \
+        const int64_t p0 = b0 * block_size, m_all = (n < b1 * block_size ? n : b1 * block_size) - p0;    \
+        const size_t row_bytes = (size_t)stride * sizeof(KV);                                            \
+        const __m256 sv = _mm256_set1_ps(scale);                                                         \
+        touch_blocks(kc, vc, table, b0, b1, n, block_size, row_bytes);                                   \
+        for (int64_t b = b0; b < b1; b++) {                                                              \
+            const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;       \
+            for (int64_t g = 0; g < kv_heads; g++) {                                                     \
+                const KV *k = kc + table[b] * block_size * stride + g * dim;                             \
+                for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HG) {                           \
+                    const int hg = (g + 1) * group - h0 < HG ? (int)((g + 1) * group - h0) : HG;         \
+                    const float *qh = q + h0 * dim;                                                      \
+                    float *sh = scores + h0 * width + b * block_size - p0;                               \
+                    FAST_SWITCH(SCORES_CALL, NAME##_scores)                                                             \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        for (int64_t h = 0; h < heads; h++) {                                                            \
+            float *s = scores + h * width, *ph = part + h * part_stride;                                 \
+            float mx = s[0];                                                                             \
+            for (int64_t p = 1; p < m_all; p++)                                                          \
+                mx = s[p] > mx ? s[p] : mx;                                                              \
+            float sum = 0;                                                                               \
+            for (int64_t p = 0; p < m_all; p++) {                                                        \
+                s[p] = expf(s[p] - mx);                                                                  \
+                sum += s[p];                                                                             \
+            }                                                                                            \
+            ph[0] = mx;                                                                                  \
+            ph[1] = sum;                                                                                 \
+            for (int64_t d = 0; d < dim; d++)                                                            \
+                ph[2 + d] = 0;                                                                           \
+        }                                                                                                \
+        for (int64_t b = b0; b < b1; b++) {                                                              \
+            const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;       \
+            for (int64_t g = 0; g < kv_heads; g++) {                                                     \
+                const KV *v = vc + table[b] * block_size * stride + g * dim;                             \
+                for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HG) {                           \
+                    const int hg = (g + 1) * group - h0 < HG ? (int)((g + 1) * group - h0) : HG;         \
+                    const float *w = scores + h0 * width + b * block_size - p0;                          \
+                    float *o = part + h0 * part_stride + 2;                                              \
+                    FAST_SWITCH(VALUES_CALL, NAME##_values)                                                             \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        return 1;                                                                                        \
+    }
+DEFINE_FAST(fast_f32, float, load8_f32)
 #ifdef __FLT16_MAX__
-DEFINE_FAST_ROW(fast_row_f16, _Float16, load8_f16)
+DEFINE_FAST(fast_f16, _Float16, load8_f16)
 #endif
 #else
-DEFINE_NO_FAST_ROW(fast_row_f32, float, float)
+DEFINE_NO_FAST(fast_f32, float, float)
 #ifdef __FLT16_MAX__
-DEFINE_NO_FAST_ROW(fast_row_f16, float, _Float16)
+DEFINE_NO_FAST(fast_f16, float, _Float16)
 #endif
 #endif
 
@@ -226,6 +314,81 @@ DEFINE_NO_FAST_ROW(fast_row_f16, float, _Float16)
             out[j] = acc[j];                                                                          \
     }                                                                                                 \
                                                                                                       \
+    /* The vector path: tasks are (row, chunk), then each (row, head) merges its chunks' partials in    \
+     * chunk order; one chunk needs only its sum's inverse. */                                        \
+    static int NAME##_chunks(const T *q, int64_t q_stride, T *out, const KV *k_cache, const KV *v_cache, \
+                             const int64_t *tables, int64_t table_width, const int64_t *lens,         \
+                             int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,              \
+                             int64_t block_size, T scale, int threads)                                \
+    {                                                                                                 \
+        const int64_t cb = chunk_blocks(block_size, sizeof(KV) * (size_t)(kv_heads * dim));           \
+        const int64_t part_size = dim + 2;                                                            \
+        /* first[r]: row r's first chunk; its partials start at first[r] * heads. */                  \
+        int64_t *first = malloc(sizeof(int64_t) * (size_t)(rows + 1));                                \
+        if (!first)                                                                                   \
+            return -1;                                                                                \
+        first[0] = 0;                                                                                 \
+        for (int64_t r = 0; r < rows; r++)                                                            \
+            first[r + 1] = first[r] + (lens[r] + block_size * cb - 1) / (block_size * cb);            \
+        const int64_t tasks = first[rows];                                                            \
+        T *parts = malloc(sizeof(T) * (size_t)(tasks * heads * part_size));                           \
+        int failed = !parts;                                                                          \
+        _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                            \
+        {                                                                                             \
+            T *scores = parts ? malloc(sizeof(T) * (size_t)(heads * cb * block_size)) : NULL;         \
+            /* Every thread must reach the worksharing loops: a failed allocation only skips work. */ \
+            _Pragma("omp for schedule(dynamic, 1)")                                                   \
+            for (int64_t t = 0; t < tasks; t++) {                                                     \
+                if (!scores) {                                                                        \
+                    failed = 1;                                                                       \
+                    continue;                                                                         \
+                }                                                                                     \
+                int64_t lo = 0, hi = rows - 1;                                                        \
+                while (lo < hi) {                                                                     \
+                    const int64_t mid = (lo + hi + 1) / 2;                                            \
+                    if (first[mid] <= t)                                                              \
+                        lo = mid;                                                                     \
+                    else                                                                              \
+                        hi = mid - 1;                                                                 \
+                }                                                                                     \
+                const int64_t r = lo, chunks = first[r + 1] - first[r], c = t - first[r];             \
+                const int64_t blocks = (lens[r] + block_size - 1) / block_size;                       \
+                const int64_t b1 = (c + 1) * cb < blocks ? (c + 1) * cb : blocks;                     \
+                FAST(q + r * q_stride, k_cache, v_cache, tables + r * table_width, lens[r], c * cb, b1, \
+                     heads, kv_heads, dim, block_size, scale, scores,                                 \
+                     parts + (first[r] * heads + c) * part_size, chunks * part_size);                 \
+            }                                                                                         \
+            free(scores);                                                                             \
+            _Pragma("omp for schedule(static)")                                                       \
+            for (int64_t rh = 0; rh < rows * heads; rh++) {                                           \
+                if (failed)                                                                           \
+                    continue;                                                                         \
+                const int64_t r = rh / heads, h = rh % heads, chunks = first[r + 1] - first[r];       \
+                const T *part = parts + (first[r] * heads + h * chunks) * part_size;                  \
+                T *o = out + rh * dim;                                                                \
+                T mx = part[0];                                                                       \
+                for (int64_t c = 1; c < chunks; c++)                                                  \
+                    mx = part[c * part_size] > mx ? part[c * part_size] : mx;                         \
+                T sum = 0;                                                                            \
+                for (int64_t d = 0; d < dim; d++)                                                     \
+                    o[d] = 0;                                                                         \
+                for (int64_t c = 0; c < chunks; c++) {                                                \
+                    const T *pc = part + c * part_size;                                               \
+                    const T e = chunks == 1 ? 1 : EXP(pc[0] - mx);                                    \
+                    sum += pc[1] * e;                                                                 \
+                    for (int64_t d = 0; d < dim; d++)                                                 \
+                        o[d] += pc[2 + d] * e;                                                        \
+                }                                                                                     \
+                const T inv = 1 / sum;                                                                \
+                for (int64_t d = 0; d < dim; d++)                                                     \
+                    o[d] *= inv;                                                                      \
+            }                                                                                         \
+        }                                                                                             \
+        free(parts);                                                                                  \
+        free(first);                                                                                  \
+        return failed ? -1 : 0;                                                                       \
+    }                                                                                                 \
+                                                                                                      \
     /* q: rows of [heads, dim], `q_stride` elements apart; out: [rows, heads, dim] contiguous;        \
      * tables: [rows, table_width] block ids; lens: [rows] context lengths, each >= 1.                \
      * Returns 0, or -1 when scratch memory could not be allocated. */                                \
@@ -234,40 +397,33 @@ DEFINE_NO_FAST_ROW(fast_row_f16, float, _Float16)
              int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, double scale,          \
              int threads)                                                                             \
     {                                                                                                 \
+        if (FAST(NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, dim, 0, 0, NULL, NULL, 0))                    \
+            return NAME##_chunks(q, q_stride, out, k_cache, v_cache, tables, table_width, lens, rows, \
+                                 heads, kv_heads, dim, block_size, (T)scale, threads);                \
         int64_t longest = 0;                                                                          \
         for (int64_t r = 0; r < rows; r++)                                                            \
             longest = lens[r] > longest ? lens[r] : longest;                                          \
         int failed = 0;                                                                               \
-        /* Fewer rows than threads (one stream): the vector path's heads are the tasks instead, each  \
-         * still computed whole by one thread, so the bits do not change. */                          \
-        const int by_head = rows < threads && FAST(NULL, NULL, NULL, NULL, NULL, 0, 0, 0, heads, kv_heads, \
-                                                   dim, block_size, 0, NULL);                         \
-        const int64_t tasks = by_head ? rows * heads : rows;                                          \
         _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                            \
         {                                                                                             \
             T *scores = malloc(sizeof(T) * (size_t)(heads * (longest + dim)));                        \
-            /* Every thread must reach the worksharing loop: a failed allocation only skips work. */  \
             _Pragma("omp for schedule(dynamic, 1)")                                                   \
-            for (int64_t t = 0; t < tasks; t++) {                                                     \
+            for (int64_t r = 0; r < rows; r++) {                                                      \
                 if (!scores) {                                                                        \
                     failed = 1;                                                                       \
                     continue;                                                                         \
                 }                                                                                     \
-                const int64_t r = by_head ? t / heads : t, h0 = by_head ? t % heads : 0;              \
-                if (!FAST(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,                  \
-                          tables + r * table_width, lens[r], h0, by_head ? h0 + 1 : heads, heads,     \
-                          kv_heads, dim, block_size, (T)scale, scores))                               \
-                    NAME##_row(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,             \
-                               tables + r * table_width, lens[r], heads, kv_heads, dim, block_size,   \
-                               (T)scale, scores, scores + heads * longest);                           \
+                NAME##_row(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,                 \
+                           tables + r * table_width, lens[r], heads, kv_heads, dim, block_size,       \
+                           (T)scale, scores, scores + heads * longest);                               \
             }                                                                                         \
             free(scores);                                                                             \
         }                                                                                             \
         return failed ? -1 : 0;                                                                       \
     }
 
-DEFINE_PAGED_ATTENTION(float, float, expf, paged_decode_attention_f32, SAME_ROW, fast_row_f32)
-DEFINE_PAGED_ATTENTION(double, double, exp, paged_decode_attention_f64, SAME_ROW, no_fast_row_f64)
+DEFINE_PAGED_ATTENTION(float, float, expf, paged_decode_attention_f32, SAME_ROW, fast_f32)
+DEFINE_PAGED_ATTENTION(double, double, exp, paged_decode_attention_f64, SAME_ROW, no_fast_f64)
 /* Compilers without the _Float16 type build the rest; the caller then finds no float16 symbol. */
 #ifdef __FLT16_MAX__
 /* n float16 values widened to float into `wide` (exact either way, so both paths give the same bits). */
@@ -282,5 +438,5 @@ static inline const float *widen_f16(const _Float16 *restrict src, float *restri
         wide[i] = (float)src[i];
     return wide;
 }
-DEFINE_PAGED_ATTENTION(float, _Float16, expf, paged_decode_attention_f32_kv16, widen_f16, fast_row_f16)
+DEFINE_PAGED_ATTENTION(float, _Float16, expf, paged_decode_attention_f32_kv16, widen_f16, fast_f16)
 #endif
