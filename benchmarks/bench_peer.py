@@ -122,7 +122,7 @@ class PeakRss:
         self._thread.join()
 
 
-def write_rss(peak: dict[str, int]) -> None:
+def write_rss(peak: dict[str, int], folder: str) -> None:
     ratio = peak["kvserve"] / peak["llama.cpp"] if peak["llama.cpp"] else float("nan")
     table = (
         f"Peak resident memory over the whole run, both servers holding {KV_MEMORY} of KV.\n\n"
@@ -130,7 +130,7 @@ def write_rss(peak: dict[str, int]) -> None:
         + "".join(f"| {name} | {rss / MIB:.0f} |\n" for name, rss in peak.items())
         + f"\nkvserve / llama.cpp: {ratio:.2f}x\n"
     )
-    write_results("peer-rss", {"peak_rss_bytes": peak, "kvserve_vs_llama_cpp": ratio}, table)
+    write_results("peer-rss", {"peak_rss_bytes": peak, "kvserve_vs_llama_cpp": ratio}, table, folder)
 
 
 def bench(workload: str, targets: list[str], out: str, *args: str) -> None:
@@ -177,8 +177,9 @@ def main() -> None:
         for name in workloads:
             workload, *rest = WORKLOADS[name]
             bench(workload, targets, os.path.join(args.results, f"peer-{name}"), *rest)
-    if args.results == RESULTS and len(workloads) == len(WORKLOADS):
-        write_rss(rss.peak)
+    # A peak over part of the workloads is not the whole run's: only a full run reports one.
+    if len(workloads) == len(WORKLOADS):
+        write_rss(rss.peak, args.results)
 
 
 if __name__ == "__main__":

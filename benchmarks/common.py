@@ -52,10 +52,10 @@ def median_of(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def write_results(name: str, results: dict[str, Any], table: str) -> None:
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+def write_results(name: str, results: dict[str, Any], table: str, folder: str = RESULTS) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.json"), "w") as f:
         json.dump(results, f, indent=2)
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+    with open(os.path.join(folder, f"{name}.md"), "w") as f:
         f.write(table)
     print(table)
