@@ -30,6 +30,8 @@ class Case:
     dim: int
     block_size: int
     lens: list[int]
+    # Leading positions whose blocks every row shares (a cached prefix), cut to whole blocks.
+    shared: int
     seed: int
 
 
@@ -46,24 +48,30 @@ def cases(draw: st.DrawFn) -> Case:
         block_size=draw(st.sampled_from([1, 2, 4, 16])),
         # Past 128 positions the vector path splits a row into chunks and merges their partials.
         lens=draw(st.lists(st.integers(1, 70) | st.integers(120, 400), min_size=1, max_size=6)),
+        # Rows that share a chunk's whole blocks are computed in one task.
+        shared=draw(st.sampled_from([0, 0, 200, 400])),
         seed=draw(st.integers(0, 2**16)),
     )
 
 
 def _inputs(case: Case, dtype: torch.dtype) -> dict[str, Any]:
-    """Random caches, each row's blocks scattered over the pool in random order, and queries that are a
-    strided view (as the model's q is, beside k in one tensor)."""
+    """Random caches, each row's blocks scattered over the pool in random order (the first `shared`
+    positions' blocks the same for every row), and queries that are a strided view (as the model's q is,
+    beside k in one tensor)."""
     gen = torch.Generator().manual_seed(case.seed)
     bs = case.block_size
     widths = [-(-n // bs) for n in case.lens]
-    num_blocks = sum(widths) + 3
+    common = case.shared // bs
+    num_blocks = sum(widths) + common + 3
     slots = num_blocks * bs
     k_cache = torch.randn(slots, case.kv_heads, case.dim, generator=gen, dtype=dtype)
     v_cache = torch.randn(slots, case.kv_heads, case.dim, generator=gen, dtype=dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()
+    prefix = [order.pop() for _ in range(common)]
     tables = torch.zeros(len(case.lens), max(widths), dtype=torch.long)
     for r, width in enumerate(widths):
-        tables[r, :width] = torch.tensor([order.pop() for _ in range(width)])
+        own = [order.pop() for _ in range(max(0, width - common))]
+        tables[r, :width] = torch.tensor((prefix + own)[:width])
     qk = torch.randn(len(case.lens), case.heads + case.kv_heads, case.dim, generator=gen, dtype=dtype)
     return {
         "q": qk[:, : case.heads],

@@ -15,18 +15,22 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <omp.h>
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 /* The float rows' vector path (AVX2, FMA, F16C; head_dim 64 or 128). A row's context is cut into chunks
- * of whole blocks (CHUNK_BYTES of K and V, or one block where blocks are larger), and a task is one chunk of one
- * row, every head. Each task first reads its blocks through (`touch_blocks`), then computes from cache:
- * the query heads that share a KV head (HG at a time) read and widen each cached row once between them.
- * Each task keeps, per head, its chunk's softmax partial (highest score, sum of exps, weighted values); a
- * second pass merges a head's chunks in chunk order. Chunk bounds depend on the row's length and the
- * block size alone, so a row's bits do not depend on the other rows or on the thread count, and one long
- * row spreads over every thread.
+ * of whole blocks (CHUNK_BYTES of K and V, or one block where blocks are larger), every head of the row.
+ * A task is one chunk, of one row or of every row whose chunk covers the same whole blocks (a prefix they
+ * share through the cache: read once a step, however many decodes share it). Each task first reads its
+ * blocks through (`touch_blocks`), then computes its rows from cache: the query heads that share a KV head
+ * (HG at a time) read and widen each cached row once between them. Each row keeps, per head, its chunk's
+ * softmax partial (highest score, sum of exps, weighted values); a second pass merges a head's chunks in
+ * chunk order. Chunk bounds depend on the block size and the model's shape alone, and a row's arithmetic
+ * is the same whichever task computes it, so its bits do not depend on the other rows or on the thread
+ * count, and one long row spreads over every thread.
  * Scores: a position's dot products for the heads are accumulated side by side, eight positions reduced
  * together (one add tree for eight sums). Values: the heads' outputs stay in registers, four vectors of
  * each at a time. `fast_*(NULL, ...)` says whether this path takes the shape; where it does not (other
@@ -47,13 +51,69 @@ static inline int64_t chunk_blocks(int64_t block_size, size_t row_bytes)
     return blocks < 1 ? 1 : blocks;
 }
 
+/* One chunk of one row: the vector path's unit of work. */
+struct unit {
+    int64_t row, chunk;
+    /* Whole chunks (every block full): a hash of their block ids; the row's last, partial chunk: none. */
+    int whole;
+    uint64_t key;
+};
+
+static int unit_order(const void *pa, const void *pb)
+{
+    const struct unit *a = pa, *b = pb;
+    if (a->chunk != b->chunk)
+        return a->chunk < b->chunk ? -1 : 1;
+    if (a->whole != b->whole)
+        return a->whole > b->whole ? -1 : 1;
+    if (a->key != b->key)
+        return a->key < b->key ? -1 : 1;
+    return a->row < b->row ? -1 : a->row > b->row;
+}
+
+/* The units of every row (row r's chunks are first[r] .. first[r + 1] - 1), ordered so that the rows
+ * whose chunk covers the same whole blocks (a prefix they share through the cache) lie together; each
+ * such run is one task (`starts[i]`: task i's first unit; returns the number of tasks). A task reads its
+ * blocks through once and computes every row of it from cache, so a prefix that eight decodes share is
+ * read once a step, not eight times. Each row's arithmetic is the same either way: the bits do not
+ * change. */
+static int64_t plan_units(const int64_t *tables, int64_t table_width, const int64_t *lens, int64_t rows,
+                          int64_t block_size, int64_t cb, const int64_t *first, struct unit *units,
+                          int64_t *starts)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < first[r + 1] - first[r]; c++) {
+            struct unit *u = &units[first[r] + c];
+            u->row = r, u->chunk = c;
+            u->whole = (c + 1) * cb * block_size <= lens[r];
+            /* FNV-1a over the chunk's block ids. */
+            u->key = 14695981039346656037ull;
+            for (int64_t b = c * cb; u->whole && b < (c + 1) * cb; b++)
+                u->key = (u->key ^ (uint64_t)tables[r * table_width + b]) * 1099511628211ull;
+        }
+    const int64_t n = first[rows];
+    qsort(units, (size_t)n, sizeof(struct unit), unit_order);
+    int64_t tasks = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const struct unit *u = &units[i], *lead = tasks ? &units[starts[tasks - 1]] : NULL;
+        const int joins = lead && u->whole && lead->whole && u->chunk == lead->chunk && u->key == lead->key &&
+                          !memcmp(tables + u->row * table_width + u->chunk * cb,
+                                  tables + lead->row * table_width + lead->chunk * cb, sizeof(int64_t) * (size_t)cb);
+        if (!joins)
+            starts[tasks++] = i;
+    }
+    starts[tasks] = n;
+    return tasks;
+}
+
 #define DEFINE_NO_FAST(NAME, T, KV)                                                                      \
     static int NAME(const T *q, const KV *kc, const KV *vc, const int64_t *table, int64_t n, int64_t b0, \
                     int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, T scale, \
-                    T *scores, T *part, int64_t part_stride)                                             \
+                    T *scores, T *part, int64_t part_stride, int touch)                                  \
     {                                                                                                    \
         (void)q, (void)kc, (void)vc, (void)table, (void)n, (void)b0, (void)b1, (void)heads;              \
         (void)kv_heads, (void)dim, (void)block_size, (void)scale, (void)scores, (void)part, (void)part_stride; \
+        (void)touch;                                                                                     \
         return 0;                                                                                        \
     }
 DEFINE_NO_FAST(no_fast_f64, double, double)
@@ -190,7 +250,8 @@ static inline __m256 sum8(const __m256 v[8])
     DEFINE_FAST_VALUES(NAME##_values, KV, LOAD8)                                                         \
     static int NAME(const float *q, const KV *kc, const KV *vc, const int64_t *table, int64_t n,        \
                     int64_t b0, int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim,                \
-                    int64_t block_size, float scale, float *scores, float *part, int64_t part_stride)   \
+                    int64_t block_size, float scale, float *scores, float *part, int64_t part_stride,   \
+                    int touch)                                                                           \
     {                                                                                                    \
         if (dim != 64 && dim != 128)                                                                     \
             return 0;                                                                                    \
@@ -200,7 +261,8 @@ static inline __m256 sum8(const __m256 v[8])
         const int64_t p0 = b0 * block_size, m_all = (n < b1 * block_size ? n : b1 * block_size) - p0;    \
         const size_t row_bytes = (size_t)stride * sizeof(KV);                                            \
         const __m256 sv = _mm256_set1_ps(scale);                                                         \
-        touch_blocks(kc, vc, table, b0, b1, n, block_size, row_bytes);                                   \
+        if (touch)                                                                                       \
+            touch_blocks(kc, vc, table, b0, b1, n, block_size, row_bytes);                               \
         for (int64_t b = b0; b < b1; b++) {                                                              \
             const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;       \
             for (int64_t g = 0; g < kv_heads; g++) {                                                     \
@@ -314,8 +376,9 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
             out[j] = acc[j];                                                                          \
     }                                                                                                 \
                                                                                                       \
-    /* The vector path: tasks are (row, chunk), then each (row, head) merges its chunks' partials in    \
-     * chunk order; one chunk needs only its sum's inverse. */                                        \
+    /* The vector path: tasks are chunks (of one row, or of the rows that share its blocks, see         \
+     * `plan_units`), then each (row, head) merges its chunks' partials in chunk order; one chunk     \
+     * needs only its sum's inverse. Returns 0, or -1 when scratch memory could not be allocated. */  \
     static int NAME##_chunks(const T *q, int64_t q_stride, T *out, const KV *k_cache, const KV *v_cache, \
                              const int64_t *tables, int64_t table_width, const int64_t *lens,         \
                              int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,              \
@@ -330,39 +393,33 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
         first[0] = 0;                                                                                 \
         for (int64_t r = 0; r < rows; r++)                                                            \
             first[r + 1] = first[r] + (lens[r] + block_size * cb - 1) / (block_size * cb);            \
-        const int64_t tasks = first[rows];                                                            \
-        T *parts = malloc(sizeof(T) * (size_t)(tasks * heads * part_size));                           \
-        int failed = !parts;                                                                          \
-        _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                            \
+        const int64_t units_n = first[rows], nt = threads < 1 ? 1 : threads;                         \
+        const size_t scores_n = (size_t)(heads * cb * block_size);                                    \
+        T *parts = malloc(sizeof(T) * (size_t)(units_n * heads * part_size));                         \
+        struct unit *units = malloc(sizeof(struct unit) * (size_t)units_n);                           \
+        int64_t *starts = malloc(sizeof(int64_t) * (size_t)(units_n + 1));                            \
+        T *scores_all = malloc(sizeof(T) * scores_n * (size_t)nt);                                    \
+        const int ok = parts && units && starts && scores_all;                                        \
+        const int64_t tasks = ok ? plan_units(tables, table_width, lens, rows, block_size, cb, first, \
+                                              units, starts)                                          \
+                                 : 0;                                                                 \
+        const int64_t merges = ok ? rows * heads : 0;                                                 \
+        _Pragma("omp parallel num_threads(nt) if (ok)")                                               \
         {                                                                                             \
-            T *scores = parts ? malloc(sizeof(T) * (size_t)(heads * cb * block_size)) : NULL;         \
-            /* Every thread must reach the worksharing loops: a failed allocation only skips work. */ \
+            T *scores = ok ? scores_all + (size_t)omp_get_thread_num() * scores_n : NULL;             \
             _Pragma("omp for schedule(dynamic, 1)")                                                   \
-            for (int64_t t = 0; t < tasks; t++) {                                                     \
-                if (!scores) {                                                                        \
-                    failed = 1;                                                                       \
-                    continue;                                                                         \
+            for (int64_t t = 0; t < tasks; t++)                                                       \
+                for (int64_t i = starts[t]; i < starts[t + 1]; i++) {                                 \
+                    const int64_t r = units[i].row, c = units[i].chunk;                               \
+                    const int64_t chunks = first[r + 1] - first[r];                                   \
+                    const int64_t blocks = (lens[r] + block_size - 1) / block_size;                   \
+                    const int64_t b1 = (c + 1) * cb < blocks ? (c + 1) * cb : blocks;                 \
+                    FAST(q + r * q_stride, k_cache, v_cache, tables + r * table_width, lens[r], c * cb, \
+                         b1, heads, kv_heads, dim, block_size, scale, scores,                         \
+                         parts + (first[r] * heads + c) * part_size, chunks * part_size, i == starts[t]); \
                 }                                                                                     \
-                int64_t lo = 0, hi = rows - 1;                                                        \
-                while (lo < hi) {                                                                     \
-                    const int64_t mid = (lo + hi + 1) / 2;                                            \
-                    if (first[mid] <= t)                                                              \
-                        lo = mid;                                                                     \
-                    else                                                                              \
-                        hi = mid - 1;                                                                 \
-                }                                                                                     \
-                const int64_t r = lo, chunks = first[r + 1] - first[r], c = t - first[r];             \
-                const int64_t blocks = (lens[r] + block_size - 1) / block_size;                       \
-                const int64_t b1 = (c + 1) * cb < blocks ? (c + 1) * cb : blocks;                     \
-                FAST(q + r * q_stride, k_cache, v_cache, tables + r * table_width, lens[r], c * cb, b1, \
-                     heads, kv_heads, dim, block_size, scale, scores,                                 \
-                     parts + (first[r] * heads + c) * part_size, chunks * part_size);                 \
-            }                                                                                         \
-            free(scores);                                                                             \
             _Pragma("omp for schedule(static)")                                                       \
-            for (int64_t rh = 0; rh < rows * heads; rh++) {                                           \
-                if (failed)                                                                           \
-                    continue;                                                                         \
+            for (int64_t rh = 0; rh < merges; rh++) {                                                 \
                 const int64_t r = rh / heads, h = rh % heads, chunks = first[r + 1] - first[r];       \
                 const T *part = parts + (first[r] * heads + h * chunks) * part_size;                  \
                 T *o = out + rh * dim;                                                                \
@@ -384,9 +441,12 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
                     o[d] *= inv;                                                                      \
             }                                                                                         \
         }                                                                                             \
+        free(scores_all);                                                                             \
+        free(starts);                                                                                 \
+        free(units);                                                                                  \
         free(parts);                                                                                  \
         free(first);                                                                                  \
-        return failed ? -1 : 0;                                                                       \
+        return ok ? 0 : -1;                                                                           \
     }                                                                                                 \
                                                                                                       \
     /* q: rows of [heads, dim], `q_stride` elements apart; out: [rows, heads, dim] contiguous;        \
@@ -397,7 +457,7 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
              int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, double scale,          \
              int threads)                                                                             \
     {                                                                                                 \
-        if (FAST(NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, dim, 0, 0, NULL, NULL, 0))                    \
+        if (FAST(NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, dim, 0, 0, NULL, NULL, 0, 0))                    \
             return NAME##_chunks(q, q_stride, out, k_cache, v_cache, tables, table_width, lens, rows, \
                                  heads, kv_heads, dim, block_size, (T)scale, threads);                \
         int64_t longest = 0;                                                                          \
