@@ -51,6 +51,20 @@ static inline int64_t chunk_blocks(int64_t block_size, size_t row_bytes)
     return blocks < 1 ? 1 : blocks;
 }
 
+/* Scores s[0, n) -> exp(score - highest), in place: `mx` the highest, `sum` the exps' sum in position
+ * order. */
+#define EXP_SCORES(EXP, s, n, mx, sum)                                                                   \
+    do {                                                                                                 \
+        mx = (s)[0];                                                                                     \
+        for (int64_t p_ = 1; p_ < (n); p_++)                                                             \
+            mx = (s)[p_] > mx ? (s)[p_] : mx;                                                            \
+        sum = 0;                                                                                         \
+        for (int64_t p_ = 0; p_ < (n); p_++) {                                                           \
+            (s)[p_] = EXP((s)[p_] - mx);                                                                 \
+            sum += (s)[p_];                                                                              \
+        }                                                                                                \
+    } while (0)
+
 /* One chunk of one row: the vector path's unit of work. */
 struct unit {
     int64_t row, chunk;
@@ -98,7 +112,8 @@ static int64_t plan_units(const int64_t *tables, int64_t table_width, const int6
         const struct unit *u = &units[i], *lead = tasks ? &units[starts[tasks - 1]] : NULL;
         const int joins = lead && u->whole && lead->whole && u->chunk == lead->chunk && u->key == lead->key &&
                           !memcmp(tables + u->row * table_width + u->chunk * cb,
-                                  tables + lead->row * table_width + lead->chunk * cb, sizeof(int64_t) * (size_t)cb);
+                                  tables + lead->row * table_width + lead->chunk * cb,
+                                  sizeof(int64_t) * (size_t)cb);
         if (!joins)
             starts[tasks++] = i;
     }
@@ -112,8 +127,8 @@ static int64_t plan_units(const int64_t *tables, int64_t table_width, const int6
                     T *scores, T *part, int64_t part_stride, int touch)                                  \
     {                                                                                                    \
         (void)q, (void)kc, (void)vc, (void)table, (void)n, (void)b0, (void)b1, (void)heads;              \
-        (void)kv_heads, (void)dim, (void)block_size, (void)scale, (void)scores, (void)part, (void)part_stride; \
-        (void)touch;                                                                                     \
+        (void)kv_heads, (void)dim, (void)block_size, (void)scale, (void)scores, (void)part;              \
+        (void)part_stride, (void)touch;                                                                  \
         return 0;                                                                                        \
     }
 DEFINE_NO_FAST(no_fast_f64, double, double)
@@ -271,20 +286,13 @@ static inline __m256 sum8(const __m256 v[8])
                     const int hg = (g + 1) * group - h0 < HG ? (int)((g + 1) * group - h0) : HG;         \
                     const float *qh = q + h0 * dim;                                                      \
                     float *sh = scores + h0 * width + b * block_size - p0;                               \
-                    FAST_SWITCH(SCORES_CALL, NAME##_scores)                                                             \
+                    FAST_SWITCH(SCORES_CALL, NAME##_scores)                                              \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
         for (int64_t h = 0; h < heads; h++) {                                                            \
-            float *s = scores + h * width, *ph = part + h * part_stride;                                 \
-            float mx = s[0];                                                                             \
-            for (int64_t p = 1; p < m_all; p++)                                                          \
-                mx = s[p] > mx ? s[p] : mx;                                                              \
-            float sum = 0;                                                                               \
-            for (int64_t p = 0; p < m_all; p++) {                                                        \
-                s[p] = expf(s[p] - mx);                                                                  \
-                sum += s[p];                                                                             \
-            }                                                                                            \
+            float *s = scores + h * width, *ph = part + h * part_stride, mx, sum;                        \
+            EXP_SCORES(expf, s, m_all, mx, sum);                                                         \
             ph[0] = mx;                                                                                  \
             ph[1] = sum;                                                                                 \
             for (int64_t d = 0; d < dim; d++)                                                            \
@@ -298,7 +306,7 @@ static inline __m256 sum8(const __m256 v[8])
                     const int hg = (g + 1) * group - h0 < HG ? (int)((g + 1) * group - h0) : HG;         \
                     const float *w = scores + h0 * width + b * block_size - p0;                          \
                     float *o = part + h0 * part_stride + 2;                                              \
-                    FAST_SWITCH(VALUES_CALL, NAME##_values)                                                             \
+                    FAST_SWITCH(VALUES_CALL, NAME##_values)                                              \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
@@ -343,15 +351,8 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
             }                                                                                         \
         }                                                                                             \
         for (int64_t h = 0; h < heads; h++) {                                                         \
-            T *sh = scores + h * n;                                                                   \
-            T m = sh[0];                                                                              \
-            for (int64_t p = 1; p < n; p++)                                                           \
-                m = sh[p] > m ? sh[p] : m;                                                            \
-            T sum = 0;                                                                                \
-            for (int64_t p = 0; p < n; p++) {                                                         \
-                sh[p] = EXP(sh[p] - m);                                                               \
-                sum += sh[p];                                                                         \
-            }                                                                                         \
+            T *sh = scores + h * n, m, sum;                                                           \
+            EXP_SCORES(EXP, sh, n, m, sum);                                                           \
             const T inv = 1 / sum;                                                                    \
             for (int64_t p = 0; p < n; p++)                                                           \
                 sh[p] *= inv;                                                                         \
