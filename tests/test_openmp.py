@@ -1,42 +1,56 @@
 """Releasing a thread's OpenMP workers (kvserve.model.openmp), as the server's main thread does once the
-engine thread takes over the steps."""
+engine thread takes over the steps.
+
+Workers are told apart by thread id: the ids that appear while a thread runs its first parallel region.
+Counting the process's threads instead made the tests depend on other tests' threads exiting meanwhile."""
 
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from kvserve.model import openmp
 
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="finds threads through /proc")
 
 
-def _settled(expected: int) -> int:
-    """The process's thread count once it reaches `expected` (exiting threads take a moment), or as it
-    is after two seconds."""
+def _thread_ids() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def _parallel_sum(scale: float) -> float:
+    # Large enough for torch to split it across the calling thread's OpenMP workers.
+    return float((torch.ones(1 << 22) * scale).sum().item())
+
+
+def _started_workers() -> set[int]:
+    """The worker threads that the calling thread's first parallel region starts."""
+    before = _thread_ids()
+    assert _parallel_sum(2.0) == 2.0 * (1 << 22)
+    return _thread_ids() - before
+
+
+def _eventually(condition: Callable[[], bool]) -> bool:
+    """Whether `condition` holds within two seconds (exiting threads take a moment)."""
     deadline = time.monotonic() + 2
-    while _threads() != expected and time.monotonic() < deadline:
+    while not condition() and time.monotonic() < deadline:
         time.sleep(0.01)
-    return _threads()
+    return condition()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
 def test_a_thread_releases_the_workers_its_parallel_regions_started() -> None:
-    counts: dict[str, int] = {}
+    workers: set[int] = set()
     released: list[bool] = []
+    gone: list[bool] = []
 
     def work() -> None:
-        before = _threads()
         torch.set_num_threads(2)
-        # Large enough for torch to split it across the thread's OpenMP workers.
-        (torch.ones(1 << 22) * 2).sum().item()
-        counts["with workers"] = _threads() - before
+        workers.update(_started_workers())
         released.append(openmp.release_thread_pool())
-        counts["after release"] = _settled(before) - before
+        gone.append(_eventually(lambda: not workers & _thread_ids()))
 
     previous = torch.get_num_threads()
     try:
@@ -47,28 +61,44 @@ def test_a_thread_releases_the_workers_its_parallel_regions_started() -> None:
         torch.set_num_threads(previous)
     if not released[0]:
         pytest.skip("this OpenMP runtime cannot release its threads")
-    assert counts["with workers"] >= 1
-    assert counts["after release"] == 0
+    assert workers
+    assert gone == [True]
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
 def test_a_release_leaves_other_threads_workers_alone() -> None:
     """A thread with no workers of its own (the server's main thread when the model loaded elsewhere)
-    releases nothing of another thread's pool: the pool's workers stay, and its regions still compute."""
+    releases nothing of another thread's pool: that pool's workers stay, and its regions still compute."""
+    workers: set[int] = set()
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
+    after: list[float] = []
+
+    def owner() -> None:
+        torch.set_num_threads(2)
+        workers.update(_started_workers())
+        ready.set()
+        go.wait(10)
+        after.append(_parallel_sum(3.0))
+        openmp.release_thread_pool()
+        done.set()
+
     previous = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        assert (torch.ones(1 << 22) * 2).sum().item() == 2 * (1 << 22)
-        with_workers = _threads()
-        result: list[bool] = []
-        thread = threading.Thread(target=lambda: result.append(openmp.release_thread_pool()))
+        thread = threading.Thread(target=owner)
         thread.start()
-        thread.join()
-        assert result in ([True], [False])
+        assert ready.wait(10)
+        assert workers
+        released: list[bool] = []
+        bystander = threading.Thread(target=lambda: released.append(openmp.release_thread_pool()))
+        bystander.start()
+        bystander.join()
+        assert released in ([True], [False])
         # Give a wrongly released pool the time its workers take to exit.
         time.sleep(0.2)
-        assert _threads() == with_workers
-        assert (torch.ones(1 << 22) * 3).sum().item() == 3 * (1 << 22)
-        assert _threads() == with_workers
+        assert workers <= _thread_ids()
+        go.set()
+        assert done.wait(10)
+        thread.join()
     finally:
+        go.set()
         torch.set_num_threads(previous)
+    assert after == [3.0 * (1 << 22)]

@@ -6,8 +6,9 @@ whole blocks, which is a few large copies instead of one small copy per token. A
 out decodes first, then one span per prefill chunk; index and mask tensors are built once per step
 (AttentionMetadata) and shared by every layer.
 
-Decodes run through the native kernel (kvserve.model.native_attention) when the runner has one: it reads
-each row's blocks in place, unpadded, and is bitwise batch-invariant. The portable path gathers the
+Decodes and prefill tokens run through the native kernel (kvserve.model.native_attention) when the runner
+has one: it reads each row's blocks in place, unpadded, and is bitwise batch-invariant, and a prefill
+token is the same row as its decode would be. The portable path gathers the
 decodes' blocks into one padded batch for SDPA; grouped-query attention there copies no K/V: the query
 heads that share a KV head are laid along the query-length axis, so one SDPA call serves the whole group.
 """
@@ -25,10 +26,13 @@ from kvserve.model.native_attention import NativeDecodeAttention
 class PrefillSpan:
     """Tokens [start, end) of the step are one request's prefill chunk.
 
-    When the chunk continues a sequence, `context_blocks` lists the blocks of all its tokens so far
-    (`context_len` of them count) and `mask` [chunk * query heads per KV head, context_len] is the causal
-    mask against them, one row per (token, head in group); both are None when the chunk starts the
-    sequence, so attention runs on the fresh K/V directly.
+    With the native kernel, `tables` [chunk, blocks] and `lens` [chunk] make each token one of its rows
+    (its sequence's blocks, its own position + 1), exactly as that token's decode would be: a token's
+    attention then has the same bits whether its step was a prefill or a decode. Otherwise, when the chunk
+    continues a sequence, `context_blocks` lists the blocks of all its tokens so far (`context_len` of
+    them count) and `mask` [chunk * query heads per KV head, context_len] is the causal mask against them,
+    one row per (token, head in group); both are None when the chunk starts the sequence, so attention
+    runs on the fresh K/V directly.
     """
 
     start: int
@@ -36,6 +40,8 @@ class PrefillSpan:
     context_blocks: torch.Tensor | None = None
     context_len: int = 0
     mask: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -151,6 +157,11 @@ def paged_attention(
         out[:nd] = od.reshape(nd, heads, dim)
     for span in meta.prefills:
         n = span.end - span.start
+        if meta.native is not None and span.tables is not None and span.lens is not None:
+            out[span.start : span.end] = meta.native(
+                q[span.start : span.end], k_cache, v_cache, span.tables, span.lens, block_size, scale
+            )
+            continue
         if span.context_blocks is None:
             # The CPU flash kernel wants contiguous 4-D [1, heads, len, dim] inputs with equal head counts.
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0).contiguous()

@@ -87,12 +87,13 @@ class NativeDecodeAttention:
         scale: float,
     ) -> torch.Tensor:
         """q [rows, heads, dim] (rows may be strided); caches [slots, kv_heads, dim]; tables [rows, width]
-        and lens [rows] int64. Returns [rows, heads, dim]."""
+        (rows may be strided, or all one table: a prefill chunk's tokens share their sequence's) and lens
+        [rows] int64. Returns [rows, heads, dim]."""
         rows, heads, dim = q.shape
         # The kernel indexes heads and dims densely within a row and the caches and tables fully.
         assert q.stride(2) == 1 and q.stride(1) == dim and q.dtype == self.dtype
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == self.kv_dtype
-        assert tables.is_contiguous() and lens.is_contiguous()
+        assert tables.stride(1) == 1 and lens.is_contiguous()
         assert tables.dtype == torch.int64 and lens.dtype == torch.int64
         out = torch.empty((rows, heads, dim), dtype=q.dtype)
         status = getattr(self.lib, _SYMBOLS[self.dtype, self.kv_dtype])(
@@ -102,7 +103,7 @@ class NativeDecodeAttention:
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             tables.data_ptr(),
-            tables.shape[1],
+            tables.stride(0),
             lens.data_ptr(),
             rows,
             heads,

@@ -91,7 +91,7 @@ static int unit_order(const void *pa, const void *pb)
  * blocks through once and computes every row of it from cache, so a prefix that eight decodes share is
  * read once a step, not eight times. Each row's arithmetic is the same either way: the bits do not
  * change. */
-static int64_t plan_units(const int64_t *tables, int64_t table_width, const int64_t *lens, int64_t rows,
+static int64_t plan_units(const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows,
                           int64_t block_size, int64_t cb, const int64_t *first, struct unit *units,
                           int64_t *starts)
 {
@@ -103,7 +103,7 @@ static int64_t plan_units(const int64_t *tables, int64_t table_width, const int6
             /* FNV-1a over the chunk's block ids. */
             u->key = 14695981039346656037ull;
             for (int64_t b = c * cb; u->whole && b < (c + 1) * cb; b++)
-                u->key = (u->key ^ (uint64_t)tables[r * table_width + b]) * 1099511628211ull;
+                u->key = (u->key ^ (uint64_t)tables[r * table_stride + b]) * 1099511628211ull;
         }
     const int64_t n = first[rows];
     qsort(units, (size_t)n, sizeof(struct unit), unit_order);
@@ -111,8 +111,8 @@ static int64_t plan_units(const int64_t *tables, int64_t table_width, const int6
     for (int64_t i = 0; i < n; i++) {
         const struct unit *u = &units[i], *lead = tasks ? &units[starts[tasks - 1]] : NULL;
         const int joins = lead && u->whole && lead->whole && u->chunk == lead->chunk && u->key == lead->key &&
-                          !memcmp(tables + u->row * table_width + u->chunk * cb,
-                                  tables + lead->row * table_width + lead->chunk * cb,
+                          !memcmp(tables + u->row * table_stride + u->chunk * cb,
+                                  tables + lead->row * table_stride + lead->chunk * cb,
                                   sizeof(int64_t) * (size_t)cb);
         if (!joins)
             starts[tasks++] = i;
@@ -381,7 +381,7 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
      * `plan_units`), then each (row, head) merges its chunks' partials in chunk order; one chunk     \
      * needs only its sum's inverse. Returns 0, or -1 when scratch memory could not be allocated. */  \
     static int NAME##_chunks(const T *q, int64_t q_stride, T *out, const KV *k_cache, const KV *v_cache, \
-                             const int64_t *tables, int64_t table_width, const int64_t *lens,         \
+                             const int64_t *tables, int64_t table_stride, const int64_t *lens,         \
                              int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,              \
                              int64_t block_size, T scale, int threads)                                \
     {                                                                                                 \
@@ -401,7 +401,7 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
         int64_t *starts = malloc(sizeof(int64_t) * (size_t)(units_n + 1));                            \
         T *scores_all = malloc(sizeof(T) * scores_n * (size_t)nt);                                    \
         const int ok = parts && units && starts && scores_all;                                        \
-        const int64_t tasks = ok ? plan_units(tables, table_width, lens, rows, block_size, cb, first, \
+        const int64_t tasks = ok ? plan_units(tables, table_stride, lens, rows, block_size, cb, first, \
                                               units, starts)                                          \
                                  : 0;                                                                 \
         const int64_t merges = ok ? rows * heads : 0;                                                 \
@@ -415,7 +415,7 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
                     const int64_t chunks = first[r + 1] - first[r];                                   \
                     const int64_t blocks = (lens[r] + block_size - 1) / block_size;                   \
                     const int64_t b1 = (c + 1) * cb < blocks ? (c + 1) * cb : blocks;                 \
-                    FAST(q + r * q_stride, k_cache, v_cache, tables + r * table_width, lens[r], c * cb, \
+                    FAST(q + r * q_stride, k_cache, v_cache, tables + r * table_stride, lens[r], c * cb, \
                          b1, heads, kv_heads, dim, block_size, scale, scores,                         \
                          parts + (first[r] * heads + c) * part_size, chunks * part_size, i == starts[t]); \
                 }                                                                                     \
@@ -451,15 +451,16 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
     }                                                                                                 \
                                                                                                       \
     /* q: rows of [heads, dim], `q_stride` elements apart; out: [rows, heads, dim] contiguous;        \
-     * tables: [rows, table_width] block ids; lens: [rows] context lengths, each >= 1.                \
+     * tables: row r's block ids from tables + r * table_stride (0: every row reads one table, as a    \
+     * prefill chunk's tokens do); lens: [rows] context lengths, each >= 1.                           \
      * Returns 0, or -1 when scratch memory could not be allocated. */                                \
     int NAME(const T *q, int64_t q_stride, T *out, const KV *k_cache, const KV *v_cache,              \
-             const int64_t *tables, int64_t table_width, const int64_t *lens, int64_t rows,           \
+             const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows,           \
              int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, double scale,          \
              int threads)                                                                             \
     {                                                                                                 \
         if (FAST(NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, dim, 0, 0, NULL, NULL, 0, 0))                    \
-            return NAME##_chunks(q, q_stride, out, k_cache, v_cache, tables, table_width, lens, rows, \
+            return NAME##_chunks(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, rows, \
                                  heads, kv_heads, dim, block_size, (T)scale, threads);                \
         int64_t longest = 0;                                                                          \
         for (int64_t r = 0; r < rows; r++)                                                            \
@@ -475,7 +476,7 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
                     continue;                                                                         \
                 }                                                                                     \
                 NAME##_row(q + r * q_stride, out + r * heads * dim, k_cache, v_cache,                 \
-                           tables + r * table_width, lens[r], heads, kv_heads, dim, block_size,       \
+                           tables + r * table_stride, lens[r], heads, kv_heads, dim, block_size,       \
                            (T)scale, scores, scores + heads * longest);                               \
             }                                                                                         \
             free(scores);                                                                             \
