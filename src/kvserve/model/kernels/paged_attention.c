@@ -42,6 +42,8 @@
 /* A chunk's K and V: read through into L2 and computed from there (128 positions of the default model's
  * float16 cache). */
 #define CHUNK_BYTES (96 * 1024)
+/* The chunk partials one call holds at a time. */
+#define WAVE_BYTES (8 << 20)
 #define HG 4
 
 /* Blocks per chunk, for this block size and `row_bytes` of K (as of V) per position. */
@@ -459,9 +461,25 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
              int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, double scale,          \
              int threads)                                                                             \
     {                                                                                                 \
-        if (FAST(NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, dim, 0, 0, NULL, NULL, 0, 0))                    \
-            return NAME##_chunks(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, rows, \
-                                 heads, kv_heads, dim, block_size, (T)scale, threads);                \
+        if (FAST(NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0, dim, 0, 0, NULL, NULL, 0, 0)) {                  \
+            /* Rows in waves whose chunk partials fit in WAVE_BYTES (at least one row each): a long    \
+             * prefill chunk's rows would otherwise hold tens of MiB of partials at once. */          \
+            const int64_t span = block_size * chunk_blocks(block_size, sizeof(KV) * (size_t)(kv_heads * dim)); \
+            const int64_t unit_bytes = heads * (dim + 2) * (int64_t)sizeof(T);                        \
+            for (int64_t r0 = 0, r1; r0 < rows; r0 = r1) {                                            \
+                int64_t bytes = 0;                                                                    \
+                for (r1 = r0; r1 < rows; r1++) {                                                      \
+                    bytes += (lens[r1] + span - 1) / span * unit_bytes;                               \
+                    if (r1 > r0 && bytes > WAVE_BYTES)                                                \
+                        break;                                                                        \
+                }                                                                                     \
+                if (NAME##_chunks(q + r0 * q_stride, q_stride, out + r0 * heads * dim, k_cache, v_cache, \
+                                  tables + r0 * table_stride, table_stride, lens + r0, r1 - r0, heads, \
+                                  kv_heads, dim, block_size, (T)scale, threads))                      \
+                    return -1;                                                                        \
+            }                                                                                         \
+            return 0;                                                                                 \
+        }                                                                                             \
         int64_t longest = 0;                                                                          \
         for (int64_t r = 0; r < rows; r++)                                                            \
             longest = lens[r] > longest ? lens[r] : longest;                                          \
