@@ -254,3 +254,21 @@ def test_a_call_with_more_partials_than_one_wave_splits_its_rows_bitwise() -> No
             args, q=args["q"][r : r + 1], tables=args["tables"][r : r + 1], lens=args["lens"][r : r + 1]
         )
         assert torch.equal(attend(**alone)[0], batch[r])
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_a_prefill_chunks_rows_reading_one_table_are_each_their_decode(half: bool) -> None:
+    """A prefill chunk passes its sequence's one table to every row (a row stride of 0) and each token's
+    own length: on the vector path, over several chunks that the rows share, each row is bitwise the
+    row its decode would be."""
+    case = Case(heads=9, kv_heads=3, dim=64, block_size=16, lens=[600], shared=0, seed=9)
+    args = _inputs(case, torch.float32)
+    if half:
+        args = dict(args, k_cache=args["k_cache"].half(), v_cache=args["v_cache"].half())
+    attend = kernel(torch.float32, torch.float16 if half else None)
+    q = torch.randn(100, 9, 64, generator=torch.Generator().manual_seed(10))
+    lens = torch.arange(501, 601)
+    chunk = attend(**dict(args, q=q, tables=args["tables"].expand(100, -1), lens=lens))
+    for r in (0, 1, 50, 99):
+        decode = attend(**dict(args, q=q[r : r + 1], lens=lens[r : r + 1]))
+        assert torch.equal(decode[0], chunk[r])

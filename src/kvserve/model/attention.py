@@ -133,7 +133,8 @@ def paged_attention(
         k_stored, v_stored = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.index_copy_(0, meta.slot_mapping, k_stored)
         v_cache.index_copy_(0, meta.slot_mapping, v_stored)
-        if any(span.context_blocks is None for span in meta.prefills):
+        # Only SDPA over a chunk that starts its sequence reads the fresh K/V; the kernel reads the cache.
+        if any(span.tables is None and span.context_blocks is None for span in meta.prefills):
             k, v = k_stored.to(q.dtype), v_stored.to(q.dtype)
     else:
         k_cache.index_copy_(0, meta.slot_mapping, k)
@@ -157,7 +158,9 @@ def paged_attention(
         out[:nd] = od.reshape(nd, heads, dim)
     for span in meta.prefills:
         n = span.end - span.start
-        if meta.native is not None and span.tables is not None and span.lens is not None:
+        if span.tables is not None:
+            # The runner sets a span's rows only when it has the kernel.
+            assert meta.native is not None and span.lens is not None
             out[span.start : span.end] = meta.native(
                 q[span.start : span.end], k_cache, v_cache, span.tables, span.lens, block_size, scale
             )

@@ -156,12 +156,11 @@ class ModelRunner:
             positions += range(c.start, c.start + n)
             slots += [c.block_table[p // bs] * bs + p % bs for p in range(c.start, c.start + n)]
             span = PrefillSpan(offset, offset + n)
+            total = c.start + n
             if self.native is not None:
-                total = c.start + n
                 span.tables = torch.tensor(c.block_table[: -(-total // bs)], dtype=torch.long).expand(n, -1)
                 span.lens = torch.arange(c.start + 1, total + 1, dtype=torch.long)
             elif c.start > 0:
-                total = c.start + n
                 span.context_blocks = torch.tensor(
                     c.block_table[: -(-total // bs)], dtype=torch.long, device=dev
                 )

@@ -248,14 +248,29 @@ static inline __m256 sum8(const __m256 v[8])
     } else {                                                                                             \
         switch (hg) { FAST_CASES(CALL, FN, 16) }                                                         \
     }
+/* In FAST_PASS: `kv` the KV head's row at the block's first position, `w` the heads' scores there. */
 #define SCORES_CALL(FN, G, C)                                                                            \
     case G:                                                                                              \
-        FN(G, C, qh, k, len, stride, sv, sh, width);                                                     \
+        FN(G, C, q + h0 * dim, kv, len, stride, sv, w, width);                                           \
         break;
 #define VALUES_CALL(FN, G, C)                                                                            \
     case G:                                                                                              \
-        FN(G, C, v, len, stride, w, width, o, part_stride);                                              \
+        FN(G, C, kv, len, stride, w, width, part + h0 * part_stride + 2, part_stride);                   \
         break;
+/* One pass of DEFINE_FAST over its blocks, each KV head of a block, that head's query heads HG at a time:
+ * CALL with FN per (block, KV head, query heads). */
+#define FAST_PASS(KV, CACHE, CALL, FN)                                                                     \
+    for (int64_t b = b0; b < b1; b++) {                                                                  \
+        const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;           \
+        for (int64_t g = 0; g < kv_heads; g++) {                                                         \
+            const KV *kv = (CACHE) + table[b] * block_size * stride + g * dim;                           \
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HG) {                               \
+                const int hg = (g + 1) * group - h0 < HG ? (int)((g + 1) * group - h0) : HG;             \
+                float *w = scores + h0 * width + b * block_size - p0;                                    \
+                FAST_SWITCH(CALL, FN)                                                                    \
+            }                                                                                            \
+        }                                                                                                \
+    }
 
 /* Every head of one row (q: its [heads, dim] rows) over blocks [b0, b1) of its context (the chunk): per
  * head h, part[h * part_stride] = the chunk's highest score, then the sum of exp(score - highest), then the
@@ -280,18 +295,7 @@ static inline __m256 sum8(const __m256 v[8])
         const __m256 sv = _mm256_set1_ps(scale);                                                         \
         if (touch)                                                                                       \
             touch_blocks(kc, vc, table, b0, b1, n, block_size, row_bytes);                               \
-        for (int64_t b = b0; b < b1; b++) {                                                              \
-            const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;       \
-            for (int64_t g = 0; g < kv_heads; g++) {                                                     \
-                const KV *k = kc + table[b] * block_size * stride + g * dim;                             \
-                for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HG) {                           \
-                    const int hg = (g + 1) * group - h0 < HG ? (int)((g + 1) * group - h0) : HG;         \
-                    const float *qh = q + h0 * dim;                                                      \
-                    float *sh = scores + h0 * width + b * block_size - p0;                               \
-                    FAST_SWITCH(SCORES_CALL, NAME##_scores)                                              \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
+        FAST_PASS(KV, kc, SCORES_CALL, NAME##_scores)                                                    \
         for (int64_t h = 0; h < heads; h++) {                                                            \
             float *s = scores + h * width, *ph = part + h * part_stride, mx, sum;                        \
             EXP_SCORES(expf, s, m_all, mx, sum);                                                         \
@@ -300,18 +304,7 @@ static inline __m256 sum8(const __m256 v[8])
             for (int64_t d = 0; d < dim; d++)                                                            \
                 ph[2 + d] = 0;                                                                           \
         }                                                                                                \
-        for (int64_t b = b0; b < b1; b++) {                                                              \
-            const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;       \
-            for (int64_t g = 0; g < kv_heads; g++) {                                                     \
-                const KV *v = vc + table[b] * block_size * stride + g * dim;                             \
-                for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HG) {                           \
-                    const int hg = (g + 1) * group - h0 < HG ? (int)((g + 1) * group - h0) : HG;         \
-                    const float *w = scores + h0 * width + b * block_size - p0;                          \
-                    float *o = part + h0 * part_stride + 2;                                              \
-                    FAST_SWITCH(VALUES_CALL, NAME##_values)                                              \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
+        FAST_PASS(KV, vc, VALUES_CALL, NAME##_values)                                                    \
         return 1;                                                                                        \
     }
 DEFINE_FAST(fast_f32, float, load8_f32)
