@@ -2,7 +2,7 @@
 step time in-process, for one stream at the same context length, in one run.
 
 The HTTP side is a real `kvserve serve` process and a streaming client; the in-process side steps an
-Engine directly. The ratio is what HTTP, the event loop and the engine thread add per token (issue 9's
+Engine directly. The ratio is what HTTP, the event loop and the engine thread add per token (the
 target: at most 1.15x). Run: `make bench-overhead` (writes benchmarks/results/overhead.{json,md}).
 """
 

@@ -238,8 +238,8 @@ class EngineConfig:
     @property
     def kv_cache_dtype(self) -> str:
         """The KV cache's dtype: `kv_dtype`, where "auto" is float16 under float32 compute (half the bytes
-        per cached token; the greedy replies are float32's, see tests/test_kv_dtype.py) and the compute
-        dtype otherwise (float64 reference runs stay exact)."""
+        per cached token; the greedy replies are float32's, see tests/model/test_kv_float16.py) and the
+        compute dtype otherwise (float64 reference runs stay exact)."""
         if self.kv_dtype != "auto":
             return self.kv_dtype
         return "float16" if self.dtype == "float32" else self.dtype

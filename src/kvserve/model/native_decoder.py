@@ -4,9 +4,10 @@ kernels/quant_linear.c).
 The per-op path runs about ninety torch ops and ctypes calls per layer and token (norms, products, rope's
 eight ops, two K/V writes with their casts, views); on a small model they cost as much as the products.
 This path runs the same operations in the same order inside one C function, so its bits are the per-op
-path's (tests/test_native_decoder.py compares them) and a decode stays batch-invariant. It serves steps of
-decodes only, on the CPU in float32 with gguf or q8_0 weights and the native attention kernel; every other
-step, and every other setting, takes the per-op path, which stays the reference.
+path's (tests/model/test_native_decoder_matches_per_op.py compares them) and a decode stays
+batch-invariant. It serves steps of decodes only, on the CPU in float32 with gguf or q8_0 weights and the
+native attention kernel; every other step, and every other setting, takes the per-op path, which stays
+the reference.
 """
 
 import ctypes

@@ -17,7 +17,7 @@
  * At the end the lanes are added in one fixed tree. That order is the same for every output of every row,
  * whatever the batch, the tile it falls in, the thread count or the instruction set: a row's output is
  * bitwise independent of the rest of its batch, and the AVX2 path and the portable one give the same
- * bits (tests/test_quant_linear.py checks both). The library is compiled without -ffast-math and with
+ * bits (tests/model/test_quantized_blocks.py checks both). The library is compiled without -ffast-math and with
  * -ffp-contract=off so that the compiler keeps exactly these operations.
  *
  * Work is split over output columns between threads (OpenMP), each output computed by one thread. Rows

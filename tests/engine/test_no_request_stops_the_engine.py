@@ -1,4 +1,4 @@
-"""Issue 17, engine side: one request, pin or tenant can never stop the engine or crowd out another.
+"""Hardening, engine side: one request, pin or tenant can never stop the engine or crowd out another.
 
 Each test is named after the finding it reproduces; each failed on the code before its fix.
 """

@@ -3,10 +3,8 @@ model, driven by the official openai client and by raw HTTP."""
 
 import asyncio
 import json
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -17,40 +15,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.engine import Engine, EngineStats
+from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server import app as app_module
 from kvserve.server.app import create_app
 from kvserve.server.formats import CompletionFormat, ResponseIds
+from tests.server.live import Server, assert_no_leak
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 2048
-
-
-@dataclass
-class Server:
-    url: str
-    async_engine: AsyncEngine
-
-    def call(self, fn: Callable[[Engine], Any]) -> Any:
-        return asyncio.run(self.async_engine.call(fn))
-
-    def wait_idle(self, timeout_s: float = 60) -> EngineStats:
-        """Stats once no request is in flight and no block is locked; fails if that never happens."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats: EngineStats = self.call(lambda e: e.stats())
-            idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.cache.num_locked == 0
-            if idle and self.async_engine.num_in_flight == 0:
-                return stats
-            assert time.monotonic() < deadline, f"the engine never went idle: {stats}"
-            time.sleep(0.05)
-
-
-def assert_no_leak(stats: EngineStats) -> None:
-    c = stats.cache
-    assert c.num_locked == 0
-    assert c.num_free + c.num_cached == c.num_blocks
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.model.loader import load_model
+from tests.engine.steps import GREEDY, run
+from tests.harness import assert_no_leak
 from tests.helpers import save_tiny_model
 
 QUESTIONS = [
@@ -23,26 +25,6 @@ QUESTIONS = [
     "Hi",
     "Translate 'good morning' to French and German.",
 ]
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def run(
-    engine: Engine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY
-) -> dict[str, list[int]]:
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params)
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            out[delta.request_id] += delta.token_ids
-    return out
-
-
-def assert_no_leak(engine: Engine) -> None:
-    usage = engine.kv.usage()
-    assert not engine.has_unfinished_requests()
-    assert usage.num_locked == 0
-    assert usage.num_free + usage.num_cached == usage.num_blocks
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,10 @@
 batch-invariant, and optional (the engine falls back to the portable path where it cannot be built)."""
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +13,7 @@ from kvserve.config import default_cache_dir
 from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import KernelUnavailableError, NativeDecodeAttention
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
+from tests.model.attention_cases import Case, cases, inputs, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,97 +22,24 @@ def kernel(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> NativeDec
     return NativeDecodeAttention.load(default_cache_dir(), torch.device("cpu"), dtype, kv_dtype)
 
 
-@dataclass
-class Case:
-    heads: int
-    kv_heads: int
-    dim: int
-    block_size: int
-    lens: list[int]
-    # Leading positions whose blocks every row shares (a cached prefix), cut to whole blocks.
-    shared: int
-    seed: int
-
-
-@st.composite
-def cases(draw: st.DrawFn) -> Case:
-    # Groups of 5 and 8 query heads per KV head take the vector path's heads four at a time.
-    heads, kv_heads = draw(st.sampled_from([(1, 1), (4, 2), (6, 3), (9, 3), (4, 4), (5, 1), (8, 1)]))
-    return Case(
-        heads=heads,
-        kv_heads=kv_heads,
-        # 64 and 128 take the float rows' vector path (by heads, eight positions at a time), the rest
-        # the generic one.
-        dim=draw(st.sampled_from([4, 8, 64, 128])),
-        block_size=draw(st.sampled_from([1, 2, 4, 16])),
-        # Past 128 positions the vector path splits a row into chunks and merges their partials.
-        lens=draw(st.lists(st.integers(1, 70) | st.integers(120, 400), min_size=1, max_size=6)),
-        # Rows that share a chunk's whole blocks are computed in one task.
-        shared=draw(st.sampled_from([0, 0, 200, 400])),
-        seed=draw(st.integers(0, 2**16)),
-    )
-
-
-def _inputs(case: Case, dtype: torch.dtype) -> dict[str, Any]:
-    """Random caches, each row's blocks scattered over the pool in random order (the first `shared`
-    positions' blocks the same for every row), and queries that are a strided view (as the model's q is,
-    beside k in one tensor)."""
-    gen = torch.Generator().manual_seed(case.seed)
-    bs = case.block_size
-    widths = [-(-n // bs) for n in case.lens]
-    common = case.shared // bs
-    num_blocks = sum(widths) + common + 3
-    slots = num_blocks * bs
-    k_cache = torch.randn(slots, case.kv_heads, case.dim, generator=gen, dtype=dtype)
-    v_cache = torch.randn(slots, case.kv_heads, case.dim, generator=gen, dtype=dtype)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    prefix = [order.pop() for _ in range(common)]
-    tables = torch.zeros(len(case.lens), max(widths), dtype=torch.long)
-    for r, width in enumerate(widths):
-        own = [order.pop() for _ in range(max(0, width - common))]
-        tables[r, :width] = torch.tensor((prefix + own)[:width])
-    qk = torch.randn(len(case.lens), case.heads + case.kv_heads, case.dim, generator=gen, dtype=dtype)
-    return {
-        "q": qk[:, : case.heads],
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "tables": tables,
-        "lens": torch.tensor(case.lens, dtype=torch.long),
-        "block_size": bs,
-        "scale": case.dim**-0.5,
-    }
-
-
-def _reference(args: dict[str, Any], case: Case) -> torch.Tensor:
-    bs, group = case.block_size, case.heads // case.kv_heads
-    rows = []
-    for r, n in enumerate(case.lens):
-        slots = torch.tensor([int(args["tables"][r, p // bs]) * bs + p % bs for p in range(n)])
-        k = args["k_cache"][slots].double().transpose(0, 1).repeat_interleave(group, dim=0)
-        v = args["v_cache"][slots].double().transpose(0, 1).repeat_interleave(group, dim=0)
-        q = args["q"][r].double().unsqueeze(1)
-        rows.append(F.scaled_dot_product_attention(q, k, v, scale=args["scale"]).squeeze(1))
-    return torch.stack(rows)
-
-
 @settings(max_examples=80, deadline=None)
 @given(case=cases(), dtype=st.sampled_from(["float64", "float32", "float32 with a float16 cache"]))
 def test_kernel_equals_attention_over_each_rows_gathered_context(case: Case, dtype: str) -> None:
     compute = torch.float64 if dtype == "float64" else torch.float32
-    args = _inputs(case, compute)
+    args = inputs(case, compute)
     kv_dtype = None
     if dtype.endswith("float16 cache"):
         kv_dtype = torch.float16
         args = dict(args, k_cache=args["k_cache"].half(), v_cache=args["v_cache"].half())
     got = kernel(compute, kv_dtype)(**args)
     tolerance = 1e-12 if dtype == "float64" else 2e-5
-    torch.testing.assert_close(got.double(), _reference(args, case), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(got.double(), reference(args, case), atol=tolerance, rtol=tolerance)
 
 
 @settings(max_examples=30, deadline=None)
 @given(case=cases(), half=st.booleans())
 def test_a_row_is_bitwise_the_same_alone_in_any_batch_and_at_any_thread_count(case: Case, half: bool) -> None:
-    args = _inputs(case, torch.float32)
+    args = inputs(case, torch.float32)
     kv_dtype = torch.float16 if half else None
     if half:
         args = dict(args, k_cache=args["k_cache"].half(), v_cache=args["v_cache"].half())
@@ -245,7 +171,7 @@ def test_a_call_with_more_partials_than_one_wave_splits_its_rows_bitwise() -> No
     small) spans two waves, and every row is bitwise what it is alone."""
     lens = [680 + r % 20 for r in range(1200)]
     case = Case(heads=8, kv_heads=1, dim=64, block_size=16, lens=lens, shared=640, seed=5)
-    args = _inputs(case, torch.float32)
+    args = inputs(case, torch.float32)
     attend = kernel(torch.float32)
     batch = attend(**args)
     # 993 rows' partials fill the first wave.
@@ -262,7 +188,7 @@ def test_a_prefill_chunks_rows_reading_one_table_are_each_their_decode(half: boo
     own length: on the vector path, over several chunks that the rows share, each row is bitwise the
     row its decode would be."""
     case = Case(heads=9, kv_heads=3, dim=64, block_size=16, lens=[600], shared=0, seed=9)
-    args = _inputs(case, torch.float32)
+    args = inputs(case, torch.float32)
     if half:
         args = dict(args, k_cache=args["k_cache"].half(), v_cache=args["v_cache"].half())
     attend = kernel(torch.float32, torch.float16 if half else None)

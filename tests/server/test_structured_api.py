@@ -24,7 +24,7 @@ from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tools import ToolCallStream, call_text, parse_calls
-from tests.test_server import Server, assert_no_leak
+from tests.server.live import Server, assert_no_leak
 
 NAME = "m"
 ASK = [{"role": "user", "content": "Describe a fictional person."}]

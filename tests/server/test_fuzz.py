@@ -355,8 +355,8 @@ TENANT = {"Authorization": f"Bearer {TENANT_KEY}"}
 HI = {"prompt": "Hi", "max_tokens": 1}
 # Decodes as long as the ordinary requests, so that their steps are sampled in one batch.
 LONG = {"prompt": "Hi", "max_tokens": MAX_TOKENS, "ignore_eos": True}
-# The findings of issue 17 (hardening II), each as the request that showed it.
-ISSUE_17 = [
+# The findings of the second hardening review, each as the request that showed it.
+HARDENING_FINDINGS = [
     Case("top_k 2^63 beside top_k 40", "/v1/completions", {**LONG, "temperature": 1, "top_k": 2**63}, True),
     Case("top_k 10^30 sampled", "/v1/completions", {**LONG, "temperature": 1, "top_k": 10**30}, True),
     Case("top_k vocab", "/v1/completions", {**HI, "temperature": 1, "top_k": VOCAB, "seed": 3}, False),
@@ -472,8 +472,10 @@ def test_hand_corpus(fuzz_target: Target, case: Case) -> None:
     _check(fuzz_target, case)
 
 
-@pytest.mark.parametrize("case", ISSUE_17, ids=lambda c: c.what)
-def test_issue_17_corpus(case: Case, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("case", HARDENING_FINDINGS, ids=lambda c: c.what)
+def test_every_hardening_finding_is_refused_or_served_safely(
+    case: Case, request: pytest.FixtureRequest
+) -> None:
     """Each finding of the review beside ordinary requests, on the shared servers: none may stop them."""
     _check(request.getfixturevalue("keyed_target" if case.keyed else "fuzz_target"), case)
 

@@ -1,9 +1,10 @@
 """The native kernel on GGUF's quantized blocks (Q8_0, Q4_0, Q4_1) against the blocks' float values.
 
 Blocks are made with the gguf package's own quantizer, so the kernel reads exactly what a GGUF file
-holds. A row's output is checked bitwise across batches in tests/test_linear.py; here: the products are
-the float32 products of the dequantized weights (up to summation order), the AVX2 path and the portable
-path give the same bits, and the fused ops are the op after the product.
+holds. A row's output is checked bitwise across batches in
+tests/model/test_linear_rows_batch_invariant.py; here: the products are the float32 products of the
+dequantized weights (up to summation order), the AVX2 path and the portable path give the same bits, and
+the fused ops are the op after the product.
 """
 
 from typing import Any

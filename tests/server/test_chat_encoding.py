@@ -23,7 +23,7 @@ def _reply_ids(tok: Tokenizer) -> list[int]:
 def test_reply_quoted_in_an_earlier_user_message_is_spliced_into_the_assistant_message(
     tok: Tokenizer,
 ) -> None:
-    """Regression (issue 8, failure 5): the reply's text also appears in the user message before it."""
+    """Regression: the reply's text also appears in the user message before it."""
     reply = _reply_ids(tok)
     messages: list[ChatMessage] = [
         {"role": "user", "content": f"Please say exactly: {REPLY}"},

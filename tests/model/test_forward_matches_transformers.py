@@ -38,7 +38,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {"sliding_window": None}),
-    # Regression (issue 8, failure 6): o_proj and MLP biases were silently dropped.
+    # Regression: o_proj and MLP biases were silently dropped.
     "llama-attention-and-mlp-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
 }
 

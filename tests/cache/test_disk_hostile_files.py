@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from kvserve.cache.disk_tier import MAGIC, MAX_FILE_BYTES, DiskTier
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
-from tests.harness import engine_with_blocks
-from tests.test_disk_tier import (
+from tests.cache.disk_harness import (
     BLOCK,
     DOCUMENTS,
     MAC_KEY,
@@ -37,19 +36,6 @@ MAC_BYTES = 32
 # KVSERVE_LONG_TESTS=1 runs the property below on many more files.
 EXAMPLES = 2000 if os.environ.get("KVSERVE_LONG_TESTS") else 150
 SHAPE = (2, 2, BLOCK, 2, 8)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: LoadedModel) -> Engine:
-    return engine_with_blocks(tiny_model, 512, 16, enable_prefix_caching=False)
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 def _replace(path: Path, data: bytes) -> None:

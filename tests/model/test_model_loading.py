@@ -90,7 +90,7 @@ def test_cli_reports_a_bad_model_in_one_line(tmp_path: Any, capsys: pytest.Captu
 def test_config_fields_that_change_the_math_are_refused(
     tmp_path: Any, field: str, value: Any, message: str
 ) -> None:
-    """Regression (issue 8, failure 6): a model whose math we do not implement must not load."""
+    """Regression: a model whose math we do not implement must not load."""
     path = save_tiny_model(str(tmp_path / "m"), "llama")
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:

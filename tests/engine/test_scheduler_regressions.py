@@ -1,4 +1,4 @@
-"""Named regression tests for the scheduler and cache failures of issue 8, each in its own scenario."""
+"""Named regression tests for the scheduler and cache failures found in review, each in its own scenario."""
 
 from collections.abc import Sequence
 

@@ -25,16 +25,16 @@ from tests.helpers import AllDecodes
 CHUNK = 512
 CHUNKS = 6
 BLOCK = 16
-# The issue's bars: (minimum top-1 agreement with float32, maximum relative perplexity change).
+# The quality bars: (minimum top-1 agreement with float32, maximum relative perplexity change).
 # "gguf" runs the file's own blocks: the float32 model up to summation order, hence the tight bar.
 BARS = {"gguf": (0.999, 0.001), "gguf/int16": (0.999, 0.001), "float16": (0.995, 0.01), "int8": (0.97, 0.03)}
-# Regression floors under what int8 measures now (90.9% and +3.7%), below the issue's bars: per-row int8
+# Regression floors under what int8 measures now (90.9% and +3.7%), below the quality bars: per-row int8
 # activations lose the channels that a few large ones outscale. See README, weight precision.
 FLOORS = {**BARS, "int8": (0.88, 0.05)}
 
 
-class BelowIssueBar(AssertionError):
-    """Above the regression floor but below the issue's bar."""
+class BelowQualityBar(AssertionError):
+    """Above the regression floor but below the quality bar."""
 
 
 def english_token_ids(model: LoadedModel, n_tokens: int) -> list[int]:
@@ -111,9 +111,9 @@ def float32_scores(default_model: LoadedModel, text_ids: list[int]) -> Scores:
 
 
 INT8_SHORT = pytest.mark.xfail(
-    raises=BelowIssueBar,
+    raises=BelowQualityBar,
     strict=True,
-    reason="int8 with per-row activations misses the issue's 97% / 3% bars; strict, so passing them shows",
+    reason="int8 with per-row activations misses the 97% / 3% quality bars; strict, so passing them shows",
 )
 
 
@@ -135,4 +135,4 @@ def test_low_precision_weights_keep_the_float32_predictions(
     assert agreement >= min_agreement and abs(change) <= max_change, report
     min_agreement, max_change = BARS[weight_dtype]
     if agreement < min_agreement or abs(change) > max_change:
-        raise BelowIssueBar(report)
+        raise BelowQualityBar(report)

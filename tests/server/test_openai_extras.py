@@ -18,7 +18,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
-from tests.test_server import Server, assert_no_leak
+from tests.server.live import Server, assert_no_leak
 
 NAME = "served-name"
 CHAT: Any = [{"role": "user", "content": "Write a short poem about the sea."}]

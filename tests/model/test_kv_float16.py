@@ -15,7 +15,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.fingerprint import model_fingerprint
 from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import NativeDecodeAttention
-from tests.test_native_attention import Case, _inputs, _reference, cases
+from tests.model.attention_cases import Case, cases, inputs, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,7 +25,7 @@ def half_kernel() -> NativeDecodeAttention:
 
 
 def half_cache_inputs(case: Case) -> dict[str, Any]:
-    args = _inputs(case, torch.float32)
+    args = inputs(case, torch.float32)
     return dict(args, k_cache=args["k_cache"].half(), v_cache=args["v_cache"].half())
 
 
@@ -35,7 +35,7 @@ def test_the_kernel_widens_a_float16_cache_and_sums_in_float32(case: Case) -> No
     args = half_cache_inputs(case)
     got = half_kernel()(**args)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), _reference(args, case), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.double(), reference(args, case), atol=2e-5, rtol=2e-5)
 
 
 @settings(max_examples=15, deadline=None)

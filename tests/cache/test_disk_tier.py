@@ -6,74 +6,31 @@ import dataclasses
 import logging
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvserve.cache.block_key import ROOT, chain_key
 from kvserve.cache.disk_tier import DiskTier
-from kvserve.cache.tiers import BlockRecord
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
+from tests.cache.disk_harness import (
+    BLOCK,
+    DOCUMENTS,
+    MAC_KEY,
+    block_files,
+    disk_engine,
+    kv,
+    record,
+    rounds,
+    run_and_check,
+)
 from tests.harness import (
-    Run,
-    Spec,
     assert_cached_kv_is_fresh,
-    assert_matches_reference,
-    assert_no_leak,
     drive,
-    engine_with_blocks,
-    reference_outputs,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-BLOCK = 4
-MAC_KEY = bytes(range(32))
-# Eight 40-token documents (80 blocks in all) against a 24-block pool: most hits must come from disk.
-DOCUMENTS = [[100 + (d * 37 + i * 11) % 3900 for i in range(40)] for d in range(8)]
-
-
-def rounds(n: int) -> list[Spec]:
-    return [
-        Spec(base=("system", d), suffix=[200 + r, 300 + d], max_tokens=4, arrival=r * 40 + d)
-        for r in range(n)
-        for d in range(len(DOCUMENTS))
-    ]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: LoadedModel) -> Engine:
-    return engine_with_blocks(tiny_model, 512, 16, enable_prefix_caching=False)
-
-
-@pytest.fixture
-def engines(tiny_model: LoadedModel, tmp_path: Path) -> Iterator[list[Engine]]:
-    """Engines made by `disk_engine`; each is closed (its writes finished) at the end."""
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
-
-
-def disk_engine(model: LoadedModel, directory: Path, made: list[Engine], **overrides: object) -> Engine:
-    overrides.setdefault("kv_disk", str(directory))
-    engine = engine_with_blocks(model, overrides.pop("num_blocks", 24), BLOCK, **overrides)  # type: ignore[arg-type]
-    made.append(engine)
-    return engine
-
-
-def run_and_check(engine: Engine, reference: Engine, specs: list[Spec]) -> Run:
-    run = drive(engine, DOCUMENTS, specs)
-    assert_matches_reference(run, reference_outputs(reference, run))
-    assert_no_leak(engine)
-    return run
-
-
-def block_files(directory: Path) -> list[Path]:
-    return sorted(directory.glob("*/*.kv"))
 
 
 def test_outputs_are_identical_when_most_hits_come_from_disk(
@@ -186,14 +143,6 @@ def test_the_folder_can_be_deleted_while_the_engine_runs(
     shutil.rmtree(directory)
     run_and_check(engine, reference, rounds(2))
     assert block_files(directory), "the tier writes again once its folder is gone"
-
-
-def record(tokens: tuple[int, ...], parent: bytes = ROOT, namespace: str = "") -> BlockRecord:
-    return BlockRecord(chain_key(b"fp", namespace, parent, tokens), parent, namespace, tokens)
-
-
-def kv(seed: int) -> torch.Tensor:
-    return torch.randn((2, 2, BLOCK, 2, 8), generator=torch.Generator().manual_seed(seed))
 
 
 def test_disk_space_is_least_recently_used_within_its_size(tmp_path: Path) -> None:

@@ -9,8 +9,9 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.loader import load_model
 from kvserve.model.tokenizer import ChatMessage
+from tests.engine.steps import run
+from tests.harness import assert_no_leak
 from tests.helpers import save_tiny_model
-from tests.test_engine import assert_no_leak, run
 
 SYSTEM = (
     "You are a meticulous assistant for a small bakery. You answer questions about opening hours, "
