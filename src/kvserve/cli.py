@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.cluster.launch import ClusterConfig, run_until_interrupted
 from kvserve.config import EngineConfig
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.errors import KVServeError
 from kvserve.flags import add_flags, from_flags
 from kvserve.options import ServerOptions
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import Engine
+    from kvserve.engine.sampling_params import SamplingParams
     from kvserve.llm import LLM
 
 
@@ -37,7 +38,9 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
-def _params(args: argparse.Namespace) -> SamplingParams:
+def _params(args: argparse.Namespace) -> "SamplingParams":
+    from kvserve.engine.sampling_params import SamplingParams
+
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
@@ -130,9 +133,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # The options first: a bad one is refused before the server's imports (torch among them) load.
+    config, options = engine_config(args), from_flags(ServerOptions, args)
     from kvserve.server.app import serve
 
-    return serve(engine_config(args), from_flags(ServerOptions, args))
+    return serve(config, options)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -192,10 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from kvserve.errors import KVServeError
-
     try:
         return int(args.func(args))
     except KVServeError as e:
-        print(f"kvserve: {e}", file=sys.stderr)
+        # One line, as argparse reports a usage error: what is wrong and which option to change.
+        print(f"kvserve: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kvserve.errors import ConfigError
 from kvserve.flags import option, positive_int
 
 _UNITS = {
@@ -29,7 +30,7 @@ def parse_bytes(value: str | int) -> int:
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
     if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"invalid size {value!r}: use a number with an optional unit such as 512MiB or 2GiB")
+        raise ConfigError(f"invalid size {value!r}: use a number with an optional unit, e.g. 512MiB or 2GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -64,7 +65,7 @@ def default_cache_dir() -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs one model. Validated on construction so that a bad value fails at startup.
+    """How the engine runs one model. Validated on construction: a bad value raises ConfigError at startup.
 
     `kv_cache_memory` is the byte budget of the paged KV pool; `max_num_batched_tokens` bounds the tokens
     of one forward pass (decodes plus prefill chunks), which is what keeps long prefills from stalling
@@ -180,7 +181,7 @@ class EngineConfig:
         checks: list[tuple[bool, str]] = [
             (
                 self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-                "block_size must be a power of 2",
+                f"block_size must be a power of 2, not {self.block_size}",
             ),
             (self.kv_cache_memory > 0, "kv_cache_memory must be positive"),
             (self.kv_disk_size > 0, "kv_disk_size must be positive"),
@@ -233,7 +234,7 @@ class EngineConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise ConfigError(message)
 
     @property
     def kv_cache_dtype(self) -> str:

@@ -6,7 +6,9 @@ class KVServeError(Exception):
 
 
 class ConfigError(KVServeError, ValueError):
-    """An option cannot be used as given (kvserve.options); the message names the flag to change."""
+    """A configuration cannot be used as given: raised by EngineConfig, ServerOptions and ClusterConfig
+    on construction and by `build_parts` for what only the model decides. The message is one line that
+    names the option to change; the command line prints it as `kvserve: error: ...` and exits with 2."""
 
 
 class ModelLoadError(KVServeError):

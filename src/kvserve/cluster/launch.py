@@ -5,6 +5,7 @@ cluster`). Each part logs to its own file in the run folder; `stop` ends them al
 
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -12,12 +13,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import IO
 
 import httpx
 
 from kvserve.cluster.redis_process import RedisProcess, free_port
+from kvserve.errors import ConfigError
 from kvserve.flags import option
 
 log = logging.getLogger("kvserve.cluster")
@@ -28,13 +31,35 @@ HEALTH_INTERVAL_S = 2
 HEALTH_FAILURES = 1
 
 
-@dataclass
+# SMG's routing policies (`smg launch --policy`, 1.13).
+SMG_POLICIES = (
+    "cache_aware",
+    "round_robin",
+    "random",
+    "power_of_two",
+    "least_load",
+    "consistent_hashing",
+    "prefix_hash",
+    "passthrough",
+    "manual",
+)
+
+# Redis's memory sizes: bytes, or a number with k, kb, m, mb, g or gb, any case.
+_REDIS_SIZE = re.compile(r"[0-9]+([kmg]b?)?", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
+    """What `kvserve cluster` runs: `replicas` servers on `threads` torch threads split between them,
+    behind the router on `host`:`port`, sharing one Redis bounded by `redis_maxmemory` (unless `redis`
+    is off) and one tenant secret file. `serve_args` go to every replica's `kvserve serve` after the
+    cluster's own. Validated on construction (ConfigError), before any process starts."""
+
     replicas: int = option(2)
     threads: int = option(os.cpu_count() or 2, "torch threads, split between the replicas")
     host: str = option("127.0.0.1", "the router's address")
     port: int = option(8000, "the router's port")
-    policy: str = option("cache_aware", "SMG's routing policy, e.g. round_robin")
+    policy: str = option("cache_aware", "SMG's routing policy (default %(default)s)", choices=SMG_POLICIES)
     redis: bool = option(True, "replicas without the shared Redis tier", name="--no-redis")
     redis_maxmemory: str = option("1gb", "Redis' bound (LRU past it)")
     tenant_secret_file: str | None = option(
@@ -43,9 +68,28 @@ class ClusterConfig:
         "folder)",
         env="KVSERVE_TENANT_SECRET_FILE",
     )
-    # More `kvserve serve` arguments, given to every replica.
-    serve_args: list[str] = field(default_factory=list)
+    serve_args: Sequence[str] = ()
     run_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        # Kept as a tuple (a caller may pass a list); a bare string would read as one argument per letter.
+        if isinstance(self.serve_args, str):
+            raise ConfigError("serve_args must be a sequence of arguments, not one string")
+        object.__setattr__(self, "serve_args", tuple(self.serve_args))
+        checks: list[tuple[bool, str]] = [
+            (self.replicas >= 1, f"replicas must be at least 1, not {self.replicas}"),
+            (self.threads >= 1, f"threads must be at least 1, not {self.threads}"),
+            (0 < self.port < 2**16, f"port must be between 1 and 65535, not {self.port}"),
+            (bool(self.host), "host must not be empty"),
+            (self.policy in SMG_POLICIES, f"policy must be one of {', '.join(SMG_POLICIES)}"),
+            (
+                _REDIS_SIZE.fullmatch(self.redis_maxmemory) is not None,
+                f"redis_maxmemory must be a Redis size such as 512mb or 1gb, not {self.redis_maxmemory!r}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
 
 @dataclass
@@ -93,8 +137,6 @@ def _wait_http(url: str, process: subprocess.Popen[bytes], what: str, timeout_s:
 
 class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
-        if config.replicas < 1:
-            raise ValueError("a cluster needs at least one replica")
         self.config = config
         self.run_dir = config.run_dir or tempfile.mkdtemp(prefix="kvserve-cluster-")
         os.makedirs(self.run_dir, exist_ok=True)

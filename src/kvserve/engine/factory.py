@@ -17,10 +17,11 @@ from kvserve.cache.lower_tiers import LowerTiers
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import LowerTier
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, format_bytes
 from kvserve.engine.grammar import GrammarCompiler
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.validation import RequestLimits
+from kvserve.errors import ConfigError
 from kvserve.model.fingerprint import model_fingerprint
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.runner import DTYPES, ModelRunner
@@ -46,9 +47,9 @@ class EngineParts:
 
 
 def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> EngineParts:
-    """Build every part from `config`, loading the model unless `model` is given. Raises ValueError for
-    settings that cannot work together (a pool below one block, pins that would fill it, a context over
-    what the model supports)."""
+    """Build every part from `config`, loading the model unless `model` is given. Raises ConfigError for
+    settings that cannot work with this model (a pool below one block, pins that would fill it, a
+    context over what the model supports)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     started = time.monotonic()
@@ -59,8 +60,10 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     )
     num_blocks = config.kv_cache_memory // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory={config.kv_cache_memory} bytes is below one KV block ({bytes_per_block})"
+        raise ConfigError(
+            f"kv_cache_memory {format_bytes(config.kv_cache_memory)} is below one KV block of this model "
+            f"({format_bytes(bytes_per_block)}: {config.block_size} tokens): raise --kv-cache-memory or "
+            "lower --block-size"
         )
     runner = ModelRunner(
         model,
@@ -77,8 +80,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     )
     max_pinned_blocks = config.max_pinned_tokens // config.block_size
     if max_pinned_blocks >= num_blocks:
-        raise ValueError(
-            f"max_pinned_tokens={config.max_pinned_tokens} leaves no room in a pool of "
+        raise ConfigError(
+            f"max_pinned_tokens {config.max_pinned_tokens} leaves no room in a pool of "
             f"{num_blocks * config.block_size} tokens; lower it or raise kv_cache_memory"
         )
     kv = KVCacheManager(
@@ -153,5 +156,5 @@ def _max_model_len(config: EngineConfig, model: LoadedModel) -> int:
         limit = min(limit, model.config.sliding_window)
     asked = config.max_model_len
     if asked is not None and asked > limit:
-        raise ValueError(f"max_model_len {asked} exceeds what the model supports ({limit})")
+        raise ConfigError(f"max_model_len {asked} exceeds what the model supports ({limit})")
     return asked or limit

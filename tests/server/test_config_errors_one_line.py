@@ -1,0 +1,68 @@
+"""A configuration the engine, the server or the cluster cannot use stops the real command line with one
+line, `kvserve: error: ...`, naming the option, and exit status 2: no traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.cluster.launch import ClusterConfig
+from kvserve.config import EngineConfig
+from kvserve.errors import ConfigError
+from tests.helpers import save_tiny_model
+
+
+def kvserve(*argv: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve", *argv], capture_output=True, text=True, timeout=300, env=environ
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("kvserve: error: ")
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny") / "llama"), "llama", vocab_size=4096)
+
+
+def test_a_block_size_that_is_no_power_of_two() -> None:
+    assert_one_line_error(kvserve("serve", "--block-size", "24"), "block_size", "power of 2", "24")
+
+
+def test_a_kv_cache_below_one_block_of_the_model(tiny_model_dir: str) -> None:
+    result = kvserve("generate", "--model", tiny_model_dir, "--kv-cache-memory", "1KiB", "Hello")
+    assert_one_line_error(result, "1KiB", "below one KV block", "--kv-cache-memory")
+
+
+def test_a_cluster_without_replicas() -> None:
+    assert_one_line_error(kvserve("cluster", "--replicas", "0"), "replicas", "at least 1")
+
+
+def test_a_redis_size_redis_would_refuse() -> None:
+    assert_one_line_error(kvserve("cluster", "--redis-maxmemory", "lots"), "redis_maxmemory", "'lots'")
+
+
+def test_cluster_config_is_frozen_and_validated() -> None:
+    config = ClusterConfig(serve_args=["--block-size", "32"])
+    assert config.serve_args == ("--block-size", "32")
+    with pytest.raises(AttributeError):
+        config.replicas = 3  # type: ignore[misc]
+    for fields in ({"threads": 0}, {"port": 70000}, {"policy": "fastest"}, {"serve_args": "--x"}):
+        with pytest.raises(ConfigError):
+            ClusterConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_engine_config_errors_are_config_errors() -> None:
+    for fields in ({"block_size": 0}, {"kv_cache_memory": "2XB"}, {"max_num_seqs": 0}, {"attention": "x"}):
+        with pytest.raises(ConfigError):
+            EngineConfig(**fields)  # type: ignore[arg-type]
