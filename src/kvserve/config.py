@@ -58,6 +58,18 @@ def _threads_or_none(text: str) -> int | None:
     return None if number == 0 else number
 
 
+def check_kv_remote_secret(kv_remote: str | None, secret_given: bool) -> None:
+    """The Redis tier's rule, for EngineConfig (`secret`) and ServerOptions (`tenant_secret_file`) alike:
+    a Redis URL needs a secret given on purpose, never the cache folder's own, which differs per replica."""
+    if kv_remote is not None and not secret_given:
+        raise ConfigError(
+            "--kv-remote needs --tenant-secret-file (or KVSERVE_TENANT_SECRET_FILE; EngineConfig.secret in "
+            "Python) naming a secret that every replica shares: each replica's own secret would give a "
+            "tenant another namespace on each replica (so nothing in Redis would ever match) and another "
+            "key for the blocks' MACs"
+        )
+
+
 def default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(base, "kvserve")
@@ -193,11 +205,6 @@ class EngineConfig:
                 self.kv_remote is None or self.enable_prefix_caching,
                 "kv_remote needs the prefix cache: drop --no-prefix-cache or --kv-remote",
             ),
-            (
-                self.kv_remote is None or self.secret is not None,
-                "kv_remote needs the tenant secret that every replica shares (--tenant-secret-file): it keys "
-                "the MACs of the shared blocks and makes a tenant's namespace the same on every replica",
-            ),
             (self.max_pinned_tokens >= 0, "max_pinned_tokens must be >= 0"),
             (self.secret is None or len(self.secret) >= 16, "secret must be at least 16 bytes"),
             (
@@ -235,6 +242,7 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        check_kv_remote_secret(self.kv_remote, self.secret is not None)
 
     @property
     def kv_cache_dtype(self) -> str:

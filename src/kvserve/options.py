@@ -5,7 +5,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.config import format_bytes, parse_bytes
+from kvserve.config import check_kv_remote_secret, format_bytes, parse_bytes
 from kvserve.errors import ConfigError
 from kvserve.flags import option
 
@@ -94,13 +94,7 @@ class ServerOptions:
             raise ConfigError("allowed_origins must be a sequence of origins, not one string")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         # Checked here, before anything loads: a bad option fails in a second, not after the model.
-        if self.kv_remote is not None and self.tenant_secret_file is None:
-            raise ConfigError(
-                "--kv-remote needs --tenant-secret-file (or KVSERVE_TENANT_SECRET_FILE) naming a secret file "
-                "that every replica shares: each replica's own secret would give a tenant another "
-                "namespace on each replica (so nothing in Redis would ever match) and another key for the "
-                "blocks' MACs"
-            )
+        check_kv_remote_secret(self.kv_remote, self.tenant_secret_file is not None)
         if not 0 <= self.port < 2**16:
             raise ConfigError(f"port must be between 0 and 65535, not {self.port}")
         if self.max_request_bytes < 1:

@@ -10,6 +10,7 @@ import pytest
 from kvserve.cluster.launch import ClusterConfig
 from kvserve.config import EngineConfig
 from kvserve.errors import ConfigError
+from kvserve.options import ServerOptions
 from tests.helpers import save_tiny_model
 
 
@@ -66,3 +67,13 @@ def test_engine_config_errors_are_config_errors() -> None:
     for fields in ({"block_size": 0}, {"kv_cache_memory": "2XB"}, {"max_num_seqs": 0}, {"attention": "x"}):
         with pytest.raises(ConfigError):
             EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_the_engine_and_the_server_refuse_a_redis_tier_without_a_shared_secret_alike() -> None:
+    url = "redis://127.0.0.1:6379/0"
+    with pytest.raises(ConfigError) as engine:
+        EngineConfig(kv_remote=url)
+    with pytest.raises(ConfigError) as server:
+        ServerOptions(kv_remote=url)
+    assert str(engine.value) == str(server.value)
+    assert EngineConfig(kv_remote=url, secret=b"s" * 16).kv_remote == url
