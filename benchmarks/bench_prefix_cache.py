@@ -22,7 +22,7 @@ from benchmarks.common import RESULTS, default_model, make_engine, setup_threads
 from kvserve.bench.tokens import text_of_tokens
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.model.tokenizer import ChatMessage, Tokenizer
+from kvserve.model.tokenizer import MessageDict, Tokenizer
 
 
 def counter(tok: Tokenizer) -> Any:
@@ -30,7 +30,7 @@ def counter(tok: Tokenizer) -> Any:
 
 
 def chat_turn(
-    engine: Engine, rid: str, messages: list[ChatMessage], reply_tokens: int
+    engine: Engine, rid: str, messages: list[MessageDict], reply_tokens: int
 ) -> tuple[float, str, int]:
     ids = engine.tokenizer.encode_chat(messages, known_reply=lambda text: engine.replies.lookup("", text))
     start = time.perf_counter()
@@ -49,7 +49,7 @@ def multi_turn(engines: dict[str, Engine], turns: int, system: int, user: int, r
     count = counter(tok)
     system_text = text_of_tokens(system, "system", count)
     questions = [text_of_tokens(user, f"user-{t}", count) for t in range(turns)]
-    history: dict[str, list[ChatMessage]] = {
+    history: dict[str, list[MessageDict]] = {
         name: [{"role": "system", "content": system_text}] for name in engines
     }
     out: dict[str, Any] = {name: {"ttft_s": [], "cached_tokens": [], "prompt_tokens": []} for name in engines}
@@ -98,7 +98,7 @@ def shared_prefix(engine: Engine, users: int, system: int, question: int) -> dic
 def restart(model: Any, system: int, user: int, reply: int) -> dict[str, Any]:
     tok = model.tokenizer
     count = counter(tok)
-    messages: list[ChatMessage] = [
+    messages: list[MessageDict] = [
         {"role": "system", "content": text_of_tokens(system, "restart-system", count)},
         {"role": "user", "content": text_of_tokens(user, "restart-user", count)},
     ]

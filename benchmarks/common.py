@@ -28,7 +28,7 @@ def default_model() -> LoadedModel:
 
 
 def make_engine(model: LoadedModel, **overrides: Any) -> Engine:
-    return Engine(EngineConfig(**overrides), model=model)
+    return Engine.from_config(EngineConfig(**overrides), model=model)
 
 
 def timed_request(

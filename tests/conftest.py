@@ -29,11 +29,11 @@ def default_model() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def make_engine(default_model: LoadedModel) -> Callable[..., Engine]:
-    """Engine(EngineConfig(**overrides)) on the shared default model; small KV pool unless asked."""
+    """An engine on EngineConfig(**overrides) and the shared default model; small KV pool unless asked."""
 
     def make(**overrides: Any) -> Engine:
         overrides.setdefault("kv_cache_memory", 128 * 2**20)
-        return Engine(EngineConfig(**overrides), model=default_model)
+        return Engine.from_config(EngineConfig(**overrides), model=default_model)
 
     return make
 

@@ -39,7 +39,7 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
         max_model_len=MAX_MODEL_LEN,
         **overrides,
     )
-    engine = Engine(config, model=model)
+    engine = Engine.from_config(config, model=model)
     assert engine.num_blocks == num_blocks
     return engine
 

@@ -84,10 +84,10 @@ def cache_stats_text(engine: "Engine") -> str:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """A terminal chat; after each reply: time to first token, decode speed, prompt and cached tokens."""
-    from kvserve.model.tokenizer import ChatMessage
+    from kvserve.model.tokenizer import MessageDict
 
     llm = _llm(args)
-    messages: list[ChatMessage] = []
+    messages: list[MessageDict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     print(

@@ -45,10 +45,10 @@ def format_bytes(value: int) -> str:
 
 # Each choice list is defined here once: the flags offer it, validation checks it, the model maps it.
 # float64 is for reference runs (exact enough that batch shapes never flip a greedy token).
-DTYPES = ("float32", "float16", "bfloat16", "float64")
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16", "float64")
 WEIGHT_DTYPES = ("gguf", "q8_0", "float32", "float16", "int8")
 DECODE_ACTIVATIONS = ("int16", "float32")
-KV_DTYPES = ("auto", *DTYPES)
+KV_DTYPES = ("auto", *COMPUTE_DTYPES)
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
@@ -114,7 +114,7 @@ class EngineConfig:
 
     model: str | None = option(None, "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     device: str = option("cpu", "torch device, e.g. cpu or cuda")
-    dtype: str = option("float32", choices=DTYPES)
+    dtype: str = option("float32", choices=COMPUTE_DTYPES)
     weight_dtype: str = option(
         "gguf",
         "storage of the linear weights: gguf (a GGUF's own quantized blocks, run natively; the float32 "
@@ -222,7 +222,7 @@ class EngineConfig:
                 self.single_token_threads is None or self.single_token_threads > 0,
                 "single_token_threads must be positive",
             ),
-            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
+            (self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}"),
             (
                 self.attention in ATTENTION_BACKENDS,
                 f"attention must be one of {', '.join(ATTENTION_BACKENDS)}",

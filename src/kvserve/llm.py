@@ -20,7 +20,7 @@ from kvserve.engine.outputs import (
 )
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.validation import CheckedPrompt
-from kvserve.model.tokenizer import ChatMessage
+from kvserve.model.tokenizer import MessageDict
 
 
 class TokensPrompt(TypedDict):
@@ -28,7 +28,7 @@ class TokensPrompt(TypedDict):
 
 
 Prompt = str | TokensPrompt
-Conversation = Sequence[ChatMessage]
+Conversation = Sequence[MessageDict]
 
 
 @dataclass
@@ -47,7 +47,7 @@ class LLM:
     and the prefix cache persists across calls: a later call reuses what earlier ones computed."""
 
     def __init__(self, model: str | None = None, **config: Any) -> None:
-        self.engine = Engine(EngineConfig(model=model, **config))
+        self.engine = Engine.from_config(EngineConfig(model=model, **config))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -72,7 +72,7 @@ def test_another_model_or_setting_never_reads_the_files(
         other = disk_engine(dataclasses.replace(tiny_model, weights=weights), tmp_path, engines)
     else:
         config = dataclasses.replace(first.config, dtype="float32")
-        other = Engine(config, model=tiny_model)
+        other = Engine.from_config(config, model=tiny_model)
         engines.append(other)
     drive(other, DOCUMENTS, rounds(1))
     assert "disk" not in other.stats().hits_by_tier

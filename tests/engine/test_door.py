@@ -35,7 +35,7 @@ PROMPT = list(range(100, 120))
 
 
 def _engine(model: LoadedModel) -> Engine:
-    return Engine(
+    return Engine.from_config(
         EngineConfig(kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32"), model=model
     )
 

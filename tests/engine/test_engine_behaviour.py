@@ -194,7 +194,7 @@ def test_no_block_leaks_after_random_requests_aborts_and_preemptions(tmp_path: A
     config = EngineConfig(
         kv_cache_memory=40 * 4 * model.config.kv_bytes_per_token(2), block_size=4, max_num_batched_tokens=48
     )
-    engine = Engine(config, model=model)
+    engine = Engine.from_config(config, model=model)
     rng = random.Random(7)
     live: set[str] = set()
     prefixes = [[rng.randrange(49152) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
@@ -248,7 +248,7 @@ def test_running_streams_keep_decoding_while_a_long_prompt_prefills(
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_dtype_is_a_setting(tmp_path: Any, dtype: str) -> None:
     model = load_model(save_tiny_model(str(tmp_path / "tiny"), "qwen2"), default_cache_dir())
-    engine = Engine(EngineConfig(kv_cache_memory=2**22, dtype=dtype), model=model)
+    engine = Engine.from_config(EngineConfig(kv_cache_memory=2**22, dtype=dtype), model=model)
     assert str(engine.runner.kv_cache.k.dtype) == f"torch.{dtype}"
     out = run(
         engine, {"a": list(range(100, 140))}, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

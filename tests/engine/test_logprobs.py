@@ -132,7 +132,7 @@ def test_prompt_logprobs_only_and_per_prompt_params(llm: LLM) -> None:
 def client(
     tiny_path: str, serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> Iterator[openai.OpenAI]:
-    engine = Engine(EngineConfig(**CONFIG), model=load_model(tiny_path, default_cache_dir()))
+    engine = Engine.from_config(EngineConfig(**CONFIG), model=load_model(tiny_path, default_cache_dir()))
     with serve_app(create_app(AsyncEngine(engine), ServerOptions())) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 

@@ -8,7 +8,7 @@ from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.loader import load_model
-from kvserve.model.tokenizer import ChatMessage
+from kvserve.model.tokenizer import MessageDict
 from tests.engine.steps import run
 from tests.harness import assert_no_leak
 from tests.helpers import save_tiny_model
@@ -30,7 +30,7 @@ USER_TURNS = [
 
 def chat(engine: Engine, turns: list[str], max_tokens: int = 16) -> tuple[list[str], list[int], list[int]]:
     """A multi-turn chat resending the full history; returns replies, prompt sizes and cached tokens."""
-    messages: list[ChatMessage] = [{"role": "system", "content": SYSTEM}]
+    messages: list[MessageDict] = [{"role": "system", "content": SYSTEM}]
     replies, prompt_sizes, cached = [], [], []
     for i, turn in enumerate(turns):
         messages.append({"role": "user", "content": turn})
@@ -65,7 +65,7 @@ def test_multi_turn_chat_is_transparent_and_hits_everything_before_the_new_messa
 
 def test_replies_are_reused_as_their_generated_token_ids(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(block_size=16)
-    messages: list[ChatMessage] = [{"role": "user", "content": "Tell me a fun fact about octopuses."}]
+    messages: list[MessageDict] = [{"role": "user", "content": "Tell me a fun fact about octopuses."}]
     ids = engine.tokenizer.encode_chat(messages)
     out = run(engine, {"a": ids}, SamplingParams(max_tokens=64, temperature=0))["a"]
     reply_ids = out[:-1] if out[-1] in engine.tokenizer.eos_token_ids else out
@@ -139,7 +139,7 @@ def tiny_engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..
     model = load_model(save_tiny_model(str(tmp_path_factory.mktemp("tiny")), "llama"), default_cache_dir())
 
     def make(**overrides: object) -> Engine:
-        return Engine(EngineConfig(kv_cache_memory=2**24, **overrides), model=model)  # type: ignore[arg-type]
+        return Engine.from_config(EngineConfig(kv_cache_memory=2**24, **overrides), model=model)  # type: ignore[arg-type]
 
     return make
 

@@ -46,7 +46,7 @@ def test_the_engine_builds_every_linear_in_its_weight_dtype(
     tmp_path: Any, weight_dtype: str, kind: type[Linear]
 ) -> None:
     model = load_model(save_tiny_model(str(tmp_path / "tiny"), "llama"), default_cache_dir())
-    engine = Engine(EngineConfig(kv_cache_memory=2**22, weight_dtype=weight_dtype), model=model)
+    engine = Engine.from_config(EngineConfig(kv_cache_memory=2**22, weight_dtype=weight_dtype), model=model)
     transformer = engine.runner.transformer
     layer = transformer.layers[0]
     for linear in (transformer.lm_head, layer.qkv, layer.o, layer.gate, layer.up, layer.down):
@@ -61,7 +61,7 @@ def test_the_engine_builds_every_linear_in_its_weight_dtype(
 
 def test_gguf_runs_the_default_models_own_blocks(default_model: LoadedModel) -> None:
     """Its 210 linears are Q4_1 in the file and the tied embedding and lm_head Q8_0: all run as shipped."""
-    engine = Engine(EngineConfig(kv_cache_memory=2**22, weight_dtype="gguf"), model=default_model)
+    engine = Engine.from_config(EngineConfig(kv_cache_memory=2**22, weight_dtype="gguf"), model=default_model)
     transformer = engine.runner.transformer
     assert isinstance(transformer.lm_head, QuantLinear) and transformer.lm_head.weight.qtype == Q8_0
     for layer in transformer.layers:
@@ -72,5 +72,5 @@ def test_gguf_runs_the_default_models_own_blocks(default_model: LoadedModel) -> 
 def test_gguf_without_blocks_is_float16(tmp_path: Any) -> None:
     model = load_model(save_tiny_model(str(tmp_path / "tiny"), "llama"), default_cache_dir())
     assert model.quantized == {}
-    engine = Engine(EngineConfig(kv_cache_memory=2**22, weight_dtype="gguf"), model=model)
+    engine = Engine.from_config(EngineConfig(kv_cache_memory=2**22, weight_dtype="gguf"), model=model)
     assert isinstance(engine.runner.transformer.layers[0].qkv, Fp16Linear)

@@ -3,7 +3,7 @@
 import pytest
 
 from kvserve.model.loader import load_default_tokenizer
-from kvserve.model.tokenizer import ChatMessage, Tokenizer
+from kvserve.model.tokenizer import MessageDict, Tokenizer
 
 REPLY = "Hello there, how are you?"
 
@@ -25,7 +25,7 @@ def test_reply_quoted_in_an_earlier_user_message_is_spliced_into_the_assistant_m
 ) -> None:
     """Regression: the reply's text also appears in the user message before it."""
     reply = _reply_ids(tok)
-    messages: list[ChatMessage] = [
+    messages: list[MessageDict] = [
         {"role": "user", "content": f"Please say exactly: {REPLY}"},
         {"role": "assistant", "content": REPLY},
         {"role": "user", "content": "Thanks!"},
@@ -44,7 +44,7 @@ def test_reply_quoted_in_an_earlier_user_message_is_spliced_into_the_assistant_m
 
 def test_only_assistant_messages_are_spliced_and_text_is_unchanged(tok: Tokenizer) -> None:
     reply = _reply_ids(tok)
-    messages: list[ChatMessage] = [
+    messages: list[MessageDict] = [
         {"role": "user", "content": REPLY},
         {"role": "assistant", "content": "Fine."},
         {"role": "user", "content": REPLY},
@@ -56,7 +56,7 @@ def test_only_assistant_messages_are_spliced_and_text_is_unchanged(tok: Tokenize
 def test_several_replies_each_at_their_own_message(tok: Tokenizer) -> None:
     first, second = "One.", "Two, and more."
     known = {first: [tok.encode(c, add_special_tokens=False)[0] for c in first], second: None}
-    messages: list[ChatMessage] = [
+    messages: list[MessageDict] = [
         {"role": "user", "content": "Count."},
         {"role": "assistant", "content": first},
         {"role": "user", "content": f"{first} Go on."},

@@ -29,7 +29,7 @@ SYSTEM = list(range(200, 264))  # 64 tokens: four whole blocks of 16
 
 
 def _engine(model: LoadedModel) -> Engine:
-    return Engine(
+    return Engine.from_config(
         EngineConfig(kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32"), model=model
     )
 
@@ -111,7 +111,7 @@ def test_branch_text_is_shown_only_when_asked(tiny_model: LoadedModel, serve_app
 
 @pytest.mark.usefixtures("one_thread")
 def test_running_and_waiting_requests_are_listed_running_first(tiny_model: LoadedModel) -> None:
-    engine = Engine(
+    engine = Engine.from_config(
         EngineConfig(kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32", max_num_seqs=1),
         model=tiny_model,
     )

@@ -28,7 +28,7 @@ def test_the_admin_sees_everything_and_a_tenant_only_its_own_namespace(
     key_file = tmp_path / "keys.txt"
     key_file.write_text("alice:alice-key-1\nbob:bob-key-22\n")
     tenants = Tenants(os.urandom(32), key_file=str(key_file))
-    engine = Engine(
+    engine = Engine.from_config(
         EngineConfig(kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32"), model=tiny_model
     )
     app = create_app(AsyncEngine(engine), ServerOptions(admin_key="admin-key-333"), tenants)

@@ -454,7 +454,7 @@ def pin_server(
     config = EngineConfig(
         kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32", max_pinned_tokens=256
     )
-    async_engine = AsyncEngine(Engine(config, model=tiny_model))
+    async_engine = AsyncEngine(Engine.from_config(config, model=tiny_model))
     with serve_app(create_app(async_engine, ServerOptions(admin_key=ADMIN_KEY), tenants)) as url:
         yield TenantServer(url, tenants, async_engine)
 

@@ -42,7 +42,7 @@ from kvserve.engine.snapshot import CacheView, PinView, Snapshot, pin_view, take
 from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import EngineOverloadedError, KVServeError
 from kvserve.model import openmp
-from kvserve.model.tokenizer import ChatMessage
+from kvserve.model.tokenizer import MessageDict
 
 log = logging.getLogger("kvserve.engine")
 
@@ -157,7 +157,7 @@ class AsyncEngine:
         self.engine.grammars.compile(spec)
 
     def encode_chat(
-        self, messages: Sequence[ChatMessage], namespace: str = "", add_generation_prompt: bool = True
+        self, messages: Sequence[MessageDict], namespace: str = "", add_generation_prompt: bool = True
     ) -> list[int]:
         """A conversation's token ids, earlier replies in `namespace` spliced in as their generated ids
         (engine/chat.py); off the event loop for a long chat."""

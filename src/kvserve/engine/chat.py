@@ -13,13 +13,13 @@ from jinja2 import TemplateError
 
 from kvserve.engine.reply_memory import ReplyMemory
 from kvserve.errors import InvalidRequestError
-from kvserve.model.tokenizer import ChatMessage, Tokenizer
+from kvserve.model.tokenizer import MessageDict, Tokenizer
 
 
 def encode_chat(
     tokenizer: Tokenizer,
     replies: ReplyMemory,
-    messages: Sequence[ChatMessage],
+    messages: Sequence[MessageDict],
     namespace: str = "",
     add_generation_prompt: bool = True,
 ) -> list[int]:

@@ -49,10 +49,8 @@ class Engine:
     Each step schedules (the scheduler decides who runs), executes (one forward pass), samples, and
     appends each sampled token to its request, which says whether it ended (`Request.append`)."""
 
-    def __init__(self, config: EngineConfig | EngineParts, model: LoadedModel | None = None) -> None:
-        """An engine on `parts` (engine/factory.py); given an EngineConfig instead, it builds them first,
-        on `model` when given, else on the model the config names."""
-        parts = config if isinstance(config, EngineParts) else build_parts(config, model)
+    def __init__(self, parts: EngineParts) -> None:
+        """An engine on `parts` (engine/factory.py), built by `from_config` or, in a test, another way."""
         self.config = parts.config
         self.model = parts.model
         self.tokenizer = parts.model.tokenizer
@@ -71,6 +69,12 @@ class Engine:
         self._seeds = random.Random(self.config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: LoadedModel | None = None) -> "Engine":
+        """An engine on the parts `config` builds (`build_parts`), on `model` when given, else on the
+        model the config names; raises ConfigError for settings this model cannot run with."""
+        return cls(build_parts(config, model))
 
     @property
     def num_blocks(self) -> int:

@@ -2,8 +2,8 @@
 
 `build_parts` loads the model (unless given one), sizes the KV pool, builds the model runner, the lower
 cache tiers, the KVCacheManager, the scheduler, the request limits and the grammar compiler. The Engine
-receives them ready (`Engine(parts)`), so it holds no construction logic, and a test can hand it parts
-built another way.
+receives them ready (`Engine(parts)`; `Engine.from_config(config)` is the two together), so it holds no
+construction logic, and a test can hand it parts built another way.
 """
 
 import logging
@@ -24,7 +24,7 @@ from kvserve.engine.validation import RequestLimits
 from kvserve.errors import ConfigError
 from kvserve.model.fingerprint import model_fingerprint
 from kvserve.model.loader import LoadedModel, load_model
-from kvserve.model.runner import DTYPES, ModelRunner
+from kvserve.model.runner import TORCH_DTYPES, ModelRunner
 from kvserve.secret import DISK_TIER_PURPOSE, derive_key, load_or_create_secret
 
 log = logging.getLogger("kvserve.engine")
@@ -56,7 +56,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     model = model or load_model(config.model, config.cache_dir)
     max_model_len = _max_model_len(config, model)
     bytes_per_block = (
-        model.config.kv_bytes_per_token(DTYPES[config.kv_cache_dtype].itemsize) * config.block_size
+        model.config.kv_bytes_per_token(TORCH_DTYPES[config.kv_cache_dtype].itemsize) * config.block_size
     )
     num_blocks = config.kv_cache_memory // bytes_per_block
     if num_blocks < 1:

@@ -5,8 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.config import DTYPES as DTYPE_NAMES
-from kvserve.config import default_cache_dir
+from kvserve.config import COMPUTE_DTYPES, default_cache_dir
 from kvserve.model.attention import AttentionMetadata, KVCache, PrefillSpan
 from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import KernelUnavailableError, NativeDecodeAttention
@@ -14,7 +13,7 @@ from kvserve.model.transformer import Transformer
 
 # float64 is for reference runs: rounding differences between batch shapes are then far too small to
 # flip a greedy token, which lets differential tests compare scheduling paths token for token.
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +74,8 @@ class ModelRunner:
         "auto" (native where it can run).
         """
         self.device = torch.device(device)
-        self.dtype = DTYPES[dtype]
-        self.kv_dtype = DTYPES[kv_dtype or dtype]
+        self.dtype = TORCH_DTYPES[dtype]
+        self.kv_dtype = TORCH_DTYPES[kv_dtype or dtype]
         self.block_size = block_size
         c = model.config
         self.group = c.num_heads // c.num_kv_heads

@@ -12,7 +12,9 @@ from typing import Any
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
-ChatMessage = dict[str, str]
+# One message of a conversation as the chat template takes it: {"role": ..., "content": ...}. The
+# server's request model of a message is server/protocol.py's ChatMessage.
+MessageDict = dict[str, str]
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -78,7 +80,7 @@ class Tokenizer:
         """A token's own text, as logprobs show it (an incomplete UTF-8 piece becomes U+FFFD)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[MessageDict], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use completions with a plain prompt")
         text = self._hf.apply_chat_template(
@@ -88,7 +90,7 @@ class Tokenizer:
 
     def encode_chat(
         self,
-        messages: Sequence[ChatMessage],
+        messages: Sequence[MessageDict],
         add_generation_prompt: bool = True,
         known_reply: ReplyLookup | None = None,
     ) -> list[int]:
@@ -119,7 +121,7 @@ class Tokenizer:
 
     def _split_at_replies(
         self,
-        messages: Sequence[ChatMessage],
+        messages: Sequence[MessageDict],
         replies: dict[int, Sequence[int]],
         add_generation_prompt: bool,
         text: str,

@@ -377,7 +377,7 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
     tenants = Tenants(secret, options.api_key, options.api_key_file, options.admin_key)
     log.info("tenancy: %s", tenants.describe())
     tenants.install_sighup_reload()
-    engine = Engine(dataclasses.replace(config, secret=secret, kv_remote=options.kv_remote))
+    engine = Engine.from_config(dataclasses.replace(config, secret=secret, kv_remote=options.kv_remote))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, options, tenants)
     server = uvicorn.Server(
