@@ -61,24 +61,26 @@ def _llm(args: argparse.Namespace) -> "LLM":
     return LLM(**asdict(engine_config(args)))
 
 
-def cache_stats_text(engine: "Engine") -> str:
-    """The numbers of the dashboard's JSON (GET /v1/cache/stats), for the terminal: pool, hit rate,
-    the heaviest prefixes (as text: it is the user's own chat) and requests."""
-    from kvserve.engine.snapshot import take_snapshot
-    from kvserve.server.dashboard import StatsHistory, render
+# The first tokens of a hot prefix that /stats shows: enough to tell a system prompt or a turn apart.
+_HEAD_TOKENS = 12
 
-    stats = render(
-        take_snapshot(engine, max_branches=5), engine.model.name, StatsHistory.empty(), engine.tokenizer
-    )
-    p, c = stats.pool, stats.counters
+
+def cache_stats_text(engine: "Engine") -> str:
+    """The engine's snapshot (engine/snapshot.py) for the terminal: the pool by state, the prefix
+    cache's hit rate and its heaviest hit prefixes, as text (it is the user's own chat)."""
+    from kvserve.engine.snapshot import take_snapshot
+
+    snapshot = take_snapshot(engine, max_branches=5)
+    stats, pool = snapshot.stats, snapshot.stats.cache
     lines = [
-        f"pool: {p.blocks} blocks of {p.block_size} tokens: {p.in_use} in use, {p.cached} cached, "
-        f"{p.free} free, {p.evicted} evicted",
-        f"prefix cache: {100 * c.hit_rate:.1f}% of {c.cache_queries} prompt tokens hit, "
-        f"{c.saved_prefill_tokens} prefill tokens saved, {c.prefill_tokens_computed} computed",
+        f"pool: {pool.num_blocks} blocks of {snapshot.block_size} tokens: {pool.num_locked} in use, "
+        f"{pool.num_evictable} cached, {pool.num_free} free, {pool.num_evicted} evicted",
+        f"prefix cache: {100 * stats.hit_rate:.1f}% of {stats.cache_queries} prompt tokens hit, "
+        f"{stats.cache_hits} prefill tokens saved, {stats.prefill_tokens_computed} computed",
     ]
-    for b in stats.branches:
-        lines.append(f"  {b.tokens:6d} tokens x {b.hits:4d} hits  {b.text!r}")
+    for b in snapshot.branches:
+        head = engine.tokenizer.decode(list(b.head[:_HEAD_TOKENS]))
+        lines.append(f"  {b.num_tokens:6d} tokens x {b.hits:4d} hits  {head!r}")
     return "\n".join(lines)
 
 
