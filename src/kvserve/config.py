@@ -84,8 +84,8 @@ class EngineConfig:
     running streams. `max_model_len=None` takes the model's own context length. `seed` seeds the sampling
     of requests that bring no seed of their own. `single_token_threads`, when set, is the thread count
     of a step that computes one token (one stream decoding alone), for a machine where the server's
-    event loop should keep cores of its own; unset, every step runs on `threads` (on 2 cores, two
-    threads now win for a lone stream too, see docs/design.md, Threads). `attention` is the
+    event loop should keep cores of its own; unset, every step runs on `threads` (docs/design.md,
+    Threads, says why that is the default). `attention` is the
     decode-attention backend: "native" (a C kernel built on first use; bitwise batch-invariant), "torch"
     (portable) or "auto" (native where it can run: CPU, float32 or float64, a C compiler present).
     `kv_dtype` is the KV cache's dtype (see `kv_cache_dtype`); with float16 the cache holds twice the
@@ -126,8 +126,8 @@ class EngineConfig:
         "float32",
         "with gguf or q8_0 weights, the activations of decode rows (and of rows whose logits are taken): "
         "float32 (the float32 model up to summation order) or int16 (quantized per block of 32, integer "
-        "products: 1.3x faster layer products, 99.97%% top-1 agreement with float32, but a reply can "
-        "then depend on whether its prompt was cached); default %(default)s",
+        "products: faster layer products and nearly float32's predictions, as measured in docs/design.md, "
+        "but a reply can then depend on whether its prompt was cached); default %(default)s",
         choices=DECODE_ACTIVATIONS,
     )
     kv_dtype: str = option(

@@ -28,8 +28,8 @@ BLOCK = 16
 # The quality bars: (minimum top-1 agreement with float32, maximum relative perplexity change).
 # "gguf" runs the file's own blocks: the float32 model up to summation order, hence the tight bar.
 BARS = {"gguf": (0.999, 0.001), "gguf/int16": (0.999, 0.001), "float16": (0.995, 0.01), "int8": (0.97, 0.03)}
-# Regression floors under what int8 measures now (90.9% and +3.7%), below the quality bars: per-row int8
-# activations lose the channels that a few large ones outscale. See README, weight precision.
+# Regression floors under what int8 measures (docs/design.md, Weight precision), below the quality bars:
+# per-row int8 activations lose the channels that a few large ones outscale.
 FLOORS = {**BARS, "int8": (0.88, 0.05)}
 
 
