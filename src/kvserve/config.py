@@ -4,6 +4,7 @@
 import os
 import re
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvserve.errors import ConfigError
 from kvserve.flags import option, positive_int
@@ -204,6 +205,11 @@ class EngineConfig:
             (
                 self.kv_remote is None or self.enable_prefix_caching,
                 "kv_remote needs the prefix cache: drop --no-prefix-cache or --kv-remote",
+            ),
+            (
+                self.kv_remote is None or urlsplit(self.kv_remote).scheme in ("redis", "rediss", "unix"),
+                # Without the URL itself, which may hold a password.
+                "kv_remote must be a redis://, rediss:// or unix:// URL",
             ),
             (self.max_pinned_tokens >= 0, "max_pinned_tokens must be >= 0"),
             (self.secret is None or len(self.secret) >= 16, "secret must be at least 16 bytes"),

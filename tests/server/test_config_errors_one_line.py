@@ -4,6 +4,7 @@ line, `kvserve: error: ...`, naming the option, and exit status 2: no traceback.
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +54,12 @@ def test_a_redis_size_redis_would_refuse() -> None:
     assert_one_line_error(kvserve("cluster", "--redis-maxmemory", "lots"), "redis_maxmemory", "'lots'")
 
 
+def test_a_cluster_secret_file_that_does_not_exist(tmp_path: Path) -> None:
+    missing = str(tmp_path / "shared-secret")
+    result = kvserve("cluster", "--tenant-secret-file", missing)
+    assert_one_line_error(result, f"{missing} does not exist")
+
+
 def test_cluster_config_is_frozen_and_validated() -> None:
     config = ClusterConfig(serve_args=["--block-size", "32"])
     assert config.serve_args == ("--block-size", "32")
@@ -77,3 +84,5 @@ def test_the_engine_and_the_server_refuse_a_redis_tier_without_a_shared_secret_a
         ServerOptions(kv_remote=url)
     assert str(engine.value) == str(server.value)
     assert EngineConfig(kv_remote=url, secret=b"s" * 16).kv_remote == url
+    with pytest.raises(ConfigError, match="redis://, rediss:// or unix://"):
+        EngineConfig(kv_remote="127.0.0.1:6379", secret=b"s" * 16)

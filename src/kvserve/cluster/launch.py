@@ -22,6 +22,7 @@ import httpx
 from kvserve.cluster.redis_process import RedisProcess, free_port
 from kvserve.errors import ConfigError
 from kvserve.flags import option
+from kvserve.secret import read_secret
 
 log = logging.getLogger("kvserve.cluster")
 
@@ -137,13 +138,17 @@ def _wait_http(url: str, process: subprocess.Popen[bytes], what: str, timeout_s:
 
 class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
+        """Raises SecretError for a secret file the replicas could not read (once, before anything
+        starts, rather than once per replica) and RuntimeError when redis-server is missing."""
+        if config.tenant_secret_file is not None:
+            read_secret(config.tenant_secret_file)
         self.config = config
+        self.redis = RedisProcess(maxmemory=config.redis_maxmemory) if config.redis else None
         self.run_dir = config.run_dir or tempfile.mkdtemp(prefix="kvserve-cluster-")
         os.makedirs(self.run_dir, exist_ok=True)
         self.secret_file = config.tenant_secret_file or write_secret(
             os.path.join(self.run_dir, "tenant-secret")
         )
-        self.redis = RedisProcess(maxmemory=config.redis_maxmemory) if config.redis else None
         threads = max(1, config.threads // config.replicas)
         self.replicas = [self._replica(i, free_port(), threads) for i in range(config.replicas)]
         self.router: subprocess.Popen[bytes] | None = None
@@ -239,9 +244,9 @@ class Cluster:
 
 def run_until_interrupted(config: ClusterConfig) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cluster = Cluster(config)
-    print(f"starting {config.replicas} replicas (logs in {cluster.run_dir}) ...", flush=True)
     try:
+        cluster = Cluster(config)
+        print(f"starting {config.replicas} replicas (logs in {cluster.run_dir}) ...", flush=True)
         cluster.start()
     except RuntimeError as e:
         print(f"kvserve cluster: {e}", file=sys.stderr)
