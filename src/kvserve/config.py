@@ -86,9 +86,9 @@ class EngineConfig:
     of requests that bring no seed of their own. `single_token_threads`, when set, is the thread count
     of a step that computes one token (one stream decoding alone), for a machine where the server's
     event loop should keep cores of its own; unset, every step runs on `threads` (docs/design.md,
-    Threads, says why that is the default). `attention` is the
-    decode-attention backend: "native" (a C kernel built on first use; bitwise batch-invariant), "torch"
-    (portable) or "auto" (native where it can run: CPU, float32 or float64, a C compiler present).
+    Threads, says why that is the default). `attention` is the attention backend of decode and
+    prefill rows: "native" (a C kernel built on first use; bitwise batch-invariant), "torch" (portable)
+    or "auto" (native where it can run: CPU, float32 or float64, a C compiler present).
     `kv_dtype` is the KV cache's dtype (see `kv_cache_dtype`); with float16 the cache holds twice the
     tokens per byte, and every attention path reads the same rounded values.
 
@@ -139,8 +139,9 @@ class EngineConfig:
     )
     attention: str = option(
         "auto",
-        "decode attention: native (a C kernel built on first use, reads the paged cache in place, "
-        "bitwise batch-invariant), torch (portable) or auto (native where it can run); default %(default)s",
+        "attention of decode and prefill rows: native (a C kernel built on first use, reads the paged "
+        "cache in place, bitwise batch-invariant), torch (portable) or auto (native where it can run); "
+        "default %(default)s",
         choices=ATTENTION_BACKENDS,
     )
     block_size: int = option(16, "tokens per KV block")

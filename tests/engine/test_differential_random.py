@@ -8,7 +8,7 @@ cache holds, and must equal the no-cache engine's), seeded sampling (a seeded sa
 cache-transparent as a greedy one), stop strings, EOS (made likely by a logit_bias) and the three
 penalties; configs range over block sizes 1..32, pools from one
 that barely fits the largest request to large ones, token budgets from 1, 1..64 sequences, both
-decode-attention backends (the reference runs the portable one), the disk tier on or off (with the
+attention backends (the reference runs the portable one), the disk tier on or off (with the
 tiny pools, most of its cases evict and load blocks back from disk) and the Redis tier on or off (a real
 redis-server, emptied for each case; below the disk when both are on). Every step
 checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's

@@ -1,4 +1,4 @@
-"""The native decode-attention kernel: equal to SDPA over each row's gathered context, bitwise
+"""The native attention kernel: equal to SDPA over each row's gathered context, bitwise
 batch-invariant, and optional (the engine falls back to the portable path where it cannot be built)."""
 
 import logging
@@ -11,15 +11,16 @@ from hypothesis import strategies as st
 
 from kvserve.config import default_cache_dir
 from kvserve.model.loader import LoadedModel
-from kvserve.model.native_attention import KernelUnavailableError, NativeDecodeAttention
+from kvserve.model.native_attention import KernelUnavailableError, PagedAttentionKernel
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
+from kvserve.model.torch_attention import TorchAttention
 from tests.model.attention_cases import Case, cases, inputs, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def kernel(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> NativeDecodeAttention:
-    return NativeDecodeAttention.load(default_cache_dir(), torch.device("cpu"), dtype, kv_dtype)
+def kernel(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> PagedAttentionKernel:
+    return PagedAttentionKernel.load(default_cache_dir(), torch.device("cpu"), dtype, kv_dtype)
 
 
 @settings(max_examples=80, deadline=None)
@@ -109,14 +110,15 @@ def test_without_a_compiler_auto_falls_back_and_native_refuses(
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(tiny_model, 8, 4, 32, "cpu", "float32", "float32", "auto", str(tmp_path))
-    assert runner.native is None
+    assert isinstance(runner.attention, TorchAttention)
     assert "falls back to the portable torch path" in caplog.text
     with pytest.raises(KernelUnavailableError):
         ModelRunner(tiny_model, 8, 4, 32, "cpu", "float32", "float32", "native", str(tmp_path))
 
 
 def test_unsupported_dtypes_use_the_portable_path(tiny_model: LoadedModel) -> None:
-    assert ModelRunner(tiny_model, 8, 4, 32, "cpu", "bfloat16", "float32", "auto").native is None
+    runner = ModelRunner(tiny_model, 8, 4, 32, "cpu", "bfloat16", "float32", "auto")
+    assert isinstance(runner.attention, TorchAttention)
     with pytest.raises(KernelUnavailableError, match="float32 and float64"):
         ModelRunner(tiny_model, 8, 4, 32, "cpu", "bfloat16", "float32", "native")
 

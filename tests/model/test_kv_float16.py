@@ -14,14 +14,14 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.fingerprint import model_fingerprint
 from kvserve.model.loader import LoadedModel
-from kvserve.model.native_attention import NativeDecodeAttention
+from kvserve.model.native_attention import PagedAttentionKernel
 from tests.model.attention_cases import Case, cases, inputs, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def half_kernel() -> NativeDecodeAttention:
-    return NativeDecodeAttention.load(default_cache_dir(), torch.device("cpu"), torch.float32, torch.float16)
+def half_kernel() -> PagedAttentionKernel:
+    return PagedAttentionKernel.load(default_cache_dir(), torch.device("cpu"), torch.float32, torch.float16)
 
 
 def half_cache_inputs(case: Case) -> dict[str, Any]:

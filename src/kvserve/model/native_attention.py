@@ -1,30 +1,41 @@
-"""The native decode-attention kernel (kernels/paged_attention.c): built on first use, called via ctypes.
+"""The native attention backend: the paged-attention kernel (kernels/paged_attention.c), built on first
+use and called via ctypes, for decode rows and prefill rows alike.
 
 Why native code: torch has no paged attention on the CPU, so the portable path gathers every decode's
 context into a padded copy each step and runs SDPA over it. The kernel reads each row's KV blocks in
-place, does not pad short rows to the longest one, and reduces in position order within one thread,
-which makes a decode's output bitwise independent of the rest of the batch (see the kernel's header).
+place, does not pad short rows to the longest one, and reduces in an order that depends on the row alone,
+which makes a row's output bitwise independent of the rest of the batch (see the kernel's header). A
+prefill token is one of its rows too, exactly as that token's decode would be: a token's attention has
+the same bits whether its step was a prefill or a decode.
 
 The library is built and loaded by kvserve.model.native_build. `-ffast-math` is given to the compile step
 only: linking with it would add a constructor that changes the whole process's denormal handling.
 """
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    ScheduledChunk,
+    slot_mapping,
+    write_kv,
+)
 from kvserve.model.native_build import KernelUnavailableError, load_kernel
 
-__all__ = ["KernelUnavailableError", "NativeDecodeAttention", "load_library"]
+__all__ = ["KernelUnavailableError", "NativeAttention", "PagedAttentionKernel", "load_library"]
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 
 # (compute dtype, KV cache dtype) -> the kernel's symbol.
 _SYMBOLS = {
-    (torch.float32, torch.float32): "paged_decode_attention_f32",
-    (torch.float64, torch.float64): "paged_decode_attention_f64",
-    (torch.float32, torch.float16): "paged_decode_attention_f32_kv16",
+    (torch.float32, torch.float32): "paged_attention_f32",
+    (torch.float64, torch.float64): "paged_attention_f64",
+    (torch.float32, torch.float16): "paged_attention_f32_kv16",
 }
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -44,9 +55,10 @@ def load_library(cache_dir: str) -> ctypes.CDLL:
 
 
 @dataclass(frozen=True)
-class NativeDecodeAttention:
-    """Decode attention over the paged cache through the native kernel on the CPU, for one compute dtype
-    and one KV cache dtype (the same, or float16 under float32)."""
+class PagedAttentionKernel:
+    """The native kernel's rows over the paged cache on the CPU, for one compute dtype and one KV cache
+    dtype (the same, or float16 under float32): each row attends to the first `lens[r]` positions of its
+    own table."""
 
     lib: ctypes.CDLL
     dtype: torch.dtype
@@ -55,7 +67,7 @@ class NativeDecodeAttention:
     @classmethod
     def load(
         cls, cache_dir: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
-    ) -> "NativeDecodeAttention":
+    ) -> "PagedAttentionKernel":
         kv = dtype if kv_dtype is None else kv_dtype
         if device.type != "cpu":
             raise KernelUnavailableError(f"the native kernel runs on the CPU, not {device}")
@@ -115,4 +127,89 @@ class NativeDecodeAttention:
         )
         if status != 0:
             raise MemoryError("the native attention kernel could not allocate its scratch memory")
+        return out
+
+
+@dataclass
+class KernelRows:
+    """Tokens [start, end) of the step as kernel rows: row r attends to the first `lens[r]` positions of
+    `tables[r]` (tables [rows, width], or one table expanded with a row stride of 0)."""
+
+    start: int
+    end: int
+    tables: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass
+class NativeAttentionMetadata(AttentionMetadata):
+    """`decode_rows`: the decodes' rows (None without decodes), each its own table cut to the longest
+    decode's blocks and its context length; `chunk_rows`: one entry per prefill chunk, every token one row
+    of its sequence's one table with its own position + 1 as its length, exactly as that token's decode
+    would be."""
+
+    decode_rows: KernelRows | None
+    chunk_rows: list[KernelRows]
+
+
+class NativeAttention(AttentionBackend):
+    """The native backend: every token of the step is a row of `kernel`, decodes and prefill chunks
+    alike. CPU only."""
+
+    def __init__(self, kernel: PagedAttentionKernel, block_size: int) -> None:
+        self.kernel = kernel
+        self.block_size = block_size
+
+    def prepare(
+        self, decodes: Sequence[ScheduledChunk], prefills: Sequence[ScheduledChunk]
+    ) -> NativeAttentionMetadata:
+        bs = self.block_size
+        decode_rows = None
+        if decodes:
+            lengths = [c.start + 1 for c in decodes]
+            width = -(-max(lengths) // bs)
+            # Padding points at block 0: the kernel never reads past a row's length.
+            tables = [c.block_table[:width] + [0] * (width - len(c.block_table[:width])) for c in decodes]
+            decode_rows = KernelRows(
+                0,
+                len(decodes),
+                torch.tensor(tables, dtype=torch.long),
+                torch.tensor(lengths, dtype=torch.long),
+            )
+        chunk_rows: list[KernelRows] = []
+        offset = len(decodes)
+        for c in prefills:
+            n = len(c.token_ids)
+            total = c.start + n
+            table = torch.tensor(c.block_table[: -(-total // bs)], dtype=torch.long).expand(n, -1)
+            lens = torch.arange(c.start + 1, total + 1, dtype=torch.long)
+            chunk_rows.append(KernelRows(offset, offset + n, table, lens))
+            offset += n
+        return NativeAttentionMetadata(
+            slot_mapping=slot_mapping([*decodes, *prefills], bs, torch.device("cpu")),
+            num_decodes=len(decodes),
+            num_prefills=len(prefills),
+            decode_rows=decode_rows,
+            chunk_rows=chunk_rows,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(meta, NativeAttentionMetadata)
+        # Every row reads its context, its own token's K/V included, from the cache.
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        groups = [meta.decode_rows] if meta.decode_rows is not None else []
+        for rows in groups + meta.chunk_rows:
+            out[rows.start : rows.end] = self.kernel(
+                q[rows.start : rows.end], k_cache, v_cache, rows.tables, rows.lens, self.block_size, scale
+            )
         return out

@@ -15,7 +15,7 @@ import ctypes
 import torch
 
 from kvserve.model.attention import KVCache
-from kvserve.model.native_attention import NativeDecodeAttention
+from kvserve.model.native_attention import PagedAttentionKernel
 from kvserve.model.native_build import KernelUnavailableError
 from kvserve.model.quant_linear import QuantLinear, load_library
 
@@ -142,7 +142,7 @@ class NativeDecoder:
         slots: torch.Tensor,
         tables: torch.Tensor,
         lens: torch.Tensor,
-        attention: NativeDecodeAttention,
+        attention: PagedAttentionKernel,
     ) -> torch.Tensor:
         """h [rows, hidden] float32 (updated in place and returned); positions, slots, lens [rows] and
         tables [rows, width] int64, contiguous."""

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.config import COMPUTE_DTYPES, default_cache_dir
-from kvserve.model.attention import AttentionMetadata, KVCache, PrefillSpan
+from kvserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvserve.model.loader import LoadedModel
-from kvserve.model.native_attention import KernelUnavailableError, NativeDecodeAttention
+from kvserve.model.native_attention import KernelUnavailableError, NativeAttention, PagedAttentionKernel
+from kvserve.model.torch_attention import TorchAttention
 from kvserve.model.transformer import Transformer
 
 # float64 is for reference runs: rounding differences between batch shapes are then far too small to
@@ -50,6 +51,29 @@ class ForwardBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
+def attention_backend(
+    choice: str,
+    block_size: int,
+    group: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    cache_dir: str,
+) -> AttentionBackend:
+    """The backend that `choice` (one of config.ATTENTION_BACKENDS, checked there) names: "native" (the
+    C kernel, built into `cache_dir`; an error if it cannot run here), "torch" (portable), or "auto"
+    (native where it can run, else torch, saying why)."""
+    if choice != "torch":
+        try:
+            kernel = PagedAttentionKernel.load(cache_dir, device, dtype, kv_dtype)
+            return NativeAttention(kernel, block_size)
+        except KernelUnavailableError as e:
+            if choice == "native":
+                raise
+            log.warning("attention falls back to the portable torch path: %s", e)
+    return TorchAttention(block_size, group, device)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -69,16 +93,24 @@ class ModelRunner:
         storage of the linear weights; `int16_decodes` gives the native products' decode and logits rows
         int16 activations (EngineConfig.decode_activations).
 
-        `attention` picks the decode-attention backend: "native" (the C kernel, built into `cache_dir`,
-        by default kvserve's cache folder; an error if it cannot run here), "torch" (portable), or
-        "auto" (native where it can run).
+        `attention` picks the attention backend for decode rows and prefill rows (`attention_backend`);
+        native kernels are built into `cache_dir`, by default kvserve's cache folder.
         """
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.kv_dtype = TORCH_DTYPES[kv_dtype or dtype]
         self.block_size = block_size
+        cache_dir = cache_dir or default_cache_dir()
         c = model.config
-        self.group = c.num_heads // c.num_kv_heads
+        self.attention = attention_backend(
+            attention,
+            block_size,
+            c.num_heads // c.num_kv_heads,
+            self.device,
+            self.dtype,
+            self.kv_dtype,
+            cache_dir,
+        )
         self.transformer = Transformer(
             c,
             model.weights,
@@ -86,98 +118,34 @@ class ModelRunner:
             self.device,
             self.dtype,
             weight_dtype,
+            self.attention,
             model.quantized,
-            cache_dir or default_cache_dir(),
+            cache_dir,
             int16_decodes,
         )
         self.kv_cache = KVCache(
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.kv_dtype
         )
-        self.native = self._native_attention(attention, cache_dir)
-        if self.native is not None:
-            try:
-                self.transformer.attach_native_decoder(self.kv_cache)
-            except KernelUnavailableError as e:
-                log.info("decode steps run op by op: %s", e)
-
-    def _native_attention(self, attention: str, cache_dir: str | None) -> NativeDecodeAttention | None:
-        if attention == "torch":
-            return None
         try:
-            return NativeDecodeAttention.load(
-                cache_dir or default_cache_dir(), self.device, self.dtype, self.kv_dtype
-            )
+            self.transformer.attach_native_decoder(self.kv_cache)
         except KernelUnavailableError as e:
-            if attention == "native":
-                raise
-            log.warning("decode attention falls back to the portable torch path: %s", e)
-            return None
+            log.info("decode steps run op by op: %s", e)
 
-    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
-
-    def _metadata(
-        self, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        dev = self.device
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        decode_tables = decode_mask = decode_lens = None
-        decode_len = 0
-        if batch.decodes:
-            lengths = [c.start + 1 for c in batch.decodes]
-            decode_len = max(lengths)
-            width = -(-decode_len // bs)
-            rows = []
-            for c in batch.decodes:
-                ids.append(c.token_ids[0])
-                positions.append(c.start)
-                slots.append(c.block_table[c.start // bs] * bs + c.start % bs)
-                # Padding points at block 0: it is read but masked out.
-                rows.append(c.block_table[:width] + [0] * (width - len(c.block_table[:width])))
-            decode_tables = torch.tensor(rows, dtype=torch.long, device=dev)
-            if self.native is not None:
-                decode_lens = torch.tensor(lengths, dtype=torch.long)
-            elif min(lengths) != decode_len:
-                valid = torch.arange(decode_len) < torch.tensor(lengths).unsqueeze(1)
-                decode_mask = valid.view(len(lengths), 1, 1, decode_len).to(dev)
-            sample_rows += [i for i, c in enumerate(batch.decodes) if c.sample]
-        spans: list[PrefillSpan] = []
+    def _inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The step's token ids and positions (decodes first, then the prefill chunks), the backend's
+        metadata, and the rows whose logits are sampled."""
+        ids = [c.token_ids[0] for c in batch.decodes]
+        positions = [c.start for c in batch.decodes]
+        sample_rows = [i for i, c in enumerate(batch.decodes) if c.sample]
         offset = len(batch.decodes)
         for c in batch.prefills:
-            n = len(c.token_ids)
             ids += c.token_ids
-            positions += range(c.start, c.start + n)
-            slots += [c.block_table[p // bs] * bs + p % bs for p in range(c.start, c.start + n)]
-            span = PrefillSpan(offset, offset + n)
-            total = c.start + n
-            if self.native is not None:
-                span.tables = torch.tensor(c.block_table[: -(-total // bs)], dtype=torch.long).expand(n, -1)
-                span.lens = torch.arange(c.start + 1, total + 1, dtype=torch.long)
-            elif c.start > 0:
-                span.context_blocks = torch.tensor(
-                    c.block_table[: -(-total // bs)], dtype=torch.long, device=dev
-                )
-                span.context_len = total
-                causal = torch.arange(total).unsqueeze(0) <= torch.arange(c.start, total).unsqueeze(1)
-                span.mask = causal.repeat_interleave(self.group, dim=0).to(dev)
-            spans.append(span)
-            offset += n
+            positions += range(c.start, c.start + len(c.token_ids))
+            offset += len(c.token_ids)
             if c.sample:
                 sample_rows.append(offset - 1)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=len(batch.decodes),
-            decode_tables=decode_tables,
-            decode_len=decode_len,
-            decode_mask=decode_mask,
-            prefills=spans,
-            decode_lens=decode_lens,
-            native=self.native,
-        )
+        meta = self.attention.prepare(batch.decodes, batch.prefills)
+        dev = self.device
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, sample_rows
 
     @torch.inference_mode()
@@ -185,7 +153,7 @@ class ModelRunner:
         """Run one step: logits where chunks sample, and at every position of `all_logits` chunks."""
         for src, dst in batch.block_copies:
             self.kv_cache.copy_block(src, dst)
-        input_ids, positions, meta, rows = self._metadata(batch)
+        input_ids, positions, meta, rows = self._inputs(batch)
         hidden = self.transformer.forward(input_ids, positions, meta, self.kv_cache)
         # Sampling runs on the CPU with each request's own generator, whatever the model's device.
         sampled = (
@@ -209,6 +177,6 @@ class ModelRunner:
         For evaluation (perplexity, agreement between weight precisions); serving samples through
         `execute`, which computes logits only where a request samples. Writes the chunk's KV like `execute`.
         """
-        input_ids, positions, meta, _ = self._metadata(ForwardBatch(prefills=[chunk]))
+        input_ids, positions, meta, _ = self._inputs(ForwardBatch(prefills=[chunk]))
         hidden = self.transformer.forward(input_ids, positions, meta, self.kv_cache)
         return self.transformer.logits(hidden).float().cpu()

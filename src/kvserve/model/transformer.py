@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
+from kvserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvserve.model.linear import Linear, make_linear
+from kvserve.model.native_attention import NativeAttention, NativeAttentionMetadata
 from kvserve.model.native_build import KernelUnavailableError
 from kvserve.model.native_decoder import DecoderLayer, NativeDecoder
 from kvserve.model.quant_blocks import QuantizedWeight, concat
@@ -46,14 +47,16 @@ class Transformer:
         device: torch.device,
         dtype: torch.dtype,
         weight_dtype: str,
+        attention: AttentionBackend,
         quantized: dict[str, QuantizedWeight] | None = None,
         cache_dir: str = "",
         int16_decodes: bool = False,
     ) -> None:
-        """`quantized`: the file's blocks by weight name, for weight_dtype "gguf"; `cache_dir` holds the
-        native kernels; `int16_decodes`: the native products take decode and logits rows with int16
-        activations (EngineConfig.decode_activations)."""
+        """`attention`: the backend every layer attends through; `quantized`: the file's blocks by weight
+        name, for weight_dtype "gguf"; `cache_dir` holds the native kernels; `int16_decodes`: the native
+        products take decode and logits rows with int16 activations (EngineConfig.decode_activations)."""
         self.config = config
+        self.attention = attention
         blocks = quantized or {}
         arena = BlockArena()
 
@@ -131,8 +134,11 @@ class Transformer:
 
     def attach_native_decoder(self, kv: KVCache) -> None:
         """Run steps of decodes only through one native call for every layer, over `kv`, where the
-        products are native (gguf or q8_0 weights on the CPU in float32). Raises KernelUnavailableError
-        when the decoder cannot serve this cache; the per-op path then serves every step."""
+        products and the attention are native (gguf or q8_0 weights on the CPU in float32). Raises
+        KernelUnavailableError when the decoder cannot serve this cache; the per-op path then serves every
+        step."""
+        if not isinstance(self.attention, NativeAttention):
+            raise KernelUnavailableError("the native decoder calls the native attention kernel")
         products = [(layer.qkv, layer.o, layer.gate, layer.up, layer.down) for layer in self.layers]
         if not all(isinstance(p, QuantLinear) for ps in products for p in ps):
             raise KernelUnavailableError("the native decoder runs the native quantized products only")
@@ -166,9 +172,13 @@ class Transformer:
         d = meta.num_decodes
         h = self.embedding(input_ids)
         decoder = self.decoder
-        if decoder is not None and decoder.kv is kv and not meta.prefills and meta.native is not None:
-            assert meta.decode_tables is not None and meta.decode_lens is not None
-            return decoder(h, positions, meta.slot_mapping, meta.decode_tables, meta.decode_lens, meta.native)
+        if decoder is not None and decoder.kv is kv and not meta.num_prefills:
+            # A decoder is attached only beside the native backend, so the step's metadata is that one's.
+            attention = self.attention
+            assert isinstance(attention, NativeAttention) and isinstance(meta, NativeAttentionMetadata)
+            rows = meta.decode_rows
+            assert rows is not None
+            return decoder(h, positions, meta.slot_mapping, rows.tables, rows.lens, attention.kernel)
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
             x = self.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
@@ -177,7 +187,7 @@ class Transformer:
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim), cos, sin)
             q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-            attn = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, kv.block_size, self.scale)
+            attn = self.attention.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
             h = layer.o.add(attn.view(n, self.q_size), h, d)
             x = self.rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
             h = layer.down.add(layer.up.mul(x, layer.gate.silu(x, d), d), h, d)

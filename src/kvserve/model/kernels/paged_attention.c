@@ -1,10 +1,11 @@
-/* Paged decode attention for the CPU, loaded through ctypes by kvserve/model/native_attention.py.
+/* Paged attention for the CPU, decode rows and prefill rows alike, loaded through ctypes by
+ * kvserve/model/native_attention.py.
  *
  * Each query row attends to the first `lens[r]` positions of its own sequence, read in place from the
  * paged cache (slot = block * block_size + offset, layout [slots, kv_heads, head_dim]): no context is
  * gathered into a copy and no row is padded to the longest one. Every reduction runs in a fixed order that
  * depends only on the row's own query, context and length: never on the other rows of the step or on the
- * thread count. That is what makes decodes bitwise batch-invariant.
+ * thread count. That is what makes a row, a decode's or a prefill token's, bitwise batch-invariant.
  *
  * The generic code (a row is one task, computed by one thread from start to end with reductions in
  * position order) is built for float and double (double serves the float64 reference runs of the tests),
@@ -495,8 +496,8 @@ DEFINE_NO_FAST(fast_f16, float, _Float16)
         return failed ? -1 : 0;                                                                       \
     }
 
-DEFINE_PAGED_ATTENTION(float, float, expf, paged_decode_attention_f32, SAME_ROW, fast_f32)
-DEFINE_PAGED_ATTENTION(double, double, exp, paged_decode_attention_f64, SAME_ROW, no_fast_f64)
+DEFINE_PAGED_ATTENTION(float, float, expf, paged_attention_f32, SAME_ROW, fast_f32)
+DEFINE_PAGED_ATTENTION(double, double, exp, paged_attention_f64, SAME_ROW, no_fast_f64)
 /* Compilers without the _Float16 type build the rest; the caller then finds no float16 symbol. */
 #ifdef __FLT16_MAX__
 /* n float16 values widened to float into `wide` (exact either way, so both paths give the same bits). */
@@ -511,5 +512,5 @@ static inline const float *widen_f16(const _Float16 *restrict src, float *restri
         wide[i] = (float)src[i];
     return wide;
 }
-DEFINE_PAGED_ATTENTION(float, _Float16, expf, paged_decode_attention_f32_kv16, widen_f16, fast_f16)
+DEFINE_PAGED_ATTENTION(float, _Float16, expf, paged_attention_f32_kv16, widen_f16, fast_f16)
 #endif

@@ -1,0 +1,176 @@
+"""Paged attention on portable torch ops (any device): gather the context's blocks, then SDPA.
+
+Reads gather whole blocks, which is a few large copies instead of one small copy per token. The decode
+rows are gathered into one batch padded to the longest context and masked, so a decode's reduction (and
+its last bits) depends on the rest of the batch: the native backend exists for that. Grouped-query
+attention copies no K/V for the decode rows or a chunk after cached context: the query heads that share a
+KV head are laid along the query-length axis, so one SDPA call serves the whole group.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    ScheduledChunk,
+    slot_mapping,
+    write_kv,
+)
+
+
+@dataclass
+class ContinuedChunk:
+    """Tokens [start, end) of the step are a prefill chunk after `context_len` cached positions' worth
+    of its sequence: `context_blocks` lists the blocks of all its tokens so far (`context_len` of them
+    count) and `mask` [chunk * query heads per KV head, context_len] is the causal mask against them, one
+    row per (token, head in group)."""
+
+    start: int
+    end: int
+    context_blocks: torch.Tensor
+    context_len: int
+    mask: torch.Tensor
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """`decode_tables` [decodes, blocks of the longest] and `decode_len` (the longest context) describe
+    the decode rows, None and 0 without decodes; `decode_mask` [decodes, 1, 1, decode_len] masks their
+    padding, None when every decode has the same context length. `first_chunks` are the [start, end)
+    spans of the prefill chunks that start their sequence (they attend to the step's fresh K/V alone);
+    `continued_chunks` the others."""
+
+    decode_tables: torch.Tensor | None
+    decode_len: int
+    decode_mask: torch.Tensor | None
+    first_chunks: list[tuple[int, int]]
+    continued_chunks: list[ContinuedChunk]
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks [..., n] of a layer's cache -> [..., n * block_size, kv_heads, head_dim] in `dtype`."""
+    heads, dim = cache.shape[1], cache.shape[2]
+    paged = cache.view(-1, block_size, heads, dim)
+    return paged.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, heads, dim).to(dtype)
+
+
+class TorchAttention(AttentionBackend):
+    """The portable backend, for `group` query heads per KV head on `device`."""
+
+    def __init__(self, block_size: int, group: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.group = group
+        self.device = device
+
+    def prepare(
+        self, decodes: Sequence[ScheduledChunk], prefills: Sequence[ScheduledChunk]
+    ) -> TorchAttentionMetadata:
+        dev, bs = self.device, self.block_size
+        decode_tables = decode_mask = None
+        decode_len = 0
+        if decodes:
+            lengths = [c.start + 1 for c in decodes]
+            decode_len = max(lengths)
+            width = -(-decode_len // bs)
+            # Padding points at block 0: it is read but masked out.
+            rows = [c.block_table[:width] + [0] * (width - len(c.block_table[:width])) for c in decodes]
+            decode_tables = torch.tensor(rows, dtype=torch.long, device=dev)
+            if min(lengths) != decode_len:
+                valid = torch.arange(decode_len) < torch.tensor(lengths).unsqueeze(1)
+                decode_mask = valid.view(len(lengths), 1, 1, decode_len).to(dev)
+        first: list[tuple[int, int]] = []
+        continued: list[ContinuedChunk] = []
+        offset = len(decodes)
+        for c in prefills:
+            n = len(c.token_ids)
+            if c.start == 0:
+                first.append((offset, offset + n))
+            else:
+                total = c.start + n
+                blocks = torch.tensor(c.block_table[: -(-total // bs)], dtype=torch.long, device=dev)
+                causal = torch.arange(total).unsqueeze(0) <= torch.arange(c.start, total).unsqueeze(1)
+                mask = causal.repeat_interleave(self.group, dim=0).to(dev)
+                continued.append(ContinuedChunk(offset, offset + n, blocks, total, mask))
+            offset += n
+        return TorchAttentionMetadata(
+            slot_mapping=slot_mapping([*decodes, *prefills], bs, dev),
+            num_decodes=len(decodes),
+            num_prefills=len(prefills),
+            decode_tables=decode_tables,
+            decode_len=decode_len,
+            decode_mask=decode_mask,
+            first_chunks=first,
+            continued_chunks=continued,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(meta, TorchAttentionMetadata)
+        k_stored, v_stored = write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        bs = self.block_size
+        out = torch.empty_like(q)
+        if meta.decode_tables is not None:
+            nd = meta.num_decodes
+            kd = _gather(k_cache, meta.decode_tables, bs, q.dtype)[:, : meta.decode_len]
+            vd = _gather(v_cache, meta.decode_tables, bs, q.dtype)[:, : meta.decode_len]
+            out[:nd] = _decode_rows(q[:nd], kd, vd, meta.decode_mask, scale)
+        if meta.first_chunks:
+            # Only these read the fresh K/V: as the cache holds them, the same values a later chunk reads.
+            k_fresh, v_fresh = k_stored.to(q.dtype), v_stored.to(q.dtype)
+            for start, end in meta.first_chunks:
+                out[start:end] = _first_chunk(q[start:end], k_fresh[start:end], v_fresh[start:end], scale)
+        for chunk in meta.continued_chunks:
+            kc = _gather(k_cache, chunk.context_blocks, bs, q.dtype)[: chunk.context_len]
+            vc = _gather(v_cache, chunk.context_blocks, bs, q.dtype)[: chunk.context_len]
+            out[chunk.start : chunk.end] = _continued_chunk(
+                q[chunk.start : chunk.end], kc, vc, chunk.mask, scale
+            )
+        return out
+
+
+def _decode_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """q [decodes, Hq, D] over their gathered, padded contexts k/v [decodes, len, Hkv, D]."""
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    qd = q.view(rows, kv_heads, heads // kv_heads, dim)
+    od = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    return od.reshape(rows, heads, dim)
+
+
+def _first_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D] causally over the chunk's own k/v [n, Hkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    # The CPU flash kernel wants contiguous 4-D [1, heads, len, dim] inputs with equal head counts.
+    qs = q.transpose(0, 1).unsqueeze(0).contiguous()
+    ks = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+    vs = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1)
+
+
+def _continued_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [n, Hq, D] over the gathered context k/v [context, Hkv, D] under the chunk's causal `mask`."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    # As for the decode rows, the queries of a KV group share its keys, laid along the query axis (mask
+    # rows follow), so the long context is never copied per query head.
+    qs = q.view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
+    ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+    return os_[0].view(kv_heads, n, group, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
