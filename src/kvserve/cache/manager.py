@@ -13,7 +13,6 @@ Pins (cache/pins.py) are recorded and capped by a PinTable; the references they 
 back here, like every other reference.
 """
 
-import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,11 +26,7 @@ from kvserve.cache.pins import Pin as Pin
 from kvserve.cache.pins import PinRefused as PinRefused
 from kvserve.cache.pins import PinTable
 from kvserve.cache.prefix_cache import MatchResult, PrefixCache
-from kvserve.cache.tiers import TierUsage
-
-MEMORY_TIER = "memory"
-
-log = logging.getLogger("kvserve.cache")
+from kvserve.cache.tiers import TIER_MEMORY, TierUsage
 
 
 @dataclass(eq=False)
@@ -156,7 +151,7 @@ class KVCacheManager:
             match = self.prefix_cache.match(namespace, prompt)
             seq.blocks = list(match.blocks)
             self._lock(seq.blocks)
-            hits[MEMORY_TIER] = match.num_tokens
+            hits[TIER_MEMORY] = match.num_tokens
             if self._load_from_lower_tiers(seq, prompt, hits):
                 # The loaded blocks are new leaves: nothing in memory continues them.
                 match = MatchResult(tuple(seq.blocks), len(seq.blocks) * self.block_size)
@@ -171,7 +166,7 @@ class KVCacheManager:
                 # hold the chunk but not both, give up the partial hit rather than never admitting.
                 self.pool.release(match.partial_block)
                 seq.copy_source = None
-                hits[MEMORY_TIER] = len(match.blocks) * self.block_size
+                hits[TIER_MEMORY] = len(match.blocks) * self.block_size
             cached = len(seq.blocks) * self.block_size
         else:
             cached = 0
@@ -182,63 +177,28 @@ class KVCacheManager:
         return None
 
     def _load_from_lower_tiers(self, seq: SequenceBlocks, tokens: Sequence[int], hits: dict[str, int]) -> int:
-        """Continue `seq`'s memory match of `tokens` with full blocks from the lower tiers: each one
-        found intact is loaded into a fresh block (evicting if needed), joins the tree and is locked for
-        `seq`. Stops at the first block no tier holds intact, or whose lookup or load fails (a miss: the
-        fresh block is freed); returns how many were loaded."""
+        """Continue `seq`'s memory match of `tokens` in the lower tiers (`LowerTiers.continue_match`): each
+        block they load lands in a fresh block of `seq` (evicting if needed), joins the tree and stays
+        locked for `seq`. Returns how many were loaded."""
         if self.lower is None or self.prefix_cache is None:
             return 0
-        lower = self.lower
-        bs = self.block_size
-        start = len(seq.blocks)
-        end = len(tokens) // bs
-        if start == end:
-            return 0
-        try:
-            lower.begin_admission(seq.keys, seq.namespace, tokens, start, end)
-        except Exception:
-            log.warning("reading ahead in a lower tier failed; treated as a miss", exc_info=True)
-            return 0
-        try:
-            return self._load_run(seq, tokens, hits, start, end)
-        finally:
-            lower.end_admission()
+        cache, bs, start = self.prefix_cache, self.block_size, len(seq.blocks)
 
-    def _load_run(
-        self, seq: SequenceBlocks, tokens: Sequence[int], hits: dict[str, int], start: int, end: int
-    ) -> int:
-        assert self.lower is not None and self.prefix_cache is not None
-        lower = self.lower
-        bs = self.block_size
-        for j in range(start, end):
-            if not self._lower_holds(seq, tokens, j) or not self._extend(seq, (j + 1) * bs):
-                break
-            try:
-                found = lower.fetch(lower.record(seq.keys, seq.namespace, tokens, j))
-                if found is not None:
-                    lower.io.write_block(seq.blocks[j], found[1])
-            except Exception:
-                log.warning("loading a KV block from a lower tier failed; treated as a miss", exc_info=True)
-                found = None
-            if found is None:
-                self.pool.release(seq.blocks.pop())
-                break
-            self.prefix_cache.insert(seq.namespace, tokens[: (j + 1) * bs], seq.blocks)
-            hits[found[0]] = hits.get(found[0], 0) + bs
-        loaded = len(seq.blocks) - start
-        if loaded:
-            hits[MEMORY_TIER] = start * bs
-        return loaded
+        def fresh_block() -> int | None:
+            return seq.blocks[-1] if self._extend(seq, (len(seq.blocks) + 1) * bs) else None
 
-    def _lower_holds(self, seq: SequenceBlocks, tokens: Sequence[int], j: int) -> bool:
-        """Whether a lower tier holds block j of `tokens` (computing its key); a failure is a miss."""
-        assert self.lower is not None
-        try:
-            self.lower.extend_keys(seq.keys, seq.namespace, tokens, j + 1)
-            return self.lower.holds(seq.keys[j])
-        except Exception:
-            log.warning("looking up a KV block in a lower tier failed; treated as a miss", exc_info=True)
-            return False
+        def landed(block: int) -> None:
+            cache.insert(seq.namespace, tokens[: len(seq.blocks) * bs], seq.blocks)
+
+        loaded = self.lower.continue_match(seq.keys, seq.namespace, tokens, start, fresh_block, landed)
+        # A block taken for a load that failed holds nothing.
+        self._release_blocks(seq.blocks[start + len(loaded.blocks) :])
+        del seq.blocks[start + len(loaded.blocks) :]
+        for tier in loaded.tiers:
+            hits[tier] = hits.get(tier, 0) + bs
+        if loaded.blocks:
+            hits[TIER_MEMORY] = start * bs
+        return len(loaded.blocks)
 
     def _admitted(self, seq: SequenceBlocks, cached: int, n: int, hits: dict[str, int]) -> Admission:
         seq.num_published = cached // self.block_size
@@ -275,10 +235,7 @@ class KVCacheManager:
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq.namespace, tokens[: full * self.block_size], seq.blocks[:full])
             if self.lower is not None:
-                self.lower.extend_keys(seq.keys, seq.namespace, tokens, full)
-                for j in range(seq.num_published, full):
-                    record = self.lower.record(seq.keys, seq.namespace, tokens, j)
-                    self.lower.offer(record, seq.blocks[j])
+                self.lower.offer(seq.keys, seq.namespace, tokens, seq.blocks[:full], seq.num_published)
             seq.num_published = full
 
     def release(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:
