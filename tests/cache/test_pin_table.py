@@ -1,5 +1,5 @@
 """PinTable on its own: what a pin holds, its caps (refused before anything is recorded), extension,
-expiry and namespaces. The references pins own are the manager's (tests/engine/test_pinning.py)."""
+expiry and namespaces. The references pins own are taken by `Pins` (tests/engine/test_pinning.py)."""
 
 import pytest
 

@@ -34,7 +34,6 @@ import logging
 import os
 import stat
 import tempfile
-import threading
 import time
 from collections import OrderedDict
 
@@ -42,8 +41,8 @@ import torch
 
 from kvserve.cache.block_key import chain_key
 from kvserve.cache.block_mac import MAC_BYTES, seal, unseal
-from kvserve.cache.tiers import BlockRecord, LatencyHistogram, TierUsage
-from kvserve.cache.write_behind import Block, WriteBehind
+from kvserve.cache.tiers import TIER_DISK, BlockRecord
+from kvserve.cache.write_behind import Block, WriteBehindTier, payload_bytes
 from kvserve.private_files import open_private_file, private_dir
 
 log = logging.getLogger("kvserve.cache")
@@ -62,10 +61,6 @@ class CorruptBlock(Exception):
     """A block file that must not be served; the message says why."""
 
 
-def _payload_bytes(kv: torch.Tensor) -> memoryview:
-    return kv.contiguous().reshape(-1).view(torch.uint8).numpy().data
-
-
 def file_layout(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
     """(MAGIC, the header's length and the header; the payload's size) of every file of blocks of this
     shape and dtype: a file's first bytes are known before it is read."""
@@ -77,8 +72,8 @@ def file_layout(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]
     return MAGIC + len(encoded).to_bytes(_LENGTH_BYTES, "little") + encoded, payload_bytes
 
 
-class DiskTier:
-    name = "disk"
+class DiskTier(WriteBehindTier):
+    name = TIER_DISK
 
     def __init__(
         self,
@@ -93,12 +88,11 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
         self._mac_key = mac_key
-        self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._bytes_used = 0
-        self.loads = self.loads_failed = 0
-        self.load_latency = LatencyHistogram()
         private_dir(self.directory)
+        # A block larger than the whole tier is dropped, not written and evicted at once.
+        super().__init__(queue_bytes, max_item_bytes=capacity_bytes)
         started = time.monotonic()
         self._scan()
         log.info(
@@ -109,8 +103,6 @@ class DiskTier:
             capacity_bytes,
             time.monotonic() - started,
         )
-        # A block larger than the whole tier is dropped, not written and evicted at once.
-        self._writes = WriteBehind(self.name, self._write_batch, queue_bytes, max_item_bytes=capacity_bytes)
 
     def _path(self, key: bytes) -> str:
         name = key.hex()
@@ -164,20 +156,16 @@ class DiskTier:
         with self._lock:
             if record.key in self._index:
                 return
-        self._writes.put(record, kv)
+        super().store(record, kv)
 
     def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         started = time.monotonic()
-        pending = self._writes.get(record.key)
+        queued = self._queued_copy(record, shape, dtype)
         with self._lock:
             known = record.key in self._index
-        if pending is not None:
-            # Not written yet: the queued copy is the block itself.
-            queued_record, kv = pending
-            if queued_record != record or tuple(kv.shape) != shape or kv.dtype != dtype:
-                return None
+        if queued is not None:
             self._loaded(record.key, started)
-            return kv.clone()
+            return queued
         if not known:
             return None
         try:
@@ -238,7 +226,7 @@ class DiskTier:
         path = self._path(record.key)
         folder = private_dir(self.directory, os.path.basename(os.path.dirname(path)))
         head, _ = file_layout(tuple(kv.shape), kv.dtype)
-        payload = _payload_bytes(kv)
+        payload = payload_bytes(kv)
         mac = seal(self._mac_key, record.key, [head, payload])
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=_TMP)
         try:
@@ -276,23 +264,5 @@ class DiskTier:
             self._bytes_used -= size
             self._unlink(self._path(key))
 
-    def flush(self) -> None:
-        self._writes.flush()
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(
-                name=self.name,
-                num_blocks=len(self._index),
-                bytes_used=self._bytes_used,
-                capacity_bytes=self.capacity_bytes,
-                stores=self._writes.written,
-                stores_dropped=self._writes.dropped,
-                loads=self.loads,
-                loads_failed=self.loads_failed,
-                load_latency=self.load_latency.snapshot(),
-                store_latency=self._writes.latency.snapshot(),
-            )
-
-    def close(self) -> None:
-        self._writes.close()
+    def _occupancy(self) -> tuple[int, int, int]:
+        return len(self._index), self._bytes_used, self.capacity_bytes

@@ -4,16 +4,12 @@ Every block decision is made here: match-and-lock a cached prefix, allocate (evi
 copy on write, publish computed KV, release, evict, pin and unpin. The scheduler above only decides who
 runs, in what order and with what token budget; it never touches a block id or a reference count.
 
-Below memory there may be lower tiers (disk, Redis): every newly published full block is offered to them, and
-an admission continues its memory match there, loading the blocks it finds into fresh memory blocks that
-join the tree as if they had just been computed. A lower tier that fails while a block is looked up or
-loaded is a miss: the match stops there and holds nothing of the failed block.
-
-Pins (cache/pins.py) are recorded and capped by a PinTable; the references they own are taken and given
-back here, like every other reference.
+The tiers below memory (disk, Redis) own their reads (LowerTiers, lower_tiers.py): the manager offers
+them every newly published full block, and lets them continue an admission's memory match, handing each
+block they load a fresh memory block and inserting it into the tree as if it had just been computed.
+Pins (pins.py) own their references like the tree's nodes: the manager locks the prefix a pin holds.
 """
 
-import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -25,13 +21,9 @@ from kvserve.cache.lower_tiers import LowerTiers
 # Pin and PinRefused are part of the manager's API (pin() returns and raises them).
 from kvserve.cache.pins import Pin as Pin
 from kvserve.cache.pins import PinRefused as PinRefused
-from kvserve.cache.pins import PinTable
+from kvserve.cache.pins import Pins
 from kvserve.cache.prefix_cache import MatchResult, PrefixCache
-from kvserve.cache.tiers import TierUsage
-
-MEMORY_TIER = "memory"
-
-log = logging.getLogger("kvserve.cache")
+from kvserve.cache.tiers import TIER_MEMORY, TierUsage
 
 
 @dataclass(eq=False)
@@ -129,7 +121,7 @@ class KVCacheManager:
         self.max_pinned_blocks = max_pinned_blocks
         self.clock = clock
         self._live: set[SequenceBlocks] = set()
-        self._pins = PinTable(max_pinned_blocks, max_pinned_blocks_per_namespace, block_size)
+        self._pins = Pins(self.pool, max_pinned_blocks, max_pinned_blocks_per_namespace, block_size)
 
     def cached_prefix_len(self, namespace: str, tokens: Sequence[int]) -> int:
         """How many leading tokens the cache holds now (a hint for ordering; nothing is locked)."""
@@ -156,7 +148,7 @@ class KVCacheManager:
             match = self.prefix_cache.match(namespace, prompt)
             seq.blocks = list(match.blocks)
             self._lock(seq.blocks)
-            hits[MEMORY_TIER] = match.num_tokens
+            hits[TIER_MEMORY] = match.num_tokens
             if self._load_from_lower_tiers(seq, prompt, hits):
                 # The loaded blocks are new leaves: nothing in memory continues them.
                 match = MatchResult(tuple(seq.blocks), len(seq.blocks) * self.block_size)
@@ -171,7 +163,7 @@ class KVCacheManager:
                 # hold the chunk but not both, give up the partial hit rather than never admitting.
                 self.pool.release(match.partial_block)
                 seq.copy_source = None
-                hits[MEMORY_TIER] = len(match.blocks) * self.block_size
+                hits[TIER_MEMORY] = len(match.blocks) * self.block_size
             cached = len(seq.blocks) * self.block_size
         else:
             cached = 0
@@ -182,63 +174,28 @@ class KVCacheManager:
         return None
 
     def _load_from_lower_tiers(self, seq: SequenceBlocks, tokens: Sequence[int], hits: dict[str, int]) -> int:
-        """Continue `seq`'s memory match of `tokens` with full blocks from the lower tiers: each one
-        found intact is loaded into a fresh block (evicting if needed), joins the tree and is locked for
-        `seq`. Stops at the first block no tier holds intact, or whose lookup or load fails (a miss: the
-        fresh block is freed); returns how many were loaded."""
+        """Continue `seq`'s memory match of `tokens` in the lower tiers (`LowerTiers.continue_match`): each
+        block they load lands in a fresh block of `seq` (evicting if needed), joins the tree and stays
+        locked for `seq`. Returns how many were loaded."""
         if self.lower is None or self.prefix_cache is None:
             return 0
-        lower = self.lower
-        bs = self.block_size
-        start = len(seq.blocks)
-        end = len(tokens) // bs
-        if start == end:
-            return 0
-        try:
-            lower.begin_admission(seq.keys, seq.namespace, tokens, start, end)
-        except Exception:
-            log.warning("reading ahead in a lower tier failed; treated as a miss", exc_info=True)
-            return 0
-        try:
-            return self._load_run(seq, tokens, hits, start, end)
-        finally:
-            lower.end_admission()
+        cache, bs, start = self.prefix_cache, self.block_size, len(seq.blocks)
 
-    def _load_run(
-        self, seq: SequenceBlocks, tokens: Sequence[int], hits: dict[str, int], start: int, end: int
-    ) -> int:
-        assert self.lower is not None and self.prefix_cache is not None
-        lower = self.lower
-        bs = self.block_size
-        for j in range(start, end):
-            if not self._lower_holds(seq, tokens, j) or not self._extend(seq, (j + 1) * bs):
-                break
-            try:
-                found = lower.fetch(lower.record(seq.keys, seq.namespace, tokens, j))
-                if found is not None:
-                    lower.io.write_block(seq.blocks[j], found[1])
-            except Exception:
-                log.warning("loading a KV block from a lower tier failed; treated as a miss", exc_info=True)
-                found = None
-            if found is None:
-                self.pool.release(seq.blocks.pop())
-                break
-            self.prefix_cache.insert(seq.namespace, tokens[: (j + 1) * bs], seq.blocks)
-            hits[found[0]] = hits.get(found[0], 0) + bs
-        loaded = len(seq.blocks) - start
-        if loaded:
-            hits[MEMORY_TIER] = start * bs
-        return loaded
+        def fresh_block() -> int | None:
+            return seq.blocks[-1] if self._extend(seq, (len(seq.blocks) + 1) * bs) else None
 
-    def _lower_holds(self, seq: SequenceBlocks, tokens: Sequence[int], j: int) -> bool:
-        """Whether a lower tier holds block j of `tokens` (computing its key); a failure is a miss."""
-        assert self.lower is not None
-        try:
-            self.lower.extend_keys(seq.keys, seq.namespace, tokens, j + 1)
-            return self.lower.holds(seq.keys[j])
-        except Exception:
-            log.warning("looking up a KV block in a lower tier failed; treated as a miss", exc_info=True)
-            return False
+        def landed(block: int) -> None:
+            cache.insert(seq.namespace, tokens[: len(seq.blocks) * bs], seq.blocks)
+
+        loaded = self.lower.continue_match(seq.keys, seq.namespace, tokens, start, fresh_block, landed)
+        # A block taken for a load that failed holds nothing.
+        self._release_blocks(seq.blocks[start + len(loaded.blocks) :])
+        del seq.blocks[start + len(loaded.blocks) :]
+        for tier in loaded.tiers:
+            hits[tier] = hits.get(tier, 0) + bs
+        if loaded.blocks:
+            hits[TIER_MEMORY] = start * bs
+        return len(loaded.blocks)
 
     def _admitted(self, seq: SequenceBlocks, cached: int, n: int, hits: dict[str, int]) -> Admission:
         seq.num_published = cached // self.block_size
@@ -275,10 +232,7 @@ class KVCacheManager:
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq.namespace, tokens[: full * self.block_size], seq.blocks[:full])
             if self.lower is not None:
-                self.lower.extend_keys(seq.keys, seq.namespace, tokens, full)
-                for j in range(seq.num_published, full):
-                    record = self.lower.record(seq.keys, seq.namespace, tokens, j)
-                    self.lower.offer(record, seq.blocks[j])
+                self.lower.offer(seq.keys, seq.namespace, tokens, seq.blocks[:full], seq.num_published)
             seq.num_published = full
 
     def release(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:
@@ -324,42 +278,28 @@ class KVCacheManager:
         if extended is not None:
             return extended
         seq = SequenceBlocks(namespace)
-        made: Pin | None = None
         try:
-            match = self.prefix_cache.match(namespace, prefix)
-            seq.blocks = list(match.blocks)
+            seq.blocks = list(self.prefix_cache.match(namespace, prefix).blocks)
             self._lock(seq.blocks)
             self._load_from_lower_tiers(seq, prefix, {})
             if len(seq.blocks) < len(prefix) // self.block_size:
                 return None
-            made = self._pins.add(namespace, prefix, seq.blocks, expires_at)
-            return made
+            return self._pins.add(namespace, prefix, seq.blocks, expires_at)
         finally:
-            # However the pin ends short of being made (not cached, refused, or anything raising), the
-            # blocks it locked are let go: a leaked lock would shrink the pool for good.
-            if made is None:
-                self._release_blocks(seq.blocks)
+            # A made pin holds references of its own; however the pin ends (made, not cached, refused,
+            # or anything raising), the lock that found its blocks goes: a leak would shrink the pool.
+            self._release_blocks(seq.blocks)
 
     def unpin(self, namespace: str, pin_id: str) -> bool:
         """Let go of a pin of `namespace`; False if there is none by that id (or it is another's)."""
-        pin = self._pins.remove(namespace, pin_id)
-        if pin is None:
-            return False
-        self._release_blocks(pin.blocks)
-        return True
+        return self._pins.remove(namespace, pin_id) is not None
 
     def expire_pins(self) -> int:
         """Drop every pin whose time is over; its blocks stay cached, evictable. Returns how many."""
-        expired = self._pins.expired(self.clock())
-        for pin in expired:
-            self.unpin(pin.namespace, pin.pin_id)
-        return len(expired)
+        return self._pins.expire(self.clock())
 
     def pins(self, namespace: str) -> list[Pin]:
         return self._pins.of(namespace)
-
-    def pinned_blocks(self) -> set[int]:
-        return self._pins.blocks()
 
     def usage(self) -> CacheUsage:
         """The pool by state without walking the tree: a block with two or more references is always a
@@ -367,15 +307,13 @@ class KVCacheManager:
         blocks; pinned blocks that no request holds are counted from the pins (bounded by the cap)."""
         cached = self.prefix_cache.num_nodes if self.prefix_cache is not None else 0
         unlocked_cached = cached - self.pool.num_shared
-        pin_refs = self._pins.references()
-        pinned_only = sum(1 for b, k in pin_refs.items() if self.pool.ref_count(b) == 1 + k)
         return CacheUsage(
             num_blocks=self.pool.num_blocks,
             num_free=self.pool.num_free,
             num_cached=cached,
-            num_locked=self.pool.num_used - unlocked_cached - pinned_only,
+            num_locked=self.pool.num_used - unlocked_cached - self._pins.num_pinned_only(),
             num_evicted=self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
-            num_pinned=len(pin_refs),
+            num_pinned=len(self._pins.blocks()),
             num_evictable=unlocked_cached,
             max_pinned=self.max_pinned_blocks,
             tiers=tuple(self.lower.usage()) if self.lower is not None else (),
@@ -416,8 +354,7 @@ class KVCacheManager:
         if self.pool.num_shared != len(shared) or not shared <= set(tree_blocks):
             raise AssertionError("a block with several references is not a tree block, or the count drifted")
         self._pins.check()
-        pinned = self.pinned_blocks()
-        if any(self.pool.ref_count(b) < 2 for b in pinned & set(tree_blocks)):
+        if any(self.pool.ref_count(b) < 2 for b in self._pins.blocks() & set(tree_blocks)):
             raise AssertionError("a pinned block is evictable")
         locked = {b for seq in self._live for b in seq.blocks}
         locked.update(seq.copy_source for seq in self._live if seq.copy_source is not None)

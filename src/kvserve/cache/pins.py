@@ -1,13 +1,16 @@
 """Pins: prefixes held in memory until a time, and the caps on how many blocks may be pinned.
 
-A `PinTable` records pins and enforces their caps; it never touches a reference count. The
-KVCacheManager does: it locks a prefix's blocks before `add` and releases a pin's blocks after `remove`
-hands it back. Together they keep these invariants (`KVCacheManager.check` verifies them):
-- Every pin in the table owns one pool reference to each of its `blocks`, so a pinned block is never
-  evictable; a pin leaves the table only through `remove` (unpinned, or expired on the manager's clock).
+A `PinTable` records pins and enforces their caps; it never touches a reference count. `Pins` is the
+table the KVCacheManager keeps: its pins also own their pool references, as the PrefixCache owns the
+tree's. The manager locks a cached prefix's blocks and hands them to `add`, which takes the pin's own
+reference to each; `remove` and `expire` give them back. Together they keep these invariants
+(`KVCacheManager.check` verifies them):
+- Every pin in `Pins` owns one pool reference to each of its `blocks`, so a pinned block is never
+  evictable; a pin leaves it only through `remove` (unpinned) or `expire` (its time is over), and its
+  references go with it.
 - The distinct blocks of all pins never exceed `max_blocks`, nor those of one namespace (a tenant or a
   shared group) `max_blocks_per_namespace`: `add` refuses a pin that would exceed either before it
-  records anything.
+  records or references anything.
 - A namespace pins a prefix at most once: pinning it again extends the pin that holds it (`extend`).
 """
 
@@ -15,6 +18,8 @@ import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from kvserve.cache.block_pool import BlockPool
 
 
 class PinRefused(ValueError):
@@ -121,3 +126,41 @@ class PinTable:
         for namespace in {p.namespace for p in self._pins.values()}:
             if len(self.blocks_in(namespace)) > self.max_blocks_per_namespace:
                 raise AssertionError(f"namespace {namespace!r} pins more blocks than its cap")
+
+
+class Pins(PinTable):
+    """A PinTable whose pins own one pool reference to each of their blocks."""
+
+    def __init__(
+        self, pool: BlockPool, max_blocks: int, max_blocks_per_namespace: int | None, block_size: int
+    ) -> None:
+        super().__init__(max_blocks, max_blocks_per_namespace, block_size)
+        self.pool = pool
+
+    def add(self, namespace: str, prefix: tuple[int, ...], blocks: list[int], expires_at: float) -> Pin:
+        """Record a pin of `prefix` held in `blocks` (locked by the caller, who keeps its own references)
+        and take the pin's reference to each; PinRefused, taking nothing, over a cap."""
+        pin = super().add(namespace, prefix, list(blocks), expires_at)
+        for b in pin.blocks:
+            self.pool.ref(b)
+        return pin
+
+    def remove(self, namespace: str, pin_id: str) -> Pin | None:
+        """Drop the namespace's pin and its references (its blocks stay cached, evictable); None if it
+        has none by that id."""
+        pin = super().remove(namespace, pin_id)
+        if pin is not None:
+            for b in pin.blocks:
+                self.pool.release(b)
+        return pin
+
+    def expire(self, now: float) -> int:
+        """Remove every pin whose time is over at `now`; returns how many."""
+        expired = self.expired(now)
+        for pin in expired:
+            self.remove(pin.namespace, pin.pin_id)
+        return len(expired)
+
+    def num_pinned_only(self) -> int:
+        """Pinned blocks that nothing but the tree and the pins holds (no running request)."""
+        return sum(1 for b, k in self.references().items() if self.pool.ref_count(b) == 1 + k)

@@ -44,8 +44,8 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvserve.cache.tiers import BlockRecord, LatencyHistogram, TierUsage
-from kvserve.cache.write_behind import Block, WriteBehind
+from kvserve.cache.tiers import TIER_REDIS, BlockRecord
+from kvserve.cache.write_behind import Block, WriteBehindTier, payload_bytes
 from kvserve.secret import REDIS_KEY_NAMES_PURPOSE, REDIS_VALUE_MAC_PURPOSE, derive_key
 
 log = logging.getLogger("kvserve.cache")
@@ -65,10 +65,6 @@ MAX_BACKOFF_S = 30.0
 
 class BadValue(Exception):
     """A value that must not be served; the message says why."""
-
-
-def _payload_bytes(kv: torch.Tensor) -> memoryview:
-    return kv.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 class _RateLimitedLog:
@@ -92,8 +88,8 @@ class _RateLimitedLog:
         log.warning("redis tier: " + message + more, *args)
 
 
-class RedisTier:
-    name = "redis"
+class RedisTier(WriteBehindTier):
+    name = TIER_REDIS
 
     def __init__(
         self,
@@ -121,7 +117,6 @@ class RedisTier:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._lock = threading.Lock()
         # Keys in Redis' database, as of the last write (DBSIZE, read by the writer): for `usage`.
         self._db_keys = 0
         self._backoff_s = 0.0
@@ -134,14 +129,9 @@ class RedisTier:
         self._staged: dict[bytes, torch.Tensor] = {}
         self._shape: tuple[int, ...] = ()
         self._dtype = torch.float32
-        self.loads = self.loads_failed = 0
-        self.misses = self.errors = 0
-        self.load_latency = LatencyHistogram()
         self._log = _RateLimitedLog()
         # While Redis is down (the back-off window) the writer waits, and a flush or close drops.
-        self._writes = WriteBehind(
-            self.name, self._write, queue_bytes, batch_size=WRITE_BATCH, held_until=lambda: self._down_until
-        )
+        super().__init__(queue_bytes, batch_size=WRITE_BATCH, held_until=lambda: self._down_until)
         log.info("redis tier %s", self._safe_url())
 
     def _safe_url(self) -> str:
@@ -183,7 +173,7 @@ class RedisTier:
     # Values.
 
     def encode(self, record: BlockRecord, kv: torch.Tensor) -> bytes:
-        payload = _payload_bytes(kv)
+        payload = payload_bytes(kv)
         dtype = str(kv.dtype).encode()
         head = (
             MAGIC
@@ -288,27 +278,17 @@ class RedisTier:
         for _ in range(found):
             self.load_latency.observe(elapsed / found)
 
-    def store(self, record: BlockRecord, kv: torch.Tensor) -> None:
-        self._writes.put(record, kv)
-
     def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         kv = self._staged.pop(record.key, None)
         if kv is None:
-            pending = self._writes.get(record.key)
-            if pending is None:
-                return None
-            # Not written yet: the queued copy is the block itself.
-            queued_record, queued = pending
-            if queued_record != record or tuple(queued.shape) != shape or queued.dtype != dtype:
-                return None
-            kv = queued.clone()
-        if tuple(kv.shape) != shape or kv.dtype != dtype:
+            kv = self._queued_copy(record, shape, dtype)
+        if kv is None or tuple(kv.shape) != shape or kv.dtype != dtype:
             return None
         with self._lock:
             self.loads += 1
         return kv
 
-    def _write(self, batch: list[Block]) -> bool:
+    def _write_batch(self, batch: list[Block]) -> bool:
         """SETs the batch in one round trip (the writer thread's work) and reads how many keys Redis
         holds after it; False on failure."""
         try:
@@ -325,27 +305,9 @@ class RedisTier:
             self._db_keys = int(replies[-1])
         return True
 
-    def flush(self) -> None:
-        """Wait until every queued block is written, or dropped because Redis is down."""
-        self._writes.flush()
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(
-                name=self.name,
-                num_blocks=self._db_keys,
-                bytes_used=self._writes.queued_bytes,
-                capacity_bytes=self._writes.max_bytes,
-                stores=self._writes.written,
-                stores_dropped=self._writes.dropped,
-                loads=self.loads,
-                loads_failed=self.loads_failed,
-                load_latency=self.load_latency.snapshot(),
-                store_latency=self._writes.latency.snapshot(),
-                misses=self.misses,
-                errors=self.errors,
-            )
+    def _occupancy(self) -> tuple[int, int, int]:
+        return self._db_keys, self._writes.queued_bytes, self._writes.max_bytes
 
     def close(self) -> None:
-        self._writes.close()
+        super().close()
         self._client.close()

@@ -1,10 +1,11 @@
 """The interface of the cache tiers below memory (disk, and Redis shared by replicas).
 
 Memory is the first tier: the BlockPool and the PrefixCache. A lower tier keeps copies of full blocks
-under chained keys (`block_key.py`) and gives them back verified, or not at all. The KVCacheManager is
-the only caller: it offers every newly published block to each lower tier, and on admission it looks
-below memory for the blocks that continue the memory match, loading them into fresh memory blocks. Above
-the manager nobody knows which tier a block came from; only the hit counters are kept per tier.
+under chained keys (`block_key.py`) and gives them back verified, or not at all. LowerTiers
+(`lower_tiers.py`) is the only caller, for the KVCacheManager: it offers every newly published block to
+each lower tier, and on admission it continues the memory match below memory, loading the blocks it finds
+into fresh memory blocks that the manager hands it. Above the manager nobody knows which tier a block came
+from; only the hit counters are kept per tier.
 """
 
 import threading
@@ -13,6 +14,11 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+# Every tier's name, once: hit counters, metrics labels and `GET /v1/cache` all show these.
+TIER_MEMORY = "memory"
+TIER_DISK = "disk"
+TIER_REDIS = "redis"
 
 # Seconds; the upper bounds of the latency histograms of every tier.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

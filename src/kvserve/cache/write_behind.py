@@ -1,4 +1,5 @@
-"""WriteBehind: the bounded queue between the engine thread and a lower tier's writer thread.
+"""WriteBehind: the bounded queue between the engine thread and a lower tier's writer thread; and
+WriteBehindTier, the base of the tiers that write through one (disk, Redis).
 
 The engine thread `put`s a copy of a block and returns at once; one worker thread hands batches of
 queued blocks to the tier's `write` function. Invariants:
@@ -19,12 +20,13 @@ queued blocks to the tier's `write` function. Invariants:
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 
 import torch
 
-from kvserve.cache.tiers import BlockRecord, LatencyHistogram
+from kvserve.cache.tiers import BlockRecord, LatencyHistogram, TierUsage
 
 log = logging.getLogger("kvserve.cache")
 
@@ -159,3 +161,94 @@ class WriteBehind:
             self._closed = True
             self._lock.notify_all()
         self._worker.join()
+
+
+def payload_bytes(kv: torch.Tensor) -> memoryview:
+    """The block's KV as raw bytes, in `KVCache.read_block`'s layout: what a tier stores and MACs."""
+    return kv.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+class WriteBehindTier(ABC):
+    """What the disk and Redis tiers share: stores written behind by a `WriteBehind` queue, the counters,
+    `flush`, `usage` and `close`. A subclass names itself (`name`), writes a batch on the writer thread
+    (`_write_batch`, which says whether it succeeded) and reports what it holds (`_occupancy`); it keeps
+    its own state under `_lock`, which also guards the counters.
+
+    A block stays findable from its `store` until its write has finished: `_queued_copy` serves it
+    meanwhile, and a subclass that records the block as stored inside `_write_batch` never holds it
+    nowhere (write_behind.py's invariants).
+    """
+
+    name: str
+
+    def __init__(
+        self,
+        queue_bytes: int,
+        *,
+        batch_size: int = 1,
+        max_item_bytes: int | None = None,
+        held_until: Callable[[], float] = _never,
+    ) -> None:
+        self._lock = threading.Lock()
+        self.loads = self.loads_failed = 0
+        # Blocks looked for and not found, and calls that failed (a remote tier's; see TierUsage).
+        self.misses = self.errors = 0
+        self.load_latency = LatencyHistogram()
+        self._writes = WriteBehind(
+            self.name,
+            self._write_batch,
+            queue_bytes,
+            batch_size=batch_size,
+            max_item_bytes=max_item_bytes,
+            held_until=held_until,
+        )
+
+    @abstractmethod
+    def _write_batch(self, batch: list[Block]) -> bool:
+        """Store `batch` (the writer thread's work); whether it succeeded."""
+
+    @abstractmethod
+    def _occupancy(self) -> tuple[int, int, int]:
+        """(blocks held, bytes used, capacity in bytes); called under `_lock`."""
+
+    def store(self, record: BlockRecord, kv: torch.Tensor) -> None:
+        self._writes.put(record, kv)
+
+    def _queued_copy(
+        self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """A copy of the block queued under `record`'s key and not written yet, if it is exactly `record`'s
+        block of this shape and dtype; None otherwise."""
+        pending = self._writes.get(record.key)
+        if pending is None:
+            return None
+        queued_record, kv = pending
+        if queued_record != record or tuple(kv.shape) != shape or kv.dtype != dtype:
+            return None
+        return kv.clone()
+
+    def flush(self) -> None:
+        """Wait until every queued block is written, or dropped because writing is held back."""
+        self._writes.flush()
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            num_blocks, bytes_used, capacity_bytes = self._occupancy()
+            return TierUsage(
+                name=self.name,
+                num_blocks=num_blocks,
+                bytes_used=bytes_used,
+                capacity_bytes=capacity_bytes,
+                stores=self._writes.written,
+                stores_dropped=self._writes.dropped,
+                loads=self.loads,
+                loads_failed=self.loads_failed,
+                load_latency=self.load_latency.snapshot(),
+                store_latency=self._writes.latency.snapshot(),
+                misses=self.misses,
+                errors=self.errors,
+            )
+
+    def close(self) -> None:
+        """Write (or, while held back, drop) what is queued, then stop the writer."""
+        self._writes.close()

@@ -6,6 +6,7 @@
 import time
 
 from kvserve.cache.manager import CacheUsage
+from kvserve.cache.tiers import TIER_MEMORY
 from kvserve.engine.snapshot import CacheView, PinView
 from kvserve.server.protocol import CacheStatus, PinInfo, TierInfo
 
@@ -31,7 +32,7 @@ def cache_status(view: CacheView) -> CacheStatus:
     """`GET /v1/cache`: every tier, memory first, and the namespace's pins."""
     usage = view.usage
     memory = TierInfo(
-        name="memory",
+        name=TIER_MEMORY,
         blocks=usage.num_cached,
         bytes_used=usage.num_cached * view.bytes_per_block,
         capacity_bytes=usage.num_blocks * view.bytes_per_block,

@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from kvserve.cache.tiers import LatencySnapshot, TierUsage
+from kvserve.cache.tiers import TIER_MEMORY, LatencySnapshot, TierUsage
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import EngineStats
 
@@ -143,7 +143,7 @@ class EngineStatsCollector:
             "Prompt tokens found in the cache, by the tier that held them.",
             labels=labels,
         )
-        for tier in ("memory", *(t.name for t in s.cache.tiers)):
+        for tier in (TIER_MEMORY, *(t.name for t in s.cache.tiers)):
             hits.add_metric([self.model_name, tier], s.hits_by_tier.get(tier, 0))
         yield hits
         gauges: list[tuple[str, str, Callable[[TierUsage], float]]] = [
