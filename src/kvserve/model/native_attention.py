@@ -1,12 +1,12 @@
-"""The native decode-attention kernel (kernels/paged_attention.c): built on first use, called via ctypes.
+"""The native attention kernel (kernels/paged_attention.c): built on first use, called via ctypes.
 
 Why native code: torch has no paged attention on the CPU, so the portable path gathers every decode's
 context into a padded copy each step and runs SDPA over it. The kernel reads each row's KV blocks in
 place, does not pad short rows to the longest one, and reduces in position order within one thread,
 which makes a decode's output bitwise independent of the rest of the batch (see the kernel's header).
 
-The library is built and loaded by kvserve.model.native_build. `-ffast-math` is given to the compile step
-only: linking with it would add a constructor that changes the whole process's denormal handling.
+The library is built and loaded by kvserve.model.native_build, its symbols and flags declared in
+kvserve.model.kernel_abi (`ATTENTION`).
 """
 
 import ctypes
@@ -14,33 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.model.kernel_abi import ATTENTION
+from kvserve.model.kernel_abi import ATTENTION_SYMBOLS as _SYMBOLS
 from kvserve.model.native_build import KernelUnavailableError, load_kernel
 
 __all__ = ["KernelUnavailableError", "NativeDecodeAttention", "load_library"]
 
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-
-# (compute dtype, KV cache dtype) -> the kernel's symbol.
-_SYMBOLS = {
-    (torch.float32, torch.float32): "paged_decode_attention_f32",
-    (torch.float64, torch.float64): "paged_decode_attention_f64",
-    (torch.float32, torch.float16): "paged_decode_attention_f32_kv16",
-}
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_ARGTYPES = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_double, ctypes.c_int]
-
 
 def load_library(cache_dir: str) -> ctypes.CDLL:
-    """The compiled kernel library, building it first when this source and machine have none."""
-    lib = load_kernel("paged_attention", cache_dir, COMPILE_FLAGS)
-    for symbol in _SYMBOLS.values():
-        # A compiler without _Float16 builds no float16-cache kernel; `load` then refuses that pairing.
-        fn = getattr(lib, symbol, None)
-        if fn is not None:
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
-    return lib
+    """The compiled kernel library, building it first when these sources and this machine have none."""
+    return load_kernel(ATTENTION, cache_dir)
 
 
 @dataclass(frozen=True)
