@@ -53,7 +53,7 @@ def _headers(folder: Traversable, prefix: str = "") -> dict[str, str]:
     return found
 
 
-def kernel_files(library: KernelLibrary) -> dict[str, str]:
+def _kernel_files(library: KernelLibrary) -> dict[str, str]:
     """The library's sources and every header of the kernels folder, by relative path: what its build
     reads, so what its build key covers."""
     root = resources.files("kvserve.model.kernels")
@@ -102,7 +102,7 @@ def _build(library: KernelLibrary, files: dict[str, str], target: str, compiler:
 def load_kernel(library: KernelLibrary, cache_dir: str) -> ctypes.CDLL:
     """The library, building it first when these sources and this machine have none; its ABI checked and
     its functions' signatures set (kernel_abi.bind)."""
-    files = kernel_files(library)
+    files = _kernel_files(library)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailableError("no C compiler found (install gcc or set $CC)")
