@@ -20,6 +20,11 @@ class ModelLoadError(KVServeError):
         self.reason = reason
 
 
+class KernelAbiError(KVServeError, RuntimeError):
+    """A compiled kernel library and kvserve's ctypes declarations of it disagree (ABI version, struct
+    sizes or a missing symbol): calling it would misread its arguments, so it is never used."""
+
+
 class InvalidRequestError(KVServeError, ValueError):
     """A request can never be served as asked (bad sampling value, prompt too long, ...).
 

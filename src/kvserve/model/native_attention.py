@@ -8,8 +8,8 @@ which makes a row's output bitwise independent of the rest of the batch (see the
 prefill token is one of its rows too, exactly as that token's decode would be: a token's attention has
 the same bits whether its step was a prefill or a decode.
 
-The library is built and loaded by kvserve.model.native_build. `-ffast-math` is given to the compile step
-only: linking with it would add a constructor that changes the whole process's denormal handling.
+The library is built and loaded by kvserve.model.native_build, its symbols and flags declared in
+kvserve.model.kernel_abi (`ATTENTION`).
 """
 
 import ctypes
@@ -25,33 +25,15 @@ from kvserve.model.attention import (
     slot_mapping,
     write_kv,
 )
+from kvserve.model.kernel_abi import ATTENTION, ATTENTION_SYMBOLS
 from kvserve.model.native_build import KernelUnavailableError, load_kernel
 
 __all__ = ["KernelUnavailableError", "NativeAttention", "PagedAttentionKernel", "load_library"]
 
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-
-# (compute dtype, KV cache dtype) -> the kernel's symbol.
-_SYMBOLS = {
-    (torch.float32, torch.float32): "paged_attention_f32",
-    (torch.float64, torch.float64): "paged_attention_f64",
-    (torch.float32, torch.float16): "paged_attention_f32_kv16",
-}
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_ARGTYPES = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_double, ctypes.c_int]
-
 
 def load_library(cache_dir: str) -> ctypes.CDLL:
-    """The compiled kernel library, building it first when this source and machine have none."""
-    lib = load_kernel("paged_attention", cache_dir, COMPILE_FLAGS)
-    for symbol in _SYMBOLS.values():
-        # A compiler without _Float16 builds no float16-cache kernel; `load` then refuses that pairing.
-        fn = getattr(lib, symbol, None)
-        if fn is not None:
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
-    return lib
+    """The compiled kernel library, building it first when these sources and this machine have none."""
+    return load_kernel(ATTENTION, cache_dir)
 
 
 @dataclass(frozen=True)
@@ -71,20 +53,22 @@ class PagedAttentionKernel:
         kv = dtype if kv_dtype is None else kv_dtype
         if device.type != "cpu":
             raise KernelUnavailableError(f"the native kernel runs on the CPU, not {device}")
-        if (dtype, kv) not in _SYMBOLS:
+        if (dtype, kv) not in ATTENTION_SYMBOLS:
             raise KernelUnavailableError(
                 "the native kernel supports float32 and float64, and a float16 cache under float32, "
                 f"not {dtype} with a {kv} cache"
             )
         lib = load_library(cache_dir)
-        if getattr(lib, _SYMBOLS[dtype, kv], None) is None:
+        if getattr(lib, ATTENTION_SYMBOLS[dtype, kv], None) is None:
             raise KernelUnavailableError("this C compiler has no _Float16: no float16-cache kernel")
         return cls(lib, dtype, kv)
 
     @property
     def address(self) -> int:
         """The kernel's function address, for native callers (the decoder layers)."""
-        address = ctypes.cast(getattr(self.lib, _SYMBOLS[self.dtype, self.kv_dtype]), ctypes.c_void_p).value
+        address = ctypes.cast(
+            getattr(self.lib, ATTENTION_SYMBOLS[self.dtype, self.kv_dtype]), ctypes.c_void_p
+        ).value
         assert address is not None
         return address
 
@@ -108,7 +92,7 @@ class PagedAttentionKernel:
         assert tables.stride(1) == 1 and lens.is_contiguous()
         assert tables.dtype == torch.int64 and lens.dtype == torch.int64
         out = torch.empty((rows, heads, dim), dtype=q.dtype)
-        status = getattr(self.lib, _SYMBOLS[self.dtype, self.kv_dtype])(
+        status = getattr(self.lib, ATTENTION_SYMBOLS[self.dtype, self.kv_dtype])(
             q.data_ptr(),
             q.stride(0),
             out.data_ptr(),

@@ -1,5 +1,5 @@
 """Every decoder layer of a step's decode rows in one native call (`decoder_layers` in
-kernels/quant_linear.c).
+kernels/decoder.c).
 
 The per-op path runs about ninety torch ops and ctypes calls per layer and token (norms, products, rope's
 eight ops, two K/V writes with their casts, views); on a small model they cost as much as the products.
@@ -15,49 +15,10 @@ import ctypes
 import torch
 
 from kvserve.model.attention import KVCache
+from kvserve.model.kernel_abi import DecoderLayerStruct, DecoderStruct, QLinearStruct
 from kvserve.model.native_attention import PagedAttentionKernel
 from kvserve.model.native_build import KernelUnavailableError
 from kvserve.model.quant_linear import QuantLinear, load_library
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-
-
-class _QLinear(ctypes.Structure):
-    _fields_ = [("type", _I), ("w", _P), ("bias", _P), ("n_in", _I), ("n_out", _I)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("attn_norm", _P),
-        ("mlp_norm", _P),
-        ("qkv", _QLinear),
-        ("o", _QLinear),
-        ("gate", _QLinear),
-        ("up", _QLinear),
-        ("down", _QLinear),
-    ]
-
-
-class _Decoder(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", _I),
-        ("hidden", _I),
-        ("heads", _I),
-        ("kv_heads", _I),
-        ("head_dim", _I),
-        ("intermediate", _I),
-        ("block_size", _I),
-        ("layer_slots", _I),
-        ("kv_half", _I),
-        ("q16", _I),
-        ("eps", ctypes.c_double),
-        ("scale", ctypes.c_double),
-        ("layers", ctypes.POINTER(_Layer)),
-        ("cos", _P),
-        ("sin", _P),
-    ]
-
 
 # A layer's attention norm, MLP norm, and its qkv, o, gate, up and down products.
 DecoderLayer = tuple[
@@ -65,10 +26,10 @@ DecoderLayer = tuple[
 ]
 
 
-def _qlinear(linear: QuantLinear) -> _QLinear:
+def _qlinear(linear: QuantLinear) -> QLinearStruct:
     w = linear.weight
     bias = None if linear.bias is None else linear.bias.data_ptr()
-    return _QLinear(w.qtype, linear.data_ptr, bias, w.in_features, w.out_features)
+    return QLinearStruct(w.qtype, linear.data_ptr, bias, w.in_features, w.out_features)
 
 
 class NativeDecoder:
@@ -102,9 +63,9 @@ class NativeDecoder:
         assert v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
         self.kv = kv
         self._keep = (cos, sin)
-        self._layers = (_Layer * len(layers))(
+        self._layers = (DecoderLayerStruct * len(layers))(
             *(
-                _Layer(
+                DecoderLayerStruct(
                     attn.data_ptr(),
                     mlp.data_ptr(),
                     _qlinear(qkv),
@@ -116,7 +77,7 @@ class NativeDecoder:
                 for attn, mlp, qkv, o, g, u, d in layers
             )
         )
-        self._decoder = _Decoder(
+        self._decoder = DecoderStruct(
             len(layers),
             hidden,
             heads,

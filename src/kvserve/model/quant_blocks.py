@@ -6,7 +6,7 @@ quants as int8. The scales are computed from the file's fields exactly as ggml c
 block holds the same weights to the bit (11 bits a weight instead of 4.5 to 6.6, still under float16's).
 
 A `QuantizedWeight` is a matrix [out, in] stored as `out` rows of `in / 32` blocks, byte for byte as in
-the GGUF file (see kernels/quant_linear.c for the block layouts). Weights from a GGUF keep the file's
+the GGUF file (see kernels/quants.h for the block layouts). Weights from a GGUF keep the file's
 blocks; `quantize_q8_0` makes Q8_0 blocks from float weights (for `weight_dtype="q8_0"`).
 """
 
@@ -22,7 +22,7 @@ Q8_0 = 8
 Q4_K = 12
 Q5_K = 13
 Q6_K = 14
-# kvserve's own type id for converted K-quants (see kernels/quant_linear.c).
+# kvserve's own type id for converted K-quants (see kernels/quants.h).
 K8 = 100
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, K8: 44}
 K_QUANTS = (Q4_K, Q5_K, Q6_K)

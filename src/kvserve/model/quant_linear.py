@@ -1,9 +1,10 @@
-"""Products on quantized weight blocks through the native kernel (kernels/quant_linear.c).
+"""Products on quantized weight blocks through the native kernel (kernels/matmul.c and the block code
+beside it, kernels/quants.h).
 
 One native call per product, the op that follows it (silu, add, mul) and the bias included. The kernel
 sums every output in one fixed order, so a row's output is bitwise the same alone or in any batch, and
-its AVX2 path and portable path give the same bits. The compile flags keep the kernel's float
-operations exactly as written (no -ffast-math, no contraction into fused multiply-adds it did not ask for).
+its AVX2 path and portable path give the same bits. The library's compile flags (kernel_abi.LINEAR) keep
+the kernel's float operations exactly as written.
 """
 
 import ctypes
@@ -13,35 +14,18 @@ import logging
 import torch
 
 from kvserve.model import huge_pages
+from kvserve.model.kernel_abi import COL_TILE, LINEAR, OP_ADD, OP_MUL, OP_NONE, OP_SILU
 from kvserve.model.linear import Linear, make_linear
 from kvserve.model.native_build import KernelUnavailableError, load_kernel
 from kvserve.model.quant_blocks import QK, QuantizedWeight, quantize_q8_0
 
 log = logging.getLogger(__name__)
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11"]
-
-# The kernel's column tile (COL_TILE in quant_linear.c).
-COL_TILE = 4
-_OP_NONE, _OP_SILU, _OP_ADD, _OP_MUL = 0, 1, 2, 3
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_C = ctypes.c_int
 
 
 @functools.cache
 def load_library(cache_dir: str) -> ctypes.CDLL:
-    lib = load_kernel("quant_linear", cache_dir, COMPILE_FLAGS)
-    lib.quant_linear.argtypes = [_C, _P, _P, _P, _P, _P, _I, _I, _I, _C, _C, _C, _I]
-    lib.quant_linear.restype = _C
-    lib.quant_linear_vectorized.argtypes = []
-    lib.quant_linear_vectorized.restype = _C
-    lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
-    lib.rms_norm_rows.restype = None
-    lib.decoder_layers.argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _C]
-    lib.decoder_layers.restype = _C
-    lib.decoder_layers_kv16.argtypes = []
-    lib.decoder_layers_kv16.restype = _C
-    return lib
+    """The products' and decoder layers' library (kernel_abi.LINEAR), built on first use."""
+    return load_kernel(LINEAR, cache_dir)
 
 
 class NativeRmsNorm:
@@ -63,9 +47,9 @@ class NativeRmsNorm:
 class BlockArena:
     """Lays a model's products out side by side in large buffers on huge pages (`huge_pages.empty`), in
     the order they are built, so that a decode streams its weights from 2 MiB pages rather than from
-    4 KiB pages scattered through the heap: one row through 150 products of the default model's shapes
-    ran 5% faster (side by side, 2 threads). Memory that no product takes is never touched, so it costs
-    no resident memory; a product larger than a chunk gets a buffer of its own."""
+    4 KiB pages scattered through the heap (docs/design.md, Forward pass, measures the gain). Memory that
+    no product takes is never touched, so it costs no resident memory; a product larger than a chunk gets
+    a buffer of its own."""
 
     CHUNK = 64 << 20
     # Each product starts on a cache line.
@@ -110,7 +94,7 @@ class QuantLinear(Linear):
     """y = op(x @ dequantize(weight).T + bias) on the weight's blocks, x float32 on the CPU.
 
     `int16_decodes`: the decode rows (`decodes`, see Linear) run with int16 activations, about twice as
-    fast as widening every quant to float32 (kernels/quant_linear.c says how, docs/design.md what it
+    fast as widening every quant to float32 (kernels/quants.c says how, docs/design.md what it
     costs in accuracy); False computes every row in float32. `portable` forces the kernel's portable path
     (tests compare it with the vector path); `wide` False keeps a batch on the AVX2 tiles where the build
     also has AVX-512 ones (the same bits; for tests and benchmarks). `arena` holds the kernel's layout of
@@ -181,16 +165,16 @@ class QuantLinear(Linear):
         return out.view(*x.shape[:-1], n_out)
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self._run(x, _OP_NONE, None, decodes)
+        return self._run(x, OP_NONE, None, decodes)
 
     def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self._run(x, _OP_SILU, None, decodes)
+        return self._run(x, OP_SILU, None, decodes)
 
     def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self._run(x, _OP_ADD, other, decodes)
+        return self._run(x, OP_ADD, other, decodes)
 
     def mul(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self._run(x, _OP_MUL, other, decodes)
+        return self._run(x, OP_MUL, other, decodes)
 
 
 def make_block_linear(

@@ -1,0 +1,183 @@
+"""The C kernels' interface on the Python side: the one place that mirrors kernels/kvserve.h in ctypes.
+
+Two libraries are built from the kernels' sources (`LINEAR`, `ATTENTION`), each from its own list of files
+and with its own flags. Both export `kvserve_abi_version` and `kvserve_struct_sizes`; `check_abi` compares
+them with `ABI_VERSION` and the sizes of the ctypes structures below and refuses a library that disagrees
+before any other symbol is bound, so a header changed without this module (or the reverse) stops the load
+with a KernelAbiError instead of passing misread arguments. A change to a struct, a signature or a
+constant here bumps ABI_VERSION together with KVSERVE_ABI_VERSION in kvserve.h.
+"""
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.errors import KernelAbiError
+
+ABI_VERSION = 1
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_C = ctypes.c_int
+
+# The op quant_linear applies to each output after the bias (OP_* in kvserve.h).
+OP_NONE, OP_SILU, OP_ADD, OP_MUL = 0, 1, 2, 3
+# Outputs per column group of the weight layout quant_linear reads (COL_TILE in kvserve.h).
+COL_TILE = 4
+
+
+class QLinearStruct(ctypes.Structure):
+    """struct qlinear: one product of the decoder layers."""
+
+    _fields_ = [("type", _I), ("w", _P), ("bias", _P), ("n_in", _I), ("n_out", _I)]
+
+
+class DecoderLayerStruct(ctypes.Structure):
+    """struct decoder_layer: a layer's two norms' weights and its five products."""
+
+    _fields_ = [
+        ("attn_norm", _P),
+        ("mlp_norm", _P),
+        ("qkv", QLinearStruct),
+        ("o", QLinearStruct),
+        ("gate", QLinearStruct),
+        ("up", QLinearStruct),
+        ("down", QLinearStruct),
+    ]
+
+
+class DecoderStruct(ctypes.Structure):
+    """struct decoder: the model's shape, its layers, the rope tables and the cache's layout."""
+
+    _fields_ = [
+        ("num_layers", _I),
+        ("hidden", _I),
+        ("heads", _I),
+        ("kv_heads", _I),
+        ("head_dim", _I),
+        ("intermediate", _I),
+        ("block_size", _I),
+        ("layer_slots", _I),
+        ("kv_half", _I),
+        ("q16", _I),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        ("layers", ctypes.POINTER(DecoderLayerStruct)),
+        ("cos", _P),
+        ("sin", _P),
+    ]
+
+
+# In the order kvserve_struct_sizes writes their sizes, with their C names.
+STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
+    ("qlinear", QLinearStruct),
+    ("decoder_layer", DecoderLayerStruct),
+    ("decoder", DecoderStruct),
+)
+
+# attention_kernel: q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, rows, heads, kv_heads,
+# dim, block_size, scale, threads.
+ATTENTION_ARGTYPES: list[Any] = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_double, _C]
+
+# (compute dtype, KV cache dtype) -> the attention kernel's symbol.
+ATTENTION_SYMBOLS = {
+    (torch.float32, torch.float32): "paged_attention_f32",
+    (torch.float64, torch.float64): "paged_attention_f64",
+    (torch.float32, torch.float16): "paged_attention_f32_kv16",
+}
+
+
+@dataclass(frozen=True)
+class Function:
+    """One exported function's ctypes signature."""
+
+    restype: Any
+    argtypes: Sequence[Any]
+    # A compiler without _Float16 builds no float16 kernels: their callers check for the symbol.
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """One native library: its sources (paths under kernels/, every header there is included in its build
+    key), its compile flags and the functions Python calls in it."""
+
+    name: str
+    sources: tuple[str, ...]
+    compile_flags: tuple[str, ...]
+    functions: dict[str, Function] = field(default_factory=dict)
+
+
+_ABI_FUNCTIONS = {
+    "kvserve_abi_version": Function(_C, []),
+    "kvserve_struct_sizes": Function(_C, [ctypes.POINTER(_I), _C]),
+}
+
+# Every float operation as written: no -ffast-math, no contraction into fused multiply-adds the kernels
+# did not ask for (the products' bits are their summation order).
+LINEAR = KernelLibrary(
+    "quant_linear",
+    ("abi.c", "quants.c", "arch/x86/quants.c", "matmul.c", "decoder.c"),
+    ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11"),
+    {
+        "quant_linear": Function(_C, [_C, _P, _P, _P, _P, _P, _I, _I, _I, _C, _C, _C, _I]),
+        "quant_linear_vectorized": Function(_C, []),
+        "rms_norm_rows": Function(None, [_P, _P, _P, _I, _I, ctypes.c_float]),
+        "decoder_layers": Function(_C, [_P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _C]),
+        "decoder_layers_kv16": Function(_C, []),
+    },
+)
+
+# -ffast-math is given to the compile step only: linking with it would add a constructor that changes the
+# whole process's denormal handling.
+ATTENTION = KernelLibrary(
+    "paged_attention",
+    ("abi.c", "paged_attention.c"),
+    ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"),
+    {
+        symbol: Function(_C, ATTENTION_ARGTYPES, optional=kv == torch.float16)
+        for (_, kv), symbol in ATTENTION_SYMBOLS.items()
+    },
+)
+
+
+def check_abi(lib: ctypes.CDLL, name: str) -> None:
+    """Refuses (KernelAbiError) a library whose ABI version or struct sizes are not this module's."""
+    mismatch = "kernels/kvserve.h and model/kernel_abi.py disagree"
+    for symbol, fn in _ABI_FUNCTIONS.items():
+        if not hasattr(lib, symbol):
+            raise KernelAbiError(f"the {name} kernel library exports no {symbol}: {mismatch}")
+        getattr(lib, symbol).restype = fn.restype
+        getattr(lib, symbol).argtypes = fn.argtypes
+    version = lib.kvserve_abi_version()
+    if version != ABI_VERSION:
+        raise KernelAbiError(
+            f"the {name} kernel library has ABI version {version}, kvserve expects {ABI_VERSION}: {mismatch}"
+        )
+    sizes = (_I * len(STRUCTS))()
+    count = lib.kvserve_struct_sizes(sizes, len(STRUCTS))
+    if count != len(STRUCTS):
+        raise KernelAbiError(
+            f"the {name} kernel library declares {count} structs, kvserve {len(STRUCTS)}: {mismatch}"
+        )
+    for (c_name, struct), size in zip(STRUCTS, sizes, strict=True):
+        if size != ctypes.sizeof(struct):
+            raise KernelAbiError(
+                f"the {name} kernel library's struct {c_name} is {size} bytes, kvserve's "
+                f"{ctypes.sizeof(struct)}: {mismatch}"
+            )
+
+
+def bind(lib: ctypes.CDLL, library: KernelLibrary) -> None:
+    """Checks the library's ABI (`check_abi`), then sets every function's ctypes signature."""
+    check_abi(lib, library.name)
+    for symbol, fn in library.functions.items():
+        if not hasattr(lib, symbol):
+            if fn.optional:
+                continue
+            raise KernelAbiError(f"the {library.name} kernel library exports no {symbol}")
+        getattr(lib, symbol).restype = fn.restype
+        getattr(lib, symbol).argtypes = fn.argtypes

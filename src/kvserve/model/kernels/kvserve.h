@@ -1,0 +1,97 @@
+/* The interface between the kernels and Python (kvserve/model/kernel_abi.py declares the same in ctypes).
+ *
+ * Two libraries are built from these sources (kernel_abi.py lists which files go into each, with their
+ * flags): the products and decoder layers, compiled without -ffast-math so that every float operation
+ * stays as written, and paged attention, compiled with it. Both export kvserve_abi_version and
+ * kvserve_struct_sizes, which Python compares with its own definitions before it binds a symbol: a change
+ * here that kernel_abi.py does not follow is refused at load instead of corrupting memory. Any change to a
+ * struct, a signature or a constant below bumps KVSERVE_ABI_VERSION here and ABI_VERSION there.
+ */
+#ifndef KVSERVE_H
+#define KVSERVE_H
+
+#include <stdint.h>
+
+#define KVSERVE_ABI_VERSION 1
+
+/* Block types: ggml's type ids, and K8, kvserve's own (see quants.h for the layouts). */
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_K8 = 100 };
+/* The op quant_linear applies to each output after the bias. */
+enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
+/* Outputs per column group of the weight layout quant_linear reads (quant_linear.py's `interleave`). */
+#define COL_TILE 4
+
+/* ---- Both libraries ---- */
+
+int kvserve_abi_version(void);
+/* Writes the sizes of struct qlinear, struct decoder_layer and struct decoder, in that order, into
+ * sizes[0, n) and returns how many structs there are (3), whatever n. */
+int kvserve_struct_sizes(int64_t *sizes, int n);
+
+/* ---- Paged attention (paged_attention.c), for prefill and decode rows alike ----
+ *
+ * q: rows of [heads, dim], `q_stride` elements apart; out: [rows, heads, dim] contiguous; k_cache and
+ * v_cache: [slots, kv_heads, dim] (slot = block * block_size + offset); tables: row r's block ids from
+ * tables + r * table_stride (0: every row reads one table, as a prefill chunk's tokens do); lens: [rows]
+ * context lengths, each >= 1. Returns 0, or -1 when scratch memory could not be allocated. The element
+ * types are the symbol's: float or double rows, a cache of the same type or of _Float16 under float. */
+typedef int attention_kernel(const void *q, int64_t q_stride, void *out, const void *k_cache,
+                             const void *v_cache, const int64_t *tables, int64_t table_stride,
+                             const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                             int64_t block_size, double scale, int threads);
+
+attention_kernel paged_attention_f32;
+attention_kernel paged_attention_f64;
+/* Only where the compiler has _Float16; Python then finds no symbol and refuses a float16 cache. */
+attention_kernel paged_attention_f32_kv16;
+
+/* ---- Products on quantized blocks (matmul.c) ---- */
+
+/* x: [rows, n_in] float32, contiguous; w: n_out * n_in / 32 blocks of `type`, in the column-group layout
+ * (quants.h, `column`); bias: [n_out] or NULL; other: [rows, n_out] for OP_ADD and OP_MUL, else NULL;
+ * out: [rows, n_out]. The first `q16_rows` rows (decodes) run with int16 activations. `portable` 1
+ * forces the portable path, 2 the AVX2 tiles without the AVX-512 ones (for tests). Returns 0, -1 for an
+ * unknown type or shape, -2 when out of memory. */
+int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, const float *other, float *out,
+                 int64_t rows, int64_t n_in, int64_t n_out, int op, int threads, int portable, int64_t q16_rows);
+/* 1 when this build has the AVX2 path. */
+int quant_linear_vectorized(void);
+
+/* ---- Decoder layers (decoder.c) ---- */
+
+struct qlinear {
+    int64_t type;
+    const uint8_t *w;
+    const float *bias;
+    int64_t n_in, n_out;
+};
+
+struct decoder_layer {
+    const float *attn_norm, *mlp_norm;
+    struct qlinear qkv, o, gate, up, down;
+};
+
+struct decoder {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    /* Slots per layer in the caches ([layers, slots, kv_heads, head_dim]); 1 when the cache is float16. */
+    int64_t layer_slots, kv_half;
+    /* 1: the products take the rows with int16 activations (they are all decodes). */
+    int64_t q16;
+    double eps, scale;
+    const struct decoder_layer *layers;
+    /* cos and sin tables [positions, head_dim / 2]. */
+    const float *cos, *sin;
+};
+
+/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, row by row. */
+void rms_norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps);
+/* h: [rows, hidden] hidden states of decode rows, updated in place through every layer. positions, slots:
+ * [rows]; tables [rows, table_width] and lens [rows] as `attention` takes them; k_cache, v_cache: the
+ * caches of every layer. Returns 0, -1 for a refused shape or type, -2 when out of memory. */
+int decoder_layers(const struct decoder *m, float *h, int64_t rows, const int64_t *positions,
+                   const int64_t *slots, void *k_cache, void *v_cache, const int64_t *tables,
+                   int64_t table_width, const int64_t *lens, attention_kernel *attention, int threads);
+/* 1 when this build can write a float16 cache. */
+int decoder_layers_kv16(void);
+
+#endif
