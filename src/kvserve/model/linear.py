@@ -3,9 +3,8 @@
 Decode reads every weight once per step, so bytes per weight set its speed. `make_linear` builds:
 - `float32`: weights in the compute dtype. On the CPU in float32 the products run through oneDNN's
   inner-product primitive (the one torch's own compiler emits for CPU linears), which can also apply silu,
-  or add/multiply a second tensor, as it writes the output. Measured on this project's 2-core x86 machines,
-  over the 121 products of one step of the default model, it is 1.8x faster than `F.linear` for a
-  single-token decode, 1.9x at 8 rows, 1.5x at 32 and 1.1x at 512. Elsewhere it is `F.linear` plus the op.
+  or add/multiply a second tensor, as it writes the output; it beats `F.linear` most for few rows
+  (docs/design.md, Forward pass, has the figures). Elsewhere it is `F.linear` plus the op.
   Neither is row-invariant: a one-row product takes another kernel than a batch, so a row's last bits
   depend on the batch size.
 - `float16`: fbgemm's fp16 GEMM. Weights are stored in float16 and widened to float32 in registers;
