@@ -1,9 +1,10 @@
 """validate_request: the one check every request passes before the engine queues anything of it.
 
 It runs once per request, at the door that takes the request in: `AsyncEngine.validate` for the server
-(once for all prompts and samples of an HTTP request), `LLM` for an offline batch, `Engine.add_request`
-only for a prompt that comes unchecked; pins run `validate_token_ids`, the part that checks token ids.
-What it returns, a CheckedPrompt, is the proof the later doors accept without checking again.
+(once for all prompts and samples of an HTTP request, as its plan is built), `LLM` for an offline batch,
+`Engine.checked_prompt` only for a prompt that comes unchecked; `Engine.pin` runs `validate_token_ids`,
+the part that checks token ids. What it returns, a CheckedPrompt, is the proof the later doors accept
+without checking again.
 
 It bounds every field to what the engine can hold, so that nothing a client sends can raise on the
 engine thread, where any exception stops the engine for everyone:

@@ -50,6 +50,7 @@ from kvserve.server.protocol import (
     PinDeleted,
     PinInfo,
     PinRequest,
+    SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -132,6 +133,10 @@ async def reset_prefix_cache(ctx: Context) -> dict[str, int]:
     return {"freed_blocks": await ctx.async_engine.reset_prefix_cache()}
 
 
+def _include_usage(body: SamplingRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
 # A request's route checks what its body alone decides, reserves room in the engine's queue for all its
 # sequences before any work (the door refuses what is over the cap or cannot fit), then builds its plan
 # in one trip off the event loop: templating, tokenizing, a vocabulary-wide logit_bias and a grammar's
@@ -144,7 +149,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs, bool(body.tools))
     with ctx.async_engine.reserve(caller(request).tenant.name, 1, body.n) as room:
         plan = await asyncio.to_thread(chat_plan, ctx, body, namespace)
-        return await respond(ctx, request, fmt, plan, body, room)
+        return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
 @api.post("/v1/completions", dependencies=[InFlight])
@@ -157,7 +162,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
     num_prompts = len(prompt_batch(body.prompt))
     with ctx.async_engine.reserve(caller(request).tenant.name, num_prompts, body.n) as room:
         plan = await asyncio.to_thread(completion_plan, ctx, body, namespace)
-        return await respond(ctx, request, fmt, plan, body, room)
+        return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
 @api.get("/v1/cache/stats")

@@ -26,7 +26,7 @@ from kvserve.server.errors import ClientDisconnected, ErrorResponse, to_api_erro
 from kvserve.server.formats import Choice, OutputFormat, ResponseIds
 from kvserve.server.metrics import RequestTimer
 from kvserve.server.plan import RequestPlan
-from kvserve.server.protocol import PromptTokensDetails, SamplingRequest, Usage
+from kvserve.server.protocol import PromptTokensDetails, Usage
 
 log = logging.getLogger("kvserve.server")
 
@@ -284,13 +284,15 @@ async def respond(
     request: Request,
     fmt: OutputFormat,
     plan: RequestPlan,
-    body: SamplingRequest,
     room: Reservation,
+    stream: bool,
+    include_usage: bool,
 ) -> Response:
     """Run the plan's samples of each of its prompts through the engine and answer with every choice,
     whole or as a stream of chunks. The samples of a prompt are submitted together, so all but the
     first read its KV from the prefix cache instead of computing it again. `room` is the engine's room
-    for them, reserved by the route before any work: each takes its sequence from it as it is queued."""
+    for them, reserved by the route before any work: each takes its sequence from it as it is queued.
+    A stream's last chunk carries the usage when `include_usage`."""
     ids = ResponseIds(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
     log_id: str = getattr(request.state, "request_id", ids.id)
     many = len(plan.prompts) * plan.n > 1
@@ -311,8 +313,7 @@ async def respond(
                 )
             )
     await cancel_on_disconnect(request, _start_all(generations))
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+    if stream:
         return EventStreamResponse(_events(request, generations, fmt, ids, include_usage), generations)
     choices = await cancel_on_disconnect(request, _run_all(generations))
     result = fmt.response(ids, choices, usage(generations))
