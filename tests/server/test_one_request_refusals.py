@@ -21,7 +21,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.reply_memory import ReplyMemory, entry_bytes
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
-from kvserve.server.limits import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+from kvserve.server.protocol import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 from kvserve.server.tenants import Tenants, load_or_create_secret
 
 MAX_MODEL_LEN = 512

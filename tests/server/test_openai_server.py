@@ -266,10 +266,10 @@ def test_unknown_fields_are_ignored_and_the_model_may_be_left_out(server: Server
 def test_unexpected_errors_answer_500_without_details(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(*args: Any) -> list[int]:
+    def broken(*args: Any) -> Any:
         raise RuntimeError("internal detail")
 
-    monkeypatch.setattr(app_module, "completion_prompts", broken)
+    monkeypatch.setattr(app_module, "completion_plan", broken)
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=60)
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error"

@@ -9,14 +9,18 @@ is logged with its traceback, and `on_failure` tells the owner (the server exits
 supervisor restarts it). Nothing ever waits on a dead engine.
 
 Capacity is counted in sequences (each of a request's n samples is one generate call) and shared between
-tenants: `max_waiting + max_num_seqs` sequences may be in flight, and a tenant under its equal share of
-them (that total over the tenants in flight, itself included) is admitted even when others have filled
+tenants: `max_waiting + max_num_seqs` sequences may be held, and a tenant under its equal share of them
+(that total over the tenants holding some, itself included) is admitted even when others have filled
 the rest. So one tenant's flood can neither turn another away nor grow the queue past twice the limit.
+The door owns that count, and the one rule for it (`_hold`): a sequence is held from the moment its
+request reserves room (`reserve`, before any of its work) or, unreserved, from its `generate`, until its
+stream ends; a reserved sequence that `generate` takes stays held, so it is counted once whether it is
+reserved, waiting or running.
 
-It is the server's one door to the engine: besides generate, it validates requests (`validate`, the one
-check of a request, on the caller's thread), encodes chats with the reply splice (`encode_chat`), and
-offers the cache views (`stats`, `snapshot`, `cache_view`), pins and the reset, each run on the engine
-thread between steps. `engine` is reached only from here (and by tests).
+It is the server's one door to the engine: besides generate and reserve, it validates requests
+(`validate`, the one check of a request, on the caller's thread), encodes chats with the reply splice
+(`encode_chat`), and offers the cache views (`stats`, `snapshot`, `cache_view`), pins and the reset,
+each run on the engine thread between steps. `engine` is reached only from here (and by tests).
 """
 
 import asyncio
@@ -26,20 +30,20 @@ import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.chat import encode_chat
 from kvserve.engine.engine import Engine, EngineStats
-from kvserve.engine.grammar import StructuredOutputs
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.request import DEFAULT_TENANT
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.snapshot import CacheView, PinView, Snapshot, pin_view, take_cache_view, take_snapshot
-from kvserve.engine.validation import CheckedPrompt
+from kvserve.engine.validation import CheckedPrompt, TooManySequencesError, check_sequences
 from kvserve.errors import EngineOverloadedError, KVServeError
 from kvserve.model import openmp
 from kvserve.model.tokenizer import MessageDict
@@ -67,6 +71,24 @@ class _Submit:
 
 
 @dataclass
+class Reservation:
+    """Room for one request's sequences in the engine's queue, held for `tenant` from before any of them
+    is built: `count` is what is left of it. Each `generate` given the reservation takes one sequence of
+    it; what is left goes back when `AsyncEngine.reserve`'s block ends, however it ends."""
+
+    tenant: str
+    count: int
+
+    def take(self, tenant: str) -> None:
+        """One sequence of the reservation reaches the engine (it stays held, now in flight)."""
+        if tenant != self.tenant or self.count < 1:
+            raise ValueError(
+                f"the reservation of {self.tenant!r} has no room left for a sequence of {tenant!r}"
+            )
+        self.count -= 1
+
+
+@dataclass
 class _Abort:
     request_id: str
 
@@ -86,7 +108,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Submit] = {}
         self._in_flight = 0
-        self._in_flight_by_tenant: Counter[str] = Counter()
+        # Sequences held per tenant: reserved, or in flight (tenants holding none are absent).
+        self._held: Counter[str] = Counter()
         self._ids = itertools.count()
         # From here the engine thread runs every step: the OpenMP workers this thread kept (from loading
         # the model) would only make libgomp stop spin-waiting between the engine's parallel regions.
@@ -109,18 +132,49 @@ class AsyncEngine:
         """Sequences the engine takes in flight: its waiting queue and its running batch."""
         return self.engine.config.max_waiting + self.engine.config.max_num_seqs
 
-    def in_flight_by_tenant(self) -> dict[str, int]:
-        """Sequences in flight per tenant (tenants with none are absent)."""
-        return dict(self._in_flight_by_tenant)
-
-    def _check_capacity(self, tenant: str) -> None:
-        """Refuse a sequence of `tenant` once the total is reached, unless it is under its equal share."""
-        if not has_room(self.capacity, self._in_flight_by_tenant, tenant, 1):
-            share = fair_share(self.capacity, self._in_flight_by_tenant, tenant)
-            raise EngineOverloadedError(
-                f"the server is at capacity ({self.capacity} sequences in flight, {share} for this tenant); "
-                "retry later"
+    @contextmanager
+    def reserve(self, tenant: str, num_prompts: int, n: int) -> Iterator[Reservation]:
+        """Hold room for a request of `num_prompts` prompts x `n` samples until the block ends, before any
+        of them is built: two requests prepared at once cannot both count the same room, and nothing is
+        submitted and then aborted for lack of it. Refuses a request over the cap of one request
+        (`check_sequences`), or larger than the whole queue (it can never run) with a
+        TooManySequencesError, and one there is no room for now with EngineOverloadedError. On the
+        event loop only."""
+        check_sequences(self.engine.limits.max_sequences_per_request, num_prompts, n)
+        # n < 1 is refused when the request's params are made; it holds nothing meanwhile.
+        count = max(num_prompts * n, 0)
+        if count > self.capacity:
+            raise TooManySequencesError(
+                f"This request has {count} sequences (prompts x n); the server queues at most "
+                f"{self.capacity} at once (--max-waiting). Send fewer prompts or a smaller n.",
+                "n",
             )
+        self._hold(tenant, count)
+        room = Reservation(tenant, count)
+        try:
+            yield room
+        finally:
+            self._let_go(tenant, room.count)
+            room.count = 0
+
+    def _hold(self, tenant: str, count: int) -> None:
+        """Hold `count` more sequences of `tenant`, or refuse them all: the one capacity rule."""
+        if count == 0:
+            return
+        if not has_room(self.capacity, self._held, tenant, count):
+            raise EngineOverloadedError(
+                f"the server is at capacity ({self.capacity} sequences in flight, "
+                f"{fair_share(self.capacity, self._held, tenant)} for this tenant) and has no room for "
+                f"{count} more; retry later"
+            )
+        self._held[tenant] += count
+
+    def _let_go(self, tenant: str, count: int) -> None:
+        if count == 0:
+            return
+        self._held[tenant] -= count
+        if not self._held[tenant]:
+            del self._held[tenant]
 
     @property
     def config(self) -> EngineConfig:
@@ -135,11 +189,6 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
-    def vocab_size(self) -> int:
-        """The ids the model can embed (a model may have more than its tokenizer)."""
-        return self.engine.limits.vocab_size
-
-    @property
     def pinning_enabled(self) -> bool:
         return self.engine.config.enable_prefix_caching and self.engine.kv.max_pinned_blocks > 0
 
@@ -150,11 +199,6 @@ class AsyncEngine:
         Any thread may call it, and since it reads every prompt token and compiles the request's
         constraint, callers on the event loop should not; `generate` takes what it returns unchecked."""
         return self.engine.validate_request(prompts, params)
-
-    def compile_constraint(self, spec: StructuredOutputs) -> None:
-        """Compile a constraint into the grammar cache (validation then finds it there), so that a caller
-        can name what it was built from in the InvalidRequestError of one the grammar library rejects."""
-        self.engine.grammars.compile(spec)
 
     def encode_chat(
         self, messages: Sequence[MessageDict], namespace: str = "", add_generation_prompt: bool = True
@@ -170,29 +214,33 @@ class AsyncEngine:
         namespace: str = "",
         request_id: str | None = None,
         tenant: str = DEFAULT_TENANT,
+        room: Reservation | None = None,
     ) -> AsyncGenerator[RequestDelta, None]:
         """Stream a request's deltas (one sample: n > 1 runs as n calls with `params.for_sample(i)`);
         leaving the iteration early (or cancelling) aborts the request.
 
-        Raises InvalidRequestError before anything is queued if the request can never be served, and
-        EngineOverloadedError if the engine is at capacity and `tenant` holds its share of it. A prompt
-        that `validate` checked with these params (or the request's, of which these are a sample) is
-        not checked again, here or by the engine.
+        The sample is held from `room` (its request's reservation), or, without one, from what is free:
+        EngineOverloadedError if the engine is at capacity and `tenant` holds its share of it. Raises
+        InvalidRequestError before anything is queued if the request can never be served. A prompt that
+        `validate` checked with these params (or the request's, of which these are a sample) is not
+        checked again, here or by the engine (`Engine.checked_prompt`).
         """
         if self.failure is not None:
             raise self.failure
-        self._check_capacity(tenant)
-        if isinstance(prompt, CheckedPrompt) and prompt.checked_for(params):
-            checked = prompt
+        if room is None:
+            self._hold(tenant, 1)
         else:
-            (checked,) = self.validate([prompt], params)
+            room.take(tenant)
         rid = request_id or f"req-{next(self._ids)}"
-        out: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
-        self._in_flight += 1
-        self._in_flight_by_tenant[tenant] += 1
-        self._commands.put(_Submit(rid, checked, params, namespace, tenant, asyncio.get_running_loop(), out))
-        finished = False
+        submitted = finished = False
         try:
+            checked = self.engine.checked_prompt(prompt, params)
+            out: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+            self._in_flight += 1
+            submitted = True
+            self._commands.put(
+                _Submit(rid, checked, params, namespace, tenant, asyncio.get_running_loop(), out)
+            )
             while True:
                 item = await out.get()
                 if isinstance(item, BaseException):
@@ -202,12 +250,11 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._in_flight -= 1
-            self._in_flight_by_tenant[tenant] -= 1
-            if not self._in_flight_by_tenant[tenant]:
-                del self._in_flight_by_tenant[tenant]
-            if not finished:
-                self._commands.put(_Abort(rid))
+            self._let_go(tenant, 1)
+            if submitted:
+                self._in_flight -= 1
+                if not finished:
+                    self._commands.put(_Abort(rid))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (stats, cache reset) and return its result."""

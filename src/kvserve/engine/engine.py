@@ -93,6 +93,15 @@ class Engine:
         may call it; it compiles the request's constraint, so callers off the engine thread should."""
         return validate_request(self.limits, prompts, params, self.grammars)
 
+    def checked_prompt(self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams) -> CheckedPrompt:
+        """The rule of every door that queues a sample: a CheckedPrompt checked with `params`, or with the
+        request they are a sample of (`CheckedPrompt.checked_for`), is its own proof; any other prompt is
+        checked now. Any thread may call it (see validate_request)."""
+        if isinstance(prompt, CheckedPrompt) and prompt.checked_for(params):
+            return prompt
+        (checked,) = self.validate_request([prompt], params)
+        return checked
+
     def add_request(
         self,
         request_id: str,
@@ -112,10 +121,7 @@ class Engine:
             raise InvalidRequestError("an engine request is one sample: submit params.for_sample(i)", "n")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        if isinstance(prompt, CheckedPrompt) and prompt.checked_for(params):
-            checked = prompt
-        else:
-            (checked,) = self.validate_request([prompt], params)
+        checked = self.checked_prompt(prompt, params)
         request = self._new_request(request_id, checked, params, namespace, tenant)
         self.requests[request_id] = request
         self.scheduler.add(request)

@@ -33,6 +33,12 @@ MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_CHOICES = 1024
 
 
+class ConstraintRejected(InvalidRequestError):
+    """The grammar library rejects a constraint (or it admits no output): raised where it is compiled,
+    so that a caller that built the constraint (the chat route, from the tools) can name its source
+    without compiling it again."""
+
+
 def _is_str_list(value: object) -> bool:
     return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
 
@@ -134,7 +140,7 @@ class StructuredOutputs:
                     )
                 )
             except ValueError as e:
-                raise InvalidRequestError(f"invalid JSON schema: {e}", "json") from None
+                raise ConstraintRejected(f"invalid JSON schema: {e}", "json") from None
         if kind == "regex":
             return str(llguidance.LLMatcher.grammar_from_regex(self.source))
         if kind == "choice":
@@ -238,7 +244,7 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """The compiled grammar of `spec`, from the cache when its source was compiled before; raises
-        InvalidRequestError naming the problem when the library rejects it."""
+        ConstraintRejected naming the problem when the library rejects it."""
         key = spec.key
         with self._lock:
             hit = self._cache.get(key)
@@ -249,7 +255,7 @@ class GrammarCompiler:
         grammar = spec.to_llguidance()
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(
+            raise ConstraintRejected(
                 f"the {spec.kind} constraint was rejected: {_brief(matcher.get_error())}", spec.kind
             )
         # The first mask builds the lexer's first states; computing it here keeps that off the step.
@@ -257,7 +263,7 @@ class GrammarCompiler:
         llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
         if matcher.is_error() or not bool(mask.any()):
             problem = _brief(matcher.get_error()) or "no token can start it"
-            raise InvalidRequestError(f"the {spec.kind} constraint admits no output: {problem}", spec.kind)
+            raise ConstraintRejected(f"the {spec.kind} constraint admits no output: {problem}", spec.kind)
         compiled = CompiledGrammar(key, matcher, self.vocab_size)
         with self._lock:
             self.compiled += 1

@@ -1,17 +1,19 @@
 """validate_request: the one check every request passes before the engine queues anything of it.
 
 It runs once per request, at the door that takes the request in: `AsyncEngine.validate` for the server
-(once for all prompts and samples of an HTTP request), `LLM` for an offline batch, `Engine.add_request`
-only for a prompt that comes unchecked; pins run `validate_token_ids`, the part that checks token ids.
-What it returns, a CheckedPrompt, is the proof the later doors accept without checking again.
+(once for all prompts and samples of an HTTP request, as its plan is built), `LLM` for an offline batch,
+`Engine.checked_prompt` only for a prompt that comes unchecked; `Engine.pin` runs `validate_token_ids`,
+the part that checks token ids. What it returns, a CheckedPrompt, is the proof the later doors accept
+without checking again.
 
 It bounds every field to what the engine can hold, so that nothing a client sends can raise on the
 engine thread, where any exception stops the engine for everyone:
 
 - the fields of SamplingParams (checked when it is made: types, ranges, finiteness);
-- `n`, and prompts x n, at most `max_sequences_per_request` (an EngineConfig setting);
-- `top_k` at most the vocabulary; `logit_bias` at most the vocabulary's size, its token ids in it;
-  `stop_token_ids` in it;
+- prompts x n at most `max_sequences_per_request` (an EngineConfig setting; `check_sequences`, which
+  the server's door also runs before any work, from the body's shape);
+- `top_k` at most the vocabulary; `logit_bias` at most the vocabulary's size; every token id a client
+  names in the vocabulary (`check_vocabulary`: prompts, `logit_bias`, `stop_token_ids`);
 - every prompt non-empty, its token ids integers in the vocabulary, its length and max_tokens within
   the context window and the KV pool; `min_tokens` at most the effective max_tokens;
 - `structured_outputs` compiled (engine/grammar.py, cached by source), on the caller's thread: a
@@ -23,7 +25,7 @@ first. The samples of one request share one validation (see CheckedPrompt).
 """
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 
 from kvserve.engine.grammar import CompiledGrammar, GrammarCompiler
@@ -55,8 +57,9 @@ _SAMPLE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in (
 class CheckedPrompt:
     """A prompt that `validate_request` accepted with `params`: its token ids, plain ints in the
     vocabulary, and its effective max_tokens. Only validate_request makes one. The doors that queue a
-    request (`AsyncEngine.generate`, `Engine.add_request`) take it as proof and check nothing again when
-    it comes with those params or one of their samples (`checked_for`); with any other params it is
+    request (`AsyncEngine.generate`, `Engine.add_request`, through `Engine.checked_prompt`) take it as
+    proof and check nothing again when it comes with those params or one of their samples
+    (`checked_for`); with any other params it is
     checked again, and then only the checks that cost no more than a constant run: n samples of a long
     prompt scan its ids once."""
 
@@ -72,6 +75,33 @@ class CheckedPrompt:
         if params is self.params:
             return True
         return params.n == 1 and all(getattr(params, f) is getattr(self.params, f) for f in _SAMPLE_FIELDS)
+
+
+class TooManySequencesError(InvalidRequestError):
+    """A request of more sequences (prompts x n) than one request may have, or than the engine ever
+    holds at once: it can never run as sent, however long the client waits."""
+
+    code = "too_many_sequences"
+
+
+def check_sequences(limit: int, num_prompts: int, n: int) -> None:
+    """The cap on one request's sequences (prompts x n): the work and memory of a request grow with
+    them, and its body alone does not bound them. Cheap, so that a door can run it from the body's
+    shape before any sequence is built; `param` is `n` when n alone is over, else `prompt`."""
+    if num_prompts * n > limit:
+        raise TooManySequencesError(
+            f"This request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; at "
+            f"most {limit} are taken per request (--max-sequences-per-request). Send fewer prompts or a "
+            "smaller n.",
+            "n" if n > limit else "prompt",
+        )
+
+
+def check_vocabulary(vocab_size: int, token_ids: Collection[int], param: str) -> None:
+    """Every token id a client names (prompt ids, logit_bias keys, stop_token_ids, ids to decode) must
+    be in [0, vocab_size): no embedding, tokenizer or cache key holds another."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        raise InvalidRequestError(f"{param} must name token ids in [0, {vocab_size})", param)
 
 
 def validate_token_ids(limits: RequestLimits, token_ids: Sequence[int], param: str = "prompt") -> list[int]:
@@ -93,29 +123,21 @@ def validate_token_ids(limits: RequestLimits, token_ids: Sequence[int], param: s
         ids = [operator.index(t) for t in token_ids]
     except TypeError:
         raise InvalidRequestError("token ids must be integers", param) from None
-    if ids and (min(ids) < 0 or max(ids) >= limits.vocab_size):
-        raise InvalidRequestError(f"prompt token ids must be in [0, {limits.vocab_size})", param)
+    check_vocabulary(limits.vocab_size, ids, param)
     return ids
 
 
 def _check_params(limits: RequestLimits, num_prompts: int, params: SamplingParams) -> None:
-    cap = limits.max_sequences_per_request
-    if params.n > cap:
-        raise InvalidRequestError(f"n must be at most {cap}", "n")
-    if num_prompts * params.n > cap:
-        raise InvalidRequestError(
-            f"{num_prompts} prompts x n={params.n} is {num_prompts * params.n} sequences; one request may "
-            f"run at most {cap}",
-            "n",
-        )
+    check_sequences(limits.max_sequences_per_request, num_prompts, params.n)
     vocab = limits.vocab_size
     if params.top_k > vocab:
         raise InvalidRequestError(f"top_k must be at most the vocabulary size ({vocab})", "top_k")
     if params.logit_bias is not None and len(params.logit_bias) > vocab:
         raise InvalidRequestError(f"logit_bias may name at most {vocab} tokens", "logit_bias")
+    # The cached largest id: a sample's check costs nothing until some id is out of range.
     if params.max_token_id >= vocab:
-        bad = "logit_bias" if max(params.logit_bias or (-1,)) >= vocab else "stop_token_ids"
-        raise InvalidRequestError(f"{bad} must name token ids in [0, {vocab})", bad)
+        check_vocabulary(vocab, params.logit_bias or (), "logit_bias")
+        check_vocabulary(vocab, params.stop_token_ids, "stop_token_ids")
 
 
 def _max_tokens(limits: RequestLimits, num_prompt_tokens: int, params: SamplingParams) -> int:

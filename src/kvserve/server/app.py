@@ -17,8 +17,7 @@ from kvserve import __version__
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from kvserve.errors import InvalidRequestError
+from kvserve.engine.validation import check_vocabulary
 from kvserve.options import ServerOptions
 from kvserve.secret import read_secret
 from kvserve.server.auth import (
@@ -33,18 +32,13 @@ from kvserve.server.cache_views import cache_status
 from kvserve.server.context import ServerContext, check_model
 from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
 from kvserve.server.errors import APIError, install_error_handlers
-from kvserve.server.formats import ChatFormat, CompletionFormat, PromptInput
-from kvserve.server.limits import (
-    BodySizeLimit,
-    InFlightLimiter,
-    PromptGuard,
-    SequenceAdmission,
-    check_sequences,
-)
+from kvserve.server.formats import ChatFormat, CompletionFormat
 from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.pinning import check_pinning_on, pin_prefix, pin_tokens, unpin
-from kvserve.server.prompts import chat_prompt, completion_prompts, prompt_batch, text_prompt
+from kvserve.server.middleware import BodySizeLimit, InFlightLimiter
+from kvserve.server.pinning import check_pinning_on, pin_prefix, unpin
+from kvserve.server.plan import chat_plan, completion_plan, pin_plan
+from kvserve.server.prompts import PromptGuard, chat_prompt, prompt_batch, text_prompt
 from kvserve.server.protocol import (
     CacheStatus,
     ChatCompletionRequest,
@@ -56,13 +50,13 @@ from kvserve.server.protocol import (
     PinDeleted,
     PinInfo,
     PinRequest,
+    SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
 from kvserve.server.request_id import RequestIdMiddleware
-from kvserve.server.serving import respond, sampling_params
+from kvserve.server.serving import respond
 from kvserve.server.tenants import Tenants, load_or_create_secret
-from kvserve.server.tools import constraint, tool_use
 from kvserve.server.unsupported import check_chat, check_completion
 
 log = logging.getLogger("kvserve.server")
@@ -139,77 +133,36 @@ async def reset_prefix_cache(ctx: Context) -> dict[str, int]:
     return {"freed_blocks": await ctx.async_engine.reset_prefix_cache()}
 
 
+def _include_usage(body: SamplingRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+# A request's route checks what its body alone decides, reserves room in the engine's queue for all its
+# sequences before any work (the door refuses what is over the cap or cannot fit), then builds its plan
+# in one trip off the event loop: templating, tokenizing, a vocabulary-wide logit_bias and a grammar's
+# compile all grow with the request, and the loop serves every stream.
 @api.post("/v1/chat/completions", dependencies=[InFlight])
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     check_chat(body)
-    check_sequences(1, body.n, ctx.max_sequences_per_request)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs")
     namespace = cache_namespace(request, body.cache_salt)
-    tools = tool_use(body)
-    max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-    if max_tokens is not None and max_tokens < 1:
-        # Only completions' echo has a use for a reply of no tokens.
-        raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-
-    def prepare() -> tuple[PromptInput, SamplingParams]:
-        token_ids = chat_prompt(ctx, body.messages, namespace, True, tools)
-        params = sampling_params(body, max_tokens, logprobs)
-        if tools is not None and params.structured_outputs is None:
-            tool_grammar = constraint(tools)
-            params = dataclasses.replace(params, structured_outputs=tool_grammar)
-            try:
-                # Compiled here to name the tools in an error; validation then finds it in the cache.
-                ctx.async_engine.compile_constraint(tool_grammar)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"the tools' schemas are rejected: {e.message}", "tools") from None
-        elif tools is not None and tools.choice != "none":
-            # With tool_choice "none" the request's own constraint applies; otherwise the tools' does.
-            raise APIError(400, "tools cannot be combined with an output constraint.", param="tools")
-        return PromptInput(token_ids, ""), params
-
-    fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs, tools is not None)
-    with ctx.admission.reserve(caller(request).tenant.name, body.n) as room:
-        # Templating and tokenizing a long chat takes a while, and a logit_bias may have as many
-        # entries as the vocabulary, and a grammar compiles: off the event loop, which serves every stream.
-        prompt, params = await asyncio.to_thread(prepare)
-        return await respond(ctx, request, fmt, [prompt], params, namespace, body, room)
-
-
-# The legacy completions route reports at most this many alternatives per token, as OpenAI's does.
-MAX_COMPLETION_LOGPROBS = 5
+    fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs, bool(body.tools))
+    with ctx.async_engine.reserve(caller(request).tenant.name, 1, body.n) as room:
+        plan = await asyncio.to_thread(chat_plan, ctx, body, namespace)
+        return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
 @api.post("/v1/completions", dependencies=[InFlight])
 async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     check_completion(body)
-    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise APIError(400, f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.", param="logprobs")
-    # Before anything is done per prompt: a batch's size is bounded by the body alone.
-    num_prompts = len(prompt_batch(body.prompt))
-    check_sequences(num_prompts, body.n, ctx.max_sequences_per_request)
-    if isinstance(body.prompt, str):
-        ctx.prompt_guard.check([body.prompt], "prompt")
-    elif body.prompt and all(isinstance(p, str) for p in body.prompt):
-        ctx.prompt_guard.check([p for p in body.prompt if isinstance(p, str)], "prompt")
-    # An echo with logprobs scores the prompt too, as evaluation harnesses expect.
-    prompt_logprobs = body.logprobs if body.echo else None
-
-    def prepare() -> tuple[list[PromptInput], SamplingParams]:
-        prompts = completion_prompts(ctx.async_engine.tokenizer, body.prompt)
-        return prompts, sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
-
     fmt = CompletionFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs is not None, body.echo)
     namespace = cache_namespace(request, body.cache_salt)
-    with ctx.admission.reserve(caller(request).tenant.name, num_prompts * body.n) as room:
-        # Tokenizing, decoding echo texts and checking a logit_bias grow with the request: off the loop.
-        prompts, params = await asyncio.to_thread(prepare)
-        return await respond(ctx, request, fmt, prompts, params, namespace, body, room)
+    # A batch's size is known from the body alone, before anything is done per prompt.
+    num_prompts = len(prompt_batch(body.prompt))
+    with ctx.async_engine.reserve(caller(request).tenant.name, num_prompts, body.n) as room:
+        plan = await asyncio.to_thread(completion_plan, ctx, body, namespace)
+        return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
 @api.get("/v1/cache/stats")
@@ -250,7 +203,12 @@ async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> Tok
     if body.messages is not None:
         namespace = cache_namespace(request, body.cache_salt)
         tokens = await asyncio.to_thread(
-            chat_prompt, ctx, body.messages, namespace, body.add_generation_prompt
+            chat_prompt,
+            ctx.async_engine,
+            ctx.prompt_guard,
+            body.messages,
+            namespace,
+            body.add_generation_prompt,
         )
     else:
         prompt = body.prompt or ""
@@ -265,11 +223,7 @@ async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> Tok
 async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeResponse:
     check_model(ctx, body.model)
     tokenizer = ctx.async_engine.tokenizer
-    bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
-    if bad:
-        raise APIError(
-            400, f"Token ids must be in [0, {tokenizer.vocab_size}); got {bad[:5]}.", param="tokens"
-        )
+    check_vocabulary(tokenizer.vocab_size, body.tokens, "tokens")
     # Special tokens are kept so that detokenize(tokenize(text)) gives the text back.
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
 
@@ -283,9 +237,8 @@ async def pin(body: PinRequest, request: Request, ctx: Context) -> PinInfo:
         raise APIError(
             400, "Send either 'prompt' (text or token ids) or 'messages' (a chat), not both or neither."
         )
-    namespace = cache_namespace(request)
-    tokens = await pin_tokens(ctx, body, namespace)
-    return await pin_prefix(ctx, namespace, caller(request).tenant.name, tokens, body.ttl_s)
+    plan = await asyncio.to_thread(pin_plan, ctx, body, cache_namespace(request))
+    return await pin_prefix(ctx, caller(request).tenant.name, plan, body.ttl_s)
 
 
 @api.delete("/v1/cache/pin/{pin_id}")
@@ -339,9 +292,6 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         options=options,
         in_flight=InFlightLimiter(options.max_in_flight_per_tenant),
         prompt_guard=PromptGuard(async_engine.max_model_len, async_engine.tokenizer.max_token_chars()),
-        # What AsyncEngine.generate admits: the waiting queue and the running batch.
-        admission=SequenceAdmission(async_engine.capacity, async_engine.in_flight_by_tenant),
-        max_sequences_per_request=async_engine.config.max_sequences_per_request,
     )
     app.state.dashboard = dashboard
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)

@@ -5,16 +5,17 @@ from dataclasses import dataclass
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.options import ServerOptions
 from kvserve.server.errors import APIError
-from kvserve.server.limits import InFlightLimiter, PromptGuard, SequenceAdmission
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.middleware import InFlightLimiter
+from kvserve.server.prompts import PromptGuard
 from kvserve.server.tenants import Tenants
 
 
 @dataclass(frozen=True)
 class ServerContext:
-    """What every route needs: the engine, the served model's name and limits, metrics, the tenants
-    (with the admin key) and the server's options. `admission` holds room in the engine's queue for
-    whole requests."""
+    """What every route needs: the engine's door, the served model's name and limits, metrics, the
+    tenants (with the admin key) and the server's options, and the two checks only the server makes
+    (`in_flight`, `prompt_guard`)."""
 
     async_engine: AsyncEngine
     model_name: str
@@ -24,8 +25,6 @@ class ServerContext:
     created: int
     in_flight: InFlightLimiter
     prompt_guard: PromptGuard
-    admission: SequenceAdmission
-    max_sequences_per_request: int
     options: ServerOptions
 
 

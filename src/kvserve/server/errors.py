@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from kvserve.engine.async_engine import EngineDeadError, EngineFailedError
+from kvserve.engine.validation import TooManySequencesError
 from kvserve.errors import EngineOverloadedError, InvalidRequestError
 
 log = logging.getLogger("kvserve.server")
@@ -106,7 +107,8 @@ def to_api_error(request: Request, exc: Exception) -> APIError:
             exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", headers=exc.headers
         )
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, exc.message, param=exc.param)
+        code = exc.code if isinstance(exc, TooManySequencesError) else None
+        return APIError(400, exc.message, param=exc.param, code=code)
     if isinstance(exc, EngineOverloadedError):
         return APIError(
             503, str(exc), "server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}

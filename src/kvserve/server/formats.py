@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import PromptOutputs, SampleOutput
 from kvserve.server.logprobs import LogprobRenderer
+from kvserve.server.plan import PlannedPrompt
 from kvserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -32,20 +33,12 @@ from kvserve.server.tools import ToolCallStream, new_call_id, parse_calls
 
 
 @dataclass(frozen=True)
-class PromptInput:
-    """One prompt: its token ids and the text an echo shows."""
-
-    token_ids: list[int]
-    text: str
-
-
-@dataclass(frozen=True)
 class Choice:
     """One choice as it grows: sample `sample` of its prompt's outputs, which the deltas fold into (the
     text and logprobs so far, the prompt's logprobs once computed)."""
 
     index: int
-    prompt: PromptInput
+    prompt: PlannedPrompt
     outputs: PromptOutputs
     sample: int
 
@@ -81,7 +74,6 @@ class ResponseIds:
 
 class OutputFormat(Protocol):
     id_prefix: str
-    prompt_param: str
 
     def opening(self, ids: ResponseIds, choices: Sequence[Choice]) -> list[BaseModel]: ...
 
@@ -108,7 +100,6 @@ class ChatFormat:
     """With `tools`, replies made of tool calls (server/tools.py) become OpenAI `tool_calls`."""
 
     id_prefix = "chatcmpl"
-    prompt_param = "messages"
 
     def __init__(self, renderer: LogprobRenderer, logprobs: bool, tools: bool = False) -> None:
         self._renderer = renderer
@@ -185,7 +176,6 @@ class ChatFormat:
 
 class CompletionFormat:
     id_prefix = "cmpl"
-    prompt_param = "prompt"
 
     def __init__(self, renderer: LogprobRenderer, logprobs: bool, echo: bool) -> None:
         self._renderer = renderer

@@ -1,23 +1,53 @@
-"""From what a client sends to prompt token ids: chats (with their tools), texts, token ids and batches.
+"""From what a client sends to prompt token ids: chats (with their tools), texts and batches.
 
-The chat routes, /tokenize and pins all build prompts here, behind the same guards: the prompt-length
-guard before any text is rendered or tokenized, and token ids within the vocabulary before anything
-reads them.
+The request plans (server/plan.py), /tokenize and pins build prompts here, behind the guard of what only
+the server can check: a text's characters, before it is rendered or tokenized. Everything that needs the
+tokens (their count, their range) is the engine's check (engine/validation.py).
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.server.context import ServerContext
-from kvserve.server.errors import APIError
-from kvserve.server.formats import PromptInput
 from kvserve.server.protocol import ChatMessage
 from kvserve.server.tools import ToolUse, conversation
 
 
+@dataclass(frozen=True)
+class PromptGuard:
+    """Refuses a prompt text that must be over the context before it is rendered or tokenized.
+
+    No token is longer than `max_token_chars` characters, so a text of more than
+    max_model_len * max_token_chars characters has more than max_model_len tokens, whatever they are.
+    """
+
+    max_model_len: int
+    max_token_chars: int
+
+    def check(self, texts: Sequence[str], param: str) -> None:
+        chars = sum(len(t) for t in texts)
+        if chars > self.max_model_len * self.max_token_chars:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and {chars} "
+                f"characters are more tokens than that; shorten the {param}.",
+                param,
+            )
+        for text in texts:
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidRequestError(
+                        "The text is not valid Unicode (it has a lone surrogate escape).", param
+                    ) from None
+
+
 def chat_prompt(
-    ctx: ServerContext,
-    messages: list[ChatMessage],
+    async_engine: AsyncEngine,
+    guard: PromptGuard,
+    messages: Sequence[ChatMessage],
     namespace: str,
     add_generation_prompt: bool = True,
     tools: ToolUse | None = None,
@@ -25,19 +55,12 @@ def chat_prompt(
     """Token ids of a conversation (with its tools, calls and results in the generic format of
     server/tools.py); earlier replies of this engine come back as their exact ids, so the next turn of
     a chat finds its whole history in the prefix cache."""
-    ctx.prompt_guard.check([m.text for m in messages], "messages")
-    return ctx.async_engine.encode_chat(conversation(messages, tools), namespace, add_generation_prompt)
+    guard.check([m.text for m in messages], "messages")
+    return async_engine.encode_chat(conversation(messages, tools), namespace, add_generation_prompt)
 
 
 def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
-
-
-def check_token_ids(vocab: int, batch: Sequence[str | Sequence[int]], param: str = "prompt") -> None:
-    """Token ids a client sends must be in [0, vocab) before anything reads them: the tokenizer cannot
-    decode, nor a cache key pack, what is out of range."""
-    if any(not isinstance(p, str) and any(not 0 <= t < vocab for t in p) for p in batch):
-        raise APIError(400, f"Prompt token ids must be in [0, {vocab}).", param=param)
 
 
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
@@ -48,14 +71,3 @@ def prompt_batch(prompt: CompletionPrompt) -> list[str | list[int]]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
         return [prompt]  # type: ignore[list-item]
     return list(prompt)  # type: ignore[arg-type]
-
-
-def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt) -> list[PromptInput]:
-    """Each prompt of a completions `prompt` with its echo text."""
-    batch = prompt_batch(prompt)
-    # Checked before the echo text is decoded from them.
-    check_token_ids(tokenizer.vocab_size, batch)
-    return [
-        PromptInput(text_prompt(tokenizer, p), p if isinstance(p, str) else tokenizer.decode(p, False))
-        for p in batch
-    ]

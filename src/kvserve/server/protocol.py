@@ -11,13 +11,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidatorFunctionWrapHandler, WrapValidator
 
-from kvserve.server.limits import (
-    MAX_CACHE_SALT_CHARS,
-    MAX_CONTENT_PARTS,
-    MAX_MESSAGES,
-    MAX_STOP_CHARS,
-    MAX_STOP_TOKEN_IDS,
-)
+# Field limits of the protocol; each is far above what a real client sends.
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 256
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 # vLLM's field: splits a request's cache namespace further, within its tenant's (never across tenants).

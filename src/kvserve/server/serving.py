@@ -1,8 +1,8 @@
-"""From an OpenAI request to engine input, and from engine deltas to OpenAI responses or SSE chunks.
+"""From a request plan to engine requests, and from engine deltas to OpenAI responses or SSE chunks.
 
-Chat and text completions differ only in how the prompt is built and how a choice is shaped (an
-`OutputFormat`, server/formats.py); several choices (n samples, batched prompts), streaming, usage,
-latencies, disconnects and the per-choice log line are written once.
+Chat and text completions differ only in how their plan is built (server/plan.py) and how a choice is
+shaped (an `OutputFormat`, server/formats.py); several choices (n samples, batched prompts), streaming,
+usage, latencies, disconnects and the per-choice log line are written once.
 """
 
 import asyncio
@@ -17,69 +17,26 @@ from fastapi import Request, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.async_engine import Reservation
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import PromptOutputs, RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.validation import CheckedPrompt
-from kvserve.errors import InvalidRequestError
-from kvserve.server.auth import caller
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import ClientDisconnected, ErrorResponse, to_api_error
-from kvserve.server.formats import Choice, OutputFormat, PromptInput, ResponseIds
-from kvserve.server.limits import Reservation
+from kvserve.server.formats import Choice, OutputFormat, ResponseIds
 from kvserve.server.metrics import RequestTimer
-from kvserve.server.protocol import PromptTokensDetails, SamplingRequest, Usage
-from kvserve.server.structured import structured_outputs
+from kvserve.server.plan import RequestPlan
+from kvserve.server.protocol import PromptTokensDetails, Usage
 
 log = logging.getLogger("kvserve.server")
 
 T = TypeVar("T")
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    try:
-        return {int(token): value for token, value in bias.items()}
-    except ValueError:
-        raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
-
-
-def sampling_params(
-    body: SamplingRequest,
-    max_tokens: int | None,
-    logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
-) -> SamplingParams:
-    """OpenAI's defaults for unset values; SamplingParams raises InvalidRequestError on a bad one."""
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        min_p=0.0 if body.min_p is None else body.min_p,
-        seed=body.seed,
-        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        stop_token_ids=list(body.stop_token_ids or []),
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens,
-        skip_special_tokens=body.skip_special_tokens,
-        n=body.n,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        logit_bias=_logit_bias(body.logit_bias),
-        structured_outputs=structured_outputs(body),
-    )
-
-
 class Generation:
     """One engine request (one choice) as the server sees it: its deltas, latencies and log line. The
-    deltas fold into its choice's prompt outputs, which usage and the response read."""
+    deltas fold into its choice's prompt outputs, which usage and the response read. Its sequence is
+    taken from `room`, its request's reservation, when it starts."""
 
     def __init__(
         self,
@@ -87,18 +44,19 @@ class Generation:
         log_id: str,
         engine_id: str,
         choice: Choice,
-        prompt: CheckedPrompt,
         params: SamplingParams,
         namespace: str,
-        tenant: str,
+        room: Reservation,
     ) -> None:
         self.log_id = log_id
         self.choice = choice
         self._metrics = ctx.metrics
-        self._tenant = tenant
+        self._tenant = room.tenant
         self._timer = RequestTimer(ctx.metrics)
         # Closing this generator is what aborts the request.
-        self._deltas = ctx.async_engine.generate(prompt, params, namespace, engine_id, tenant)
+        self._deltas = ctx.async_engine.generate(
+            choice.prompt.checked, params, namespace, engine_id, room.tenant, room
+        )
         self._first: RequestDelta | None = None
         self._ended = False
 
@@ -306,18 +264,10 @@ class EventStreamResponse(StreamingResponse):
                 await g.close()
 
 
-async def _start_all(generations: Sequence[Generation], room: Reservation) -> None:
-    """Wait for every generation's first delta; if one fails, abort them all and raise its error.
-
-    `room` is handed back once every sequence is counted in the engine's queue, not at its first delta:
-    held through a prefill, it would count each sequence twice and turn away requests that fit. A
+async def _start_all(generations: Sequence[Generation]) -> None:
+    """Wait for every generation's first delta; if one fails, abort them all and raise its error. A
     refused request is one line in the log (its error's), not one per sequence."""
-    starts = [asyncio.ensure_future(g.start()) for g in generations]
-    # One turn of the loop runs each start up to its first wait for a delta, by which point
-    # AsyncEngine.generate has counted its sequence in flight (or refused it).
-    await asyncio.sleep(0)
-    room.release()
-    results = await asyncio.gather(*starts, return_exceptions=True)
+    results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         for g in generations:
@@ -329,66 +279,41 @@ async def _run_all(generations: Sequence[Generation]) -> list[Choice]:
     return list(await asyncio.gather(*(g.run() for g in generations)))
 
 
-def _validated_samples(
-    async_engine: AsyncEngine, prompts: Sequence[PromptInput], params: SamplingParams, prompt_param: str
-) -> tuple[list[CheckedPrompt], list[SamplingParams]]:
-    """The checked prompts, and the params of each of the n samples, built once and shared by every
-    prompt: what can never run is refused before anything is queued. The one check of the request: the
-    engine takes the checked prompts with these samples as they are."""
-    try:
-        checked = async_engine.validate([p.token_ids for p in prompts], params)
-    except InvalidRequestError as e:
-        if e.param != "prompt":
-            raise
-        raise InvalidRequestError(e.message, prompt_param) from None
-    return checked, [params.for_sample(j) for j in range(params.n)]
-
-
 async def respond(
     ctx: ServerContext,
     request: Request,
     fmt: OutputFormat,
-    prompts: Sequence[PromptInput],
-    params: SamplingParams,
-    namespace: str,
-    body: SamplingRequest,
+    plan: RequestPlan,
     room: Reservation,
+    stream: bool,
+    include_usage: bool,
 ) -> Response:
-    """Run `params.n` samples of each prompt through the engine and answer with every choice, whole or
-    as a stream of chunks. The samples of a prompt are submitted together, so all but the first read
-    its KV from the prefix cache instead of computing it again. `room` is the engine's room for them,
-    taken by the route before any work; it is handed back once they are in the engine."""
+    """Run the plan's samples of each of its prompts through the engine and answer with every choice,
+    whole or as a stream of chunks. The samples of a prompt are submitted together, so all but the
+    first read its KV from the prefix cache instead of computing it again. `room` is the engine's room
+    for them, reserved by the route before any work: each takes its sequence from it as it is queued.
+    A stream's last chunk carries the usage when `include_usage`."""
     ids = ResponseIds(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
     log_id: str = getattr(request.state, "request_id", ids.id)
-    tenant = caller(request).tenant.name
-    # Validation reads every prompt token and the bias of each sample: off the event loop.
-    checked, samples = await asyncio.to_thread(
-        _validated_samples, ctx.async_engine, prompts, params, fmt.prompt_param
-    )
-    many = len(prompts) * params.n > 1
+    many = len(plan.prompts) * plan.n > 1
     generations = []
-    for i, prompt in enumerate(prompts):
-        outputs = PromptOutputs.start(len(prompt.token_ids), params.n)
-        for j, sample in enumerate(samples):
-            index = i * params.n + j
+    for i, prompt in enumerate(plan.prompts):
+        outputs = PromptOutputs.start(len(prompt.token_ids), plan.n)
+        for j, sample in enumerate(plan.samples):
+            index = i * plan.n + j
             generations.append(
                 Generation(
                     ctx,
                     f"{log_id}[{index}]" if many else log_id,
                     f"{ids.id}-{index}",
                     Choice(index, prompt, outputs, j),
-                    checked[i],
                     sample,
-                    namespace,
-                    tenant,
+                    plan.namespace,
+                    room,
                 )
             )
-    try:
-        await cancel_on_disconnect(request, _start_all(generations, room))
-    finally:
-        room.release()
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+    await cancel_on_disconnect(request, _start_all(generations))
+    if stream:
         return EventStreamResponse(_events(request, generations, fmt, ids, include_usage), generations)
     choices = await cancel_on_disconnect(request, _run_all(generations))
     result = fmt.response(ids, choices, usage(generations))

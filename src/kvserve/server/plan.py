@@ -1,0 +1,178 @@
+"""One plan per request: what an API request asks of the engine, built and checked whole.
+
+A plan builder turns one API's request body into a `RequestPlan`, in one trip to a worker thread (the
+route's `asyncio.to_thread`): render and tokenize the prompts, map the body to SamplingParams, add the
+tools' constraint, and validate once (`AsyncEngine.validate`: the token ids, lengths, caps and the
+constraint, compiled there and only there). The engine's door then queues each prompt with each of the
+plan's samples as they are, checking nothing again. There is one builder per API, each producing the same
+plan: `chat_plan`, `completion_plan`, `pin_plan`; a new API is one more function beside them.
+
+The route has already done what needs no work: the body's fields alone (model, unsupported fields) and
+room in the engine's queue for the request's sequences (`AsyncEngine.reserve`).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvserve.engine.grammar import ConstraintRejected
+from kvserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvserve.engine.validation import CheckedPrompt
+from kvserve.errors import InvalidRequestError
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import APIError
+from kvserve.server.prompts import chat_prompt, prompt_batch, text_prompt
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest, SamplingRequest
+from kvserve.server.structured import structured_outputs
+from kvserve.server.tools import constraint, tool_use
+
+# The legacy completions route reports at most this many alternatives per token, as OpenAI's does.
+MAX_COMPLETION_LOGPROBS = 5
+# A pin computes its prefix with one generated token, which leaves the whole prompt's KV in the cache.
+PIN_PREFILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class PlannedPrompt:
+    """One prompt of a plan: the engine's proof of it (token ids, effective max_tokens, compiled
+    constraint) and the text an echo shows."""
+
+    checked: CheckedPrompt
+    text: str = ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.checked.token_ids
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """A request as the engine will run it: every prompt checked with the request's params, and the
+    params of each of its n samples (`samples[j]`, built once and shared by every prompt), for the cache
+    namespace its KV lives in. Each prompt with each sample is one engine request, which the door queues
+    without checking it again."""
+
+    prompts: tuple[PlannedPrompt, ...]
+    samples: tuple[SamplingParams, ...]
+    namespace: str
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+
+def _plan(
+    ctx: ServerContext, token_ids: list[list[int]], params: SamplingParams, namespace: str
+) -> RequestPlan:
+    """The one check of the request, then its n samples' params."""
+    checked = ctx.async_engine.validate(token_ids, params)
+    samples = tuple(params.for_sample(j) for j in range(params.n))
+    return RequestPlan(tuple(PlannedPrompt(c) for c in checked), samples, namespace)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
+
+
+def sampling_params(
+    body: SamplingRequest,
+    max_tokens: int | None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """OpenAI's defaults for unset values; SamplingParams raises InvalidRequestError on a bad one."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        seed=body.seed,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop_token_ids=list(body.stop_token_ids or []),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        skip_special_tokens=body.skip_special_tokens,
+        n=body.n,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias),
+        structured_outputs=structured_outputs(body),
+    )
+
+
+def chat_plan(ctx: ServerContext, body: ChatCompletionRequest, namespace: str) -> RequestPlan:
+    """A chat completion's plan: the conversation with its tools rendered and tokenized, and the tools'
+    grammar as the output constraint unless tool_choice is "none". An error on the prompt names
+    `messages`, and a constraint the grammar library rejects that came from the tools names `tools`."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs")
+    max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    if max_tokens is not None and max_tokens < 1:
+        # Only completions' echo has a use for a reply of no tokens.
+        raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
+    tools = tool_use(body)
+    token_ids = chat_prompt(ctx.async_engine, ctx.prompt_guard, body.messages, namespace, True, tools)
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    tools_constrain = False
+    if tools is not None and params.structured_outputs is None:
+        params = dataclasses.replace(params, structured_outputs=constraint(tools))
+        tools_constrain = True
+    elif tools is not None and tools.choice != "none":
+        # With tool_choice "none" the request's own constraint applies; otherwise the tools' does.
+        raise APIError(400, "tools cannot be combined with an output constraint.", param="tools")
+    try:
+        return _plan(ctx, [token_ids], params, namespace)
+    except ConstraintRejected as e:
+        if not tools_constrain:
+            raise
+        raise InvalidRequestError(f"the tools' schemas are rejected: {e.message}", "tools") from None
+    except InvalidRequestError as e:
+        if e.param != "prompt":
+            raise
+        raise InvalidRequestError(e.message, "messages") from None
+
+
+def completion_plan(ctx: ServerContext, body: CompletionRequest, namespace: str) -> RequestPlan:
+    """A text completion's plan: each prompt of the batch tokenized (or its ids taken), then each
+    echo text decoded from the checked ids (the tokenizer cannot decode ids out of range)."""
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise APIError(400, f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.", param="logprobs")
+    batch = prompt_batch(body.prompt)
+    texts = [p for p in batch if isinstance(p, str)]
+    if texts:
+        ctx.prompt_guard.check(texts, "prompt")
+    tokenizer = ctx.async_engine.tokenizer
+    token_ids = [text_prompt(tokenizer, p) for p in batch]
+    # An echo with logprobs scores the prompt too, as evaluation harnesses expect.
+    prompt_logprobs = body.logprobs if body.echo else None
+    params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+    plan = _plan(ctx, token_ids, params, namespace)
+    prompts = tuple(
+        PlannedPrompt(p.checked, given if isinstance(given, str) else tokenizer.decode(p.token_ids, False))
+        for given, p in zip(batch, plan.prompts, strict=True)
+    )
+    return dataclasses.replace(plan, prompts=prompts)
+
+
+def pin_plan(ctx: ServerContext, body: PinRequest, namespace: str) -> RequestPlan:
+    """A pin's plan: the prefix to pin (rendered chat messages without the generation prompt, tokenized
+    text or the ids given) as one prompt, with the params that compute its KV if it is not cached."""
+    if body.messages is not None:
+        token_ids = chat_prompt(ctx.async_engine, ctx.prompt_guard, body.messages, namespace, False)
+    elif isinstance(body.prompt, str):
+        ctx.prompt_guard.check([body.prompt], "prompt")
+        token_ids = text_prompt(ctx.async_engine.tokenizer, body.prompt)
+    else:
+        token_ids = list(body.prompt or [])
+    return _plan(ctx, [token_ids], PIN_PREFILL, namespace)
