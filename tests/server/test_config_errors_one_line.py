@@ -15,10 +15,10 @@ from kvserve.options import ServerOptions
 from tests.helpers import save_tiny_model
 
 
-def kvserve(*argv: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+def kvserve(*argv: str, environ: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")} | (environ or {})
     return subprocess.run(
-        [sys.executable, "-m", "kvserve", *argv], capture_output=True, text=True, timeout=300, env=environ
+        [sys.executable, "-m", "kvserve", *argv], capture_output=True, text=True, timeout=300, env=env
     )
 
 
@@ -44,6 +44,23 @@ def test_a_block_size_that_is_no_power_of_two() -> None:
 def test_a_kv_cache_below_one_block_of_the_model(tiny_model_dir: str) -> None:
     result = kvserve("generate", "--model", tiny_model_dir, "--kv-cache-memory", "1KiB", "Hello")
     assert_one_line_error(result, "1KiB", "below one KV block", "--kv-cache-memory")
+
+
+def test_native_attention_where_no_compiler_can_build_it(tiny_model_dir: str, tmp_path: Path) -> None:
+    result = kvserve(
+        "--log-level",
+        "warning",
+        "generate",
+        "--model",
+        tiny_model_dir,
+        "--attention",
+        "native",
+        "--weight-dtype",
+        "float32",
+        "Hello",
+        environ={"CC": str(tmp_path / "no-such-compiler"), "KVSERVE_CACHE_DIR": str(tmp_path / "fresh")},
+    )
+    assert_one_line_error(result, "no-such-compiler")
 
 
 def test_a_cluster_without_replicas() -> None:

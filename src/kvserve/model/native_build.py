@@ -20,6 +20,7 @@ import tempfile
 from importlib import resources
 from importlib.resources.abc import Traversable
 
+from kvserve.errors import KVServeError
 from kvserve.model.kernel_abi import KernelLibrary, bind
 from kvserve.private_files import private_cached_file
 
@@ -29,8 +30,9 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 LIBS = ["-lmvec", "-lm"]
 
 
-class KernelUnavailableError(RuntimeError):
-    """A native kernel cannot be built or loaded here (no compiler, not a CPU, unsupported dtype)."""
+class KernelUnavailableError(KVServeError, RuntimeError):
+    """A native kernel cannot be built or loaded here (no compiler, not a CPU, unsupported dtype). With
+    `attention="native"` it stops the start, which the command line prints as one line."""
 
 
 def cpu_flags() -> str:
