@@ -4,6 +4,7 @@ over the context (refused before the chat template renders), templating off the 
 requests in flight per tenant."""
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -165,6 +166,37 @@ def test_a_prompt_over_the_context_is_refused_before_rendering(
         "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     )
     assert r.status_code == 200 and calls == ["render", "encode"]
+    server.assert_idle_and_healthy()
+
+
+@pytest.mark.parametrize("where", ["tool description", "call arguments", "tool result"])
+def test_tool_text_over_the_context_is_refused_before_rendering(
+    server: LimitServer, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    tokenizer = server.async_engine.tokenizer
+    calls: list[str] = []
+    render, encode = tokenizer.render_chat, tokenizer.encode
+    monkeypatch.setattr(tokenizer, "render_chat", lambda *a, **k: calls.append("render") or render(*a, **k))  # type: ignore[func-returns-value]
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append("encode") or encode(*a, **k))  # type: ignore[func-returns-value]
+    huge = "word " * 12_000
+    description = huge if where == "tool description" else "The weather in a city."
+    arguments = json.dumps({"city": huge if where == "call arguments" else "Paris"})
+    result = huge if where == "tool result" else "sunny"
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": description}}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": result},
+    ]
+    r = server.post("/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 1})
+    assert_error(r, 400, param="tools" if where == "tool description" else "messages")
+    assert "maximum context length" in r.json()["error"]["message"]
+    assert calls == []
     server.assert_idle_and_healthy()
 
 

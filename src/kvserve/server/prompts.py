@@ -54,9 +54,16 @@ def chat_prompt(
 ) -> list[int]:
     """Token ids of a conversation (with its tools, calls and results in the generic format of
     server/tools.py); earlier replies of this engine come back as their exact ids, so the next turn of
-    a chat finds its whole history in the prefix cache."""
-    guard.check([m.text for m in messages], "messages")
-    return async_engine.encode_chat(conversation(messages, tools), namespace, add_generation_prompt)
+    a chat finds its whole history in the prefix cache.
+
+    The guard reads the turns as rendered, so every text the request carries counts before anything is
+    tokenized: contents and their parts, calls' arguments and tool results (param `messages`), then the
+    tools' names, descriptions and schemas (param `tools`)."""
+    guard.check([turn["content"] for turn in conversation(messages, None)], "messages")
+    turns = conversation(messages, tools)
+    if tools is not None:
+        guard.check([turn["content"] for turn in turns], "tools")
+    return async_engine.encode_chat(turns, namespace, add_generation_prompt)
 
 
 def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
