@@ -23,7 +23,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
-from kvserve.server.tools import ToolCallStream, call_text, parse_calls
+from kvserve.server.tools import ToolCallStream, call_text, complete_calls, parse_calls
 from tests.server.live import Server, assert_no_leak
 
 NAME = "m"
@@ -208,6 +208,36 @@ def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
     assert named.finish_reason == "tool_calls"
     assert [c.function.name for c in named.message.tool_calls or []] == ["get_time"]
     assert json.loads(named.message.tool_calls[0].function.arguments)["zone"] in ("UTC", "CET", "PST")
+
+
+def test_calls_cut_short_by_max_tokens_keep_the_complete_ones(client: openai.OpenAI) -> None:
+    """This model repeats a call until max_tokens when it may make several: the calls it completed come
+    back as tool_calls with finish_reason "length", the unfinished one is dropped, and no call markup is
+    ever the content."""
+    ask = [{"role": "user", "content": "What time is it in Paris, and what is the weather?"}]
+    for max_tokens, some_calls in ((120, True), (5, False)):
+        reply = _chat(
+            client,
+            messages=ask,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            max_tokens=max_tokens,
+            temperature=0,
+        ).choices[0]
+        assert reply.finish_reason == "length" and reply.message.content is None
+        assert bool(reply.message.tool_calls) == some_calls
+        for call in reply.message.tool_calls or []:
+            tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_a_reply_cut_short_keeps_the_calls_it_completed() -> None:
+    calls = [call_text("get_weather", '{"city":"Oslo"}'), call_text("get_time", '{"zone":"UTC"}')]
+    text = "\n".join(calls)
+    for cut in range(len(text) + 1):
+        done = [c for c in calls if len(text[:cut]) >= text.index(c) + len(c)]
+        assert [call_text(c.name, c.arguments) for c in complete_calls(text[:cut])] == done
+    assert complete_calls("Hello <tool_call>") == []
 
 
 def _streamed_calls(client: openai.OpenAI, **kwargs: Any) -> tuple[list[dict[str, Any]], str | None, Any]:

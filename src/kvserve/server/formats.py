@@ -29,7 +29,14 @@ from kvserve.server.protocol import (
     ToolCall,
     Usage,
 )
-from kvserve.server.tools import ToolCallStream, new_call_id, parse_calls
+from kvserve.server.tools import (
+    ParsedCall,
+    ToolCallStream,
+    complete_calls,
+    is_call_text,
+    new_call_id,
+    parse_calls,
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,12 @@ def _tool_finish(reason: str | None, calls: bool) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+def _tool_calls(calls: Sequence[ParsedCall]) -> list[ToolCall]:
+    return [
+        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+    ]
+
+
 class ChatFormat:
     """With `tools`, replies made of tool calls (server/tools.py) become OpenAI `tool_calls`."""
 
@@ -137,14 +150,17 @@ class ChatFormat:
         return self._chunk(ids, [piece])
 
     def _message(self, choice: Choice) -> tuple[AssistantMessage, str | None]:
-        calls = parse_calls(choice.text) if self._tools and choice.finish_reason == "stop" else None
-        if calls is None:
+        if not self._tools:
             return AssistantMessage(content=choice.text), choice.finish_reason
-        tool_calls = [
-            ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-            for c in calls
-        ]
-        return AssistantMessage(content=None, tool_calls=tool_calls), "tool_calls"
+        if choice.finish_reason == "stop":
+            calls = parse_calls(choice.text)
+            if calls is not None:
+                return AssistantMessage(content=None, tool_calls=_tool_calls(calls)), "tool_calls"
+        elif choice.finish_reason == "length" and is_call_text(choice.text):
+            # Cut short while calling: the calls it completed, never the markup of the unfinished one.
+            calls = complete_calls(choice.text)
+            return AssistantMessage(content=None, tool_calls=_tool_calls(calls) or None), "length"
+        return AssistantMessage(content=choice.text), choice.finish_reason
 
     def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel:
         return self._chunk(ids, [], usage)

@@ -193,21 +193,34 @@ def _parse_one(text: str, pos: int) -> tuple[ParsedCall, int] | None:
     return ParsedCall(head.group(1), text[head.end() : end]), end + len(_TAIL)
 
 
+def _leading_calls(text: str) -> tuple[list[ParsedCall], int]:
+    """The complete calls at the start of `text`, one per line, and where the last of them ends."""
+    calls: list[ParsedCall] = []
+    pos = end = 0
+    while (parsed := _parse_one(text, pos)) is not None:
+        call, end = parsed
+        calls.append(call)
+        if not text.startswith("\n", end):
+            break
+        pos = end + 1
+    return calls, end
+
+
 def parse_calls(text: str) -> list[ParsedCall] | None:
     """The calls of a reply made only of calls (one per line); None for a reply that is anything else."""
-    calls = []
-    pos = 0
-    while True:
-        parsed = _parse_one(text, pos)
-        if parsed is None:
-            return None
-        call, pos = parsed
-        calls.append(call)
-        if pos == len(text):
-            return calls
-        if text[pos] != "\n":
-            return None
-        pos += 1
+    calls, end = _leading_calls(text)
+    return calls if calls and end == len(text) else None
+
+
+def is_call_text(text: str) -> bool:
+    """Whether a reply is in calls mode: under every tool choice a text reply cannot start with `<`."""
+    return text.startswith("<")
+
+
+def complete_calls(text: str) -> list[ParsedCall]:
+    """The calls a reply cut short (by max_tokens or the context) completed before it ended: the
+    unfinished last one is dropped."""
+    return _leading_calls(text)[0] if is_call_text(text) else []
 
 
 def new_call_id() -> str:
@@ -230,7 +243,7 @@ class ToolCallStream:
     def push(self, delta: str) -> dict[str, Any]:
         self.text += delta
         if self.mode is None and self.text:
-            self.mode = "calls" if self.text.startswith("<") else "text"
+            self.mode = "calls" if is_call_text(self.text) else "text"
         if self.mode == "text":
             return {"content": delta} if delta else {}
         entries: dict[int, dict[str, Any]] = {}
