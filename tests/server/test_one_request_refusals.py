@@ -200,6 +200,24 @@ def test_tool_text_over_the_context_is_refused_before_rendering(
     server.assert_idle_and_healthy()
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"structured_outputs": {"x" * 50_000: 1}},
+        {"response_format": {"type": "y" * 50_000}},
+        {"messages": [{"role": "user", "content": [{"type": "z" * 50_000}]}]},
+        {"logit_bias": {"w" * 50_000: 1}},
+    ],
+)
+def test_an_error_quotes_a_huge_name_only_in_part(server: LimitServer, extra: dict[str, Any]) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **extra}
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert len(error["message"]) <= 1003 and len(error["param"] or "") <= 1003, len(r.content)
+    server.assert_idle_and_healthy()
+
+
 def test_templating_runs_off_the_event_loop(server: LimitServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """While one request's chat template renders (held here until /health has answered), the event
     loop serves others: were rendering on the loop, /health could not answer and this test would fail

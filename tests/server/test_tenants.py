@@ -510,3 +510,57 @@ def test_cache_routes_and_pins_are_per_tenant_and_the_admin_sees_all(pin_server:
         )
         assert r.status_code == 200, r.text
     assert pins("a") == pins("c") == []
+
+
+@pytest.fixture(scope="module")
+def disk_server(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model: LoadedModel,
+    serve_app: Callable[[FastAPI], AbstractContextManager[str]],
+) -> Iterator[TenantServer]:
+    """Tenants on the tiny model with a disk tier below memory: what each may count of the cache."""
+    tenants = _key_file_tenants(tmp_path_factory, "tenant-counts")
+    config = EngineConfig(
+        kv_cache_memory=4 * 2**20,
+        max_model_len=256,
+        weight_dtype="float32",
+        kv_disk=str(tmp_path_factory.mktemp("tenant-counts-disk")),
+    )
+    async_engine = AsyncEngine(Engine.from_config(config, model=tiny_model))
+    with serve_app(create_app(async_engine, ServerOptions(admin_key=ADMIN_KEY), tenants)) as url:
+        yield TenantServer(url, tenants, async_engine)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_tenant_counts_its_own_cached_blocks_never_the_shared_tiers(disk_server: TenantServer) -> None:
+    def status(key: str) -> dict[str, Any]:
+        r = httpx.get(f"{disk_server.url}/v1/cache", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert r.status_code == 200, r.text
+        result: dict[str, Any] = r.json()
+        return result
+
+    disk_server.complete("a", PIN_PROMPT)
+    disk_server.complete("c", PIN_PROMPT[:32])
+    admin = status(ADMIN_KEY)
+    memory, disk = admin["tiers"]
+    per_block = memory["bytes_used"] // memory["blocks"]
+    assert disk["name"] == "disk" and isinstance(disk["blocks"], int) and isinstance(disk["bytes_used"], int)
+    mine = {tenant: status(KEYS[tenant])["tiers"] for tenant in KEYS}
+    counts = {tenant: tiers[0]["blocks"] for tenant, tiers in mine.items()}
+    # a's prefixes, and the group's (c and d share one namespace), are the whole tree; b has none.
+    assert counts["a"] >= 3 and counts["c"] >= 2 and counts["b"] == 0 and counts["c"] == counts["d"]
+    assert counts["a"] + counts["c"] == memory["blocks"]
+    for tiers in mine.values():
+        own, lower = tiers
+        assert own["bytes_used"] == own["blocks"] * per_block
+        assert own["capacity_bytes"] == memory["capacity_bytes"]
+        assert lower["name"] == "disk" and lower["blocks"] is None and lower["bytes_used"] is None
+    # The dashboard's data counts the same way: the pool-wide parts only for the admin.
+    every = httpx.get(f"{disk_server.url}/v1/cache/stats", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert every.json()["pool"]["free"] is not None and every.json()["pool"]["tiers"][0]["blocks"] is not None
+    for tenant, blocks in counts.items():
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        pool = httpx.get(f"{disk_server.url}/v1/cache/stats", headers=headers).json()["pool"]
+        assert (pool["cached"], pool["pinned"]) == (blocks, 0)
+        assert pool["free"] is pool["in_use"] is pool["evicted"] is pool["usage"] is None
+        assert pool["tiers"][0]["blocks"] is None and pool["tiers"][0]["bytes_used"] is None

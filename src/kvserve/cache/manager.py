@@ -79,6 +79,15 @@ class CacheUsage:
         return self.num_locked / self.num_blocks
 
 
+@dataclass(frozen=True)
+class NamespaceUsage:
+    """One namespace's share of the pool: its cached blocks, its pinned blocks and its pinning cap."""
+
+    num_cached: int
+    num_pinned: int
+    max_pinned: int
+
+
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -319,6 +328,11 @@ class KVCacheManager:
             tiers=tuple(self.lower.usage()) if self.lower is not None else (),
         )
 
+    def namespace_usage(self, namespace: str) -> NamespaceUsage:
+        cached = self.prefix_cache.num_nodes_in(namespace) if self.prefix_cache is not None else 0
+        pins = self._pins
+        return NamespaceUsage(cached, len(pins.blocks_in(namespace)), pins.max_blocks_per_namespace)
+
     def flush(self) -> None:
         """Wait until the lower tiers have written every block offered so far."""
         if self.lower is not None:
@@ -334,9 +348,13 @@ class KVCacheManager:
         holders: Counter[int] = Counter()
         tree_blocks: list[int] = []
         if self.prefix_cache is not None:
-            tree_blocks = [b for _, _, b in self.prefix_cache.entries()]
+            entries = self.prefix_cache.entries()
+            tree_blocks = [b for _, _, b in entries]
             if len(set(tree_blocks)) != len(tree_blocks):
                 raise AssertionError("one block holds two different token prefixes in the tree")
+            for namespace, count in Counter(ns for ns, _, _ in entries).items():
+                if self.prefix_cache.num_nodes_in(namespace) != count:
+                    raise AssertionError(f"namespace {namespace!r}'s block count drifted from the tree")
         holders.update(tree_blocks)
         for seq in self._live:
             holders.update(seq.blocks)

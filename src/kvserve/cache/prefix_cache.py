@@ -10,6 +10,7 @@ Hits are therefore exact to the token, not rounded down to a block boundary.
 import heapq
 import itertools
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -87,6 +88,8 @@ class PrefixCache:
         # Eviction only ever looks at leaves; in chat workloads they are few next to the inner nodes.
         self._leaves: set[_Node] = set()
         self.num_nodes = 0
+        # Nodes per namespace, so that a tenant is shown its own count without a tree walk.
+        self._nodes_in: Counter[str] = Counter()
         self.num_evicted = 0
         # Nodes where a match ended, kept so that the heaviest branches are found without a tree walk;
         # pruned to HOT_LIMIT by score (tokens x hits) whenever it doubles.
@@ -210,10 +213,15 @@ class PrefixCache:
                 self._leaves.add(child)
                 self.pool.ref(block)
                 self.num_nodes += 1
+                self._nodes_in[namespace] += 1
                 added += 1
             child.last_access = now
             node = child
         return added
+
+    def num_nodes_in(self, namespace: str) -> int:
+        """The blocks one namespace's prefixes hold."""
+        return self._nodes_in[namespace]
 
     def _covered(self, node: _Node, key: tuple[int, ...]) -> bool:
         return any(len(c.tokens) >= len(key) and c.tokens[: len(key)] == key for c in node.children.values())
@@ -240,6 +248,9 @@ class PrefixCache:
             self._leaves.add(parent)
         self.pool.release(node.block)
         self.num_nodes -= 1
+        self._nodes_in[node.namespace] -= 1
+        if not self._nodes_in[node.namespace]:
+            del self._nodes_in[node.namespace]
 
     def _evictable(self, node: _Node) -> bool:
         return node.parent is not None and not node.children and self.pool.ref_count(node.block) == 1

@@ -277,9 +277,9 @@ class AsyncEngine:
         snapshot: Snapshot = await self.call(lambda e: take_snapshot(e, namespace))
         return snapshot
 
-    async def cache_view(self, namespace: str) -> CacheView:
-        """The pool and its lower tiers, and `namespace`'s pins."""
-        view: CacheView = await self.call(lambda e: take_cache_view(e, namespace))
+    async def cache_view(self, namespace: str, whole_pool: bool) -> CacheView:
+        """The pool and its lower tiers, and `namespace`'s pins (see take_cache_view)."""
+        view: CacheView = await self.call(lambda e: take_cache_view(e, namespace, whole_pool))
         return view
 
     async def reset_prefix_cache(self) -> int:

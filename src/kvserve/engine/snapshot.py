@@ -10,7 +10,7 @@ pool usage is the manager's summary. The server's dashboard, `GET /v1/cache` and
 import time
 from dataclasses import dataclass
 
-from kvserve.cache.manager import CacheUsage, Pin
+from kvserve.cache.manager import CacheUsage, NamespaceUsage, Pin
 from kvserve.cache.prefix_cache import Branch
 from kvserve.engine.engine import Engine, EngineStats
 from kvserve.engine.request import Request, RequestStatus
@@ -36,6 +36,8 @@ class Snapshot:
     branches: list[Branch]
     requests: list[RequestInfo]
     num_requests: int
+    # The namespace's own share of the pool when the snapshot is limited to one namespace.
+    mine: NamespaceUsage | None = None
 
 
 def _info(request: Request, now: float) -> RequestInfo:
@@ -71,6 +73,7 @@ def take_snapshot(
         branches=branches,
         requests=[_info(r, now) for r in mine[:max_requests]],
         num_requests=len(mine),
+        mine=None if namespace is None else engine.kv.namespace_usage(namespace),
     )
 
 
@@ -85,22 +88,28 @@ class PinView:
 
 @dataclass(frozen=True)
 class CacheView:
-    """The KV pool and its lower tiers, and one namespace's pins."""
+    """The KV pool and its lower tiers, and one namespace's pins. `mine` is that namespace's own share of
+    the pool when the view is a tenant's (None: the whole pool's, for the admin or a server without
+    keys); a tenant is shown its own counts only, since the pool's and the shared tiers' counts tell one
+    tenant about the others' traffic."""
 
     usage: CacheUsage
     block_size: int
     bytes_per_block: int
     pins: list[PinView]
+    mine: NamespaceUsage | None = None
 
 
 def pin_view(engine: Engine, pin: Pin) -> PinView:
     return PinView(pin.pin_id, len(pin.tokens), max(0.0, pin.expires_at - engine.kv.clock()))
 
 
-def take_cache_view(engine: Engine, namespace: str) -> CacheView:
+def take_cache_view(engine: Engine, namespace: str, whole_pool: bool) -> CacheView:
+    """`namespace`'s pins, with the whole pool's counts when `whole_pool`, else with the namespace's."""
     return CacheView(
         usage=engine.kv.usage(),
         block_size=engine.config.block_size,
         bytes_per_block=engine.bytes_per_block,
         pins=[pin_view(engine, p) for p in engine.pins(namespace)],
+        mine=None if whole_pool else engine.kv.namespace_usage(namespace),
     )

@@ -249,7 +249,8 @@ async def delete_pin(pin_id: str, request: Request, ctx: Context) -> PinDeleted:
 
 @api.get("/v1/cache")
 async def cache(request: Request, ctx: Context) -> CacheStatus:
-    return cache_status(await ctx.async_engine.cache_view(cache_namespace(request)))
+    whole_pool = stats_scope(request) is None
+    return cache_status(await ctx.async_engine.cache_view(cache_namespace(request), whole_pool))
 
 
 def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenants | None = None) -> FastAPI:

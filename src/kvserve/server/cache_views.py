@@ -28,19 +28,29 @@ def lower_tiers(usage: CacheUsage) -> list[TierInfo]:
     ]
 
 
+def shared_tiers(tiers: list[TierInfo]) -> list[TierInfo]:
+    """The lower tiers as a tenant sees them: names and capacities without counts, since every tenant
+    shares them and a tier does not count its blocks by namespace."""
+    return [t.model_copy(update={"blocks": None, "bytes_used": None}) for t in tiers]
+
+
 def cache_status(view: CacheView) -> CacheStatus:
-    """`GET /v1/cache`: every tier, memory first, and the namespace's pins."""
-    usage = view.usage
+    """`GET /v1/cache`: every tier, memory first, and the namespace's pins. A tenant's view (`view.mine`)
+    counts the namespace's own blocks in memory and leaves the lower tiers' counts out (`shared_tiers`)."""
+    usage, mine = view.usage, view.mine
+    cached, pinned, max_pinned = (
+        (usage.num_cached, usage.num_pinned, usage.max_pinned)
+        if mine is None
+        else (mine.num_cached, mine.num_pinned, mine.max_pinned)
+    )
     memory = TierInfo(
         name=TIER_MEMORY,
-        blocks=usage.num_cached,
-        bytes_used=usage.num_cached * view.bytes_per_block,
+        blocks=cached,
+        bytes_used=cached * view.bytes_per_block,
         capacity_bytes=usage.num_blocks * view.bytes_per_block,
-        pinned_blocks=usage.num_pinned,
-        max_pinned_blocks=usage.max_pinned,
+        pinned_blocks=pinned,
+        max_pinned_blocks=max_pinned,
     )
-    return CacheStatus(
-        block_size=view.block_size,
-        pins=[pin_info(p) for p in view.pins],
-        tiers=[memory, *lower_tiers(usage)],
-    )
+    lower = lower_tiers(usage) if mine is None else shared_tiers(lower_tiers(usage))
+    pins = [pin_info(p) for p in view.pins]
+    return CacheStatus(block_size=view.block_size, pins=pins, tiers=[memory, *lower])

@@ -21,11 +21,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from kvserve.cache.manager import NamespaceUsage
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.engine import EngineStats
 from kvserve.engine.snapshot import Snapshot
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.server.cache_views import lower_tiers
+from kvserve.server.cache_views import lower_tiers, shared_tiers
 from kvserve.server.protocol import TierInfo
 
 HISTORY_SECONDS = 600
@@ -35,16 +36,19 @@ HEAD_TOKENS = 12
 class PoolStats(BaseModel):
     """The KV pool by state, in blocks: free + cached + in_use + pinned = blocks. `cached` blocks hold a
     prefix and nothing else holds them (evictable); `in_use` blocks are held by running requests;
-    `pinned` blocks are held only by pins. `tiers` are the lower tiers, if any."""
+    `pinned` blocks are held only by pins. `tiers` are the lower tiers, if any.
+
+    A tenant's view counts only its own blocks: `cached` is every block that holds one of its prefixes
+    and `pinned` its pins' blocks; the pool-wide fields are null and the lower tiers carry no counts."""
 
     blocks: int
     block_size: int
-    free: int
+    free: int | None
     cached: int
-    in_use: int
+    in_use: int | None
     pinned: int
-    evicted: int
-    usage: float
+    evicted: int | None
+    usage: float | None
     tiers: list[TierInfo]
 
 
@@ -133,6 +137,20 @@ def pool_stats(stats: EngineStats, block_size: int) -> PoolStats:
     )
 
 
+def tenant_pool(pool: PoolStats, mine: NamespaceUsage) -> PoolStats:
+    return pool.model_copy(
+        update={
+            "free": None,
+            "cached": mine.num_cached,
+            "in_use": None,
+            "pinned": mine.num_pinned,
+            "evicted": None,
+            "usage": None,
+            "tiers": shared_tiers(pool.tiers),
+        }
+    )
+
+
 def tenant_counters(queries: int, hits: int) -> Counters:
     return Counters(
         prompt_tokens=None,
@@ -208,10 +226,15 @@ class Dashboard:
         snapshot = await async_engine.snapshot(namespace)
         tokenizer = async_engine.tokenizer if self.show_text else None
         full = render(snapshot, model, self.history, tokenizer, label)
-        if namespace is None:
+        if namespace is None or snapshot.mine is None:
             return full
         return full.model_copy(
-            update={"scope": "tenant", "counters": tenant_counters(*tenant_totals), "history": []}
+            update={
+                "scope": "tenant",
+                "pool": tenant_pool(full.pool, snapshot.mine),
+                "counters": tenant_counters(*tenant_totals),
+                "history": [],
+            }
         )
 
 

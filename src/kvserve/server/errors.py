@@ -24,6 +24,13 @@ log = logging.getLogger("kvserve.server")
 RETRY_AFTER_S = 1
 # nginx's code for "client closed request": the client is gone, so nobody reads it, but logs show why.
 CLIENT_CLOSED_REQUEST = 499
+# An error's message and param may quote what the client sent (a field's name, a part's type); they are
+# cut to this many characters, so that a megabyte name is not echoed back and logged whole.
+MAX_ECHO_CHARS = 1000
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_ECHO_CHARS else text[:MAX_ECHO_CHARS] + "..."
 
 
 class ErrorDetail(BaseModel):
@@ -49,9 +56,11 @@ class APIError(Exception):
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(_cut(message))
         self.status = status
-        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
+        self.detail = ErrorDetail(
+            message=_cut(message), type=type, param=None if param is None else _cut(param), code=code
+        )
         self.headers = dict(headers or {})
 
     def response(self) -> Response:

@@ -308,9 +308,12 @@ class PinDeleted(BaseModel):
 
 
 class TierInfo(BaseModel):
+    """A cache tier's usage. `blocks` and `bytes_used` are None in a tenant's view of a tier below
+    memory (shared by every tenant, not counted per tenant)."""
+
     name: str
-    blocks: int
-    bytes_used: int
+    blocks: int | None
+    bytes_used: int | None
     capacity_bytes: int
     pinned_blocks: int | None = None
     max_pinned_blocks: int | None = None

@@ -43,8 +43,10 @@ function drawPool(pool) {
   svg.replaceChildren();
   legend.replaceChildren();
   let x = 0;
+  // A tenant's view has only its own parts (cached, pinned); the pool-wide ones are null.
   for (const [key, label, color] of POOL_PARTS) {
     const blocks = pool[key];
+    if (blocks === null) continue;
     const width = pool.blocks ? (1000 * blocks) / pool.blocks : 0;
     svg.append(svgElement("rect", { x, y: 0, width, height: 36, fill: color }));
     x += width;
@@ -56,13 +58,17 @@ function drawPool(pool) {
     legend.append(item);
   }
   const total = document.createElement("li");
-  total.textContent = `${formatCount(pool.blocks)} blocks of ${pool.block_size} tokens, ${formatCount(pool.evicted)} evicted`;
+  const evicted = pool.evicted === null ? "" : `, ${formatCount(pool.evicted)} evicted`;
+  total.textContent = `${formatCount(pool.blocks)} blocks of ${pool.block_size} tokens${evicted}`;
   legend.append(total);
   for (const tier of pool.tiers) {
     const item = document.createElement("li");
     item.dataset.tier = tier.name;
     const gib = (bytes) => (bytes / 2 ** 30).toFixed(2) + " GiB";
-    item.textContent = `${tier.name} tier: ${formatCount(tier.blocks)} blocks, ${gib(tier.bytes_used)} of ${gib(tier.capacity_bytes)}`;
+    item.textContent =
+      tier.blocks === null
+        ? `${tier.name} tier: ${gib(tier.capacity_bytes)}`
+        : `${tier.name} tier: ${formatCount(tier.blocks)} blocks, ${gib(tier.bytes_used)} of ${gib(tier.capacity_bytes)}`;
     legend.append(item);
   }
 }
