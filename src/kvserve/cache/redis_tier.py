@@ -272,8 +272,8 @@ class RedisTier(WriteBehindTier):
                     self.misses += 1
                 continue
             try:
-                if _wrong_type(size):
-                    raise Unsealable("not a string")
+                if _wrong_type(size) or not isinstance(value, bytes):
+                    raise Unsealable("not a string, or changed into something else while read")
                 if size != expected:
                     raise Unsealable(f"{size} bytes, a sealed block of this format has {expected}; not read")
                 self._staged[record.key] = self.decode(name, value, self._shape, self._dtype)
