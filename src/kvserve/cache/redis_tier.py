@@ -45,7 +45,6 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import redis
 import torch
@@ -255,7 +254,7 @@ class RedisTier(WriteBehindTier):
         expected = self.value_size(self._shape, self._dtype)
         started = time.monotonic()
         try:
-            replies = self._read_bounded(names, expected)
+            values = self._read_bounded(names, expected)
         except redis.RedisError as e:
             self._run_spent_s += time.monotonic() - started
             self._failed(f"reading {len(names)} blocks", e)
@@ -266,16 +265,14 @@ class RedisTier(WriteBehindTier):
         elapsed = time.monotonic() - started
         self._run_spent_s += elapsed
         found = 0
-        for record, name, (size, value) in zip(records, names, replies, strict=True):
-            if size == 0:
+        for record, name, value in zip(records, names, values, strict=True):
+            if value is None:
                 with self._lock:
                     self.misses += 1
                 continue
             try:
-                if _wrong_type(size) or not isinstance(value, bytes):
-                    raise Unsealable("not a string, or changed into something else while read")
-                if size != expected:
-                    raise Unsealable(f"{size} bytes, a sealed block of this format has {expected}; not read")
+                if isinstance(value, Unsealable):
+                    raise value
                 self._staged[record.key] = self.decode(name, value, self._shape, self._dtype)
             except Unsealable as e:
                 with self._lock:
@@ -286,9 +283,10 @@ class RedisTier(WriteBehindTier):
         for _ in range(found):
             self.load_latency.observe(elapsed / found)
 
-    def _read_bounded(self, names: list[bytes], expected: int) -> list[tuple[Any, Any]]:
-        """(size, at most the first `expected` bytes) of each key, in one round trip: a value bigger than
-        a block's never crosses the socket whole (a missing key is size 0). A failed call raises."""
+    def _read_bounded(self, names: list[bytes], expected: int) -> list[bytes | Unsealable | None]:
+        """Each key's value if it is `expected` bytes long, None if the key is missing, or why it was
+        refused unread; in one round trip (STRLEN and GETRANGE up to `expected` bytes for each key), so
+        that no value bigger than a block's crosses the socket. A failed call raises."""
         pipe = self._client.pipeline(transaction=False)
         for name in names:
             pipe.strlen(name)
@@ -297,7 +295,17 @@ class RedisTier(WriteBehindTier):
         for reply in replies:
             if isinstance(reply, redis.ResponseError) and not _wrong_type(reply):
                 raise reply
-        return list(zip(replies[::2], replies[1::2], strict=True))
+        values: list[bytes | Unsealable | None] = []
+        for size, value in zip(replies[::2], replies[1::2], strict=True):
+            if size == 0:
+                values.append(None)
+            elif _wrong_type(size) or not isinstance(value, bytes):
+                values.append(Unsealable("not a string, or changed into something else while read"))
+            elif size != expected:
+                values.append(Unsealable(f"{size} bytes, a block's value has {expected}; not read"))
+            else:
+                values.append(value)
+        return values
 
     def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         kv = self._staged.pop(record.key, None)
