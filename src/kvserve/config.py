@@ -67,7 +67,7 @@ def check_kv_remote_secret(kv_remote: str | None, secret_given: bool) -> None:
             "--kv-remote needs --tenant-secret-file (or KVSERVE_TENANT_SECRET_FILE; EngineConfig.secret in "
             "Python) naming a secret that every replica shares: each replica's own secret would give a "
             "tenant another namespace on each replica (so nothing in Redis would ever match) and another "
-            "key for the blocks' MACs"
+            "key for the blocks' seals"
         )
 
 
@@ -96,7 +96,7 @@ class EngineConfig:
     there (behind the step) and found again after eviction or a restart; `kv_disk_size` bounds it.
     `kv_remote`, when set, is the URL of a Redis server that replicas share as the tier below the disk
     (redis://host:port/db); it needs `secret` set to the secret every replica shares, from which the
-    tier derives its MAC and key-name keys.
+    tier derives its sealing and key-name keys.
     `max_pinned_tokens` is how much of the pool prefixes may be pinned in (0: pinning off); it is held
     back from the largest request the engine accepts, so that pins never starve a request.
     `max_pinned_tokens_per_tenant` caps one cache namespace's pins (a tenant's, or a shared group's;
@@ -107,7 +107,7 @@ class EngineConfig:
     `max_waiting + max_num_seqs` is how many sequences may be in flight; each tenant is guaranteed an
     equal share of them (see the scheduling policy in docs/design.md).
 
-    `secret` is the server secret (kvserve.secret): the disk tier's files carry a MAC under a key derived
+    `secret` is the server secret (kvserve.secret): the disk tier's files are sealed under a key derived
     from it. None takes the cache folder's (created on first use), the one `kvserve serve` uses too, so
     the server and offline `LLM` runs on one cache folder read each other's disk tier. It never shows in
     the config's repr.

@@ -1,8 +1,9 @@
 """The server secret: 32 random bytes, kept in the cache folder, from which every keyed hash is derived.
 
-Tenant namespaces are HMACs under it (server/tenants.py), and the disk tier's files carry a MAC under a
-key derived from it (`derive_key(secret, DISK_TIER_PURPOSE)`), so that a file rewritten by someone
-without the secret is never served. It is kept across restarts, so that namespaces, and the KV written
+Tenant namespaces are HMACs under it (server/tenants.py), and the blocks that the disk and Redis tiers
+store are sealed (encrypted and authenticated, cache/block_seal.py) under keys derived from it
+(`derive_key(secret, DISK_TIER_SEAL_PURPOSE)`), so that whoever lacks the secret can neither read a
+stored block nor have one served. It is kept across restarts, so that namespaces, and the KV written
 to disk under them, survive them.
 
 The file holds the secret in hex (at least 16 bytes). It is created atomically (written under a temporary
@@ -22,10 +23,11 @@ from kvserve.private_files import create_private_file, private_dir, read_private
 SECRET_FILE = "tenant-secret"
 SECRET_BYTES = 32
 MIN_SECRET_BYTES = 16
-# Purposes of derived keys: one key per use, so that no MAC of one use is valid in another.
-DISK_TIER_PURPOSE = "kvserve disk tier v2"
+# Purposes of derived keys: one key per use, so that nothing sealed or hashed for one use is valid in
+# another.
+DISK_TIER_SEAL_PURPOSE = "kvserve disk tier: block seal v3"
 REDIS_KEY_NAMES_PURPOSE = "kvserve redis tier: key names"
-REDIS_VALUE_MAC_PURPOSE = "kvserve redis tier: value mac"
+REDIS_VALUE_SEAL_PURPOSE = "kvserve redis tier: value seal v2"
 
 
 class SecretError(KVServeError):

@@ -19,7 +19,7 @@ from tests.harness import (
 )
 
 BLOCK = 4
-MAC_KEY = bytes(range(32))
+SEAL_KEY = bytes(range(32))
 # Eight 40-token documents (80 blocks in all) against a 24-block pool: most hits must come from disk.
 DOCUMENTS = [[100 + (d * 37 + i * 11) % 3900 for i in range(40)] for d in range(8)]
 

@@ -15,13 +15,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.cache.block_seal import NONCE_BYTES, TAG_BYTES
 from kvserve.cache.disk_tier import MAGIC, MAX_FILE_BYTES, DiskTier
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
 from tests.cache.disk_harness import (
     BLOCK,
     DOCUMENTS,
-    MAC_KEY,
+    SEAL_KEY,
     block_files,
     disk_engine,
     kv,
@@ -32,7 +33,6 @@ from tests.cache.disk_harness import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MAC_BYTES = 32
 # KVSERVE_LONG_TESTS=1 runs the property below on many more files.
 EXAMPLES = 2000 if os.environ.get("KVSERVE_LONG_TESTS") else 150
 SHAPE = (2, 2, BLOCK, 2, 8)
@@ -72,8 +72,8 @@ CORPUS: list[tuple[str, Damage]] = [
     ("empty", lambda p, o: _replace(p, b"")),
     ("truncated", lambda p, o: _replace(p, p.read_bytes()[: p.stat().st_size // 2])),
     ("one byte more", lambda p, o: _replace(p, p.read_bytes() + b"\0")),
-    ("payload byte flipped", lambda p, o: _replace(p, _flip(p.read_bytes(), -MAC_BYTES - 9))),
-    ("MAC byte flipped", lambda p, o: _replace(p, _flip(p.read_bytes(), -1))),
+    ("payload byte flipped", lambda p, o: _replace(p, _flip(p.read_bytes(), -TAG_BYTES - 9))),
+    ("tag byte flipped", lambda p, o: _replace(p, _flip(p.read_bytes(), -1))),
     ("header byte flipped", lambda p, o: _replace(p, _flip(p.read_bytes(), 20))),
     ("deep nesting", lambda p, o: _replace(p, MAGIC + (100_000).to_bytes(4, "little") + b"[" * 100_000)),
     (
@@ -176,7 +176,7 @@ def test_a_file_forged_without_the_secret_is_refused(
     tiny_model: LoadedModel, reference: Engine, engines: list[Engine], tmp_path: Path
 ) -> None:
     """Someone who can write the folder but lacks the secret rewrites a block's KV (zeros) and
-    recomputes every integrity field that needs no key: the MAC still refuses it."""
+    recomputes every integrity field that needs no key: the seal still refuses it."""
     engine = disk_engine(tiny_model, tmp_path, engines)
     run_and_check(engine, reference, rounds(1))
     engine.kv.flush()
@@ -184,8 +184,8 @@ def test_a_file_forged_without_the_secret_is_refused(
     for path in block_files(tmp_path):
         data = path.read_bytes()
         head = 12 + int.from_bytes(data[8:12], "little")
-        body = data[:head] + bytes(len(data) - head - MAC_BYTES)
-        forged = body + hashlib.sha256(bytes.fromhex(path.stem) + body).digest()
+        body = data[: head + NONCE_BYTES] + bytes(len(data) - head - NONCE_BYTES - TAG_BYTES)
+        forged = body + hashlib.sha256(bytes.fromhex(path.stem) + body).digest()[:TAG_BYTES]
         _replace(path, forged)
     hits = _disk_hits(engine)
     run_and_check(engine, reference, rounds(1))
@@ -229,7 +229,7 @@ def test_the_folder_and_files_are_private(
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DiskTier, Path, bytes]]:
     """A tier holding one valid block file: (tier, that file's path, its bytes)."""
-    tier = DiskTier(str(tmp_path_factory.mktemp("tier")), 2**20, b"fp", MAC_KEY)
+    tier = DiskTier(str(tmp_path_factory.mktemp("tier")), 2**20, b"fp", SEAL_KEY)
     tier.store(record((1, 2, 3, 4)), kv(0))
     tier.flush()
     path = Path(tier._path(record((1, 2, 3, 4)).key))

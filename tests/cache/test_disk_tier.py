@@ -17,7 +17,7 @@ from kvserve.model.loader import LoadedModel
 from tests.cache.disk_harness import (
     BLOCK,
     DOCUMENTS,
-    MAC_KEY,
+    SEAL_KEY,
     block_files,
     disk_engine,
     kv,
@@ -146,7 +146,7 @@ def test_the_folder_can_be_deleted_while_the_engine_runs(
 
 
 def test_disk_space_is_least_recently_used_within_its_size(tmp_path: Path) -> None:
-    tier = DiskTier(str(tmp_path), 2**20, b"fp", MAC_KEY)
+    tier = DiskTier(str(tmp_path), 2**20, b"fp", SEAL_KEY)
     records = [record((i, i, i, i)) for i in range(4)]
     for i in range(3):
         tier.store(records[i], kv(i))
@@ -166,7 +166,7 @@ def test_disk_space_is_least_recently_used_within_its_size(tmp_path: Path) -> No
 def test_a_killed_writer_leaves_only_whole_files(tmp_path: Path) -> None:
     """A crash mid-write leaves a temporary (removed at startup) or a whole file, never a half file
     under a block's name; a new tier indexes the whole files without reading them."""
-    tier = DiskTier(str(tmp_path), 2**20, b"fp", MAC_KEY)
+    tier = DiskTier(str(tmp_path), 2**20, b"fp", SEAL_KEY)
     records = [record((i, 0, 0, 0)) for i in range(3)]
     for i, r in enumerate(records):
         tier.store(r, kv(i))
@@ -174,7 +174,7 @@ def test_a_killed_writer_leaves_only_whole_files(tmp_path: Path) -> None:
     final = block_files(tmp_path)[0]
     stray = final.with_name(final.name + ".123.tmp")
     stray.write_bytes(final.read_bytes()[:100])
-    reopened = DiskTier(str(tmp_path), 2**20, b"fp", MAC_KEY)
+    reopened = DiskTier(str(tmp_path), 2**20, b"fp", SEAL_KEY)
     assert not stray.exists()
     assert reopened.usage().num_blocks == 3 and reopened.usage().loads == 0
     for i, r in enumerate(records):
@@ -185,7 +185,7 @@ def test_a_killed_writer_leaves_only_whole_files(tmp_path: Path) -> None:
     target = Path(reopened._path(child.key))
     target.parent.mkdir(exist_ok=True)
     os.replace(reopened._path(records[1].key), target)
-    again = DiskTier(str(tmp_path), 2**20, b"fp", MAC_KEY)
+    again = DiskTier(str(tmp_path), 2**20, b"fp", SEAL_KEY)
     assert again.contains(child.key)
     assert again.load(child, (2, 2, BLOCK, 2, 8), torch.float32) is None
     assert not again.contains(child.key) and not target.exists()

@@ -1,5 +1,5 @@
 """The Redis tier against a real redis-server: blocks round-trip between replicas that share a secret,
-values are refused unless their MAC holds, foreign keys never match, and Redis down, flushed or
+values are refused unless their seal opens, foreign keys never match, and Redis down, flushed or
 restarted is only ever a miss."""
 
 import struct
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvserve.cache.block_key import ROOT, chain_key
-from kvserve.cache.redis_tier import MAC_BYTES, RedisTier
+from kvserve.cache.block_seal import OVERHEAD
+from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import BlockRecord
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
@@ -92,9 +93,9 @@ def test_values_hold_no_token_ids_and_key_names_hide_the_chain_key(redis_server:
         value = client.get(name)
         assert value is not None
         payload = kv_of(r).numel() * DTYPE.itemsize
-        # Magic, version, dtype, shape, payload and MAC: no room for anything else.
+        # Magic, version, dtype, shape, nonce, encrypted payload and tag: no room for anything else.
         head = 4 + 2 + len("torch.float32") + 1 + 4 * len(SHAPE)
-        assert len(value) == head + payload + MAC_BYTES
+        assert len(value) == head + payload + OVERHEAD
         assert struct.pack("<4q", *r.tokens) not in value
     finally:
         tier.close()
@@ -110,7 +111,7 @@ def test_a_value_rewritten_without_the_secret_is_refused(redis_server: RedisServ
         value = bytearray(client.get(name) or b"")  # type: ignore[arg-type]
         value[100] ^= 1
         client.set(name, bytes(value))
-        # Another block's intact value moved under this name is refused too: the MAC binds the name.
+        # Another block's intact value moved under this name is refused too: the seal binds the name.
         client.set(tier.redis_key(run[2].key), client.get(tier.redis_key(run[0].key)) or b"")
         reader = RedisTier(redis_server.url, SECRET)
         try:

@@ -1,4 +1,4 @@
-"""--tenant-secret-file: replicas given one secret file derive one namespace per tenant (and one MAC key
+"""--tenant-secret-file: replicas given one secret file derive one namespace per tenant (and one sealing key
 for the Redis tier); --kv-remote without it refuses to start, saying why."""
 
 import os

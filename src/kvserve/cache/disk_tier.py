@@ -1,20 +1,23 @@
-"""DiskTier: full KV blocks as files in one private directory, written behind, verified on every load.
+"""DiskTier: full KV blocks as files in one private directory, written behind, sealed, verified on every
+load.
 
 Layout: DIR/<first two hex digits of the key>/<key in hex>.kv, folders 0700 and files 0600. A file is
 
-    MAGIC (8 bytes) | header length (4 bytes, little endian) | header (JSON) | payload | MAC (32 bytes)
+    MAGIC (8 bytes) | header length (4 bytes, little endian) | header (JSON) | nonce | ciphertext | tag
 
 The header names the format version, the payload's dtype, shape and size; the payload is the block's K
-and V (`KVCache.read_block`'s layout); the MAC is HMAC-SHA256 under a key derived from the server secret,
-over the block key and everything before it (block_mac.py). Nothing in a file names its tokens, prefix or
-namespace: the key (the file's name) binds them, as a hash, and the loader recomputes the key from the
-request it serves, so a file is only ever found by a request that holds its tokens already.
+and V (`KVCache.read_block`'s layout), encrypted and authenticated with AES-256-GCM under a key derived
+from the server secret, the block key and everything before the nonce as associated data
+(block_seal.py). Without the secret a file can be neither read nor forged. Nothing in a file names its
+tokens, prefix or namespace: the key (the file's name) binds them, as a hash, and the loader recomputes
+the key from the request it serves, so a file is only ever found by a request that holds its tokens
+already.
 
 A load trusts nothing in the file. It opens it without following a symlink and without blocking on a
 FIFO, reads it only if it is a private regular file of exactly the size this block's file has, compares
-the header byte for byte with the one it would write (nothing is parsed), and checks the MAC. Any
-failure is a miss: the file is dropped with a warning and the block recomputed, never served, and the
-engine thread never sees an exception.
+the header byte for byte with the one it would write (nothing is parsed), and opens the seal. Any
+failure (a file of an older format version among them) is a miss: the file is dropped with a warning
+and the block recomputed, never served, and the engine thread never sees an exception.
 
 Writes are atomic: a temporary file in the same folder is written, fsynced and renamed over the final
 name, so `kill -9` at any moment leaves only whole files (and stray temporaries, removed at startup).
@@ -40,7 +43,7 @@ from collections import OrderedDict
 import torch
 
 from kvserve.cache.block_key import chain_key
-from kvserve.cache.block_mac import MAC_BYTES, seal, unseal
+from kvserve.cache.block_seal import BlockSeal, sealed_size
 from kvserve.cache.tiers import TIER_DISK, BlockRecord
 from kvserve.cache.write_behind import Block, WriteBehindTier, payload_bytes
 from kvserve.private_files import open_private_file, private_dir
@@ -48,7 +51,8 @@ from kvserve.private_files import open_private_file, private_dir
 log = logging.getLogger("kvserve.cache")
 
 MAGIC = b"KVSBLOCK"
-VERSION = 2
+# 3: sealed (AES-256-GCM); 2 was MAC'd, its files are refused (their size and header differ).
+VERSION = 3
 _SUFFIX = ".kv"
 _TMP = ".tmp"
 _LENGTH_BYTES = 4
@@ -80,14 +84,14 @@ class DiskTier(WriteBehindTier):
         directory: str,
         capacity_bytes: int,
         fingerprint: bytes,
-        mac_key: bytes,
+        seal_key: bytes,
         queue_bytes: int = 256 * 2**20,
     ) -> None:
-        """`mac_key` keys the files' MACs (derive it from the server secret: secret.derive_key)."""
+        """`seal_key` seals the files (derive it from the server secret: secret.derive_key)."""
         self.directory = os.path.abspath(directory)
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
-        self._mac_key = mac_key
+        self._seal = BlockSeal(seal_key)
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._bytes_used = 0
         private_dir(self.directory)
@@ -189,7 +193,7 @@ class DiskTier(WriteBehindTier):
         if chain_key(self.fingerprint, record.namespace, record.parent, record.tokens) != record.key:
             raise CorruptBlock("the key does not match the block's tokens")
         head, payload_bytes = file_layout(shape, dtype)
-        size = len(head) + payload_bytes + MAC_BYTES
+        size = sealed_size(head, payload_bytes)
         fd = open_private_file(self._path(record.key))
         try:
             found = os.fstat(fd).st_size
@@ -205,12 +209,8 @@ class DiskTier(WriteBehindTier):
                     done += n
         finally:
             os.close(fd)
-        view = memoryview(buf)
-        if view[: len(head)] != head:
-            raise CorruptBlock("not a block file of this format, dtype and shape")
-        unseal(self._mac_key, record.key, view)
-        flat = torch.frombuffer(buf, dtype=torch.uint8, offset=len(head), count=payload_bytes)
-        return flat.view(dtype).reshape(shape)
+        payload = self._seal.open(record.key, head, buf, payload_bytes)
+        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
 
     def _drop(self, key: bytes, reason: Exception) -> None:
         with self._lock:
@@ -226,21 +226,18 @@ class DiskTier(WriteBehindTier):
         path = self._path(record.key)
         folder = private_dir(self.directory, os.path.basename(os.path.dirname(path)))
         head, _ = file_layout(tuple(kv.shape), kv.dtype)
-        payload = payload_bytes(kv)
-        mac = seal(self._mac_key, record.key, [head, payload])
+        sealed = self._seal.seal(record.key, head, payload_bytes(kv))
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=_TMP)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(head)
-                f.write(payload)
-                f.write(mac)
+                f.write(sealed)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             self._unlink(tmp)
             raise
-        return len(head) + len(payload) + len(mac)
+        return len(sealed)
 
     def _write_batch(self, batch: list[Block]) -> bool:
         """The writer thread's work: one block to a file, then into the index (before the queue lets

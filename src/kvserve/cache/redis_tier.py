@@ -1,4 +1,4 @@
-"""RedisTier: full KV blocks in a Redis server that several replicas share, MAC'd, written behind.
+"""RedisTier: full KV blocks in a Redis server that several replicas share, sealed, written behind.
 
 Keys. A block's Redis key is `kvserve:` + hex(HMAC-SHA256(name key, chain key)): the chain key is the
 disk tier's (model fingerprint, namespace, parent key, token ids; block_key.py), hashed once more with a
@@ -7,15 +7,22 @@ prompt from the key names. Replicas started with the same secret and model compu
 model's fingerprint is in the chain key, so the tier itself needs no more than the secret.
 
 Values. `MAGIC | version (1 byte) | dtype (1 byte length + ASCII) | ndim (1 byte) | shape (4 bytes
-each, little endian) | payload | MAC`, the payload being the block's K and V (`KVCache.read_block`'s
-layout) and the MAC HMAC-SHA256(MAC key, key name | everything before the MAC). No token id is stored.
-A load checks the framing, dtype, shape, size and the MAC: a value that is anything else than what this
-replica would have written under that name is refused (a warning, counted in `loads_failed`), never
-served. Both keys are derived from the shared secret (never the secret itself), one per use.
+each, little endian) | nonce | ciphertext | tag`: the payload, the block's K and V
+(`KVCache.read_block`'s layout), is encrypted and authenticated with AES-256-GCM, the key name and the
+header as associated data (block_seal.py). No token id is stored, and without the secret the KV can be
+neither read (whoever has the model would get the prompt back from it) nor forged. Both keys are
+derived from the shared secret (never the secret itself), one per use.
+
+Reads are bounded before any payload crosses the socket: the size of a block's value is known from
+the shape and dtype alone, and each key is read with STRLEN and GETRANGE up to that size, in one
+pipeline. A value of any other size (an old format, a value some other writer put there, however big)
+is refused without being read; one of the right size is opened. Anything that is not what this replica
+would have written under that name is refused (a warning, counted in `loads_failed`), never served.
 
 Loads happen at admission, on the engine thread: `prefetch` names the run of blocks that would
 continue a prompt's memory match, and the first `contains` of a block of that run reads it and the
-next few with one MGET (chunks: one huge MGET of a long prompt is slow and holds Redis' single thread).
+next few with one pipelined read (chunks: one huge read of a long prompt is slow and holds Redis' single
+thread).
 Stores are queued (bounded by bytes; over the bound a block is dropped, counted) and one writer thread
 sends them as pipelined SETs (write_behind.py). `usage` reports the keys in Redis' database (all of
 them, as of the last write: Redis is shared) as its blocks, and the write queue as its bytes and
@@ -44,17 +51,19 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvserve.cache.block_seal import BlockSeal, Unsealable, sealed_size
 from kvserve.cache.tiers import TIER_REDIS, BlockRecord
 from kvserve.cache.write_behind import Block, WriteBehindTier, payload_bytes
-from kvserve.secret import REDIS_KEY_NAMES_PURPOSE, REDIS_VALUE_MAC_PURPOSE, derive_key
+from kvserve.secret import REDIS_KEY_NAMES_PURPOSE, REDIS_VALUE_SEAL_PURPOSE, derive_key
 
 log = logging.getLogger("kvserve.cache")
 
 MAGIC = b"KVSR"
-VERSION = 1
+# 2: sealed (AES-256-GCM); 1 was MAC'd, its values are refused (their size and header differ).
+VERSION = 2
 KEY_PREFIX = b"kvserve:"
-MAC_BYTES = 32
-# Blocks read by one MGET: a few MiB of float32 KV for a small model; enough to amortize the round trip.
+# Blocks read by one pipelined read: a few MiB of float32 KV for a small model; enough to amortize the
+# round trip.
 CHUNK_BLOCKS = 8
 # Blocks sent by one pipelined write.
 WRITE_BATCH = 16
@@ -63,8 +72,29 @@ MIN_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 
 
-class BadValue(Exception):
-    """A value that must not be served; the message says why."""
+def value_header(shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+    """The clear header of every value of blocks of this shape and dtype."""
+    dtype_name = str(dtype).encode()
+    return (
+        MAGIC
+        + bytes([VERSION, len(dtype_name)])
+        + dtype_name
+        + bytes([len(shape)])
+        + struct.pack(f"<{len(shape)}I", *shape)
+    )
+
+
+def _payload_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    size = dtype.itemsize
+    for d in shape:
+        size *= d
+    return size
+
+
+def _wrong_type(reply: object) -> bool:
+    """A key that holds something other than a string (a list, a set): that key's value is bad, not the
+    call."""
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
 class _RateLimitedLog:
@@ -107,7 +137,7 @@ class RedisTier(WriteBehindTier):
         self.chunk_blocks = chunk_blocks
         self.admission_budget_s = admission_budget_s
         self._name_key = derive_key(secret, REDIS_KEY_NAMES_PURPOSE)
-        self._mac_key = derive_key(secret, REDIS_VALUE_MAC_PURPOSE)
+        self._seal = BlockSeal(derive_key(secret, REDIS_VALUE_SEAL_PURPOSE))
         # No retries inside redis-py: the tier's own back-off decides when to try again.
         self._client = redis.Redis.from_url(
             url,
@@ -172,47 +202,19 @@ class RedisTier(WriteBehindTier):
 
     # Values.
 
-    def encode(self, record: BlockRecord, kv: torch.Tensor) -> bytes:
-        payload = payload_bytes(kv)
-        dtype = str(kv.dtype).encode()
-        head = (
-            MAGIC
-            + bytes([VERSION, len(dtype)])
-            + dtype
-            + bytes([kv.dim()])
-            + struct.pack(f"<{kv.dim()}I", *kv.shape)
-        )
-        mac = hmac.new(self._mac_key, self.redis_key(record.key), hashlib.sha256)
-        mac.update(head)
-        mac.update(payload)
-        return b"".join((head, payload, mac.digest()))
+    def encode(self, record: BlockRecord, kv: torch.Tensor) -> bytearray:
+        header = value_header(tuple(kv.shape), kv.dtype)
+        return self._seal.seal(self.redis_key(record.key), header, payload_bytes(kv))
+
+    def value_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """The size of every value of a block of this shape and dtype: no other size is ever read."""
+        return sealed_size(value_header(shape, dtype), _payload_size(shape, dtype))
 
     def decode(self, name: bytes, value: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The block's KV from a value read under `name`; raises BadValue unless it is exactly what this
+        """The block's KV from a value read under `name`; raises Unsealable unless it is exactly what this
         replica would have written there."""
-        dtype_name = str(dtype).encode()
-        head = (
-            MAGIC
-            + bytes([VERSION, len(dtype_name)])
-            + dtype_name
-            + bytes([len(shape)])
-            + struct.pack(f"<{len(shape)}I", *shape)
-        )
-        numel = 1
-        for d in shape:
-            numel *= d
-        size = numel * dtype.itemsize
-        if len(value) != len(head) + size + MAC_BYTES:
-            raise BadValue(f"{len(value)} bytes, expected {len(head) + size + MAC_BYTES}")
-        view = memoryview(value)
-        if view[: len(head)] != head:
-            raise BadValue("format, dtype or shape differs")
-        mac = hmac.new(self._mac_key, name, hashlib.sha256)
-        mac.update(view[: len(head) + size])
-        if not hmac.compare_digest(mac.digest(), bytes(view[len(head) + size :])):
-            raise BadValue("MAC mismatch")
-        flat = torch.frombuffer(bytearray(view[len(head) : len(head) + size]), dtype=torch.uint8)
-        return flat.view(dtype).reshape(shape)
+        payload = self._seal.open(name, value_header(shape, dtype), value, _payload_size(shape, dtype))
+        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
 
     # LowerTier.
 
@@ -249,9 +251,10 @@ class RedisTier(WriteBehindTier):
                 self.misses += len(records)
             return
         names = [self.redis_key(r.key) for r in records]
+        expected = self.value_size(self._shape, self._dtype)
         started = time.monotonic()
         try:
-            values = self._client.mget(names)
+            values = self._read_bounded(names, expected)
         except redis.RedisError as e:
             self._run_spent_s += time.monotonic() - started
             self._failed(f"reading {len(names)} blocks", e)
@@ -263,13 +266,15 @@ class RedisTier(WriteBehindTier):
         self._run_spent_s += elapsed
         found = 0
         for record, name, value in zip(records, names, values, strict=True):
-            if not isinstance(value, bytes):
+            if value is None:
                 with self._lock:
                     self.misses += 1
                 continue
             try:
+                if isinstance(value, Unsealable):
+                    raise value
                 self._staged[record.key] = self.decode(name, value, self._shape, self._dtype)
-            except BadValue as e:
+            except Unsealable as e:
                 with self._lock:
                     self.loads_failed += 1
                 self._log.warning("bad value", "refused block %s (%s); it will be recomputed", name[8:24], e)
@@ -277,6 +282,30 @@ class RedisTier(WriteBehindTier):
             found += 1
         for _ in range(found):
             self.load_latency.observe(elapsed / found)
+
+    def _read_bounded(self, names: list[bytes], expected: int) -> list[bytes | Unsealable | None]:
+        """Each key's value if it is `expected` bytes long, None if the key is missing, or why it was
+        refused unread; in one round trip (STRLEN and GETRANGE up to `expected` bytes for each key), so
+        that no value bigger than a block's crosses the socket. A failed call raises."""
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.strlen(name)
+            pipe.getrange(name, 0, expected - 1)
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError) and not _wrong_type(reply):
+                raise reply
+        values: list[bytes | Unsealable | None] = []
+        for size, value in zip(replies[::2], replies[1::2], strict=True):
+            if size == 0:
+                values.append(None)
+            elif _wrong_type(size) or not isinstance(value, bytes):
+                values.append(Unsealable("not a string, or changed into something else while read"))
+            elif size != expected:
+                values.append(Unsealable(f"{size} bytes, a block's value has {expected}; not read"))
+            else:
+                values.append(value)
+        return values
 
     def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         kv = self._staged.pop(record.key, None)

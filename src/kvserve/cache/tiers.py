@@ -28,7 +28,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 class BlockRecord:
     """What identifies one stored block: the chained key, its parent's key, the namespace and the block's
     exact token ids. A tier stores only the key (the rest would reveal the prompt): on load it recomputes
-    the key from the rest, and the stored block's MAC binds the key (block_mac.py)."""
+    the key from the rest, and the stored block's seal binds the key (block_seal.py)."""
 
     key: bytes
     parent: bytes

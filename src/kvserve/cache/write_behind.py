@@ -164,7 +164,7 @@ class WriteBehind:
 
 
 def payload_bytes(kv: torch.Tensor) -> memoryview:
-    """The block's KV as raw bytes, in `KVCache.read_block`'s layout: what a tier stores and MACs."""
+    """The block's KV as raw bytes, in `KVCache.read_block`'s layout: what a tier seals and stores."""
     return kv.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 

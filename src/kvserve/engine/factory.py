@@ -25,7 +25,7 @@ from kvserve.errors import ConfigError
 from kvserve.model.fingerprint import model_fingerprint
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.runner import TORCH_DTYPES, ModelRunner
-from kvserve.secret import DISK_TIER_PURPOSE, derive_key, load_or_create_secret
+from kvserve.secret import DISK_TIER_SEAL_PURPOSE, derive_key, load_or_create_secret
 
 log = logging.getLogger("kvserve.engine")
 
@@ -142,8 +142,8 @@ def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) 
     secret = config.secret if config.secret is not None else load_or_create_secret(config.cache_dir)
     tiers: list[LowerTier] = []
     if config.kv_disk is not None:
-        mac_key = derive_key(secret, DISK_TIER_PURPOSE)
-        tiers.append(DiskTier(config.kv_disk, config.kv_disk_size, fingerprint, mac_key))
+        seal_key = derive_key(secret, DISK_TIER_SEAL_PURPOSE)
+        tiers.append(DiskTier(config.kv_disk, config.kv_disk_size, fingerprint, seal_key))
     if config.kv_remote is not None:
         tiers.append(RedisTier(config.kv_remote, secret))
     return LowerTiers(tiers, runner.kv_cache, fingerprint, config.block_size)

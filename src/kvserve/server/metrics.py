@@ -165,7 +165,8 @@ class EngineStatsCollector:
             ("kvserve_kv_tier_loads", "Blocks loaded from a lower cache tier.", lambda t: t.loads),
             (
                 "kvserve_kv_tier_loads_failed",
-                "Blocks refused on load (missing, truncated, corrupt, foreign or a bad MAC); recomputed.",
+                "Blocks refused on load (missing, truncated, corrupt, foreign, or sealed under another "
+                "secret); recomputed.",
                 lambda t: t.loads_failed,
             ),
             (
