@@ -14,6 +14,7 @@ import redis
 
 from kvserve.cluster.launch import Cluster, ClusterConfig
 from kvserve.cluster.redis_process import free_port
+from kvserve.cluster.router import API_KEY_ENV, CONTROL_PLANE_KEY_ENV, router_arguments
 from kvserve.credentials import identity_proof
 from tests.cluster.test_replicas_behind_router import chat, system_prompt, wait_for_stores
 
@@ -112,3 +113,18 @@ def test_a_replica_proves_its_identity_only_with_its_nonce(cluster: Cluster) -> 
     assert replica.nonce.hex() not in r.text
     for bad in ("", "zz" * 32, "ab" * 8, "ab" * 65):
         assert httpx.get(f"{replica.url}/identity", params={"challenge": bad}, timeout=30).status_code == 400
+
+
+def test_the_router_takes_its_keys_from_the_environment_only() -> None:
+    environ = {CONTROL_PLANE_KEY_ENV: "cp-key", API_KEY_ENV: "client-key", "OTHER": "kept"}
+    arguments = router_arguments(["--port", "8000"], environ)
+    assert arguments == [
+        "--port", "8000",
+        "--control-plane-api-keys", "kvserve-cluster:kvserve cluster:admin:cp-key",
+        "--api-key", "client-key",
+    ]  # fmt: skip
+    # Taken out, so that nothing the router starts inherits them.
+    assert environ == {"OTHER": "kept"}
+    # Never an open control plane.
+    with pytest.raises(SystemExit, match=CONTROL_PLANE_KEY_ENV):
+        router_arguments(["--port", "8000"], {API_KEY_ENV: "client-key"})

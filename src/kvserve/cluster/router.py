@@ -1,33 +1,42 @@
-"""`python -m kvserve.cluster.router SMG-ARGS...`: SMG's `smg launch`, with its control-plane key taken
-from the environment rather than the command line.
+"""`python -m kvserve.cluster.router SMG-ARGS...`: SMG's `smg launch`, with its keys taken from the
+environment rather than the command line.
 
-SMG takes control-plane keys only as `--control-plane-api-keys id:name:role:key` arguments, and every
-local user can read a process's arguments. So the launcher puts the key in this child's environment
-($KVSERVE_ROUTER_CONTROL_PLANE_KEY, readable by its own user only) and this module, running SMG's own
-Python launcher in-process, adds the argument to the list it parses: the key reaches the router but
-never /proc/PID/cmdline.
+SMG takes its control-plane keys only as `--control-plane-api-keys id:name:role:key` arguments and its
+client key as `--api-key KEY`, and every local user can read a process's arguments. So `kvserve cluster`
+(or an operator, see the README) puts the keys in this process's environment (readable by its own user
+only): $KVSERVE_ROUTER_CONTROL_PLANE_KEY, required (the control plane is never open), and
+$KVSERVE_ROUTER_API_KEY, optional. This module takes them out of the environment and adds them to the
+arguments that SMG's own Python launcher parses in this process: the keys reach the router but never
+/proc/PID/cmdline.
 """
 
 import os
 import sys
+from collections.abc import MutableMapping
 
 CONTROL_PLANE_KEY_ENV = "KVSERVE_ROUTER_CONTROL_PLANE_KEY"
-# The key's id and name in SMG's audit log and /workers answers; it has the admin role.
+API_KEY_ENV = "KVSERVE_ROUTER_API_KEY"
+# The key's id and name in SMG's audit log; it has the admin role.
 CONTROL_PLANE_KEY_ID = "kvserve-cluster"
 
 
-def control_plane_argument(key: str) -> str:
-    return f"{CONTROL_PLANE_KEY_ID}:kvserve cluster launcher:admin:{key}"
+def router_arguments(argv: list[str], environ: MutableMapping[str, str]) -> list[str]:
+    """SMG's arguments: `argv` and the keys taken out of `environ`. Raises SystemExit without a
+    control-plane key."""
+    key = environ.pop(CONTROL_PLANE_KEY_ENV, "")
+    if not key:
+        raise SystemExit(f"kvserve.cluster.router: ${CONTROL_PLANE_KEY_ENV} is not set")
+    arguments = [*argv, "--control-plane-api-keys", f"{CONTROL_PLANE_KEY_ID}:kvserve cluster:admin:{key}"]
+    api_key = environ.pop(API_KEY_ENV, "")
+    if api_key:
+        arguments += ["--api-key", api_key]
+    return arguments
 
 
 def main(argv: list[str]) -> None:
     from smg.launch_router import launch_router, parse_router_args
 
-    key = os.environ.pop(CONTROL_PLANE_KEY_ENV, None)
-    if not key:
-        # Never an open control plane: this module exists to start SMG with a key.
-        sys.exit(f"kvserve.cluster.router: ${CONTROL_PLANE_KEY_ENV} is not set")
-    launch_router(parse_router_args([*argv, "--control-plane-api-keys", control_plane_argument(key)]))
+    launch_router(parse_router_args(router_arguments(argv, os.environ)))
 
 
 if __name__ == "__main__":
