@@ -1,10 +1,11 @@
 """`kvserve cluster` is closed by default (one replica, a real Redis and a real SMG, on loopback): SMG's
-control plane refuses whoever lacks its generated key, while clients' inference calls go through as
-before; its Prometheus port binds loopback; no child's command line holds a credential; the replica's
-KV reaches the closed Redis with the password from its file; and a replica proves who it is only with
-the nonce it was given."""
+control plane refuses whoever lacks its generated key, while clients' inference calls go through with
+their own key (the router's and the replicas', both given by the environment); its Prometheus port
+binds loopback; no child's command line holds a credential; the replica's KV reaches the closed Redis
+with the password from its file; and a replica proves who it is only with the nonce it was given."""
 
 import secrets
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -16,7 +17,9 @@ from kvserve.cluster.launch import Cluster, ClusterConfig
 from kvserve.cluster.redis_process import free_port
 from kvserve.cluster.router import API_KEY_ENV, CONTROL_PLANE_KEY_ENV, router_arguments
 from kvserve.credentials import identity_proof
-from tests.cluster.test_replicas_behind_router import chat, system_prompt, wait_for_stores
+from tests.cluster.test_replicas_behind_router import MODEL, system_prompt
+
+CLIENT_KEY = "client-" + secrets.token_hex(8)
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +34,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             run_dir=str(tmp_path_factory.mktemp("cluster") / "run"),
         )
     )
-    c.start()
+    # A client key as the README sets one: SMG's (KVSERVE_ROUTER_API_KEY) and the replicas'
+    # (KVSERVE_API_KEY), from the launcher's environment, which its children inherit.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(API_KEY_ENV, CLIENT_KEY)
+        env.setenv("KVSERVE_API_KEY", CLIENT_KEY)
+        c.start()
     yield c
     c.stop()
+
+
+def chat(cluster: Cluster, messages: list[dict[str, str]], key: str | None) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.post(f"{cluster.url}/v1/chat/completions", json=body, headers=headers, timeout=300)
 
 
 def admin(cluster: Cluster) -> dict[str, str]:
@@ -57,26 +71,34 @@ def test_smg_refuses_an_unauthenticated_control_plane(cluster: Cluster) -> None:
     assert still["url"] == cluster.replicas[0].url
 
 
-def test_clients_call_the_router_without_the_control_plane_key_and_kv_reaches_the_closed_redis(
-    cluster: Cluster,
-) -> None:
+def test_clients_call_the_router_with_their_key_and_kv_reaches_the_closed_redis(cluster: Cluster) -> None:
     messages = [{"role": "system", "content": system_prompt("plums")}, {"role": "user", "content": "Sum?"}]
-    reply = chat(cluster.url, messages)
-    # The replica's blocks reach Redis: it authenticated with the password from its file.
-    wait_for_stores(cluster.replicas[0].url, (reply["usage"]["prompt_tokens"] - 1) // 16)
+    reply = chat(cluster, messages, CLIENT_KEY)
+    assert reply.status_code == 200, reply.text
+    # The two keys are apart: the control-plane key is no client key, and the other way round.
+    assert chat(cluster, messages, None).status_code == 401
+    assert chat(cluster, messages, cluster.control_plane_key).status_code == 401
+    workers = httpx.get(f"{cluster.url}/workers", headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+    assert workers.status_code == 401
+    # The replica's blocks reach Redis (written behind the step): it authenticated with the password
+    # from its file.
     assert cluster.redis is not None
-    client = cluster.redis.client()
+    assert reply.json()["usage"]["prompt_tokens"] > 32
+    admin_client = cluster.redis.client()
     try:
-        assert client.dbsize() > 0
+        deadline = time.monotonic() + 60
+        while admin_client.dbsize() == 0:
+            assert time.monotonic() < deadline, "the replica never wrote its blocks to Redis"
+            time.sleep(0.2)
     finally:
-        client.close()
+        admin_client.close()
     with pytest.raises(redis.RedisError):
         redis.Redis(host="127.0.0.1", port=cluster.redis.port, socket_timeout=5).dbsize()
 
 
 def test_no_child_has_a_credential_on_its_command_line(cluster: Cluster) -> None:
     assert cluster.redis is not None and cluster.redis.process is not None and cluster.router is not None
-    credentials = [cluster.redis.password, cluster.control_plane_key]
+    credentials = [cluster.redis.password, cluster.control_plane_key, CLIENT_KEY]
     credentials += [r.nonce.hex() for r in cluster.replicas]
     pids = [cluster.redis.process.pid, cluster.router.pid]
     pids += [r.process.pid for r in cluster.replicas if r.process is not None]
