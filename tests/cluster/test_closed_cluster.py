@@ -150,3 +150,15 @@ def test_the_router_takes_its_keys_from_the_environment_only() -> None:
     # Never an open control plane.
     with pytest.raises(SystemExit, match=CONTROL_PLANE_KEY_ENV):
         router_arguments(["--port", "8000"], {API_KEY_ENV: "client-key"})
+
+
+def test_a_replica_that_exited_is_removed_from_the_router(cluster: Cluster) -> None:
+    # Last in this module: it kills the module's replica. Left in the router, the replica's freed port
+    # would be routed to again as soon as any process bound it and answered /health.
+    cluster.kill_replica(0)
+    assert cluster.forget_exited_replicas() == [0]
+    assert cluster.forget_exited_replicas() == []
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{cluster.url}/workers", headers=admin(cluster), timeout=30).json()["workers"]:
+        assert time.monotonic() < deadline, "the router kept the exited replica"
+        time.sleep(0.5)

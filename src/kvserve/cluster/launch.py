@@ -223,6 +223,7 @@ class Cluster:
         self.replicas = [self._replica(i, free_port(), threads) for i in range(config.replicas)]
         self.router: subprocess.Popen[bytes] | None = None
         self._logs: list[IO[bytes]] = []
+        self._forgotten: set[int] = set()
 
     @property
     def url(self) -> str:
@@ -270,6 +271,29 @@ class Cluster:
         if process is not None and process.poll() is None:
             process.kill()
             process.wait()
+
+    def forget_exited_replicas(self) -> list[int]:
+        """The replicas that exited since the last call, each removed from the router through its
+        control plane: SMG's health checks alone would take back whatever binds the freed port next
+        and answers /health."""
+        exited = []
+        for i, r in enumerate(self.replicas):
+            if i not in self._forgotten and r.process is not None and r.process.poll() is not None:
+                self._forgotten.add(i)
+                exited.append(i)
+                self._remove_worker(r.url)
+        return exited
+
+    def _remove_worker(self, url: str) -> None:
+        headers = {"Authorization": f"Bearer {self.control_plane_key}"}
+        try:
+            listed = httpx.get(f"{self.url}/workers", headers=headers, timeout=10)
+            listed.raise_for_status()
+            for worker in listed.json()["workers"]:
+                if worker.get("url") == url:
+                    httpx.delete(f"{self.url}/workers/{worker['id']}", headers=headers, timeout=10)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            log.warning("could not remove %s from the router: %s", url, e)
 
     def router_argv(self) -> list[str]:
         c = self.config
@@ -345,14 +369,14 @@ def run_until_interrupted(config: ClusterConfig) -> int:
         flush=True,
     )
     try:
-        # A replica that dies is reported, not replaced: SMG's health checks route around it.
-        reported: set[int] = set()
+        # A replica that dies is reported and removed from the router, not replaced.
+        exited = 0
         while cluster.router is not None and cluster.router.poll() is None:
-            for i, r in enumerate(cluster.replicas):
-                if i not in reported and r.process is not None and r.process.poll() is not None:
-                    reported.add(i)
-                    print(f"kvserve cluster: replica {i} exited (log: {r.log_path})", file=sys.stderr)
-            if len(reported) == len(cluster.replicas):
+            for i in cluster.forget_exited_replicas():
+                exited += 1
+                log_path = cluster.replicas[i].log_path
+                print(f"kvserve cluster: replica {i} exited (log: {log_path})", file=sys.stderr)
+            if exited == len(cluster.replicas):
                 print("kvserve cluster: every replica exited; stopping", file=sys.stderr)
                 return 1
             time.sleep(1)
