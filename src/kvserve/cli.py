@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.cluster.launch import ClusterConfig, run_until_interrupted
 from kvserve.config import EngineConfig
+from kvserve.credentials import take_launch_nonce
 from kvserve.errors import KVServeError
 from kvserve.flags import add_flags, from_flags
 from kvserve.options import ServerOptions
@@ -136,7 +137,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     # The options first: a bad one is refused before the server's imports (torch among them) load.
-    config, options = engine_config(args), from_flags(ServerOptions, args)
+    config = engine_config(args)
+    options = from_flags(ServerOptions, args, launch_nonce=take_launch_nonce())
     from kvserve.server.app import serve
 
     return serve(config, options)

@@ -95,8 +95,8 @@ class EngineConfig:
     `kv_disk`, when set, is the folder of the disk tier: blocks computed in memory are also written
     there (behind the step) and found again after eviction or a restart; `kv_disk_size` bounds it.
     `kv_remote`, when set, is the URL of a Redis server that replicas share as the tier below the disk
-    (redis://host:port/db); it needs `secret` set to the secret every replica shares, from which the
-    tier derives its sealing and key-name keys.
+    (redis://host:port/db, redis://user:password@host:port/db; not in the repr); it needs `secret` set to
+    the secret every replica shares, from which the tier derives its sealing and key-name keys.
     `max_pinned_tokens` is how much of the pool prefixes may be pinned in (0: pinning off); it is held
     back from the largest request the engine accepts, so that pins never starve a request.
     `max_pinned_tokens_per_tenant` caps one cache namespace's pins (a tenant's, or a shared group's;
@@ -179,7 +179,8 @@ class EngineConfig:
         metavar="DIR",
     )
     kv_disk_size: int = option(20 * 2**30, "disk tier budget, e.g. 20GiB (default 20GiB)", parse=parse_bytes)
-    kv_remote: str | None = None
+    # Out of the repr: in Python (never on a command line) the URL may carry the Redis password.
+    kv_remote: str | None = field(default=None, repr=False)
     max_pinned_tokens: int = option(
         0, "KV tokens that POST /v1/cache/pin may hold in memory (held back from requests); 0: off"
     )

@@ -3,9 +3,10 @@ dataclass beside EngineConfig; `kvserve serve`'s flags are built from its fields
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.config import check_kv_remote_secret, format_bytes, parse_bytes
+from kvserve.credentials import check_url_without_password
 from kvserve.errors import ConfigError
 from kvserve.flags import option
 
@@ -29,7 +30,10 @@ class ServerOptions:
     over `api_key` for tenancy, see server/tenants.py); `admin_key` opens the admin routes and every
     namespace's dashboard. `tenant_secret_file` is the secret replicas share (default: this server's
     own, in its cache folder); `kv_remote`, the URL of the Redis tier they share, needs it: it reaches
-    EngineConfig.kv_remote together with that secret once `serve` has read it.
+    EngineConfig.kv_remote together with that secret once `serve` has read it. Its password comes from
+    `kv_remote_password_file` or $KVSERVE_KV_REMOTE_PASSWORD, never from the URL (refused: the command
+    line shows it). `launch_nonce` is set by `kvserve serve` when `kvserve cluster` started it (from the
+    environment, kvserve.credentials): GET /identity proves with it that this is the replica it spawned.
     """
 
     host: str = option("127.0.0.1", "address to listen on")
@@ -76,8 +80,15 @@ class ServerOptions:
     kv_remote: str | None = option(
         None,
         "a Redis server that replicas share as the cache tier below the disk, e.g. redis://10.0.0.5:6379/0 "
-        "(needs --tenant-secret-file)",
+        "or redis://USER@10.0.0.5:6379/0 (needs --tenant-secret-file; no password in it: see "
+        "--kv-remote-password-file)",
         metavar="URL",
+    )
+    kv_remote_password_file: str | None = option(
+        None,
+        "a file (mode 600) holding the password of --kv-remote's Redis, read once at startup (default: "
+        "$KVSERVE_KV_REMOTE_PASSWORD, which unlike an argument does not show in ps)",
+        metavar="FILE",
     )
     tenant_secret_file: str | None = option(
         None,
@@ -87,6 +98,7 @@ class ServerOptions:
         env="KVSERVE_TENANT_SECRET_FILE",
         metavar="FILE",
     )
+    launch_nonce: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Kept as a tuple (a caller may pass a list); a bare string would read as one origin per letter.
@@ -95,6 +107,9 @@ class ServerOptions:
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         # Checked here, before anything loads: a bad option fails in a second, not after the model.
         check_kv_remote_secret(self.kv_remote, self.tenant_secret_file is not None)
+        check_url_without_password("--kv-remote", self.kv_remote)
+        if self.kv_remote_password_file is not None and self.kv_remote is None:
+            raise ConfigError("--kv-remote-password-file needs --kv-remote")
         if not 0 <= self.port < 2**16:
             raise ConfigError(f"port must be between 0 and 65535, not {self.port}")
         if self.max_request_bytes < 1:

@@ -1,27 +1,40 @@
 """Cluster: redis-server, N kvserve replicas sharing it (one tenant secret, the threads split between
 them) and the SMG router in front, as child processes of one command (`kvserve cluster`, `make
 cluster`). Each part logs to its own file in the run folder; `stop` ends them all.
+
+Closed by default. The run folder is private (0700) and holds the credentials the parts share, each in
+a 0600 file and none on a command line: Redis needs a password (redis_process.py; the replicas get
+theirs with --kv-remote-password-file), SMG's control plane (/workers: list, add and remove replicas)
+needs a generated key (router.py puts it in SMG's arguments in-process), SMG's Prometheus port binds
+loopback, and a replica is handed to the router only once it has proved to be the process the launcher
+spawned: the launcher gives each replica a random nonce in its environment and checks that what answers
+on the replica's port returns HMAC(nonce, a fresh challenge) and the PID it spawned (kvserve.credentials),
+so that a local process that took the port first is refused, not routed to.
 """
 
+import hmac
+import importlib.util
 import logging
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
 import httpx
 
 from kvserve.cluster.redis_process import RedisProcess, free_port
+from kvserve.cluster.router import CONTROL_PLANE_KEY_ENV
+from kvserve.credentials import LAUNCH_NONCE_ENV, identity_proof
 from kvserve.errors import ConfigError
 from kvserve.flags import option
+from kvserve.private_files import private_dir
 from kvserve.secret import read_secret
 
 log = logging.getLogger("kvserve.cluster")
@@ -98,6 +111,8 @@ class Replica:
     port: int
     argv: list[str]
     log_path: str
+    # In the child's environment, never on its command line: it proves who answers (see `_wait_replica`).
+    nonce: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -105,20 +120,63 @@ class Replica:
         return f"http://127.0.0.1:{self.port}"
 
 
-def smg_binary() -> str:
-    """The `smg` launcher next to this interpreter (the venv's), else on PATH."""
-    local = os.path.join(os.path.dirname(sys.executable), "smg")
-    found = local if os.path.exists(local) else shutil.which("smg")
-    if found is None:
+def router_command() -> list[str]:
+    """SMG's launcher, run by this interpreter through router.py (which gives it its control-plane key)."""
+    if importlib.util.find_spec("smg") is None:
         raise RuntimeError("smg is not installed: pip install -e '.[cluster]' (or `make cluster`)")
-    return found
+    return [sys.executable, "-m", "kvserve.cluster.router"]
+
+
+def write_private(path: str, text: str) -> str:
+    """A new file (0600; refused if something is there already) holding `text`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def write_secret(path: str) -> str:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    return path
+    return write_private(path, secrets.token_hex(32) + "\n")
+
+
+def _wait_replica(replica: Replica, what: str, timeout_s: float) -> None:
+    """Until the replica answers /identity with the proof of its nonce and its PID, then /health with
+    200. Any other answer on its port comes from another process: RuntimeError at once, since the
+    replica itself could never bind the port."""
+    process = replica.process
+    assert process is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode}")
+        challenge = secrets.token_bytes(32)
+        try:
+            r = httpx.get(f"{replica.url}/identity", params={"challenge": challenge.hex()}, timeout=2)
+            if not _proves(r, replica.nonce, challenge, process.pid):
+                raise RuntimeError(
+                    f"port {replica.port} answers, but not as the replica started there (PID {process.pid}): "
+                    "another local process holds it; stop it, or start the cluster again (new ports)"
+                )
+            if httpx.get(f"{replica.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer {replica.url} within {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
+def _proves(response: httpx.Response, nonce: bytes, challenge: bytes, pid: int) -> bool:
+    """Whether `response` is a replica's /identity answer for `nonce`, `challenge` and `pid`."""
+    if response.status_code != 200:
+        return False
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    if not isinstance(body, dict) or body.get("pid") != pid or not isinstance(body.get("proof"), str):
+        return False
+    return hmac.compare_digest(body["proof"].encode(), identity_proof(nonce, challenge, pid).encode())
 
 
 def _wait_http(url: str, process: subprocess.Popen[bytes], what: str, timeout_s: float) -> None:
@@ -143,16 +201,29 @@ class Cluster:
         if config.tenant_secret_file is not None:
             read_secret(config.tenant_secret_file)
         self.config = config
-        self.redis = RedisProcess(maxmemory=config.redis_maxmemory) if config.redis else None
-        self.run_dir = config.run_dir or tempfile.mkdtemp(prefix="kvserve-cluster-")
-        os.makedirs(self.run_dir, exist_ok=True)
+        self.run_dir = private_dir(config.run_dir or tempfile.mkdtemp(prefix="kvserve-cluster-"))
+        self.redis: RedisProcess | None = None
+        self.redis_password_file: str | None = None
+        if config.redis:
+            self.redis = RedisProcess(
+                maxmemory=config.redis_maxmemory, run_dir=os.path.join(self.run_dir, "redis")
+            )
+            self.redis_password_file = write_private(
+                os.path.join(self.run_dir, "redis-password"), self.redis.password + "\n"
+            )
         self.secret_file = config.tenant_secret_file or write_secret(
             os.path.join(self.run_dir, "tenant-secret")
+        )
+        # SMG's control plane (/workers) answers only to this key; it is in this file for the operator.
+        self.control_plane_key = secrets.token_urlsafe(32)
+        self.control_plane_key_file = write_private(
+            os.path.join(self.run_dir, "router-control-plane-key"), self.control_plane_key + "\n"
         )
         threads = max(1, config.threads // config.replicas)
         self.replicas = [self._replica(i, free_port(), threads) for i in range(config.replicas)]
         self.router: subprocess.Popen[bytes] | None = None
         self._logs: list[IO[bytes]] = []
+        self._forgotten: set[int] = set()
 
     @property
     def url(self) -> str:
@@ -166,23 +237,33 @@ class Cluster:
             "--threads", str(threads),
             "--tenant-secret-file", self.secret_file,
         ]  # fmt: skip
-        if self.redis is not None:
-            argv += ["--kv-remote", self.redis.url]
+        if self.redis is not None and self.redis_password_file is not None:
+            argv += [
+                "--kv-remote",
+                self.redis.public_url,
+                "--kv-remote-password-file",
+                self.redis_password_file,
+            ]
         argv += self.config.serve_args
         return Replica(port, argv, os.path.join(self.run_dir, f"replica-{i}.log"))
 
-    def _spawn(self, argv: list[str], log_path: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, argv: list[str], log_path: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """`argv` with the launcher's environment plus `env` (credentials: never on the command line)."""
         out = open(log_path, "ab")  # noqa: SIM115 (closed by stop())
         self._logs.append(out)
         # Its own process group: Ctrl-C in the terminal reaches the launcher, which stops children in order.
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env},
+        )
 
     def start_replica(self, i: int, timeout_s: float = 300) -> None:
         replica = self.replicas[i]
-        replica.process = self._spawn(replica.argv, replica.log_path)
-        _wait_http(
-            f"{replica.url}/health", replica.process, f"replica {i} (log: {replica.log_path})", timeout_s
-        )
+        replica.process = self._spawn(replica.argv, replica.log_path, {LAUNCH_NONCE_ENV: replica.nonce.hex()})
+        _wait_replica(replica, f"replica {i} (log: {replica.log_path})", timeout_s)
 
     def kill_replica(self, i: int) -> None:
         """SIGKILL, as a crashed machine: streams in flight on it break."""
@@ -191,10 +272,33 @@ class Cluster:
             process.kill()
             process.wait()
 
+    def forget_exited_replicas(self) -> list[int]:
+        """The replicas that exited since the last call, each removed from the router through its
+        control plane: SMG's health checks alone would take back whatever binds the freed port next
+        and answers /health."""
+        exited = []
+        for i, r in enumerate(self.replicas):
+            if i not in self._forgotten and r.process is not None and r.process.poll() is not None:
+                self._forgotten.add(i)
+                exited.append(i)
+                self._remove_worker(r.url)
+        return exited
+
+    def _remove_worker(self, url: str) -> None:
+        headers = {"Authorization": f"Bearer {self.control_plane_key}"}
+        try:
+            listed = httpx.get(f"{self.url}/workers", headers=headers, timeout=10)
+            listed.raise_for_status()
+            for worker in listed.json()["workers"]:
+                if worker.get("url") == url:
+                    httpx.delete(f"{self.url}/workers/{worker['id']}", headers=headers, timeout=10)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            log.warning("could not remove %s from the router: %s", url, e)
+
     def router_argv(self) -> list[str]:
         c = self.config
         return [
-            smg_binary(), "launch",
+            *router_command(),
             "--host", c.host,
             "--port", str(c.port),
             "--policy", c.policy,
@@ -206,6 +310,7 @@ class Cluster:
             "--health-check-endpoint", "/health",
             "--worker-startup-check-interval", "1",
             "--prometheus-port", str(free_port()),
+            "--prometheus-host", "127.0.0.1",
             "--log-level", "warn",
         ]  # fmt: skip
 
@@ -216,7 +321,11 @@ class Cluster:
             # One at a time: replicas loading the model together only compete for the same cores.
             for i in range(len(self.replicas)):
                 self.start_replica(i)
-            self.router = self._spawn(self.router_argv(), os.path.join(self.run_dir, "smg.log"))
+            self.router = self._spawn(
+                self.router_argv(),
+                os.path.join(self.run_dir, "smg.log"),
+                {CONTROL_PLANE_KEY_ENV: self.control_plane_key},
+            )
             _wait_http(f"{self.url}/v1/models", self.router, f"smg (log: {self.run_dir}/smg.log)", 120)
         except BaseException:
             self.stop()
@@ -251,21 +360,23 @@ def run_until_interrupted(config: ClusterConfig) -> int:
     except RuntimeError as e:
         print(f"kvserve cluster: {e}", file=sys.stderr)
         return 1
-    redis_url = cluster.redis.url if cluster.redis is not None else "off"
+    redis_url = cluster.redis.public_url if cluster.redis is not None else "off"
     print(
         f"kvserve cluster ready: {cluster.url}/v1 (SMG {config.policy}), replicas "
-        f"{', '.join(r.url for r in cluster.replicas)}, redis {redis_url}; Ctrl-C stops everything",
+        f"{', '.join(r.url for r in cluster.replicas)}, redis {redis_url} (password in "
+        f"{cluster.redis_password_file}), SMG's control plane key in {cluster.control_plane_key_file}; "
+        "Ctrl-C stops everything",
         flush=True,
     )
     try:
-        # A replica that dies is reported, not replaced: SMG's health checks route around it.
-        reported: set[int] = set()
+        # A replica that dies is reported and removed from the router, not replaced.
+        exited = 0
         while cluster.router is not None and cluster.router.poll() is None:
-            for i, r in enumerate(cluster.replicas):
-                if i not in reported and r.process is not None and r.process.poll() is not None:
-                    reported.add(i)
-                    print(f"kvserve cluster: replica {i} exited (log: {r.log_path})", file=sys.stderr)
-            if len(reported) == len(cluster.replicas):
+            for i in cluster.forget_exited_replicas():
+                exited += 1
+                log_path = cluster.replicas[i].log_path
+                print(f"kvserve cluster: replica {i} exited (log: {log_path})", file=sys.stderr)
+            if exited == len(cluster.replicas):
                 print("kvserve cluster: every replica exited; stopping", file=sys.stderr)
                 return 1
             time.sleep(1)

@@ -3,18 +3,20 @@
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve import __version__
 from kvserve.config import EngineConfig
+from kvserve.credentials import identity_proof, read_kv_remote_password, url_with_password
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.validation import check_vocabulary
@@ -106,6 +108,23 @@ async def health(ctx: Context) -> Response:
     except TimeoutError as e:
         raise APIError(503, "The engine is not answering.", "server_error", code="engine_unavailable") from e
     return Response(status_code=200)
+
+
+# A challenge of 16 to 64 random bytes, in hex.
+_CHALLENGE_HEX = r"^([0-9a-fA-F]{2}){16,64}$"
+
+
+# Open, as /health is (the launcher may hold no tenant key), and useless without the nonce: only a
+# server that `kvserve cluster` started with one has it (ServerOptions.launch_nonce).
+@public.get("/identity", include_in_schema=False)
+async def identity(
+    ctx: Context, challenge: Annotated[str, Query(pattern=_CHALLENGE_HEX)]
+) -> dict[str, object]:
+    nonce = ctx.options.launch_nonce
+    if nonce is None:
+        raise APIError(404, "This server was not started by `kvserve cluster`.", code="not_found")
+    pid = os.getpid()
+    return {"pid": pid, "proof": identity_proof(nonce, bytes.fromhex(challenge), pid)}
 
 
 @api.get("/version")
@@ -318,17 +337,21 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
     (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file.
 
     The engine runs under the tenants' secret (`options.tenant_secret_file`, default the cache folder's)
-    and with `options.kv_remote`, which ServerOptions accepts only with a secret file."""
+    and with `options.kv_remote`, which ServerOptions accepts only with a secret file, given its password
+    (`options.kv_remote_password_file`, else $KVSERVE_KV_REMOTE_PASSWORD)."""
     # Keys first: a bad key file fails in a second, not after the model has loaded.
     secret = (
         load_or_create_secret(config.cache_dir)
         if options.tenant_secret_file is None
         else read_secret(options.tenant_secret_file)
     )
+    kv_remote = options.kv_remote
+    if kv_remote is not None:
+        kv_remote = url_with_password(kv_remote, read_kv_remote_password(options.kv_remote_password_file))
     tenants = Tenants(secret, options.api_key, options.api_key_file, options.admin_key)
     log.info("tenancy: %s", tenants.describe())
     tenants.install_sighup_reload()
-    engine = Engine.from_config(dataclasses.replace(config, secret=secret, kv_remote=options.kv_remote))
+    engine = Engine.from_config(dataclasses.replace(config, secret=secret, kv_remote=kv_remote))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, options, tenants)
     server = uvicorn.Server(
