@@ -33,8 +33,8 @@ from tests.cache.disk_harness import (
     rounds,
     run_and_check,
 )
-from tests.cache.test_redis_tier import DTYPE, SECRET, SHAPE, kv_of, load_run, records, store_all
 from tests.harness import engine_with_blocks, greedy
+from tests.redis_blocks import DTYPE, SECRET, SHAPE, kv_of, load_run, records, store_all
 from tests.redis_server import RedisServer
 
 OTHER_SECRET = bytes(range(100, 132))

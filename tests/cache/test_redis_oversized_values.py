@@ -4,7 +4,7 @@ admission and swell the process. Nothing bigger than a block's value crosses the
 beside them still load, and nothing counts as a Redis error."""
 
 from kvserve.cache.redis_tier import RedisTier
-from tests.cache.test_redis_tier import SECRET, load_run, records, store_all
+from tests.redis_blocks import SECRET, load_run, records, store_all
 from tests.redis_server import RedisServer
 
 OVERSIZED_BYTES = 4 * 2**20

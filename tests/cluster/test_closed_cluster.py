@@ -17,7 +17,7 @@ from kvserve.cluster.launch import Cluster, ClusterConfig
 from kvserve.cluster.redis_process import free_port
 from kvserve.cluster.router import API_KEY_ENV, CONTROL_PLANE_KEY_ENV, router_arguments
 from kvserve.credentials import identity_proof
-from tests.cluster.test_replicas_behind_router import MODEL, system_prompt
+from tests.cluster.cluster_harness import MODEL, system_prompt
 
 CLIENT_KEY = "client-" + secrets.token_hex(8)
 

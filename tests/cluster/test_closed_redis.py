@@ -12,7 +12,7 @@ import redis
 
 from kvserve.cache.redis_tier import RedisTier
 from kvserve.cluster.redis_process import RedisProcess
-from tests.cache.test_redis_tier import SECRET, load_run, records, store_all
+from tests.redis_blocks import SECRET, load_run, records, store_all
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from kvserve.config import EngineConfig
 from kvserve.credentials import KV_REMOTE_PASSWORD_ENV, read_kv_remote_password, url_with_password
 from kvserve.errors import ConfigError
 from kvserve.options import ServerOptions
-from tests.cache.test_redis_tier import SECRET, load_run, records, store_all
-from tests.cluster.test_shared_secret import secret_file
+from tests.cluster.cluster_harness import secret_file
+from tests.redis_blocks import SECRET, load_run, records, store_all
 
 PASSWORD = "hunter2-Zq9"
 URLS_WITH_A_PASSWORD = [

@@ -14,12 +14,7 @@ import pytest
 from kvserve.bench.client import RequestResult, Target, stream_chat
 from kvserve.cluster.launch import Cluster, ClusterConfig
 from kvserve.cluster.redis_process import free_port
-
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def system_prompt(topic: str) -> str:
-    return " ".join(f"Note {i} about {topic}: item {i} weighs {i * 7 % 13} units." for i in range(30))
+from tests.cluster.cluster_harness import MODEL, system_prompt
 
 
 def chat(url: str, messages: list[dict[str, str]]) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 for the Redis tier); --kv-remote without it refuses to start, saying why."""
 
 import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +10,7 @@ import pytest
 
 from kvserve.secret import SecretError, load_or_create_secret, read_secret
 from kvserve.server.tenants import Tenant, Tenants
-
-
-def secret_file(path: Path) -> str:
-    path.write_text(secrets.token_hex(32) + "\n")
-    path.chmod(0o600)
-    return str(path)
+from tests.cluster.cluster_harness import secret_file
 
 
 def test_two_servers_with_one_secret_file_give_a_tenant_one_namespace(tmp_path: Path) -> None:
