@@ -8,8 +8,10 @@ Decode reads every weight once per step, so bytes per weight set its speed. `mak
   Neither is row-invariant: a one-row product takes another kernel than a batch, so a row's last bits
   depend on the batch size.
 - `float16`: fbgemm's fp16 GEMM. Weights are stored in float16 and widened to float32 in registers;
-  activations and accumulation stay float32. Half the bytes of float32, and each output element is summed
-  in the same order whatever the number of rows.
+  activations and accumulation stay float32. Half the bytes of float32. With AVX-512 each output element
+  is summed in the same order whatever the number of rows; the AVX2 kernels sum a row in another order
+  when it falls in a block of one or two rows, so there the rows are padded to a multiple of three
+  (`_fp16_row_multiple`, probed once), which keeps every row in a three-row block or larger.
 - `int8`: symmetric int8 weights with one scale per output channel, activations quantized per row with
   one scale per row, an exact int8 x int8 -> int32 product (`torch._int_mm`), then the two scales. Every
   step is exact or row-local, so a row's output does not depend on the batch either. A quarter of
@@ -36,6 +38,30 @@ def _onednn_available() -> bool:
 
 def _fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@functools.cache
+def _fp16_row_multiple() -> int:
+    """The multiple of rows that fbgemm's float16 product must be called with for a row's output to be
+    the same in any batch on this CPU: the first of 1, 3, 6 and 12 under which every batch of 1 to 32
+    rows gives each row the bits it has in a batch of 48 (a small probe, once per process)."""
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(64, 96, generator=gen), None)
+    x = torch.randn(48, 96, generator=gen)
+    for multiple in (1, 3, 6):
+        full = _fp16_product(x, packed, multiple)
+        if all(torch.equal(_fp16_product(x[:m], packed, multiple), full[:m]) for m in range(1, 33)):
+            return multiple
+    return 12
+
+
+def _fp16_product(x: torch.Tensor, packed: object, multiple: int) -> torch.Tensor:
+    rows = x.shape[0]
+    pad = -rows % multiple
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x, packed)
+    return out[:rows] if pad else out
 
 
 def _pointwise(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, attr: str) -> torch.Tensor:
@@ -113,10 +139,10 @@ class Fp16Linear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         # Packing once at load: it converts to float16 and lays the weights out in fbgemm's blocks.
         self._packed: object = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+        self._row_multiple = _fp16_row_multiple()
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
-        return out
+        return _fp16_product(x, self._packed, self._row_multiple)
 
 
 # 127, not 128: a symmetric range keeps -x quantized as the exact negative of x.
