@@ -64,7 +64,7 @@ def _plan(
     ctx: ServerContext, token_ids: list[list[int]], params: SamplingParams, namespace: str
 ) -> RequestPlan:
     """The one check of the request, then its n samples' params."""
-    checked = ctx.async_engine.validate(token_ids, params)
+    checked = ctx.async_engine.validate(token_ids, params, namespace)
     samples = tuple(params.for_sample(j) for j in range(params.n))
     return RequestPlan(tuple(PlannedPrompt(c) for c in checked), samples, namespace)
 
