@@ -30,6 +30,8 @@ class ServerOptions:
     namespace's dashboard. `tenant_secret_file` is the secret replicas share (default: this server's
     own, in its cache folder); `kv_remote`, the URL of the Redis tier they share, needs it: it reaches
     EngineConfig.kv_remote together with that secret once `serve` has read it.
+    `preparation_threads` prepare requests off the event loop, at most `max_preparing_per_tenant` of
+    them for one tenant at once (server/preparation.py).
     """
 
     host: str = option("127.0.0.1", "address to listen on")
@@ -73,6 +75,16 @@ class ServerOptions:
     max_in_flight_per_tenant: int = option(
         256, "requests one tenant may have in flight before answering 429 (default %(default)s)"
     )
+    preparation_threads: int = option(
+        8,
+        "threads that prepare requests (templating, tokenizing, compiling constraints) off the event "
+        "loop (default %(default)s)",
+    )
+    max_preparing_per_tenant: int = option(
+        2,
+        "of those, how many one tenant's requests may hold at once; its others wait in its own queue "
+        "(default %(default)s)",
+    )
     kv_remote: str | None = option(
         None,
         "a Redis server that replicas share as the cache tier below the disk, e.g. redis://10.0.0.5:6379/0 "
@@ -101,3 +113,7 @@ class ServerOptions:
             raise ConfigError("max_request_bytes must be positive")
         if self.max_in_flight_per_tenant < 1:
             raise ConfigError("max_in_flight_per_tenant must be positive")
+        if not 1 <= self.preparation_threads <= 1024:
+            raise ConfigError("preparation_threads must be between 1 and 1024")
+        if not 1 <= self.max_preparing_per_tenant <= self.preparation_threads:
+            raise ConfigError("max_preparing_per_tenant must be between 1 and preparation_threads")
