@@ -4,8 +4,9 @@ A plan builder turns one API's request body into a `RequestPlan`, in one trip to
 preparation job of the caller's tenant, server/preparation.py): render and tokenize the prompts, map the
 body to SamplingParams, add the tools' constraint, and validate once (`AsyncEngine.validate`: the token
 ids, lengths, caps and the constraint, compiled there and only there). The engine's door then queues each
-prompt with each of the plan's samples as they are, checking nothing again. There is one builder per API, each producing the same
-plan: `chat_plan`, `completion_plan`, `pin_plan`; a new API is one more function beside them.
+prompt with each of the plan's samples as they are, checking nothing again. There is one builder per API,
+each producing the same plan: `chat_plan`, `completion_plan`, `pin_plan`; a new API is one more function
+beside them.
 
 The route has already done what needs no work: the body's fields alone (model, unsupported fields) and
 room in the engine's queue for the request's sequences (`AsyncEngine.reserve`).
