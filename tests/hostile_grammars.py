@@ -7,9 +7,12 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 def overlapping_terminals(count: int = 60, width: int = 6, salt: str = "") -> str:
     """A Lark grammar of `count` regex terminals that all overlap (`/[a-z]*x[a-z]{w}/`): the lexer's
     states multiply with every letter, as in the review's 2.5 KB grammar that reached 250,000 states.
-    `salt` names the terminals apart, so that two grammars of one shape are two sources."""
-    terminals = [f"T{salt}{i}: /[a-z]*{_LETTERS[i % 26]}[a-z]{{{width + i % 4}}}/" for i in range(count)]
-    start = "start: (" + " | ".join(f"T{salt}{i}" for i in range(count)) + ")+"
+    `salt` (letters) names the terminals apart, so that two grammars of one shape are two sources."""
+    names = [f"T{salt.upper()}_{i}" for i in range(count)]
+    terminals = [
+        f"{name}: /[a-z]*{_LETTERS[i % 26]}[a-z]{{{width + i % 4}}}/" for i, name in enumerate(names)
+    ]
+    start = "start: (" + " | ".join(names) + ")+"
     return "\n".join([start, *terminals]) + "\n"
 
 
