@@ -28,7 +28,8 @@ from tests.hostile_grammars import overlapping_terminals
 KEYS = {"flood": "key-flood-aaaa", "other": "key-other-bbbb"}
 FLOOD = 36
 # The flood's constraints each build 20,000 lexer states at their first token, and fail there.
-FLOOD_LIMITS = {"grammar_max_lexer_states": 20_000, "grammar_step_lexer_fuel": 2_000_000}
+FLOOD_STATES = 20_000
+FLOOD_FUEL = 2_000_000
 
 
 def _salt(i: int) -> str:
@@ -46,7 +47,10 @@ def server(
     key_file = Path(folder) / "keys"
     key_file.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
     tenants = Tenants(load_or_create_secret(str(folder)), key_file=str(key_file))
-    engine = Engine.from_config(EngineConfig(kv_cache_memory=32 * 2**20, **FLOOD_LIMITS), model=tiny_model)
+    config = EngineConfig(
+        kv_cache_memory=32 * 2**20, grammar_max_lexer_states=FLOOD_STATES, grammar_step_lexer_fuel=FLOOD_FUEL
+    )
+    engine = Engine.from_config(config, model=tiny_model)
     app = create_app(AsyncEngine(engine), ServerOptions(), tenants)
     with serve_app(app) as url:
         yield url, app.state.context
