@@ -56,7 +56,7 @@ ATTENTION_BACKENDS = ("auto", "native", "torch")
 # Real constraints (JSON schemas with strings of 200 characters, formats and patterns, 64 tools, 1,024
 # choices) stay within 3,000 lexer states and a step fuel of 10,000; a Lark grammar of 60 overlapping
 # regex terminals reached the library's own cap of 250,000 states (about 155 MiB) in 12 tokens.
-GRAMMAR_MAX_LEXER_STATES = 20_000
+GRAMMAR_MAX_LEXER_STATES = 10_000
 GRAMMAR_STEP_LEXER_FUEL = 50_000
 GRAMMAR_STEP_MAX_ITEMS = 50_000
 GRAMMAR_INITIAL_LEXER_FUEL = 1_000_000

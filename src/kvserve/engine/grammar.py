@@ -221,7 +221,8 @@ class CompiledGrammar:
     def __init__(self, key: tuple[str, str], grammar: str) -> None:
         self.key = key
         self.grammar = grammar
-        self.nbytes = len(key[0]) + len(key[1].encode()) + len(grammar.encode()) + self.OVERHEAD_BYTES
+        source, text = (part.encode("utf-8", "surrogatepass") for part in (key[1], grammar))
+        self.nbytes = len(key[0]) + len(source) + len(text) + self.OVERHEAD_BYTES
 
 
 class RequestGrammar:
