@@ -9,7 +9,7 @@ its own; each engine request (each sample of n) gets a `GrammarState` from it, w
 row of the token bitmask (engine/masks.py) and advances as tokens are appended.
 
 Compiling happens where requests are validated (`validate_request`), on the caller's thread: the server
-validates on a worker thread, so a slow schema never stalls the engine thread's step.
+validates on a preparation thread, so a slow schema never stalls the engine thread's step.
 """
 
 import hashlib
