@@ -52,6 +52,17 @@ DECODE_ACTIVATIONS = ("int16", "float32")
 KV_DTYPES = ("auto", *COMPUTE_DTYPES)
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
+# The grammar library's limits (engine/grammar.py, GrammarLimits) and the compiled-grammar cache's size.
+# Real constraints (JSON schemas with strings of 200 characters, formats and patterns, 64 tools, 1,024
+# choices) stay within 3,000 lexer states and a step fuel of 10,000; a Lark grammar of 60 overlapping
+# regex terminals reached the library's own cap of 250,000 states (about 155 MiB) in 12 tokens.
+GRAMMAR_MAX_LEXER_STATES = 10_000
+GRAMMAR_STEP_LEXER_FUEL = 50_000
+GRAMMAR_STEP_MAX_ITEMS = 50_000
+GRAMMAR_INITIAL_LEXER_FUEL = 1_000_000
+GRAMMAR_MAX_SIZE = 500_000
+DEFAULT_GRAMMAR_CACHE_BYTES = 32 * 2**20
+
 
 def _threads_or_none(text: str) -> int | None:
     """--single-token-threads: 0 turns the separate count off (every step uses --threads)."""
@@ -187,10 +198,44 @@ class EngineConfig:
     max_pinned_tokens_per_tenant: int | None = option(
         None, "of those, what one tenant (or shared group) may pin (default: all of them)"
     )
+    grammar_max_lexer_states: int = option(
+        GRAMMAR_MAX_LEXER_STATES,
+        "lexer states one request's constraint may build (about 0.65 KB each); a request that needs "
+        "more ends with finish_reason grammar_limit (default %(default)s)",
+        parse=positive_int,
+    )
+    grammar_step_lexer_fuel: int = option(
+        GRAMMAR_STEP_LEXER_FUEL,
+        "lexer work one token's mask may take (the library's fuel, about 14,000 a millisecond); over "
+        "it the request ends with grammar_limit (default %(default)s)",
+        parse=positive_int,
+    )
+    grammar_step_max_items: int = option(
+        GRAMMAR_STEP_MAX_ITEMS,
+        "parser items one token's mask may build (default %(default)s)",
+        parse=positive_int,
+    )
+    grammar_initial_lexer_fuel: int = option(
+        GRAMMAR_INITIAL_LEXER_FUEL,
+        "lexer work building a constraint's matcher may take; over it the request is a 400 "
+        "(default %(default)s)",
+        parse=positive_int,
+    )
+    grammar_max_size: int = option(
+        GRAMMAR_MAX_SIZE,
+        "symbols a constraint's grammar may have; over it the request is a 400 (default %(default)s)",
+        parse=positive_int,
+    )
+    grammar_cache_bytes: int = option(
+        DEFAULT_GRAMMAR_CACHE_BYTES,
+        "bytes the compiled-grammar cache may hold, e.g. 32MiB (default %(default)s)",
+        parse=parse_bytes,
+        show=format_bytes,
+    )
     secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_memory", "kv_disk_size"):
+        for name in ("kv_cache_memory", "kv_disk_size", "grammar_cache_bytes"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, parse_bytes(getattr(self, name)))
         checks: list[tuple[bool, str]] = [
@@ -214,6 +259,18 @@ class EngineConfig:
                 "kv_remote must be a redis://, rediss:// or unix:// URL",
             ),
             (self.max_pinned_tokens >= 0, "max_pinned_tokens must be >= 0"),
+            *(
+                # The library takes machine-sized integers: a larger value would fail in it, not here.
+                (0 < getattr(self, name) < 2**31, f"{name} must be between 1 and {2**31 - 1}")
+                for name in (
+                    "grammar_max_lexer_states",
+                    "grammar_step_lexer_fuel",
+                    "grammar_step_max_items",
+                    "grammar_initial_lexer_fuel",
+                    "grammar_max_size",
+                )
+            ),
+            (self.grammar_cache_bytes > 0, "grammar_cache_bytes must be positive"),
             (self.secret is None or len(self.secret) >= 16, "secret must be at least 16 bytes"),
             (
                 self.max_pinned_tokens_per_tenant is None or self.max_pinned_tokens_per_tenant >= 0,

@@ -34,6 +34,8 @@ class ServerOptions:
     `kv_remote_password_file` or $KVSERVE_KV_REMOTE_PASSWORD, never from the URL (refused: the command
     line shows it). `launch_nonce` is set by `kvserve serve` when `kvserve cluster` started it (from the
     environment, kvserve.credentials): GET /identity proves with it that this is the replica it spawned.
+    `preparation_threads` prepare requests off the event loop, at most `max_preparing_per_tenant` of
+    them for one tenant at once (server/preparation.py).
     """
 
     host: str = option("127.0.0.1", "address to listen on")
@@ -77,6 +79,16 @@ class ServerOptions:
     max_in_flight_per_tenant: int = option(
         256, "requests one tenant may have in flight before answering 429 (default %(default)s)"
     )
+    preparation_threads: int = option(
+        8,
+        "threads that prepare requests (templating, tokenizing, compiling constraints) off the event "
+        "loop (default %(default)s)",
+    )
+    max_preparing_per_tenant: int = option(
+        2,
+        "of those, how many one tenant's requests may hold at once; its others wait in its own queue "
+        "(default %(default)s)",
+    )
     kv_remote: str | None = option(
         None,
         "a Redis server that replicas share as the cache tier below the disk, e.g. redis://10.0.0.5:6379/0 "
@@ -116,3 +128,7 @@ class ServerOptions:
             raise ConfigError("max_request_bytes must be positive")
         if self.max_in_flight_per_tenant < 1:
             raise ConfigError("max_in_flight_per_tenant must be positive")
+        if not 1 <= self.preparation_threads <= 1024:
+            raise ConfigError("preparation_threads must be between 1 and 1024")
+        if not 1 <= self.max_preparing_per_tenant <= self.preparation_threads:
+            raise ConfigError("max_preparing_per_tenant must be between 1 and preparation_threads")

@@ -24,6 +24,7 @@ from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.tenants import Tenants, load_or_create_secret
+from tests.hostile_grammars import deep_nesting, huge_alternation, overlapping_terminals
 
 # Generation is bounded so that a fuzzed request costs milliseconds: a short context and few tokens.
 MAX_MODEL_LEN = 256
@@ -352,6 +353,8 @@ class Case:
 
 
 TENANT = {"Authorization": f"Bearer {TENANT_KEY}"}
+# Overlapping alternatives in a tool's JSON schema: the lexer of the tools' grammar multiplies its states.
+OVERLAPPING_PATTERN = "^([a-z]*a[a-z]{6}|[a-z]*b[a-z]{7}|[a-z]*c[a-z]{8})+$"
 HI = {"prompt": "Hi", "max_tokens": 1}
 # Decodes as long as the ordinary requests, so that their steps are sampled in one batch.
 LONG = {"prompt": "Hi", "max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -446,6 +449,56 @@ HARDENING_FINDINGS = [
     Case("temperature 100 top_p tiny", "/v1/completions", {**HI, "temperature": 100, "top_p": 1e-300}, False),
     Case("min_p 1", "/v1/completions", {**HI, "temperature": 1, "min_p": 1}, False),
     Case("top_k -1", "/v1/completions", {**HI, "temperature": 1, "top_k": -1}, False),
+    # Hostile grammars: refused at compile time or ended alone ("grammar_limit"), never a stall.
+    Case(
+        "60 overlapping regex terminals, n=4",
+        "/v1/completions",
+        {"prompt": "Hi", "n": 4, "max_tokens": 24, "guided_grammar": overlapping_terminals()},
+        None,
+    ),
+    Case(
+        "the same overlapping terminals again",
+        "/v1/completions",
+        {"prompt": "Hi", "n": 4, "max_tokens": 24, "guided_grammar": overlapping_terminals()},
+        None,
+    ),
+    Case(
+        "5,000 alternatives",
+        "/v1/completions",
+        {"prompt": "Hi", "max_tokens": MAX_TOKENS, "guided_grammar": huge_alternation(5000)},
+        None,
+    ),
+    Case(
+        "rules nested 300 deep",
+        "/v1/completions",
+        {"prompt": "Hi", "max_tokens": MAX_TOKENS, "guided_grammar": deep_nesting(300)},
+        None,
+    ),
+    Case(
+        "overlapping terminals as a tool's pattern",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": MAX_TOKENS,
+            "tool_choice": "required",
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {
+                                "a": {"type": "string", "pattern": "^([a-z]*a[a-z]{6}|[a-z]*b[a-z]{7})+$"}
+                            },
+                            "required": ["a"],
+                        },
+                    },
+                }
+            ],
+        },
+        None,
+    ),
 ]
 
 

@@ -193,12 +193,12 @@ class AsyncEngine:
         return self.engine.config.enable_prefix_caching and self.engine.kv.max_pinned_blocks > 0
 
     def validate(
-        self, prompts: Sequence[Sequence[int] | CheckedPrompt], params: SamplingParams
+        self, prompts: Sequence[Sequence[int] | CheckedPrompt], params: SamplingParams, namespace: str = ""
     ) -> list[CheckedPrompt]:
         """Check a request (its prompts, each run params.n times): the one check of engine/validation.py.
         Any thread may call it, and since it reads every prompt token and compiles the request's
         constraint, callers on the event loop should not; `generate` takes what it returns unchecked."""
-        return self.engine.validate_request(prompts, params)
+        return self.engine.validate_request(prompts, params, namespace)
 
     def encode_chat(
         self, messages: Sequence[MessageDict], namespace: str = "", add_generation_prompt: bool = True
@@ -234,7 +234,7 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         submitted = finished = False
         try:
-            checked = self.engine.checked_prompt(prompt, params)
+            checked = self.engine.checked_prompt(prompt, params, namespace)
             out: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
             self._in_flight += 1
             submitted = True

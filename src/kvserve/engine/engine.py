@@ -13,6 +13,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine import sampler
 from kvserve.engine.factory import EngineParts, build_parts
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
+from kvserve.engine.masks import MaskWorker, StepMasks
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.reply_memory import ReplyMemory
 from kvserve.engine.request import DEFAULT_TENANT, Appended, Request
@@ -59,6 +60,7 @@ class Engine:
         self.scheduler = parts.scheduler
         self.limits = parts.limits
         self.grammars = parts.grammars
+        self.masks = MaskWorker()
         self.max_model_len = parts.max_model_len
         self.bytes_per_block = parts.bytes_per_block
         self._threads = torch.get_num_threads()
@@ -86,20 +88,23 @@ class Engine:
         return (self.num_blocks - self.kv.max_pinned_blocks) * self.config.block_size
 
     def validate_request(
-        self, prompts: Sequence[Sequence[int] | CheckedPrompt], params: SamplingParams
+        self, prompts: Sequence[Sequence[int] | CheckedPrompt], params: SamplingParams, namespace: str = ""
     ) -> list[CheckedPrompt]:
         """Check a request (its prompts, each run params.n times) against what this engine holds: see
         engine/validation.py. Reads only fixed settings and the thread-safe grammar cache, so any thread
-        may call it; it compiles the request's constraint, so callers off the engine thread should."""
-        return validate_request(self.limits, prompts, params, self.grammars)
+        may call it; it compiles the request's constraint (cached in `namespace`), so callers off the
+        engine thread should."""
+        return validate_request(self.limits, prompts, params, self.grammars, namespace)
 
-    def checked_prompt(self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams) -> CheckedPrompt:
+    def checked_prompt(
+        self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams, namespace: str = ""
+    ) -> CheckedPrompt:
         """The rule of every door that queues a sample: a CheckedPrompt checked with `params`, or with the
         request they are a sample of (`CheckedPrompt.checked_for`), is its own proof; any other prompt is
         checked now. Any thread may call it (see validate_request)."""
         if isinstance(prompt, CheckedPrompt) and prompt.checked_for(params):
             return prompt
-        (checked,) = self.validate_request([prompt], params)
+        (checked,) = self.validate_request([prompt], params, namespace)
         return checked
 
     def add_request(
@@ -121,7 +126,7 @@ class Engine:
             raise InvalidRequestError("an engine request is one sample: submit params.for_sample(i)", "n")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        checked = self.checked_prompt(prompt, params)
+        checked = self.checked_prompt(prompt, params, namespace)
         request = self._new_request(request_id, checked, params, namespace, tenant)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -170,8 +175,10 @@ class Engine:
         scheduled = self._schedule()
         if scheduled is None:
             return []
+        # The constrained rows' masks need only their tokens so far: computed while the forward pass runs.
+        masks = self.masks.start(scheduled.sampled)
         logits = self._execute(scheduled)
-        tokens, chosen = self._sample(scheduled, logits.sampled)
+        tokens, chosen = self._sample(scheduled, logits.sampled, masks)
         self.scheduler.after_step(scheduled)
         return [
             self._append(request, token, logprob)
@@ -206,10 +213,10 @@ class Engine:
         return logits
 
     def _sample(
-        self, scheduled: ScheduledStep, logits: torch.Tensor
+        self, scheduled: ScheduledStep, logits: torch.Tensor, masks: StepMasks | None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """A token for each sampling row, and its logprob for the rows that asked."""
-        tokens = sampler.sample(logits, scheduled.sampled, self.tokenizer.eos_token_ids)
+        tokens = sampler.sample(logits, scheduled.sampled, self.tokenizer.eos_token_ids, masks)
         return tokens, self._token_logprobs(logits, scheduled.sampled, tokens)
 
     def _score_prompt(self, request: Request, start: int, logits: torch.Tensor) -> None:
@@ -309,8 +316,9 @@ class Engine:
         return self.kv.pins(namespace)
 
     def close(self) -> None:
-        """Write what the lower cache tiers have queued and stop their threads."""
+        """Write what the lower cache tiers have queued and stop their threads (and the masks' thread)."""
         self.kv.close()
+        self.masks.close()
 
     def stats(self) -> EngineStats:
         c = self.scheduler.counters

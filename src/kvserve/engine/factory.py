@@ -18,7 +18,7 @@ from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import LowerTier
 from kvserve.config import EngineConfig, format_bytes
-from kvserve.engine.grammar import GrammarCompiler
+from kvserve.engine.grammar import GrammarCompiler, GrammarLimits
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.validation import RequestLimits
 from kvserve.errors import ConfigError
@@ -105,7 +105,13 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     )
     tokenizer = model.tokenizer
     # Structured outputs: compiled where requests are validated, never on the engine thread's step.
-    grammars = GrammarCompiler(tokenizer.hf_tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    grammars = GrammarCompiler(
+        tokenizer.hf_tokenizer,
+        tokenizer.vocab_size,
+        tokenizer.eos_token_ids,
+        max_cached_bytes=config.grammar_cache_bytes,
+        limits=GrammarLimits.from_config(config),
+    )
     log.info(
         "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
         "prefix cache %s, disk tier %s, redis tier %s",

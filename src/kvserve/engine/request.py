@@ -19,6 +19,8 @@ log = logging.getLogger("kvserve.engine")
 
 # The fairness key of requests that name no tenant (one tenant: first come, first served).
 DEFAULT_TENANT = "default"
+# The finish reason of a request whose grammar's matcher reached one of the server's limits.
+GRAMMAR_LIMIT = "grammar_limit"
 
 
 class RequestStatus(enum.Enum):
@@ -135,16 +137,22 @@ class Request:
         ends here. The rules, in order:
         - max_tokens == 0 (only the prompt's logprobs were asked for): the token is not part of the reply,
           and the request ends ("length").
+        - A grammar whose matcher failed computing this token's mask (it reached one of the server's
+          grammar limits): the token is not part of the reply, and the request ends ("grammar_limit").
         - Before min_tokens outputs no stop applies (the sampler has kept stop tokens out already).
         - A stop token (`params.stop_token_ids`, or an end-of-sequence token unless `ignore_eos`) ends it
           ("stop"); its text is shown only with `include_stop_str_in_output`.
         - A stop string, found by the incremental detokenizer, ends it ("stop"), the text cut at it.
-        - A grammar that has consumed its end ends it ("stop"): nothing may follow it.
+        - A grammar that has consumed its end ends it ("stop"): nothing may follow it. One that failed
+          taking a token its mask allowed (a limit) ends it ("grammar_limit"), the token kept.
         - `max_tokens` outputs, or a full context (`max_model_len`), end it ("length").
         Text held back in case it began a stop string is flushed whenever the request ends."""
         stream = self.text_stream
         if self.max_tokens == 0:
             return Appended([], stream.flush(), "length")
+        if self.grammar is not None and self.grammar.failure is not None:
+            log.warning("request %s reached a grammar limit: %s", self.request_id, self.grammar.failure)
+            return Appended([], stream.flush(), GRAMMAR_LIMIT)
         self.token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = time.time()
@@ -161,6 +169,10 @@ class Request:
         grammar_ended = self.grammar is not None and self._advance_grammar(token)
         if stop_token or stream.stopped:
             reason: str | None = "stop"
+        elif self.grammar is not None and self.grammar.failure is not None:
+            log.warning("request %s reached a grammar limit: %s", self.request_id, self.grammar.failure)
+            reason = GRAMMAR_LIMIT
+            text += stream.flush()
         elif grammar_ended:
             # The grammar consumed its end (an end-of-sequence token that ignore_eos or min_tokens kept
             # from stopping): nothing may follow it.
@@ -180,8 +192,8 @@ class Request:
         """Move the grammar past `token`; True if the grammar has ended."""
         grammar = self.grammar
         assert grammar is not None
-        if not grammar.accept(token):
+        if not grammar.accept(token) and grammar.forced_end:
             # The mask allows only what the grammar accepts, so this is the end-of-sequence fallback of
-            # a grammar that this model's vocabulary cannot continue.
+            # a grammar that this model's vocabulary cannot continue (any other refusal is a failure).
             log.warning("request %s left its grammar: %s", self.request_id, grammar.error)
         return grammar.finished

@@ -10,14 +10,15 @@ a batch where no request asks pays nothing for them. Greedy rows see them too, a
 
 A request with structured outputs has its row masked to the tokens its grammar allows next, after
 penalties and biases and before min_tokens, temperature and the filters; every step is per row, so a
-constrained row never changes another row's token.
+constrained row never changes another row's token. The masks are computed while the forward pass runs
+(engine/masks.py) and joined here.
 """
 
 from collections.abc import Sequence
 
 import torch
 
-from kvserve.engine.grammar import token_mask
+from kvserve.engine.masks import StepMasks, compute_masks
 from kvserve.engine.request import Request
 
 # Candidates examined before a top-p row falls back to sorting its whole row.
@@ -97,31 +98,38 @@ def _padded(rows: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _grammar_masked(
-    sub: torch.Tensor, chosen: Sequence[Request], eos_token_ids: Sequence[int]
+    sub: torch.Tensor, chosen: Sequence[Request], eos_token_ids: Sequence[int], masks: StepMasks | None
 ) -> torch.Tensor:
-    """Rows of constrained requests keep only the tokens their grammar allows next."""
+    """Rows of constrained requests keep only the tokens their grammar allows next: from `masks`, the
+    step's masks computed while the forward pass ran, or computed now when those are not these rows'."""
     rows = [j for j, r in enumerate(chosen) if r.grammar is not None]
     if not rows:
         return sub
-    states = []
-    for j in rows:
-        state = chosen[j].grammar
-        assert state is not None
-        # A no-op unless the state fell out of step with the tokens (it is rebuilt from them then).
-        state.sync(chosen[j].output_token_ids)
-        states.append(state)
-    allowed = token_mask(states, sub.shape[-1])
-    # A grammar that leaves no token of this model's vocabulary (a model smaller than its tokenizer)
-    # gets the end of sequence, which ends the request, instead of a row of -inf.
+    states = [chosen[j].grammar for j in rows]
+    if masks is None or not masks.covers([s for s in states if s is not None]):
+        masks = compute_masks([chosen[j] for j in rows])
+    assert masks is not None
+    allowed = masks.allowed(sub.shape[-1])
+    # A grammar that leaves no token of this model's vocabulary (a model smaller than its tokenizer), or
+    # whose matcher failed (its request then ends, see Request.append), gets the end of sequence, which
+    # ends the request, instead of a row of -inf.
     dead = ~allowed.any(dim=1)
     if bool(dead.any()):
+        for k in dead.nonzero().flatten().tolist():
+            state = masks.states[k]
+            state.forced_end = state.failure is None
         eos = [t for t in eos_token_ids if t < sub.shape[-1]]
         allowed[dead.nonzero().flatten().unsqueeze(1), torch.tensor(eos, dtype=torch.long)] = True
     index = torch.tensor(rows)
     return sub.index_copy(0, index, sub[index].masked_fill(~allowed, float("-inf")))
 
 
-def _process(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int]) -> torch.Tensor:
+def _process(
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    eos_token_ids: Sequence[int],
+    masks: StepMasks | None = None,
+) -> torch.Tensor:
     """The rows' logits after penalties, logit biases, grammars and min_tokens (rows that ask none are
     skipped)."""
     rows = [i for i, r in enumerate(requests) if _needs_processing(r)]
@@ -154,7 +162,7 @@ def _process(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: S
         value = torch.cat([values for _, (_, values) in biased]).to(sub.dtype)
         keep = token < vocab
         sub = sub.index_put((row[keep], token[keep]), value[keep], accumulate=True)
-    sub = _grammar_masked(sub, chosen, eos_token_ids)
+    sub = _grammar_masked(sub, chosen, eos_token_ids, masks)
     banned = [(j, _held_back_ids(r, eos_token_ids)) for j, r in enumerate(chosen) if _holds_back(r)]
     if banned:
         row = torch.cat([torch.full_like(ids, j) for j, ids in banned])
@@ -168,11 +176,18 @@ def _process(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: S
     return logits.index_copy(0, torch.tensor(rows), sub)
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int] = ()) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    eos_token_ids: Sequence[int] = (),
+    masks: StepMasks | None = None,
+) -> list[int]:
     """logits [len(requests), vocab] float32 -> one token id per request; `logits` is not changed.
 
-    `eos_token_ids` are the tokens that min_tokens holds back (with each request's stop_token_ids)."""
-    logits = _process(logits, requests, eos_token_ids)
+    `eos_token_ids` are the tokens that min_tokens holds back (with each request's stop_token_ids).
+    `masks` are the constrained rows' token masks begun before the forward pass (engine/masks.py);
+    without them they are computed here."""
+    logits = _process(logits, requests, eos_token_ids, masks)
     tokens = logits.argmax(dim=-1).tolist()
     rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not rows:

@@ -16,9 +16,10 @@ engine thread, where any exception stops the engine for everyone:
   names in the vocabulary (`check_vocabulary`: prompts, `logit_bias`, `stop_token_ids`);
 - every prompt non-empty, its token ids integers in the vocabulary, its length and max_tokens within
   the context window and the KV pool; `min_tokens` at most the effective max_tokens;
-- `structured_outputs` compiled (engine/grammar.py, cached by source), on the caller's thread: a
-  constraint the grammar library rejects is an InvalidRequestError naming the problem, and the engine
-  thread only ever receives compiled grammars.
+- `structured_outputs` compiled (engine/grammar.py, cached by namespace and source), on the caller's
+  thread: a constraint the grammar library rejects (or that is over the server's grammar limits at its
+  first token) is an InvalidRequestError naming the problem, and the engine thread only ever receives
+  the request's own matcher, built here.
 
 Its cost is linear in the prompts and bounded before the linear part runs: counts and lengths are checked
 first. The samples of one request share one validation (see CheckedPrompt).
@@ -28,7 +29,7 @@ import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 
-from kvserve.engine.grammar import CompiledGrammar, GrammarCompiler
+from kvserve.engine.grammar import GrammarCompiler, RequestGrammar
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
 
@@ -66,8 +67,8 @@ class CheckedPrompt:
     token_ids: list[int]
     max_tokens: int
     params: SamplingParams
-    # The compiled constraint of `params` (None when they have none).
-    grammar: CompiledGrammar | None = None
+    # The request's own matcher of the constraint of `params` (None when they have none).
+    grammar: RequestGrammar | None = None
 
     def checked_for(self, params: SamplingParams) -> bool:
         """Whether `params` are the ones this prompt was checked with, or a sample of them
@@ -168,7 +169,8 @@ def _compile(
     grammars: GrammarCompiler | None,
     prompts: Sequence[Sequence[int] | CheckedPrompt],
     params: SamplingParams,
-) -> CompiledGrammar | None:
+    namespace: str,
+) -> RequestGrammar | None:
     spec = params.structured_outputs
     if spec is None:
         return None
@@ -178,7 +180,7 @@ def _compile(
             return done
     if grammars is None:
         raise InvalidRequestError("this engine has no grammar compiler", "structured_outputs")
-    return grammars.compile(spec)
+    return grammars.compile(spec, namespace)
 
 
 def validate_request(
@@ -186,10 +188,12 @@ def validate_request(
     prompts: Sequence[Sequence[int] | CheckedPrompt],
     params: SamplingParams,
     grammars: GrammarCompiler | None = None,
+    namespace: str = "",
 ) -> list[CheckedPrompt]:
     """Check a request of `prompts`, each run `params.n` times, against what the engine can hold; one
     CheckedPrompt per prompt, or InvalidRequestError naming the first bad field. A constraint is
-    compiled with `grammars` unless a CheckedPrompt already carries it."""
+    compiled with `grammars` (cached in the request's cache `namespace`) unless a CheckedPrompt already
+    carries it."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError("params must be a SamplingParams", "params")
     if not prompts:
@@ -204,7 +208,7 @@ def validate_request(
             raise InvalidRequestError("the prompt is empty", "prompt")
         checked.append(CheckedPrompt(ids, _max_tokens(limits, len(ids), params), params))
     # Last: the other checks cost less than a compile, and a request they refuse compiles nothing.
-    grammar = _compile(grammars, prompts, params)
+    grammar = _compile(grammars, prompts, params, namespace)
     if grammar is not None:
         checked = [CheckedPrompt(c.token_ids, c.max_tokens, params, grammar) for c in checked]
     return checked

@@ -40,6 +40,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import BodySizeLimit, InFlightLimiter
 from kvserve.server.pinning import check_pinning_on, pin_prefix, unpin
 from kvserve.server.plan import chat_plan, completion_plan, pin_plan
+from kvserve.server.preparation import PreparationPool
 from kvserve.server.prompts import PromptGuard, chat_prompt, prompt_batch, text_prompt
 from kvserve.server.protocol import (
     CacheStatus,
@@ -159,15 +160,17 @@ def _include_usage(body: SamplingRequest) -> bool:
 # A request's route checks what its body alone decides, reserves room in the engine's queue for all its
 # sequences before any work (the door refuses what is over the cap or cannot fit), then builds its plan
 # in one trip off the event loop: templating, tokenizing, a vocabulary-wide logit_bias and a grammar's
-# compile all grow with the request, and the loop serves every stream.
+# compile all grow with the request, and the loop serves every stream. The trip is a preparation job of
+# the caller's tenant (server/preparation.py): one tenant's slow preparations never queue another's.
 @api.post("/v1/chat/completions", dependencies=[InFlight])
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     check_chat(body)
     namespace = cache_namespace(request, body.cache_salt)
     fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs, bool(body.tools))
-    with ctx.async_engine.reserve(caller(request).tenant.name, 1, body.n) as room:
-        plan = await asyncio.to_thread(chat_plan, ctx, body, namespace)
+    tenant = caller(request).tenant.name
+    with ctx.async_engine.reserve(tenant, 1, body.n) as room:
+        plan = await ctx.preparation.run(tenant, chat_plan, ctx, body, namespace)
         return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
@@ -179,8 +182,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
     namespace = cache_namespace(request, body.cache_salt)
     # A batch's size is known from the body alone, before anything is done per prompt.
     num_prompts = len(prompt_batch(body.prompt))
-    with ctx.async_engine.reserve(caller(request).tenant.name, num_prompts, body.n) as room:
-        plan = await asyncio.to_thread(completion_plan, ctx, body, namespace)
+    tenant = caller(request).tenant.name
+    with ctx.async_engine.reserve(tenant, num_prompts, body.n) as room:
+        plan = await ctx.preparation.run(tenant, completion_plan, ctx, body, namespace)
         return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
@@ -221,7 +225,8 @@ async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> Tok
         raise APIError(400, "Send either 'prompt' (a string) or 'messages' (a chat), not both or neither.")
     if body.messages is not None:
         namespace = cache_namespace(request, body.cache_salt)
-        tokens = await asyncio.to_thread(
+        tokens = await ctx.preparation.run(
+            caller(request).tenant.name,
             chat_prompt,
             ctx.async_engine,
             ctx.prompt_guard,
@@ -232,8 +237,12 @@ async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> Tok
     else:
         prompt = body.prompt or ""
         ctx.prompt_guard.check([prompt], "prompt")
-        tokens = await asyncio.to_thread(
-            text_prompt, ctx.async_engine.tokenizer, prompt, body.add_special_tokens
+        tokens = await ctx.preparation.run(
+            caller(request).tenant.name,
+            text_prompt,
+            ctx.async_engine.tokenizer,
+            prompt,
+            body.add_special_tokens,
         )
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len)
 
@@ -256,7 +265,9 @@ async def pin(body: PinRequest, request: Request, ctx: Context) -> PinInfo:
         raise APIError(
             400, "Send either 'prompt' (text or token ids) or 'messages' (a chat), not both or neither."
         )
-    plan = await asyncio.to_thread(pin_plan, ctx, body, cache_namespace(request))
+    plan = await ctx.preparation.run(
+        caller(request).tenant.name, pin_plan, ctx, body, cache_namespace(request)
+    )
     return await pin_prefix(ctx, caller(request).tenant.name, plan, body.ttl_s)
 
 
@@ -286,6 +297,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         tenants.set_admin_key(options.admin_key)
     name = options.served_model_name or async_engine.model_name
     dashboard = Dashboard(StatsHistory.empty(), options.dashboard_show_text)
+    preparation = PreparationPool(options.preparation_threads, options.max_preparing_per_tenant)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -293,6 +305,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         yield
         sampler.cancel()
         # Runs after the server stopped accepting and in-flight requests ended (or were cut off).
+        preparation.close()
         async_engine.shutdown()
 
     # With a key set, every route but /health needs it; the generated docs would be the exception.
@@ -312,6 +325,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         options=options,
         in_flight=InFlightLimiter(options.max_in_flight_per_tenant),
         prompt_guard=PromptGuard(async_engine.max_model_len, async_engine.tokenizer.max_token_chars()),
+        preparation=preparation,
     )
     app.state.dashboard = dashboard
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)

@@ -7,6 +7,7 @@ from kvserve.options import ServerOptions
 from kvserve.server.errors import APIError
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import InFlightLimiter
+from kvserve.server.preparation import PreparationPool
 from kvserve.server.prompts import PromptGuard
 from kvserve.server.tenants import Tenants
 
@@ -14,8 +15,8 @@ from kvserve.server.tenants import Tenants
 @dataclass(frozen=True)
 class ServerContext:
     """What every route needs: the engine's door, the served model's name and limits, metrics, the
-    tenants (with the admin key) and the server's options, and the two checks only the server makes
-    (`in_flight`, `prompt_guard`)."""
+    tenants (with the admin key) and the server's options, the two checks only the server makes
+    (`in_flight`, `prompt_guard`), and the threads that prepare requests, by tenant (`preparation`)."""
 
     async_engine: AsyncEngine
     model_name: str
@@ -26,6 +27,7 @@ class ServerContext:
     in_flight: InFlightLimiter
     prompt_guard: PromptGuard
     options: ServerOptions
+    preparation: PreparationPool
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:

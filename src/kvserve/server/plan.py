@@ -1,11 +1,12 @@
 """One plan per request: what an API request asks of the engine, built and checked whole.
 
-A plan builder turns one API's request body into a `RequestPlan`, in one trip to a worker thread (the
-route's `asyncio.to_thread`): render and tokenize the prompts, map the body to SamplingParams, add the
-tools' constraint, and validate once (`AsyncEngine.validate`: the token ids, lengths, caps and the
-constraint, compiled there and only there). The engine's door then queues each prompt with each of the
-plan's samples as they are, checking nothing again. There is one builder per API, each producing the same
-plan: `chat_plan`, `completion_plan`, `pin_plan`; a new API is one more function beside them.
+A plan builder turns one API's request body into a `RequestPlan`, in one trip to a worker thread (a
+preparation job of the caller's tenant, server/preparation.py): render and tokenize the prompts, map the
+body to SamplingParams, add the tools' constraint, and validate once (`AsyncEngine.validate`: the token
+ids, lengths, caps and the constraint, compiled there and only there). The engine's door then queues each
+prompt with each of the plan's samples as they are, checking nothing again. There is one builder per API,
+each producing the same plan: `chat_plan`, `completion_plan`, `pin_plan`; a new API is one more function
+beside them.
 
 The route has already done what needs no work: the body's fields alone (model, unsupported fields) and
 room in the engine's queue for the request's sequences (`AsyncEngine.reserve`).
@@ -64,7 +65,7 @@ def _plan(
     ctx: ServerContext, token_ids: list[list[int]], params: SamplingParams, namespace: str
 ) -> RequestPlan:
     """The one check of the request, then its n samples' params."""
-    checked = ctx.async_engine.validate(token_ids, params)
+    checked = ctx.async_engine.validate(token_ids, params, namespace)
     samples = tuple(params.for_sample(j) for j in range(params.n))
     return RequestPlan(tuple(PlannedPrompt(c) for c in checked), samples, namespace)
 
