@@ -333,9 +333,10 @@ class AsyncEngine:
             self.failure = EngineFailedError(
                 f"the engine failed ({type(e).__name__}); the server log has the details"
             )
-            self._fail_all(self.failure)
+            # The owner hears first: a client that reads its 500 then finds the failure already handled.
             if self.on_failure is not None:
                 self.on_failure(e)
+            self._fail_all(self.failure)
             self._refuse_until_shutdown(self.failure)
 
     def _serve(self) -> None:
