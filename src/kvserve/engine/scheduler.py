@@ -21,6 +21,12 @@ holding fewer running slots than their share (max_num_seqs over the tenants pres
 first, and among those alike the one admitted least recently. A tenant that queues a thousand sequences
 thus delays another's next request by one admission per tenant, not by its whole backlog.
 
+Blocks in the lower tiers (disk, Redis): a waiting request whose prompt a lower tier may continue past
+its memory match starts a load when its turn comes (`KVCacheManager.start_load`) and stays waiting, in
+its place, while the loader reads them off the engine thread; the step goes on for everyone else. A later
+step admits it, in its turn, once its blocks have arrived or its load's budget is over, with what
+arrived. Its turn still counts for its tenant only when it is admitted.
+
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
 request still prefilling waits for that prefill, then finds the shared part in the cache instead of
 computing it a second time.
@@ -227,9 +233,27 @@ class Scheduler:
                 break
             if self._waits_for_shared_prefill(request, cached_hint):
                 continue
+            if request.load is None:
+                request.load = self.kv.start_load(
+                    request.namespace, request.token_ids, request.max_cached_tokens
+                )
+                if request.load is not None:
+                    # Its blocks are read off the engine thread: the step goes on without it, and a
+                    # later one admits it (never this one, so that a run replays alike).
+                    continue
+            if request.load is not None:
+                if not self.kv.load_ready(request.load):
+                    continue
+                restarted = self.kv.restart_load(request.load)
+                if restarted is not None:
+                    request.load = restarted
+                    continue
             # Match, lock and allocate in one call per request: an earlier admission's eviction may
             # have reused blocks that the hint above still points at.
-            admission = self.kv.admit(request.namespace, request.token_ids, budget, request.max_cached_tokens)
+            admission = self.kv.admit(
+                request.namespace, request.token_ids, budget, request.max_cached_tokens, request.load
+            )
+            request.load = None
             if admission is None:
                 break
             request.kv = admission.seq
@@ -313,4 +337,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             self._left_waiting(request)
+            if request.load is not None:
+                self.kv.cancel_load(request.load)
+                request.load = None
         request.status = RequestStatus.FINISHED
