@@ -137,6 +137,7 @@ class BlockLoader:
         with self._cond:
             until = time.monotonic() + timeout_s
             while self._jobs and not any(self.ready(job) for job in self._jobs):
+                # No job is ready: each one's deadline is still ahead.
                 left = min(until, min(job.deadline for job in self._jobs)) - time.monotonic()
                 if left <= 0:
                     return
@@ -146,9 +147,8 @@ class BlockLoader:
         """Wait until every job submitted is ready (tests: which blocks an admission finds is then a
         function of the workload, not of the loader's timing)."""
         with self._cond:
-            while not all(self.ready(job) for job in self._jobs):
-                left = min(job.deadline for job in self._jobs) - time.monotonic()
-                self._cond.wait(max(left, 0.001))
+            while reading := [job for job in self._jobs if not self.ready(job)]:
+                self._cond.wait(max(min(job.deadline for job in reading) - time.monotonic(), 0.001))
 
     def close(self) -> None:
         with self._cond:

@@ -29,7 +29,7 @@ arrived. Its turn still counts for its tenant only when it is admitted.
 
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
 request still prefilling waits for that prefill, then finds the shared part in the cache instead of
-computing it a second time.
+computing it a second time; likewise with a request loading it, instead of reading it a second time.
 """
 
 import itertools
@@ -85,6 +85,8 @@ class SchedulerCounters:
     hits_by_tier: Counter[str] = field(default_factory=Counter)
     prefill_tokens_computed: int = 0
     preemptions: int = 0
+    # Admissions that waited for blocks read from a lower tier.
+    loads: int = 0
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
@@ -228,16 +230,23 @@ class Scheduler:
         if budget == 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return
         admitted: list[Request] = []
-        for request, cached_hint in self._waiting_order():
+        order = self._waiting_order()
+        # Loading requests this admission will consider: one of them brings a shared prefix for all.
+        loading = [r for r, _ in order if r.load is not None]
+        for request, cached_hint in order:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self._waits_for_shared_prefill(request, cached_hint):
                 continue
             if request.load is None:
+                if self._waits_for_shared_load(request, cached_hint, loading):
+                    continue
                 request.load = self.kv.start_load(
                     request.namespace, request.token_ids, request.max_cached_tokens
                 )
                 if request.load is not None:
+                    self.counters.loads += 1
+                    loading.append(request)
                     # Its blocks are read off the engine thread: the step goes on without it, and a
                     # later one admits it (never this one, so that a run replays alike).
                     continue
@@ -303,6 +312,22 @@ class Scheduler:
                 continue
             shared = _common_prefix_len(request.token_ids, other.token_ids, other.num_prompt_tokens)
             if shared - max(cached, other.num_computed) >= self.block_size:
+                return True
+        return False
+
+    def _waits_for_shared_load(self, request: Request, cached: int, loading: list[Request]) -> bool:
+        """Whether a request loading now (in this admission's order, so admitted in its turn) reads more
+        than a block of `request`'s prompt past what memory holds: `request` then finds it in memory
+        once that one is admitted, instead of reading it a second time (n samples of one prompt)."""
+        if request.max_cached_tokens is not None:
+            return False
+        for other in loading:
+            if other.load is None or other.namespace != request.namespace:
+                continue
+            if request.token_ids[0] != other.token_ids[0]:
+                continue
+            shared = _common_prefix_len(request.token_ids, other.token_ids, other.num_prompt_tokens)
+            if shared - cached >= self.block_size:
                 return True
         return False
 
