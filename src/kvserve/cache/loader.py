@@ -10,10 +10,11 @@ copies it into pool blocks on the engine thread.
 Invariants:
 - The loader never touches the KV pool or the prefix tree: it holds host tensors only, and the
   KVCacheManager alone decides which pool block receives them.
-- A job reads for at most its budget (`budget_s`, from its `submit`): it is `ready` once its run has been
-  read or its budget is over, whichever comes first, and a reader stops at its next block once the job
-  is over (taken, cancelled or out of time). A read already sent finishes on the loader's thread, and
-  its result is dropped.
+- A job reads for at most its budget (`budget_s`, from when a loader thread takes it up: a job queued
+  behind others waits its turn rather than expire unread, since reading even a slow tier's blocks costs
+  far less than computing them): it is `ready` once its run has been read or its budget is over,
+  whichever comes first, and a reader stops at its next block once the job is over (taken, cancelled or
+  out of time). A read already sent finishes on the loader's thread, and its result is dropped.
 - The tensors arrived and not taken never exceed `max_bytes` (but one block always fits): a reader waits
   for room, within its job's budget, then stops.
 - A job taken or cancelled gives back its bytes at once; nothing it read afterwards is kept.
@@ -24,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +39,8 @@ log = logging.getLogger("kvserve.cache")
 LOAD_BUDGET_S = 1.0
 # Blocks read and not yet copied into the pool, all jobs together.
 LOAD_BYTES = 256 * 2**20
+# Two reads at a time: more in parallel against a slow Redis only made its replies miss the socket
+# timeout together (measured with benchmarks/bench_paused_redis.py).
 LOADER_THREADS = 2
 
 
@@ -52,7 +56,8 @@ class LoadJob:
     namespace: str
     tokens: tuple[int, ...]
     start: int
-    deadline: float
+    # When its budget ends: set as a loader thread takes it up (or given, for a job read again).
+    deadline: float | None = None
     arrived: list[Arrived] = field(default_factory=list)
     nbytes: int = 0
     done: bool = False
@@ -89,8 +94,8 @@ class BlockLoader:
     def submit(
         self, namespace: str, tokens: tuple[int, ...], start: int, deadline: float | None = None
     ) -> LoadJob:
-        """Read blocks `start..` of `tokens` until `deadline` (by default, the budget from now)."""
-        deadline = time.monotonic() + self.budget_s if deadline is None else deadline
+        """Read blocks `start..` of `tokens` until `deadline` (by default, the budget from when a loader
+        thread takes the job up)."""
         job = LoadJob(namespace, tokens, start, deadline)
         with self._cond:
             self._jobs.add(job)
@@ -101,7 +106,7 @@ class BlockLoader:
     @staticmethod
     def ready(job: LoadJob) -> bool:
         """Whether the job's run has been read, or its budget is over: its request may be admitted."""
-        return job.done or time.monotonic() >= job.deadline
+        return job.done or (job.deadline is not None and time.monotonic() >= job.deadline)
 
     def take(self, job: LoadJob) -> list[Arrived]:
         """The blocks arrived so far, in order; the job is over (nothing more is read for it)."""
@@ -137,8 +142,8 @@ class BlockLoader:
         with self._cond:
             until = time.monotonic() + timeout_s
             while self._jobs and not any(self.ready(job) for job in self._jobs):
-                # No job is ready: each one's deadline is still ahead.
-                left = min(until, min(job.deadline for job in self._jobs)) - time.monotonic()
+                # No job is ready: each deadline set is still ahead.
+                left = min([until, *self._deadlines(self._jobs)]) - time.monotonic()
                 if left <= 0:
                     return
                 self._cond.wait(left)
@@ -148,7 +153,12 @@ class BlockLoader:
         function of the workload, not of the loader's timing)."""
         with self._cond:
             while reading := [job for job in self._jobs if not self.ready(job)]:
-                self._cond.wait(max(min(job.deadline for job in reading) - time.monotonic(), 0.001))
+                until = min(self._deadlines(reading), default=time.monotonic() + 0.05)
+                self._cond.wait(max(until - time.monotonic(), 0.001))
+
+    @staticmethod
+    def _deadlines(jobs: Iterable[LoadJob]) -> list[float]:
+        return [job.deadline for job in jobs if job.deadline is not None]
 
     def close(self) -> None:
         with self._cond:
@@ -169,6 +179,8 @@ class BlockLoader:
                 if self._closed:
                     return
                 job = self._queue.popleft()
+                if job.deadline is None:
+                    job.deadline = time.monotonic() + self.budget_s
             try:
                 if not self._stopped(job):
                     self.lower.read_run(
@@ -187,15 +199,16 @@ class BlockLoader:
                     job.done = True
                     self._cond.notify_all()
 
-    @staticmethod
-    def _stopped(job: LoadJob) -> bool:
-        return job.over or time.monotonic() >= job.deadline
+    @classmethod
+    def _stopped(cls, job: LoadJob) -> bool:
+        return job.over or cls.ready(job)
 
     def _arrive(self, job: LoadJob, tier: str, kv: torch.Tensor) -> bool:
         """Keep a block read for `job`; False when the job is over and reading must stop."""
         size = _nbytes(kv)
         with self._cond:
             while not job.over and self._bytes and self._bytes + size > self.max_bytes:
+                assert job.deadline is not None, "a job is read only once taken up"
                 left = job.deadline - time.monotonic()
                 if left <= 0:
                     return False

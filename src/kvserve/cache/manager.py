@@ -163,7 +163,9 @@ class KVCacheManager:
         while they were read: evicted by other admissions) is read again from what memory still holds,
         within the same budget; the new job, or None when `job` is fine to admit with (or its budget is
         over)."""
-        if self.loader is None or self.prefix_cache is None or time.monotonic() >= job.deadline:
+        if self.loader is None or self.prefix_cache is None:
+            return None
+        if job.deadline is None or time.monotonic() >= job.deadline:
             return None
         start = len(self.prefix_cache.match(job.namespace, job.tokens, record_hit=False).blocks)
         if start >= job.start:
