@@ -35,8 +35,10 @@ from kvserve.cache.tiers import Arrived
 
 log = logging.getLogger("kvserve.cache")
 
-# A request waits this long at most for its blocks, then is admitted with what has arrived.
-LOAD_BUDGET_S = 1.0
+# Seconds of reading a request's blocks get, then it is admitted with what has arrived. Above the Redis
+# tier's own budget for a run (1 s of reads, and the read under way: at most one 0.5 s timeout more), so
+# that a run Redis is still answering is never cut short; what bounds a disk read.
+LOAD_BUDGET_S = 2.0
 # Blocks read and not yet copied into the pool, all jobs together.
 LOAD_BYTES = 256 * 2**20
 # Two reads at a time: more in parallel against a slow Redis only made its replies miss the socket
