@@ -39,7 +39,9 @@ def test_outputs_are_identical_when_most_hits_come_from_disk(
     engine = disk_engine(tiny_model, tmp_path, engines)
     run_and_check(engine, reference, rounds(3))
     hits = engine.stats().hits_by_tier
-    assert hits.get("disk", 0) > hits.get("memory", 0) > 0
+    # Memory's share is whatever survives while a request waits for its load (other admissions evict
+    # in a 24-block pool); the disk's is most of it.
+    assert hits.get("disk", 0) > hits.get("memory", 0)
     assert_cached_kv_is_fresh(engine, tiny_model, sample=12)
     usage = engine.kv.usage().tiers[0]
     assert usage.loads > 0 and usage.loads_failed == 0 and usage.bytes_used > 0

@@ -10,7 +10,9 @@ penalties; configs range over block sizes 1..32, pools from one
 that barely fits the largest request to large ones, token budgets from 1, 1..64 sequences, both
 attention backends (the reference runs the portable one), the disk tier on or off (with the
 tiny pools, most of its cases evict and load blocks back from disk) and the Redis tier on or off (a real
-redis-server, emptied for each case; below the disk when both are on). Every step
+redis-server, emptied for each case; below the disk when both are on). With a lower tier, memory may
+also be dropped every few steps, so that most admissions wait in the loading state while the loader
+reads their blocks (n samples of one prompt loading together, aborts while loading). Every step
 checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's
 blocks holding exactly the KV of their tokens. A cache that never hits would pass all that, so every
 case also checks its hits: a request that repeats a finished one's prompt (a block or more of it, in the
@@ -69,6 +71,8 @@ class Case:
     attention: str
     disk_tier: bool
     redis_tier: bool
+    # With a lower tier: drop memory's unheld blocks every that many steps (None: never).
+    drop_memory_every: int | None
     systems: list[list[int]]
     specs: list[Spec]
 
@@ -151,6 +155,7 @@ def cases(draw: st.DrawFn) -> Case:
         attention=draw(st.sampled_from(["native", "torch"])),
         disk_tier=disk_tier,
         redis_tier=redis_tier,
+        drop_memory_every=draw(st.sampled_from([None, 1, 2, 5])) if lower else None,
         systems=systems,
         specs=specs,
     )
@@ -214,7 +219,7 @@ def test_engine_matches_a_no_cache_engine_token_for_token(
             secret=REDIS_SECRET,
         )
         try:
-            run = drive(engine, case.systems, case.specs)
+            run = drive(engine, case.systems, case.specs, drop_memory_every=case.drop_memory_every)
             assert_matches_reference(run, reference_outputs(reference, run))
             assert_repeats_hit(case, run, engine.stats().cache.num_evicted)
             assert_no_leak(engine)

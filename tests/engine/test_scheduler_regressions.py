@@ -4,6 +4,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from kvserve.cache.loader import LoadJob
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
 from tests.harness import (
@@ -108,7 +109,9 @@ def test_an_empty_step_with_work_left_is_an_error_not_a_spin(
     engine = engine_with_blocks(tiny_model, 8, 4)
     engine.add_request("a", _tokens(100, 5), greedy(2))
 
-    def refuse(namespace: str, tokens: Sequence[int], budget: int, max_cached: int | None) -> None:
+    def refuse(
+        namespace: str, tokens: Sequence[int], budget: int, max_cached: int | None, load: LoadJob | None
+    ) -> None:
         return None
 
     monkeypatch.setattr(engine.kv, "admit", refuse)

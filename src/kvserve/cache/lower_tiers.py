@@ -1,11 +1,15 @@
 """LowerTiers: the memory tier's view of the tiers below it (disk, then Redis), in order.
 
 It keys blocks (chained, see block_key.py), offers newly computed blocks to every tier, and continues a
-memory match with the blocks the tiers hold, loading each into a memory block that the KVCacheManager
-hands it. Which tier answered is reported only as a name, for the per-tier hit counters.
+memory match with the blocks the tiers hold: `read_run` reads and verifies them into host tensors on the
+calling thread (a BlockLoader's, loader.py: never the engine thread's for an admission), and `land`
+copies them, on the engine thread, into memory blocks that the KVCacheManager hands it. Which tier
+answered is reported only as a name, for the per-tier hit counters.
 
 A tier that fails (raises) while a block is looked up, read ahead or loaded is a miss: `_or_miss` is
-the one place that turns a tier's error into a logged miss, so the engine thread never sees it.
+the one place that turns a tier's error into a logged miss, so no thread that reads sees it.
+The tiers are thread-safe: a loader's threads read while the engine thread offers blocks and the
+tiers' writer threads write.
 """
 
 import logging
@@ -16,7 +20,7 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from kvserve.cache.block_key import ROOT, chain_key
-from kvserve.cache.tiers import BlockIO, BlockRecord, LowerTier, Prefetching, TierUsage
+from kvserve.cache.tiers import Arrived, BlockIO, BlockRecord, LowerTier, Prefetching, TierUsage
 
 log = logging.getLogger("kvserve.cache")
 
@@ -69,43 +73,67 @@ class LowerTiers:
             for tier in missing:
                 tier.store(record, kv)
 
-    def continue_match(
+    def may_continue(self, namespace: str, tokens: Sequence[int], start: int) -> bool:
+        """Whether a tier may hold full block `start` of `tokens` (the one after a memory match of `start`
+        blocks): a tier that reads in batches (a remote one) may, since it knows only by reading; the
+        others answer from what they index. Cheap enough for the engine thread: no tier reads here."""
+        if start >= len(tokens) // self.block_size:
+            return False
+        if self._prefetching:
+            return True
+        keys: list[bytes] = []
+        self.extend_keys(keys, namespace, tokens, start + 1)
+        return bool(self._or_miss("looking up a KV block", self._any_holds, keys[start]))
+
+    def read_run(
         self,
-        keys: list[bytes],
         namespace: str,
         tokens: Sequence[int],
         start: int,
+        stop: Callable[[], bool],
+        arrive: Callable[[str, torch.Tensor], bool],
+    ) -> None:
+        """Read the full blocks `start..` of `tokens` that a tier holds intact, in order, on the calling
+        thread (a loader's): `arrive(tier name, verified KV)` takes each one, and says whether to go on.
+        Stops at the first block that no tier holds intact or whose lookup or load fails, or once
+        `stop()` is true. Touches no memory block: the caller copies the KV where it belongs."""
+        end = len(tokens) // self.block_size
+        if start >= end:
+            return
+        keys: list[bytes] = []
+        if not self._or_miss("reading ahead", self._read_ahead, keys, namespace, tokens, start, end):
+            return
+        try:
+            for j in range(start, end):
+                if stop():
+                    break
+                if not self._or_miss("looking up a KV block", self._holds, keys, namespace, tokens, j):
+                    break
+                record = self.record(keys, namespace, tokens, j)
+                found = self._or_miss("loading a KV block", self.fetch, record)
+                if found is None or not arrive(*found):
+                    break
+        finally:
+            self._end_read_ahead()
+
+    def land(
+        self,
+        arrived: Sequence[Arrived],
         fresh_block: Callable[[], int | None],
         landed: Callable[[int], None],
     ) -> LoadedBlocks:
-        """Continue a memory match of `tokens` that holds their first `start` full blocks with the next full
-        blocks that a tier holds intact, in order. For each one `fresh_block()` gives the memory block to
-        load it into (None: the pool is short, and the match stops there); once the block holds the
-        verified KV, `landed(block)` is called, before the next `fresh_block()`. Stops at the first block
-        that no tier holds intact, or whose lookup or load fails: the block given for it then holds
-        nothing and is not in the result (the caller frees it)."""
+        """Copy blocks read by `read_run`, in order, into memory: `fresh_block()` gives the memory block
+        for each one (None: the pool is short, and landing stops there); `landed(block)` is called once
+        it holds the KV, before the next `fresh_block()`."""
         loaded = LoadedBlocks()
-        end = len(tokens) // self.block_size
-        if start >= end:
-            return loaded
-        if not self._or_miss("reading ahead", self._read_ahead, keys, namespace, tokens, start, end):
-            return loaded
-        try:
-            for j in range(start, end):
-                if not self._or_miss("looking up a KV block", self._holds, keys, namespace, tokens, j):
-                    break
-                block = fresh_block()
-                if block is None:
-                    break
-                record = self.record(keys, namespace, tokens, j)
-                tier = self._or_miss("loading a KV block", self._load_into, record, block)
-                if tier is None:
-                    break
-                landed(block)
-                loaded.blocks.append(block)
-                loaded.tiers.append(tier)
-        finally:
-            self._end_read_ahead()
+        for tier, kv in arrived:
+            block = fresh_block()
+            if block is None:
+                break
+            self.io.write_block(block, kv)
+            landed(block)
+            loaded.blocks.append(block)
+            loaded.tiers.append(tier)
         return loaded
 
     @staticmethod
@@ -135,15 +163,10 @@ class LowerTiers:
 
     def _holds(self, keys: list[bytes], namespace: str, tokens: Sequence[int], j: int) -> bool:
         self.extend_keys(keys, namespace, tokens, j + 1)
-        return any(t.contains(keys[j]) for t in self.tiers)
+        return self._any_holds(keys[j])
 
-    def _load_into(self, record: BlockRecord, block: int) -> str | None:
-        """Write the block's verified KV into memory `block`; the name of the tier it came from, or None."""
-        found = self.fetch(record)
-        if found is None:
-            return None
-        self.io.write_block(block, found[1])
-        return found[0]
+    def _any_holds(self, key: bytes) -> bool:
+        return any(t.contains(key) for t in self.tiers)
 
     def fetch(self, record: BlockRecord) -> tuple[str, torch.Tensor] | None:
         """(tier name, verified KV) from the first tier that has the block intact, or None."""

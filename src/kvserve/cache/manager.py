@@ -5,8 +5,10 @@ copy on write, publish computed KV, release, evict, pin and unpin. The scheduler
 runs, in what order and with what token budget; it never touches a block id or a reference count.
 
 The tiers below memory (disk, Redis) own their reads (LowerTiers, lower_tiers.py): the manager offers
-them every newly published full block, and lets them continue an admission's memory match, handing each
-block they load a fresh memory block and inserting it into the tree as if it had just been computed.
+them every newly published full block, and lets them continue an admission's memory match. The reads
+run off the engine thread (BlockLoader, loader.py): `start_load` hands the loader the run that would
+continue the match, the request waits, and `admit(..., load=job)` gives each block that arrived a fresh
+memory block, copies it there and inserts it into the tree as if it had just been computed.
 Pins (pins.py) own their references like the tree's nodes: the manager locks the prefix a pin holds.
 """
 
@@ -15,7 +17,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.loader import LOAD_BUDGET_S, BlockLoader, LoadJob
 from kvserve.cache.lower_tiers import LowerTiers
 
 # Pin and PinRefused are part of the manager's API (pin() returns and raises them).
@@ -23,7 +28,7 @@ from kvserve.cache.pins import Pin as Pin
 from kvserve.cache.pins import PinRefused as PinRefused
 from kvserve.cache.pins import Pins
 from kvserve.cache.prefix_cache import MatchResult, PrefixCache
-from kvserve.cache.tiers import TIER_MEMORY, TierUsage
+from kvserve.cache.tiers import TIER_MEMORY, Arrived, TierUsage
 
 
 @dataclass(eq=False)
@@ -107,6 +112,7 @@ class KVCacheManager:
       pinned blocks never exceed `max_pinned_blocks`, nor those of one namespace (a tenant or shared
       group) `max_pinned_blocks_per_namespace` (the PinTable's caps, see cache/pins.py).
     - A block loaded from a lower tier is verified there first and is written before it joins the tree.
+    - The loader holds host tensors only: no pool block, no reference, no tree node is ever its.
     """
 
     def __init__(
@@ -118,7 +124,9 @@ class KVCacheManager:
         max_pinned_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
         max_pinned_blocks_per_namespace: int | None = None,
+        load_budget_s: float = LOAD_BUDGET_S,
     ) -> None:
+        """`load_budget_s`: how long a request waits at most for blocks read from the lower tiers."""
         if lower is not None and not enable_prefix_caching:
             raise ValueError("lower cache tiers need the prefix cache")
         if not 0 <= max_pinned_blocks < num_blocks:
@@ -127,6 +135,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
         self.lower = lower
+        self.loader = BlockLoader(lower, budget_s=load_budget_s) if lower is not None else None
         self.max_pinned_blocks = max_pinned_blocks
         self.clock = clock
         self._live: set[SequenceBlocks] = set()
@@ -138,27 +147,88 @@ class KVCacheManager:
             return 0
         return self.prefix_cache.match(namespace, tokens, record_hit=False).num_tokens
 
+    def start_load(
+        self, namespace: str, tokens: Sequence[int], max_cached: int | None = None
+    ) -> LoadJob | None:
+        """Before admitting `tokens`: when a lower tier may continue their memory match by a block or
+        more, start reading those blocks off the engine thread and return the job. The request then
+        waits until `load_ready(job)`, and `admit(..., load=job)` copies what arrived into the pool.
+        None when there is nothing to read: admit at once. Reads nothing here, locks nothing."""
+        if self.loader is None or self.lower is None or self.prefix_cache is None or not tokens:
+            return None
+        prompt = tokens[: self._cache_limit(tokens, max_cached)]
+        start = len(self.prefix_cache.match(namespace, prompt, record_hit=False).blocks)
+        if not self.lower.may_continue(namespace, prompt, start):
+            return None
+        whole = len(prompt) // self.block_size * self.block_size
+        return self.loader.submit(namespace, tuple(prompt[:whole]), start)
+
+    def load_ready(self, job: LoadJob) -> bool:
+        """Whether the job's blocks have arrived, or its budget is over (admit with what has)."""
+        return BlockLoader.ready(job)
+
+    def restart_load(self, job: LoadJob) -> LoadJob | None:
+        """A ready job whose blocks no longer continue the memory match (memory lost some of the match
+        while they were read: evicted by other admissions) is read again from what memory still holds,
+        within the same budget; the new job, or None when `job` is fine to admit with (or its budget is
+        over)."""
+        if self.loader is None or self.prefix_cache is None:
+            return None
+        if job.deadline is None or time.monotonic() >= job.deadline:
+            return None
+        start = len(self.prefix_cache.match(job.namespace, job.tokens, record_hit=False).blocks)
+        if start >= job.start:
+            return None
+        self.loader.cancel(job)
+        return self.loader.submit(job.namespace, job.tokens, start, job.deadline)
+
+    def cancel_load(self, job: LoadJob) -> None:
+        """The request waiting for `job` left: drop what was read for it."""
+        if self.loader is not None:
+            self.loader.cancel(job)
+
+    @property
+    def loads_pending(self) -> int:
+        """Loads started and not yet admitted or cancelled: a step with nothing to run waits for them."""
+        return self.loader.pending if self.loader is not None else 0
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Return once a load is ready to admit (at once if one is), or after `timeout_s`."""
+        if self.loader is not None:
+            self.loader.wait(timeout_s)
+
+    def _cache_limit(self, tokens: Sequence[int], max_cached: int | None) -> int:
+        return len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)
+
     def admit(
-        self, namespace: str, tokens: Sequence[int], budget: int, max_cached: int | None = None
+        self,
+        namespace: str,
+        tokens: Sequence[int],
+        budget: int,
+        max_cached: int | None = None,
+        load: LoadJob | None = None,
     ) -> Admission | None:
         """Lock the longest cached prefix of `tokens[:-1]` and allocate blocks for the first chunk, up to
         `budget` new tokens. The last token is always computed: its logits give the next token.
-        `max_cached` caps the prefix used (a request that needs logits at cached positions).
+        `max_cached` caps the prefix used (a request that needs logits at cached positions). `load`, a
+        job of `start_load` for these tokens, continues the memory match with the blocks it read, each
+        copied into a fresh block; the job is over either way.
 
         Returns None, holding nothing, when the pool cannot hold the first chunk even after evicting.
         """
         if budget < 1 or not tokens:
             raise ValueError("admission needs a positive budget and at least one token")
+        arrived = self.loader.take(load) if load is not None and self.loader is not None else []
         seq = SequenceBlocks(namespace)
         hits: dict[str, int] = {}
         if self.prefix_cache is not None:
-            limit = len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)
-            prompt = tokens[:limit]
+            prompt = tokens[: self._cache_limit(tokens, max_cached)]
             match = self.prefix_cache.match(namespace, prompt)
             seq.blocks = list(match.blocks)
             self._lock(seq.blocks)
             hits[TIER_MEMORY] = match.num_tokens
-            if self._load_from_lower_tiers(seq, prompt, hits):
+            landing = self._continuing(load, seq, prompt, arrived) if load is not None else []
+            if self._land(seq, prompt, landing, hits):
                 # The loaded blocks are new leaves: nothing in memory continues them.
                 match = MatchResult(tuple(seq.blocks), len(seq.blocks) * self.block_size)
             cached = match.num_tokens
@@ -182,11 +252,28 @@ class KVCacheManager:
         self._release_blocks(seq.blocks)
         return None
 
-    def _load_from_lower_tiers(self, seq: SequenceBlocks, tokens: Sequence[int], hits: dict[str, int]) -> int:
-        """Continue `seq`'s memory match of `tokens` in the lower tiers (`LowerTiers.continue_match`): each
-        block they load lands in a fresh block of `seq` (evicting if needed), joins the tree and stays
-        locked for `seq`. Returns how many were loaded."""
-        if self.lower is None or self.prefix_cache is None:
+    def _continuing(
+        self, job: LoadJob, seq: SequenceBlocks, prompt: Sequence[int], arrived: list[Arrived]
+    ) -> list[Arrived]:
+        """The blocks of `arrived` (read for `job`) that continue `seq`'s memory match of `prompt`. Memory
+        may have changed while they were read: blocks it holds now are skipped, and if it lost some
+        before the job's first block, the loaded ones no longer continue it and are dropped."""
+        skip = len(seq.blocks) - job.start
+        if skip < 0 or job.namespace != seq.namespace or tuple(prompt[: len(job.tokens)]) != job.tokens:
+            return []
+        return arrived[skip:]
+
+    def _land(
+        self,
+        seq: SequenceBlocks,
+        tokens: Sequence[int],
+        arrived: Sequence[Arrived],
+        hits: dict[str, int],
+    ) -> int:
+        """Copy `arrived` (read from the lower tiers, continuing `seq`'s memory match of `tokens`) into
+        fresh blocks of `seq` (evicting if needed); each joins the tree and stays locked for `seq`.
+        Returns how many landed."""
+        if self.lower is None or self.prefix_cache is None or not arrived:
             return 0
         cache, bs, start = self.prefix_cache, self.block_size, len(seq.blocks)
 
@@ -196,8 +283,8 @@ class KVCacheManager:
         def landed(block: int) -> None:
             cache.insert(seq.namespace, tokens[: len(seq.blocks) * bs], seq.blocks)
 
-        loaded = self.lower.continue_match(seq.keys, seq.namespace, tokens, start, fresh_block, landed)
-        # A block taken for a load that failed holds nothing.
+        loaded = self.lower.land(arrived, fresh_block, landed)
+        # A block taken for a load that did not land holds nothing.
         self._release_blocks(seq.blocks[start + len(loaded.blocks) :])
         del seq.blocks[start + len(loaded.blocks) :]
         for tier in loaded.tiers:
@@ -205,6 +292,21 @@ class KVCacheManager:
         if loaded.blocks:
             hits[TIER_MEMORY] = start * bs
         return len(loaded.blocks)
+
+    def _read_now(self, namespace: str, tokens: Sequence[int], start: int) -> list[Arrived]:
+        """The blocks `start..` of `tokens` the lower tiers hold, read on this thread within the loader's
+        budget (a pin: an engine call that answers with its blocks in memory)."""
+        arrived: list[Arrived] = []
+        if self.lower is None or self.loader is None:
+            return arrived
+        deadline = time.monotonic() + self.loader.budget_s
+
+        def keep(tier: str, kv: torch.Tensor) -> bool:
+            arrived.append((tier, kv))
+            return True
+
+        self.lower.read_run(namespace, tokens, start, lambda: time.monotonic() >= deadline, keep)
+        return arrived
 
     def _admitted(self, seq: SequenceBlocks, cached: int, n: int, hits: dict[str, int]) -> Admission:
         seq.num_published = cached // self.block_size
@@ -290,7 +392,7 @@ class KVCacheManager:
         try:
             seq.blocks = list(self.prefix_cache.match(namespace, prefix).blocks)
             self._lock(seq.blocks)
-            self._load_from_lower_tiers(seq, prefix, {})
+            self._land(seq, prefix, self._read_now(namespace, prefix, len(seq.blocks)), {})
             if len(seq.blocks) < len(prefix) // self.block_size:
                 return None
             return self._pins.add(namespace, prefix, seq.blocks, expires_at)
@@ -334,12 +436,17 @@ class KVCacheManager:
         return NamespaceUsage(cached, len(pins.blocks_in(namespace)), pins.max_blocks_per_namespace)
 
     def flush(self) -> None:
-        """Wait until the lower tiers have written every block offered so far."""
+        """Wait until every load started is ready and the lower tiers have written every block offered
+        so far (tests: what an admission finds is then a function of the workload alone)."""
+        if self.loader is not None:
+            self.loader.settle()
         if self.lower is not None:
             self.lower.flush()
 
     def close(self) -> None:
-        """Write what the lower tiers have queued and stop them."""
+        """Stop the loader, write what the lower tiers have queued and stop them."""
+        if self.loader is not None:
+            self.loader.close()
         if self.lower is not None:
             self.lower.close()
 

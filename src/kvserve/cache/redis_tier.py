@@ -19,10 +19,10 @@ pipeline. A value of any other size (an old format, a value some other writer pu
 is refused without being read; one of the right size is opened. Anything that is not what this replica
 would have written under that name is refused (a warning, counted in `loads_failed`), never served.
 
-Loads happen at admission, on the engine thread: `prefetch` names the run of blocks that would
-continue a prompt's memory match, and the first `contains` of a block of that run reads it and the
-next few with one pipelined read (chunks: one huge read of a long prompt is slow and holds Redis' single
-thread).
+Loads happen off the engine thread, on a BlockLoader's threads (loader.py): `prefetch` names the run of
+blocks that would continue a prompt's memory match, and the first `contains` of a block of that run, on
+the same thread, reads it and the next few with one pipelined read (chunks: one huge read of a long
+prompt is slow and holds Redis' single thread).
 Stores are queued (bounded by bytes; over the bound a block is dropped, counted) and one writer thread
 sends them as pipelined SETs (write_behind.py). `usage` reports the keys in Redis' database (all of
 them, as of the last write: Redis is shared) as its blocks, and the write queue as its bytes and
@@ -32,8 +32,8 @@ Failures. Every call has a socket timeout and a connect timeout and no retry of 
 (down, slow, reset) is counted in `errors`, logged at most once per LOG_INTERVAL_S, and opens a back-off
 window (doubling up to MAX_BACKOFF_S) during which the tier answers every load with a miss without
 touching the network and the writer waits; the first call after the window reconnects. An admission
-stops reading once its reads have taken `admission_budget_s` (Redis slow but answering): so a step
-waits at most about that budget plus one timeout, and a request never fails because of Redis. A flushed or
+stops reading once its reads have taken `admission_budget_s` (Redis slow but answering), and its loader
+job has a budget of its own: no step waits for Redis, and a request never fails because of it. A flushed or
 evicted key is an ordinary miss (`misses`). Memory in Redis is bounded by Redis itself: run it with
 `maxmemory` and `maxmemory-policy allkeys-lru`.
 """
@@ -45,6 +45,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import redis
 import torch
@@ -118,6 +119,20 @@ class _RateLimitedLog:
         log.warning("redis tier: " + message + more, *args)
 
 
+@dataclass
+class _Run:
+    """One admission's run of blocks, as the thread loading it reads them: `records[:read_upto]` have
+    been read (`spent_s` seconds in all), and those found intact wait in `staged` until loaded."""
+
+    records: list[BlockRecord] = field(default_factory=list)
+    index: dict[bytes, int] = field(default_factory=dict)
+    read_upto: int = 0
+    spent_s: float = 0.0
+    staged: dict[bytes, torch.Tensor] = field(default_factory=dict)
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+
+
 class RedisTier(WriteBehindTier):
     name = TIER_REDIS
 
@@ -151,14 +166,9 @@ class RedisTier(WriteBehindTier):
         self._db_keys = 0
         self._backoff_s = 0.0
         self._down_until = 0.0
-        # The run of blocks of the admission in progress (engine thread only).
-        self._run: list[BlockRecord] = []
-        self._run_index: dict[bytes, int] = {}
-        self._run_read_upto = 0
-        self._run_spent_s = 0.0
-        self._staged: dict[bytes, torch.Tensor] = {}
-        self._shape: tuple[int, ...] = ()
-        self._dtype = torch.float32
+        # Each thread's run of blocks (a loader thread's admission, or the engine thread's pin): one
+        # thread's reads never see another's run, so no read waits for another's.
+        self._local = threading.local()
         self._log = _RateLimitedLog()
         # While Redis is down (the back-off window) the writer waits, and a flush or close drops.
         super().__init__(queue_bytes, batch_size=WRITE_BATCH, held_until=lambda: self._down_until)
@@ -218,52 +228,56 @@ class RedisTier(WriteBehindTier):
 
     # LowerTier.
 
+    def _run(self) -> _Run:
+        """The calling thread's run (an empty one outside an admission)."""
+        run: _Run | None = getattr(self._local, "run", None)
+        if run is None:
+            run = self._local.run = _Run()
+        return run
+
     def prefetch(self, records: Sequence[BlockRecord], shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """The blocks that would continue an admission's memory match, in order: `contains` reads them
-        from Redis by chunks as it reaches them. An empty run ends the admission (drops what was read
-        and not loaded)."""
-        self._run = list(records)
-        self._run_index = {r.key: i for i, r in enumerate(self._run)}
-        self._run_read_upto = 0
-        self._run_spent_s = 0.0
-        self._staged = {}
-        self._shape, self._dtype = shape, dtype
+        """The blocks that would continue an admission's memory match, in order: `contains` on the same
+        thread reads them from Redis by chunks as it reaches them. An empty run ends the admission (drops
+        what was read and not loaded)."""
+        records = list(records)
+        self._local.run = _Run(records, {r.key: i for i, r in enumerate(records)}, shape=shape, dtype=dtype)
 
     def contains(self, key: bytes) -> bool:
-        if key in self._staged or self._writes.holds(key):
+        run = self._run()
+        if key in run.staged or self._writes.holds(key):
             return True
-        i = self._run_index.get(key)
+        i = run.index.get(key)
         if i is None:
             # Outside an admission: a block just computed is offered. It was not found at its admission
             # (or not looked for), so it is written, whatever this replica wrote before: Redis may have
             # lost it (flushed, restarted, evicted) in between.
             return False
-        if i >= self._run_read_upto:
-            self._read_chunk(i)
-        return key in self._staged
+        if i >= run.read_upto:
+            self._read_chunk(run, i)
+        return key in run.staged
 
-    def _read_chunk(self, start: int) -> None:
-        records = self._run[start : start + self.chunk_blocks]
-        self._run_read_upto = start + len(records)
-        if not self._available() or self._run_spent_s > self.admission_budget_s:
+    def _read_chunk(self, run: "_Run", start: int) -> None:
+        records = run.records[start : start + self.chunk_blocks]
+        run.read_upto = start + len(records)
+        if not self._available() or run.spent_s > self.admission_budget_s:
             # Down, or this admission has waited its share: the rest of the prompt is computed.
             with self._lock:
                 self.misses += len(records)
             return
         names = [self.redis_key(r.key) for r in records]
-        expected = self.value_size(self._shape, self._dtype)
+        expected = self.value_size(run.shape, run.dtype)
         started = time.monotonic()
         try:
             values = self._read_bounded(names, expected)
         except redis.RedisError as e:
-            self._run_spent_s += time.monotonic() - started
+            run.spent_s += time.monotonic() - started
             self._failed(f"reading {len(names)} blocks", e)
             with self._lock:
                 self.misses += len(records)
             return
         self._succeeded()
         elapsed = time.monotonic() - started
-        self._run_spent_s += elapsed
+        run.spent_s += elapsed
         found = 0
         for record, name, value in zip(records, names, values, strict=True):
             if value is None:
@@ -273,7 +287,7 @@ class RedisTier(WriteBehindTier):
             try:
                 if isinstance(value, Unsealable):
                     raise value
-                self._staged[record.key] = self.decode(name, value, self._shape, self._dtype)
+                run.staged[record.key] = self.decode(name, value, run.shape, run.dtype)
             except Unsealable as e:
                 with self._lock:
                     self.loads_failed += 1
@@ -308,7 +322,7 @@ class RedisTier(WriteBehindTier):
         return values
 
     def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        kv = self._staged.pop(record.key, None)
+        kv = self._run().staged.pop(record.key, None)
         if kv is None:
             kv = self._queued_copy(record, shape, dtype)
         if kv is None or tuple(kv.shape) != shape or kv.dtype != dtype:

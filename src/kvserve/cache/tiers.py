@@ -3,9 +3,9 @@
 Memory is the first tier: the BlockPool and the PrefixCache. A lower tier keeps copies of full blocks
 under chained keys (`block_key.py`) and gives them back verified, or not at all. LowerTiers
 (`lower_tiers.py`) is the only caller, for the KVCacheManager: it offers every newly published block to
-each lower tier, and on admission it continues the memory match below memory, loading the blocks it finds
-into fresh memory blocks that the manager hands it. Above the manager nobody knows which tier a block came
-from; only the hit counters are kept per tier.
+each lower tier, and before an admission it continues the memory match below memory, reading the blocks
+it finds on a loader's thread (`loader.py`); the manager copies them into fresh memory blocks. Above
+the manager nobody knows which tier a block came from; only the hit counters are kept per tier.
 """
 
 import threading
@@ -22,6 +22,10 @@ TIER_REDIS = "redis"
 
 # Seconds; the upper bounds of the latency histograms of every tier.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+# A block read from a lower tier: the tier's name and the block's verified KV.
+Arrived = tuple[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,10 @@ class TierUsage:
 
 
 class LowerTier(Protocol):
-    """A cache tier below memory. Every method is called from the engine thread and returns quickly:
-    `store` only queues the copy, `load` is one bounded read of one block."""
+    """A cache tier below memory, called from several threads at once: the engine thread offers blocks
+    (`contains`, then `store`, which only queues the copy and returns at once), a loader's threads read
+    them (`contains`, `load`: one bounded read of one block), and the tier's own writer writes. So its
+    state is thread-safe, and a `contains` on the engine thread reads nothing."""
 
     name: str
 
@@ -128,8 +134,8 @@ class Prefetching(Protocol):
     block would cost more than the block)."""
 
     def prefetch(self, records: Sequence[BlockRecord], shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """The blocks that would continue an admission's memory match, in order; an empty run ends the
-        admission."""
+        """The blocks that would continue an admission's memory match, in order, for the calling thread's
+        next `contains` and `load` calls; an empty run ends the admission."""
         ...
 
 

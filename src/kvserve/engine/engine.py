@@ -25,6 +25,9 @@ from kvserve.errors import InvalidRequestError
 from kvserve.model.loader import LoadedModel
 from kvserve.model.runner import StepLogits
 
+# How long a step with nothing to run but loads in flight waits for one of them.
+LOAD_WAIT_S = 0.05
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -190,6 +193,11 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled.empty:
             return scheduled
+        if self.kv.loads_pending:
+            # Nothing to run until a load is admitted: wait for one to be ready, briefly, so that
+            # commands (a new request, an abort, a health check) are still answered between steps.
+            self.kv.wait_for_loads(LOAD_WAIT_S)
+            return None
         if self.scheduler.has_work() and not scheduled.preempted:
             # Every request that passed validation fits the pool, so this is a scheduler bug: fail
             # loudly rather than spin with requests that can never run.

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.cache.loader import LoadJob
 from kvserve.cache.manager import SequenceBlocks
 from kvserve.engine.grammar import GrammarState
 from kvserve.engine.logprobs import TokenLogprob
@@ -77,6 +78,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.kv: SequenceBlocks | None = None
+        # While waiting: the blocks being read for it from the lower tiers (see the scheduler).
+        self.load: LoadJob | None = None
         self.num_computed = 0
         self.num_cached_tokens: int | None = None
         self.num_skips = 0

@@ -21,9 +21,15 @@ holding fewer running slots than their share (max_num_seqs over the tenants pres
 first, and among those alike the one admitted least recently. A tenant that queues a thousand sequences
 thus delays another's next request by one admission per tenant, not by its whole backlog.
 
+Blocks in the lower tiers (disk, Redis): a waiting request whose prompt a lower tier may continue past
+its memory match starts a load when its turn comes (`KVCacheManager.start_load`) and stays waiting, in
+its place, while the loader reads them off the engine thread; the step goes on for everyone else. A later
+step admits it, in its turn, once its blocks have arrived or its load's budget is over, with what
+arrived. Its turn still counts for its tenant only when it is admitted.
+
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
 request still prefilling waits for that prefill, then finds the shared part in the cache instead of
-computing it a second time.
+computing it a second time; likewise with a request loading it, instead of reading it a second time.
 """
 
 import itertools
@@ -79,6 +85,8 @@ class SchedulerCounters:
     hits_by_tier: Counter[str] = field(default_factory=Counter)
     prefill_tokens_computed: int = 0
     preemptions: int = 0
+    # Admissions that waited for blocks read from a lower tier.
+    loads: int = 0
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
@@ -222,14 +230,39 @@ class Scheduler:
         if budget == 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return
         admitted: list[Request] = []
-        for request, cached_hint in self._waiting_order():
+        order = self._waiting_order()
+        # Loading requests this admission will consider: one of them brings a shared prefix for all.
+        loading = [r for r, _ in order if r.load is not None]
+        for request, cached_hint in order:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self._waits_for_shared_prefill(request, cached_hint):
                 continue
+            if request.load is None:
+                if self._waits_for_shared_load(request, cached_hint, loading):
+                    continue
+                request.load = self.kv.start_load(
+                    request.namespace, request.token_ids, request.max_cached_tokens
+                )
+                if request.load is not None:
+                    self.counters.loads += 1
+                    loading.append(request)
+                    # Its blocks are read off the engine thread: the step goes on without it, and a
+                    # later one admits it (never this one, so that a run replays alike).
+                    continue
+            if request.load is not None:
+                if not self.kv.load_ready(request.load):
+                    continue
+                restarted = self.kv.restart_load(request.load)
+                if restarted is not None:
+                    request.load = restarted
+                    continue
             # Match, lock and allocate in one call per request: an earlier admission's eviction may
             # have reused blocks that the hint above still points at.
-            admission = self.kv.admit(request.namespace, request.token_ids, budget, request.max_cached_tokens)
+            admission = self.kv.admit(
+                request.namespace, request.token_ids, budget, request.max_cached_tokens, request.load
+            )
+            request.load = None
             if admission is None:
                 break
             request.kv = admission.seq
@@ -282,6 +315,22 @@ class Scheduler:
                 return True
         return False
 
+    def _waits_for_shared_load(self, request: Request, cached: int, loading: list[Request]) -> bool:
+        """Whether a request loading now (in this admission's order, so admitted in its turn) reads more
+        than a block of `request`'s prompt past what memory holds: `request` then finds it in memory
+        once that one is admitted, instead of reading it a second time (n samples of one prompt)."""
+        if request.max_cached_tokens is not None:
+            return False
+        for other in loading:
+            if other.load is None or other.namespace != request.namespace:
+                continue
+            if request.token_ids[0] != other.token_ids[0]:
+                continue
+            shared = _common_prefix_len(request.token_ids, other.token_ids, other.num_prompt_tokens)
+            if shared - cached >= self.block_size:
+                return True
+        return False
+
     def after_step(self, step: ScheduledStep) -> None:
         """The step's KV is computed: advance progress and publish every newly full block to the cache."""
         for request, chunk in (*step.decodes, *step.prefills):
@@ -313,4 +362,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             self._left_waiting(request)
+            if request.load is not None:
+                self.kv.cancel_load(request.load)
+                request.load = None
         request.status = RequestStatus.FINISHED
