@@ -11,6 +11,8 @@ plain ones.
 import ctypes
 import ctypes.util
 import functools
+import math
+import mmap
 import sys
 from collections.abc import Callable
 
@@ -49,7 +51,16 @@ def advise(tensor: torch.Tensor) -> bool:
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """`torch.empty`, with huge pages asked for before anything touches the memory."""
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    advise(tensor)
-    return tensor
+    """`torch.empty`, with huge pages asked for before anything touches the memory (zeroed, as fresh
+    pages are, when they are fresh). A CPU buffer of a huge page or more is a private anonymous mapping
+    of its own, advised before the tensor exists: memory from the allocator may have been touched before
+    (a heap span, or a mapping the allocator kept), and touched pages keep their size."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes < _HUGE or _madvise() is None:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        advise(tensor)
+        return tensor
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor holds the mapping: it is unmapped when the last view of it goes.
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
