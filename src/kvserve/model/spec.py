@@ -33,6 +33,12 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Each layer's attention window in tokens (a token sees itself and the window - 1 before it), None for
+    # a global layer; empty means every layer is global. Filled from `layer_types` or `sliding_window`.
+    windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -68,6 +74,26 @@ def _refuse_unimplemented(raw: Mapping[str, Any], rope_type: str) -> None:
             raise ValueError(f"{name} is not supported")
 
 
+def _windows(
+    raw: Mapping[str, Any], family: str, num_layers: int, sliding: int | None
+) -> tuple[int | None, ...]:
+    """Per-layer windows: transformers' `layer_types` where given, else Qwen2's rule (layers from
+    `max_window_layers` on slide), else every layer slides when the config has a window."""
+    if sliding is None:
+        return ()
+    types = raw.get("layer_types")
+    if types is None and family == "qwen2":
+        first = int(raw.get("max_window_layers", num_layers))
+        types = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
+    if types is None:
+        return (sliding,) * num_layers
+    if len(types) != num_layers or any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise ValueError(
+            f"layer_types must name full_attention or sliding_attention for each of {num_layers} layers"
+        )
+    return tuple(sliding if t == "sliding_attention" else None for t in types)
+
+
 def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a parsed config.json; raises ValueError naming what is missing or wrong."""
     architectures = raw.get("architectures") or []
@@ -87,12 +113,13 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
         scaling = () if rope_type == "default" else tuple(sorted(rope_scaling.items()))
         rope_theta = raw.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", family != "qwen2") else None
+        num_layers = int(raw["num_hidden_layers"])
         return ModelConfig(
             architecture=family,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -107,6 +134,7 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
             rope_scaling=scaling,
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+            windows=_windows(raw, family, num_layers, int(sliding) if sliding else None),
         )
     except KeyError as e:
         raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
