@@ -28,22 +28,28 @@ _TINY: dict[str, Any] = {
 }
 
 
+# Each family's transformers config and model class, by our family name.
+TINY_CLASSES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+
+
 def save_tiny_model(path: str, architecture: str, **overrides: Any) -> str:
     """A random model of the given family with the default model's tokenizer files; returns its folder."""
     import transformers
 
-    config_class = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "mistral": transformers.MistralConfig,
-    }[architecture]
-    model_class = {
-        "llama": transformers.LlamaForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-        "mistral": transformers.MistralForCausalLM,
-    }[architecture]
+    config_name, model_name = TINY_CLASSES[architecture]
+    config_class = getattr(transformers, config_name)
+    model_class = getattr(transformers, model_name)
     default_dir = resolve_model_dir(None, default_cache_dir())
-    config = config_class(**{**_TINY, "vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1, **overrides})
+    fields = {**_TINY, "vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
+    config = config_class(**{**fields, **overrides})
     torch.manual_seed(0)
     model = model_class(config).to(torch.float32)
     with torch.no_grad():

@@ -16,29 +16,13 @@ import numpy as np
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.families import family_for_gguf
+from kvserve.model.families.base import Family, GgufMetadata
 from kvserve.model.quant_blocks import BLOCK_BYTES, K_QUANTS, QK, QK_K, QuantizedWeight, from_k_quant
 
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_FORMAT_VERSION = "1"
+# The converted folder's content; a new version converts every file again. 2: the families beyond
+# Llama and Qwen2, with their tensors in Hugging Face's conventions.
+_FORMAT_VERSION = "2"
 
 
 def file_sha256(path: str) -> str:
@@ -90,56 +74,36 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     except Exception as e:
         raise ModelLoadError(gguf_path, f"not a readable GGUF file ({e})") from None
 
-    def field(name: str, default: Any = None) -> Any:
-        f = reader.fields.get(name)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch not in _HF_ARCHITECTURES:
-        raise ModelLoadError(gguf_path, f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
-    n_head = int(field(f"{arch}.attention.head_count"))
-    n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
+    meta = GgufMetadata(reader)
+    try:
+        family = family_for_gguf(meta.arch)
+        assert family.gguf_config is not None
+        config = family.gguf_config(meta)
+    except ValueError as e:
+        raise ModelLoadError(gguf_path, str(e)) from None
+    n_head = int(config["num_attention_heads"])
+    n_kv = int(config["num_key_value_heads"])
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(family, t.name)
         if name is None:
             continue
         try:
             w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except Exception as e:
             raise ModelLoadError(gguf_path, f"tensor {t.name} cannot be dequantized ({e})") from None
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        if family.gguf_permuted_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _unpermute(w, n_head if "attn_q" in t.name else n_kv)
+        if family.norm_offset and name.endswith("norm.weight"):
+            # llama.cpp stores (offset + w); the folder keeps the checkpoint's w, as transformers reads it.
+            w = (w.astype(np.float64) - family.norm_offset).astype(np.float32)
         tensors[name] = w
     if "model.embed_tokens.weight" not in tensors:
         raise ModelLoadError(gguf_path, "no token_embd.weight tensor: the file is incomplete")
-    tokens = field("tokenizer.ggml.tokens") or []
-    config = {
-        "architectures": [_HF_ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": int(field(f"{arch}.vocab_size", len(tokens))),
-        "hidden_size": int(field(f"{arch}.embedding_length")),
-        "intermediate_size": int(field(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(field(f"{arch}.block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(field(f"{arch}.context_length", 2048)),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-    if field(f"{arch}.rope.scaling.type") == "linear":
-        config["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": float(field(f"{arch}.rope.scaling.factor")),
-        }
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    _convert_tokenizer(gguf_path, out_dir, field("tokenizer.chat_template"))
+    _convert_tokenizer(gguf_path, out_dir, reader, family)
 
 
 def quantized_tensors(gguf_path: str) -> dict[str, QuantizedWeight]:
@@ -152,16 +116,19 @@ def quantized_tensors(gguf_path: str) -> dict[str, QuantizedWeight]:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as e:
         raise ModelLoadError(gguf_path, f"not a readable GGUF file ({e})") from None
-    arch_field = reader.fields.get("general.architecture")
-    arch = None if arch_field is None else arch_field.contents()
+    meta = GgufMetadata(reader)
+    try:
+        family = family_for_gguf(meta.arch)
+    except ValueError as e:
+        raise ModelLoadError(gguf_path, str(e)) from None
     heads = {}
     for key in ("head_count", "head_count_kv"):
-        f = reader.fields.get(f"{arch}.attention.{key}")
-        if f is not None:
-            heads[key] = int(f.contents())
+        value = meta.get(f"{{arch}}.attention.{key}")
+        if value is not None:
+            heads[key] = int(value)
     out: dict[str, QuantizedWeight] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(family, t.name)
         qtype = int(t.tensor_type)
         if name is None or qtype not in (*BLOCK_BYTES, *K_QUANTS) or len(t.shape) != 2:
             continue
@@ -169,7 +136,7 @@ def quantized_tensors(gguf_path: str) -> dict[str, QuantizedWeight]:
         if n_in % (QK_K if qtype in K_QUANTS else QK):
             continue
         rows = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.uint8).reshape(n_out, -1)
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        if family.gguf_permuted_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             n_head = heads.get("head_count", 0)
             rows = _unpermute(rows, n_head if "attn_q" in t.name else heads.get("head_count_kv", n_head))
         if qtype in K_QUANTS:
@@ -179,22 +146,50 @@ def quantized_tensors(gguf_path: str) -> dict[str, QuantizedWeight]:
     return out
 
 
-def _convert_tokenizer(gguf_path: str, out_dir: str, chat_template: str | None) -> None:
+def copy_tokenizer_fields(reader: Any, writer: Any) -> None:
+    """Copy every `tokenizer.*` field of a GGUFReader's file into a GGUFWriter."""
+    from gguf import GGUFValueType
+
+    for f in reader.fields.values():
+        if f.name.startswith("tokenizer."):
+            kind = f.types[0]
+            sub = f.types[-1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(f.name, f.contents(), kind, sub_type=sub)
+
+
+def _convert_tokenizer(gguf_path: str, out_dir: str, reader: Any, family: Family) -> None:
+    """The tokenizer files from the GGUF's tokenizer metadata, read by transformers. A family whose
+    architecture transformers does not read is read as `family.gguf_tokenizer_as`, from a copy of the
+    tokenizer fields alone."""
+    import gguf
     from transformers import AutoTokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    except Exception as e:
-        raise ModelLoadError(gguf_path, f"the tokenizer in the GGUF metadata cannot be read ({e})") from None
+    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    with tempfile.TemporaryDirectory(prefix=".tokenizer-", dir=out_dir) as tmp:
+        if family.gguf_tokenizer_as:
+            folder, name = tmp, "tokenizer.gguf"
+            writer = gguf.GGUFWriter(os.path.join(folder, name), family.gguf_tokenizer_as)
+            copy_tokenizer_fields(reader, writer)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+        try:
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except Exception as e:
+            raise ModelLoadError(
+                gguf_path, f"the tokenizer in the GGUF metadata cannot be read ({e})"
+            ) from None
+    chat_template = GgufMetadata(reader).get("tokenizer.chat_template")
     if chat_template and not tok.chat_template:
         tok.chat_template = chat_template
     tok.save_pretrained(out_dir)
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+def _hf_name(family: Family, gguf_name: str) -> str | None:
+    if gguf_name in family.gguf_global:
+        return family.gguf_global[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in family.gguf_layer:
+        return f"model.layers.{parts[1]}.{family.gguf_layer[parts[2]]}"
     return None

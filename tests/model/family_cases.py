@@ -1,0 +1,77 @@
+"""Tiny random models of every supported family beyond Llama, as transformers builds them, and our
+runner against transformers on them: the cases the family tests share."""
+
+from typing import Any
+
+import torch
+
+from kvserve.model.loader import LoadedModel
+from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
+
+# Phi-3's LongRoPE factors for a rotary dim of 8 (head_dim 16, partial_rotary_factor 0.5).
+_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.3, 1.7, 2.3],
+    "long_factor": [1.5, 2.5, 4.0, 7.0],
+}
+
+# Each case: the family and the transformers config fields that make it. Every layer kind appears:
+# q/k norms (qwen3, gemma3), NoPE layers (smollm3), fused products with partial rotary and LongRoPE
+# (phi3), sliding layers with a local rope base beside global ones with linear scaling (gemma3).
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("qwen3", {"head_dim": 24, "tie_word_embeddings": False}),
+    "qwen3-tied-bias": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
+    "smollm3-nope": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 2}),
+    "phi3-longrope": (
+        "phi3",
+        {
+            "num_attention_heads": 4,
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 64,
+            "rope_scaling": _LONGROPE,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "gemma3": (
+        "gemma3",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        },
+    ),
+}
+
+
+def exact_runner(model: LoadedModel, max_positions: int = 512, weight_dtype: str = "float32") -> ModelRunner:
+    """float32 compute, float32 KV, blocks of 4 tokens: the setting that matches transformers."""
+    return ModelRunner(model, 160, 4, max_positions, "cpu", "float32", weight_dtype, kv_dtype="float32")
+
+
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()  # type: ignore[no-any-return]
+
+
+def prompt_and_greedy(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Logits at every prompt position, then `steps` greedy tokens (logits of each decode appended)."""
+    table = list(range(-(-(len(prompt) + steps) // 4)))
+    out = runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt, 0, table, True, all_logits=True)]))
+    rows = [out.chunks[0]]
+    ids = list(prompt)
+    logits = out.sampled[0]
+    for _ in range(steps):
+        ids.append(int(logits.argmax()))
+        logits = runner.execute(
+            ForwardBatch(decodes=[SequenceChunk(ids[-1:], len(ids) - 1, table, True)])
+        ).sampled[0]
+        rows.append(logits.unsqueeze(0))
+    return torch.cat(rows), ids[len(prompt) :]
+
+
+def random_prompt(n: int, seed: int, vocab: int = 49152) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
