@@ -12,7 +12,8 @@ import torch
 
 from kvserve.config import default_cache_dir
 from kvserve.model.linear import Float32Linear, Linear
-from kvserve.model.moe import Expert, SparseMoe, route
+from kvserve.model.mlp import GatedMlp
+from kvserve.model.moe import SparseMoe, route
 from kvserve.model.quant_blocks import quantize_q8_0
 from kvserve.model.quant_linear import QuantLinear
 from tests.helpers import AllDecodes
@@ -67,7 +68,10 @@ def expert_weights(block: Any, e: int) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def ours(block: Any, make: Any, norm_topk_prob: bool) -> SparseMoe:
-    experts = [Expert(*(make(w) for w in expert_weights(block, e))) for e in range(EXPERTS)]
+    experts = []
+    for e in range(EXPERTS):
+        gate, up, down = (make(w) for w in expert_weights(block, e))
+        experts.append(GatedMlp(gate, up, down, "silu"))
     return SparseMoe(block.gate.weight.detach().clone(), experts, TOP_K, norm_topk_prob)
 
 
@@ -166,7 +170,7 @@ class Unread(Linear):
 def test_an_expert_that_no_row_chose_is_never_read() -> None:
     block = reference_block(True)
     moe = ours(block, Float32Linear, True)
-    moe.experts[-1] = Expert(Unread(), Unread(), Unread())
+    moe.experts[-1] = GatedMlp(Unread(), Unread(), Unread(), "silu")
     x = hidden_states()
     with torch.no_grad():
         expected = block(x.unsqueeze(0)).squeeze(0)
@@ -174,7 +178,8 @@ def test_an_expert_that_no_row_chose_is_never_read() -> None:
 
 
 def test_a_router_that_does_not_match_the_experts_is_refused() -> None:
-    expert = Expert(*(Float32Linear(torch.zeros(8, 32)) for _ in range(3)))
+    product = Float32Linear(torch.zeros(8, 32))
+    expert = GatedMlp(product, product, product, "silu")
     with pytest.raises(ValueError, match="router of shape \\(3, 32\\) for 2 experts"):
         SparseMoe(torch.zeros(3, 32), [expert, expert], 1, True)
     with pytest.raises(ValueError, match="top_k 3"):

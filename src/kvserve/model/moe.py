@@ -17,26 +17,12 @@ bitwise the same alone or in any batch.
   order the experts happen to run in the step, and then added to the residual.
 """
 
-from dataclasses import dataclass
-
 import torch
 
-from kvserve.model.linear import Linear
+from kvserve.model.mlp import GatedMlp, Mlp
 
 # Bytes of float32 products the router computes at once: bounds its scratch at any step size.
 _ROUTER_CHUNK_BYTES = 4 << 20
-
-
-@dataclass
-class Expert:
-    """One expert: down(silu(gate(x)) * up(x)), as the dense MLP."""
-
-    gate: Linear
-    up: Linear
-    down: Linear
-
-    def __call__(self, x: torch.Tensor, decodes: int) -> torch.Tensor:
-        return self.down(self.up.mul(x, self.gate.silu(x, decodes), decodes), decodes)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -66,11 +52,14 @@ def route(
     return chosen, top.to(x.dtype)
 
 
-class SparseMoe:
+class SparseMoe(Mlp):
     """The MoE MLP of one layer. `router` [experts, hidden] in the compute dtype (kept exact: routing
-    choices are discrete, and llama.cpp keeps it unquantized too); `experts` in expert id order."""
+    choices are discrete, and llama.cpp keeps it unquantized too); `experts` (each a dense gated MLP) in
+    expert id order."""
 
-    def __init__(self, router: torch.Tensor, experts: list[Expert], top_k: int, norm_topk_prob: bool) -> None:
+    def __init__(
+        self, router: torch.Tensor, experts: list[GatedMlp], top_k: int, norm_topk_prob: bool
+    ) -> None:
         if router.dim() != 2 or router.shape[0] != len(experts):
             raise ValueError(f"a router of shape {tuple(router.shape)} for {len(experts)} experts")
         if not 0 < top_k <= len(experts):
@@ -85,6 +74,8 @@ class SparseMoe:
         rows, hidden = x.shape
         k = self.top_k
         chosen, weights = route(x, self.router, k, self.norm_topk_prob)
+        if rows == 1:
+            return self._one_row(x, chosen, weights, decodes)
         # Pair p = token * k + rank. A stable sort by expert keeps each expert's pairs in token order, so
         # the decode rows (tokens below `decodes`) come first in every expert's group.
         flat = chosen.reshape(-1)
@@ -105,6 +96,18 @@ class SparseMoe:
         total = by_pair[:, 0].clone()
         for rank in range(1, k):
             total.add_(by_pair[:, rank])
+        return total
+
+    def _one_row(
+        self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, decodes: int
+    ) -> torch.Tensor:
+        """A lone row (a step of one decode) without the grouping's dozen ops; the same operations on
+        its row as in a batch, so the same bits."""
+        total: torch.Tensor | None = None
+        for rank, e in enumerate(chosen[0].tolist()):
+            out = self.experts[e](x, decodes).mul_(weights[:, rank : rank + 1])
+            total = out if total is None else total.add_(out)
+        assert total is not None
         return total
 
     def add(self, x: torch.Tensor, residual: torch.Tensor, decodes: int = 0) -> torch.Tensor:
