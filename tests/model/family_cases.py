@@ -75,3 +75,26 @@ def prompt_and_greedy(runner: ModelRunner, prompt: list[int], steps: int) -> tup
 
 def random_prompt(n: int, seed: int, vocab: int = 49152) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def gguf_case(case: str) -> tuple[str, dict[str, Any]]:
+    """A case as its GGUF can hold it: the tiny vocabulary of the GGUF tests, a down projection of 256
+    inputs (a K-quant's super-block), for Gemma 3 a query_pre_attn_scalar of head_dim (llama.cpp keeps
+    no such key and takes head_dim), for SmolLM3 a NoPE interval of 4 (llama.cpp's fixed one)."""
+    from tests.model.gguf_families import tiny_vocabulary
+
+    family, overrides = CASES[case]
+    vocabulary = tiny_vocabulary(family)
+    overrides = {
+        **overrides,
+        "intermediate_size": 256,
+        "vocab_size": len(vocabulary),
+        "bos_token_id": vocabulary.bos,
+        "eos_token_id": vocabulary.eos,
+        "pad_token_id": vocabulary.eos if vocabulary.pad is None else vocabulary.pad,
+    }
+    if family == "gemma3":
+        overrides["query_pre_attn_scalar"] = overrides["head_dim"]
+    if family == "smollm3":
+        overrides["no_rope_layer_interval"] = 4
+    return family, overrides

@@ -9,6 +9,7 @@ import torch
 
 from kvserve.config import default_cache_dir
 from kvserve.model.loader import load_model
+from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 from tests.helpers import save_tiny_model
 from tests.model.family_cases import CASES, exact_runner, hf_logits, prompt_and_greedy, random_prompt
 
@@ -61,3 +62,40 @@ def test_phi3_takes_the_long_factors_past_its_pretraining_length(tmp_path: Any) 
     # The short factors give other logits: the test tells the two apart.
     short, _ = prompt_and_greedy(exact_runner(ours, max_positions=64), prompt[:60], 0)
     assert not torch.allclose(short, logits[:60], atol=1e-3)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layers_the_native_decoder_lacks_take_the_per_op_path(tmp_path: Any, case: str) -> None:
+    """With native products and attention, a family with layers the native decoder does not implement
+    (q/k norms, NoPE, partial rotary, post norms, GeGLU) gets no native decoder; its decodes run per op
+    and give a prefill's logits at the same position."""
+    family, overrides = CASES[case]
+    ours = load_model(save_tiny_model(str(tmp_path / case), family, **overrides), default_cache_dir())
+    runner = ModelRunner(ours, 32, 4, 64, "cpu", "float32", "q8_0", "native")
+    assert runner.transformer.decoder is None
+    prompt = random_prompt(21, seed=4)
+    table = list(range(8))
+    runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt[:-1], 0, table, False)]))
+    decode = runner.execute(ForwardBatch(decodes=[SequenceChunk(prompt[-1:], 20, table, True)])).sampled[0]
+    whole = runner.execute(
+        ForwardBatch(prefills=[SequenceChunk(prompt, 0, list(range(8, 16)), True)])
+    ).sampled
+    torch.testing.assert_close(decode, whole[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_llama_shaped_phi3_decodes_through_the_native_decoder_with_the_per_op_bits(tmp_path: Any) -> None:
+    """Phi-3 with full rotary and no scaling is Llama-shaped once its fused products are split: the native
+    decoder serves it, with the per-op path's bits."""
+    path = save_tiny_model(str(tmp_path / "phi3"), "phi3", tie_word_embeddings=False)
+    runner = ModelRunner(load_model(path, default_cache_dir()), 32, 4, 64, "cpu", "float32", "q8_0", "native")
+    assert runner.transformer.decoder is not None
+    prompt = random_prompt(21, seed=5)
+    table = list(range(8))
+    runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt[:-1], 0, table, False)]))
+    step = ForwardBatch(decodes=[SequenceChunk(prompt[-1:], 20, table, True)])
+    k, v = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
+    fused = runner.execute(step).sampled
+    runner.kv_cache.k.copy_(k)
+    runner.kv_cache.v.copy_(v)
+    runner.transformer.decoder = None
+    assert torch.equal(runner.execute(step).sampled, fused)

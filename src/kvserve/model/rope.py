@@ -6,11 +6,11 @@ from typing import Any
 
 import torch
 
-from kvserve.model.spec import ROPE_LOCAL, ModelConfig
+from kvserve.model.spec import ROPE_GLOBAL, ROPE_LOCAL, ModelConfig
 
 
 def inverse_frequencies(
-    config: ModelConfig, max_positions: int, kind_of_layer: str = "global"
+    config: ModelConfig, max_positions: int, kind_of_layer: str = ROPE_GLOBAL
 ) -> tuple[torch.Tensor, float]:
     """Per-pair rotation frequencies and the factor that scales cos/sin (1.0 except for YaRN and
     LongRoPE). `max_positions`: the longest context served (LongRoPE picks its factors by it)."""
@@ -105,7 +105,7 @@ class RotaryEmbedding:
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
-        kind_of_layer: str = "global",
+        kind_of_layer: str = ROPE_GLOBAL,
     ):
         inv_freq, scale = inverse_frequencies(config, max_positions, kind_of_layer)
         t = torch.arange(max_positions, dtype=torch.int64).float()

@@ -49,6 +49,10 @@ def _config(raw: Mapping[str, Any]) -> ModelConfig:
     )
     if config.rotary_dim % 2 or not 0 < config.rotary_dim <= config.head_dim:
         raise ValueError(f"partial_rotary_factor {factor} leaves no even rotary dimension")
+    scaling = config.rope_scaling_dict
+    for key in ("short_factor", "long_factor") if scaling.get("rope_type") == "longrope" else ():
+        if len(scaling.get(key) or ()) != config.rotary_dim // 2:
+            raise ValueError(f"longrope factors must number {config.rotary_dim // 2} (rotary dim / 2): {key}")
     return config
 
 

@@ -1,0 +1,59 @@
+"""Every family from a GGUF written in llama.cpp's tensor and metadata names: as F32, its logits at every
+prompt position and greedy tokens are transformers' on the same weights; as Q8_0 with Q6_K down
+projections, every product runs natively on the file's blocks and the logits are transformers' on the
+dequantized weights."""
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.model.loader import load_model
+from kvserve.model.quant_blocks import K8, Q8_0
+from kvserve.model.quant_linear import QuantLinear
+from tests.helpers import save_tiny_model
+from tests.model.family_cases import (
+    CASES,
+    exact_runner,
+    gguf_case,
+    hf_logits,
+    prompt_and_greedy,
+    random_prompt,
+)
+from tests.model.gguf_families import write_family_gguf
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["F32", "Q8_0+Q6_K"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_gguf_of_each_family_matches_transformers(tmp_path: Any, case: str, quantized: bool) -> None:
+    import transformers
+
+    family, overrides = gguf_case(case)
+    folder = save_tiny_model(str(tmp_path / case), family, **overrides)
+    path = str(tmp_path / f"{case}.gguf")
+    reference = write_family_gguf(folder, path, family, quantized)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    missing, unexpected = theirs.load_state_dict(reference, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing)
+    ours = load_model(path, str(tmp_path / "cache"))
+    assert ours.config.architecture == family
+    text = "Hello world, how are you?"
+    ids = ours.tokenizer.encode(text)
+    assert len(ids) < len(text) and ours.tokenizer.decode(ids) == text
+    runner = exact_runner(ours, 64 if family == "phi3" else 512, "gguf" if quantized else "float32")
+    transformer = runner.transformer
+    if quantized:
+        for layer in transformer.layers:
+            for product in (layer.qkv, layer.o, layer.gate, layer.up, layer.down):
+                assert isinstance(product, QuantLinear)
+            assert isinstance(layer.down, QuantLinear) and layer.down.weight.qtype == K8
+        assert isinstance(transformer.lm_head, QuantLinear) and transformer.lm_head.weight.qtype == Q8_0
+    prompt = random_prompt(37, seed=3, vocab=overrides["vocab_size"])
+    logits, tokens = prompt_and_greedy(runner, prompt, 6)
+    expected = hf_logits(theirs, prompt + tokens)[: len(prompt) + 6]
+    kind = "quantized" if quantized else "F32"
+    print(f"{case} {kind}: max abs logit error {(logits - expected).abs().max():.2e}")
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        greedy = theirs.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert tokens == greedy[0, len(prompt) :].tolist()
