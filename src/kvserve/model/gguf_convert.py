@@ -97,7 +97,10 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         if family.norm_offset and name.endswith("norm.weight"):
             # llama.cpp stores (offset + w); the folder keeps the checkpoint's w, as transformers reads it.
             w = (w.astype(np.float64) - family.norm_offset).astype(np.float32)
-        tensors[name] = w
+        try:
+            tensors.update(_per_expert(name, w))
+        except ValueError as e:
+            raise ModelLoadError(gguf_path, f"tensor {t.name}: {e}") from None
     if "model.embed_tokens.weight" not in tensors:
         raise ModelLoadError(gguf_path, "no token_embd.weight tensor: the file is incomplete")
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
@@ -130,20 +133,35 @@ def quantized_tensors(gguf_path: str) -> dict[str, QuantizedWeight]:
     for t in reader.tensors:
         name = _hf_name(family, t.name)
         qtype = int(t.tensor_type)
-        if name is None or qtype not in (*BLOCK_BYTES, *K_QUANTS) or len(t.shape) != 2:
+        if name is None or qtype not in (*BLOCK_BYTES, *K_QUANTS):
+            continue
+        # A matrix, or one per expert ([experts, rows, in]: the conversion refuses other shapes).
+        if len(t.shape) != (3 if "{expert}" in name else 2):
             continue
         n_in, n_out = int(t.shape[0]), int(t.shape[1])
         if n_in % (QK_K if qtype in K_QUANTS else QK):
             continue
-        rows = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.uint8).reshape(n_out, -1)
+        raw = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.uint8)
+        rows = raw.reshape(n_out, -1) if len(t.shape) == 2 else raw.reshape(int(t.shape[2]), n_out, -1)
         if family.gguf_permuted_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             n_head = heads.get("head_count", 0)
             rows = _unpermute(rows, n_head if "attn_q" in t.name else heads.get("head_count_kv", n_head))
-        if qtype in K_QUANTS:
-            out[name] = from_k_quant(rows, qtype, n_in)
-        else:
-            out[name] = QuantizedWeight(qtype, torch.from_numpy(np.array(rows)), n_in)
+        for part_name, part in _per_expert(name, rows):
+            if qtype in K_QUANTS:
+                out[part_name] = from_k_quant(part, qtype, n_in)
+            else:
+                out[part_name] = QuantizedWeight(qtype, torch.from_numpy(np.array(part)), n_in)
     return out
+
+
+def _per_expert(name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """`w` under its Hugging Face `name`; where the name holds `{expert}` (llama.cpp's 3-D `ffn_*_exps`:
+    [experts, rows, in]), one matrix per expert under the checkpoint's per-expert names."""
+    if "{expert}" not in name:
+        return [(name, w)]
+    if w.ndim != 3:
+        raise ValueError(f"a tensor of experts needs 3 dimensions [experts, rows, in], not {w.ndim}")
+    return [(name.format(expert=e), np.ascontiguousarray(w[e])) for e in range(w.shape[0])]
 
 
 def copy_tokenizer_fields(reader: Any, writer: Any) -> None:

@@ -17,6 +17,20 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP (Qwen3-MoE; kvserve.model.moe): `num_experts` SwiGLU experts of
+    `expert_intermediate_size`, `top_k` of them per token, their weights renormalized to sum to 1 when
+    `norm_topk_prob`. `sparse_layers` says for each layer whether its MLP is this block (else the dense
+    MLP of `intermediate_size`)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -50,6 +64,8 @@ class ModelConfig:
     local_rope_theta: float = 10000.0
     # The embedding rows are multiplied by sqrt(hidden_size), rounded to the compute dtype (Gemma).
     scale_embeddings: bool = False
+    # The mixture-of-experts MLP of the sparse layers; None: every layer's MLP is dense.
+    moe: MoeConfig | None = None
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None

@@ -12,10 +12,11 @@ from kvserve.model.families.llama import LLAMA, MISTRAL
 from kvserve.model.families.phi3 import PHI3
 from kvserve.model.families.qwen2 import QWEN2
 from kvserve.model.families.qwen3 import QWEN3
+from kvserve.model.families.qwen3_moe import QWEN3_MOE
 from kvserve.model.families.smollm3 import SMOLLM3
 from kvserve.model.spec import ModelConfig
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3, PHI3, GEMMA3)
 
 
 def family_named(name: str) -> Family:

@@ -1,0 +1,115 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE: a router picks `top_k` experts per token, and the
+token's MLP output is the sum of those experts' SwiGLU outputs, each weighted by its routing probability.
+
+A step groups its rows by expert: every (token, expert) pair is sorted by expert, each chosen expert
+runs once on the rows that chose it, and an expert that no row chose is never read. That is what makes a
+MoE decode cheap: a token reads top_k of the experts' bytes, not all of them.
+
+Batch invariance, as every product in kvserve keeps it (docs/design.md, Forward pass): a row's output is
+bitwise the same alone or in any batch.
+- The router's logits are each a float32 product and sum over the row alone (`router_logits`), not a
+  GEMM, whose kernel, hence its last bits, changes with the batch; the routing choices must not flip
+  with the batch. Ties between experts go to the lower expert id (a stable sort).
+- An expert's products are the model's Linear products on the rows gathered for it; the native block
+  products (and the float16 and int8 ones) give a row the same bits in any batch. The gathered rows keep
+  their step order, so the step's decode rows stay in front and each expert is told how many it got.
+- A row's top_k outputs are added in the order of their rank (highest probability first), never in the
+  order the experts happen to run in the step, and then added to the residual.
+"""
+
+import torch
+
+from kvserve.model.mlp import GatedMlp, Mlp
+
+# Bytes of float32 products the router computes at once: bounds its scratch at any step size.
+_ROUTER_CHUNK_BYTES = 4 << 20
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] @ weight [experts, hidden].T, each logit summed over its own row's products, so that
+    it does not depend on the other rows (a matmul kernel's summation order does)."""
+    rows, hidden = x.shape
+    experts = weight.shape[0]
+    out = torch.empty((rows, experts), dtype=x.dtype, device=x.device)
+    chunk = max(1, _ROUTER_CHUNK_BYTES // (experts * hidden * x.element_size()))
+    for start in range(0, rows, chunk):
+        part = x[start : start + chunk]
+        torch.sum(part.unsqueeze(1) * weight, dim=-1, out=out[start : start + part.shape[0]])
+    return out
+
+
+def route(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's chosen experts [T, top_k] (int64, highest probability first) and their weights
+    [T, top_k] in x's dtype: the softmax over every expert, in float32, of the chosen ones, renormalized
+    to sum to 1 when `norm_topk_prob`."""
+    probs = torch.softmax(router_logits(x, weight), dim=-1, dtype=torch.float32)
+    top, chosen = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top, chosen = top[:, :top_k], chosen[:, :top_k]
+    if norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return chosen, top.to(x.dtype)
+
+
+class SparseMoe(Mlp):
+    """The MoE MLP of one layer. `router` [experts, hidden] in the compute dtype (kept exact: routing
+    choices are discrete, and llama.cpp keeps it unquantized too); `experts` (each a dense gated MLP) in
+    expert id order."""
+
+    def __init__(
+        self, router: torch.Tensor, experts: list[GatedMlp], top_k: int, norm_topk_prob: bool
+    ) -> None:
+        if router.dim() != 2 or router.shape[0] != len(experts):
+            raise ValueError(f"a router of shape {tuple(router.shape)} for {len(experts)} experts")
+        if not 0 < top_k <= len(experts):
+            raise ValueError(f"top_k {top_k} must be between 1 and the {len(experts)} experts")
+        self.router = router.contiguous()
+        self.experts = experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        """The MLP output [T, hidden] of x [T, hidden], whose first `decodes` rows are one-token rows."""
+        rows, hidden = x.shape
+        k = self.top_k
+        chosen, weights = route(x, self.router, k, self.norm_topk_prob)
+        if rows == 1:
+            return self._one_row(x, chosen, weights, decodes)
+        # Pair p = token * k + rank. A stable sort by expert keeps each expert's pairs in token order, so
+        # the decode rows (tokens below `decodes`) come first in every expert's group.
+        flat = chosen.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        decode_counts = torch.bincount(flat[: decodes * k], minlength=len(self.experts)).tolist()
+        gathered = x.index_select(0, order // k)
+        scaled = torch.empty((rows * k, hidden), dtype=x.dtype, device=x.device)
+        start = 0
+        for expert, count, expert_decodes in zip(self.experts, counts, decode_counts, strict=True):
+            if count:
+                end = start + count
+                out = expert(gathered[start:end], expert_decodes)
+                scaled[start:end] = out.mul_(weights.reshape(-1, 1)[order[start:end]])
+                start = end
+        # Back to pair order, then each row's experts summed by rank.
+        by_pair = torch.empty_like(scaled).index_copy_(0, order, scaled).view(rows, k, hidden)
+        total = by_pair[:, 0].clone()
+        for rank in range(1, k):
+            total.add_(by_pair[:, rank])
+        return total
+
+    def _one_row(
+        self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, decodes: int
+    ) -> torch.Tensor:
+        """A lone row (a step of one decode) without the grouping's dozen ops; the same operations on
+        its row as in a batch, so the same bits."""
+        total: torch.Tensor | None = None
+        for rank, e in enumerate(chosen[0].tolist()):
+            out = self.experts[e](x, decodes).mul_(weights[:, rank : rank + 1])
+            total = out if total is None else total.add_(out)
+        assert total is not None
+        return total
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        """residual + moe(x)"""
+        return self(x, decodes).add_(residual)
