@@ -21,14 +21,17 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
-from kvserve.errors import ConfigError
+from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.model.tokenizer import TemplateArgs
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.chat_setup import chat_setup, read_chat_template
+from kvserve.server.prompts import RESERVED_TEMPLATE_NAMES, template_kwargs
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
 from kvserve.server.tool_formats import FORMATS, ToolFormat
 from kvserve.server.tool_formats.layout import CallLayout
@@ -421,3 +424,30 @@ def test_a_format_whose_markup_the_tokenizer_holds_as_special_tokens_keeps_them(
     im_start = ToolFormat("im", CallLayout(open="<|im_start|>["), markers=("<|im_start|>",))
     with patch.dict(FORMATS, {"hermes": im_start}):
         assert chat_setup(default_tokenizer, chat_templates.QWEN3, "hermes", "auto").keep_special_tokens
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.dictionaries(st.text(max_size=70), _JSON_VALUES, max_size=40))
+def test_chat_template_kwargs_are_accepted_within_bounds_or_refused_with_a_400(raw: dict[str, Any]) -> None:
+    try:
+        checked = template_kwargs(raw)
+    except InvalidRequestError as e:
+        assert e.param == "chat_template_kwargs"
+        return
+    assert checked == raw and len(raw) <= 32 and len(json.dumps(raw)) <= 8192
+    assert not set(raw) & RESERVED_TEMPLATE_NAMES and not any(k.endswith("_token") for k in raw)
+
+
+def test_deeply_nested_chat_template_kwargs_are_refused() -> None:
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(InvalidRequestError):
+        template_kwargs({"x": deep})

@@ -94,7 +94,11 @@ def template_kwargs(raw: Mapping[str, Any] | None) -> dict[str, Any]:
                 "server's",
                 "chat_template_kwargs",
             )
-    if len(json.dumps(raw)) > MAX_TEMPLATE_KWARGS_CHARS:
+    try:
+        size = len(json.dumps(raw))
+    except (ValueError, RecursionError):
+        size = MAX_TEMPLATE_KWARGS_CHARS + 1
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
         raise InvalidRequestError(
             f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON",
             "chat_template_kwargs",
