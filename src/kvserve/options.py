@@ -10,6 +10,11 @@ from kvserve.credentials import check_url_without_password
 from kvserve.errors import ConfigError
 from kvserve.flags import option
 
+# Kept here, below the server, so that the command line offers them without importing it; the server's
+# registries (server/tool_formats, server/chat_setup.py) hold the same names.
+TOOL_CALL_FORMATS = ("auto", "generic", "phi4", "mistral", "hermes", "llama3_json")
+REASONING_PARSERS = ("auto", "off", "think")
+
 
 def parse_origins(text: str) -> tuple[str, ...]:
     """A JSON list (as vLLM takes it) or a comma-separated list of origins."""
@@ -110,6 +115,24 @@ class ServerOptions:
         env="KVSERVE_TENANT_SECRET_FILE",
         metavar="FILE",
     )
+    chat_template: str | None = option(
+        None,
+        "a file holding a Jinja chat template to use instead of the model's own",
+        metavar="FILE",
+    )
+    tool_call_format: str = option(
+        "auto",
+        "how tools and tool calls are written: 'auto' takes the chat template's own format when it renders "
+        "tools (Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS], Phi-4 <|tool_call|>), else "
+        "the generic format (default %(default)s)",
+        choices=TOOL_CALL_FORMATS,
+    )
+    reasoning_parser: str = option(
+        "auto",
+        "split <think>...</think> off replies as reasoning_content: 'auto' when the chat template mentions "
+        "<think> (default %(default)s)",
+        choices=REASONING_PARSERS,
+    )
     launch_nonce: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -130,5 +153,9 @@ class ServerOptions:
             raise ConfigError("max_in_flight_per_tenant must be positive")
         if not 1 <= self.preparation_threads <= 1024:
             raise ConfigError("preparation_threads must be between 1 and 1024")
+        if self.tool_call_format not in TOOL_CALL_FORMATS:
+            raise ConfigError(f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
         if not 1 <= self.max_preparing_per_tenant <= self.preparation_threads:
             raise ConfigError("max_preparing_per_tenant must be between 1 and preparation_threads")

@@ -23,7 +23,8 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
-from kvserve.server.tools import ToolCallStream, call_text, complete_calls, parse_calls
+from kvserve.server.tool_formats.generic import GENERIC
+from kvserve.server.tool_formats.stream import CallStream
 from tests.server.live import Server, assert_no_leak
 
 NAME = "m"
@@ -232,12 +233,17 @@ def test_calls_cut_short_by_max_tokens_keep_the_complete_ones(client: openai.Ope
 
 
 def test_a_reply_cut_short_keeps_the_calls_it_completed() -> None:
-    calls = [call_text("get_weather", '{"city":"Oslo"}'), call_text("get_time", '{"zone":"UTC"}')]
+    calls = [
+        GENERIC.layout.call_text("get_weather", '{"city":"Oslo"}'),
+        GENERIC.layout.call_text("get_time", '{"zone":"UTC"}'),
+    ]
     text = "\n".join(calls)
     for cut in range(len(text) + 1):
         done = [c for c in calls if len(text[:cut]) >= text.index(c) + len(c)]
-        assert [call_text(c.name, c.arguments) for c in complete_calls(text[:cut])] == done
-    assert complete_calls("Hello <tool_call>") == []
+        assert [
+            GENERIC.layout.call_text(c.name, c.arguments) for c in GENERIC.layout.complete_calls(text[:cut])
+        ] == done
+    assert GENERIC.layout.complete_calls("Hello <tool_call>") == []
 
 
 def _streamed_calls(client: openai.OpenAI, **kwargs: Any) -> tuple[list[dict[str, Any]], str | None, Any]:
@@ -334,15 +340,21 @@ def test_auto_may_answer_in_text_or_with_calls(client: openai.OpenAI) -> None:
 
 def test_the_generic_format_parses_and_streams_like_openai() -> None:
     args = ['{"city":"Oslo}</tool_call>"}', '{"zone":"UTC"}']
-    text = call_text("get_weather", args[0]) + "\n" + call_text("get_time", args[1])
-    calls = parse_calls(text)
+    text = (
+        GENERIC.layout.call_text("get_weather", args[0])
+        + "\n"
+        + GENERIC.layout.call_text("get_time", args[1])
+    )
+    calls = GENERIC.layout.parse_calls(text)
     assert calls is not None and [(c.name, c.arguments) for c in calls] == [
         ("get_weather", args[0]),
         ("get_time", args[1]),
     ]
-    assert parse_calls("Hello") is None and parse_calls(text + "trailing") is None
+    assert (
+        GENERIC.layout.parse_calls("Hello") is None and GENERIC.layout.parse_calls(text + "trailing") is None
+    )
     for size in (1, 3, 7, len(text)):
-        stream = ToolCallStream()
+        stream = CallStream(GENERIC.layout)
         got: dict[int, dict[str, str]] = {}
         for i in range(0, len(text), size):
             for d in stream.push(text[i : i + size]).get("tool_calls", []):
@@ -354,7 +366,7 @@ def test_the_generic_format_parses_and_streams_like_openai() -> None:
             ("get_time", args[1]),
         ]
         assert stream.num_calls == 2
-    plain = ToolCallStream()
+    plain = CallStream(GENERIC.layout)
     assert plain.push("Hi") == {"content": "Hi"} and plain.push(" there") == {"content": " there"}
 
 

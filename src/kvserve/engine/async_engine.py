@@ -46,7 +46,7 @@ from kvserve.engine.snapshot import CacheView, PinView, Snapshot, pin_view, take
 from kvserve.engine.validation import CheckedPrompt, TooManySequencesError, check_sequences
 from kvserve.errors import EngineOverloadedError, KVServeError
 from kvserve.model import openmp
-from kvserve.model.tokenizer import MessageDict
+from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, MessageDict, TemplateArgs
 
 log = logging.getLogger("kvserve.engine")
 
@@ -201,11 +201,24 @@ class AsyncEngine:
         return self.engine.validate_request(prompts, params, namespace)
 
     def encode_chat(
-        self, messages: Sequence[MessageDict], namespace: str = "", add_generation_prompt: bool = True
+        self,
+        messages: Sequence[MessageDict],
+        namespace: str = "",
+        add_generation_prompt: bool = True,
+        args: TemplateArgs = NO_TEMPLATE_ARGS,
     ) -> list[int]:
         """A conversation's token ids, earlier replies in `namespace` spliced in as their generated ids
-        (engine/chat.py); off the event loop for a long chat."""
-        return encode_chat(self.tokenizer, self.engine.replies, messages, namespace, add_generation_prompt)
+        (engine/chat.py); off the event loop for a long chat. `args` carries the template, the tools
+        and the template variables when they are not the tokenizer's defaults."""
+        return encode_chat(
+            self.tokenizer, self.engine.replies, messages, namespace, add_generation_prompt, args
+        )
+
+    def remember_reply_part(self, namespace: str, part: str, whole: str) -> None:
+        """Remember that the reply `whole` came back to its client as `part` (its content after its think
+        block), so that a later turn that renders the block again splices the whole reply's ids
+        (engine/reply_memory.py). Any thread: the memory has its own lock."""
+        self.engine.replies.remember_part(namespace, part, whole)
 
     async def generate(
         self,

@@ -13,7 +13,7 @@ from jinja2 import TemplateError
 
 from kvserve.engine.reply_memory import ReplyMemory
 from kvserve.errors import InvalidRequestError
-from kvserve.model.tokenizer import MessageDict, Tokenizer
+from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, MessageDict, TemplateArgs, Tokenizer
 
 
 def encode_chat(
@@ -22,14 +22,20 @@ def encode_chat(
     messages: Sequence[MessageDict],
     namespace: str = "",
     add_generation_prompt: bool = True,
+    args: TemplateArgs = NO_TEMPLATE_ARGS,
 ) -> list[int]:
     """Token ids of a conversation, earlier replies spliced in as their generated ids; a conversation
-    the template cannot render is an InvalidRequestError on `messages`."""
+    the template cannot render is an InvalidRequestError on `messages`.
+
+    A template is a program run over the client's data (its messages, tools and template variables): a
+    variable of an unexpected type makes a template raise TypeError or the like, which is the request's
+    fault as much as a TemplateError is."""
     try:
         return tokenizer.encode_chat(
             messages,
             add_generation_prompt,
-            known_reply=lambda text: replies.lookup(namespace, text),
+            known_reply=lambda text: replies.lookup_reply(namespace, text),
+            args=args,
         )
-    except (ValueError, TemplateError) as e:
+    except (ValueError, TemplateError, TypeError, AttributeError, LookupError, RecursionError) as e:
         raise InvalidRequestError(f"The chat template cannot render these messages: {e}", "messages") from e

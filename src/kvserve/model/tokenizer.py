@@ -6,15 +6,31 @@ re-tokenizing a reply's text can never break the cached prefix of a conversation
 
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
-# One message of a conversation as the chat template takes it: {"role": ..., "content": ...}. The
-# server's request model of a message is server/protocol.py's ChatMessage.
-MessageDict = dict[str, str]
+# One message of a conversation as the chat template takes it: {"role": ..., "content": ...}, and for a
+# template that knows them, "tool_call_id", "name" or "reasoning_content". The server's request model of
+# a message is server/protocol.py's ChatMessage.
+MessageDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TemplateArgs:
+    """What a chat template gets besides the messages: `source`, a template to use instead of the
+    tokenizer's own; `tools`, OpenAI's tool list for a template that renders tools; `kwargs`, the
+    template's own variables (a request's chat_template_kwargs, e.g. enable_thinking)."""
+
+    source: str | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+NO_TEMPLATE_ARGS = TemplateArgs()
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -32,7 +48,20 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
-ReplyLookup = Callable[[str], Sequence[int] | None]
+
+
+@dataclass(frozen=True)
+class KnownReply:
+    """The ids generated for a reply that an assistant message's content ends: `lead` is the reply's text
+    before that content (a think block the client sent apart, as reasoning_content), which `ids` cover
+    too; empty when the content is the whole reply. The ids go in where the template renders the lead
+    right before the content, as it was generated."""
+
+    ids: Sequence[int]
+    lead: str = ""
+
+
+ReplyLookup = Callable[[str], Sequence[int] | KnownReply | None]
 
 
 class Tokenizer:
@@ -60,6 +89,19 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own chat template's source (the default one when it has several)."""
+        template = self._hf.chat_template
+        if isinstance(template, dict):
+            template = template.get("default")
+        return template if isinstance(template, str) else None
+
+    @property
+    def special_tokens(self) -> frozenset[str]:
+        """The texts of the tokens that decoding drops under skip_special_tokens."""
+        return frozenset(str(t) for t in self._hf.all_special_tokens)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
 
@@ -80,11 +122,21 @@ class Tokenizer:
         """A token's own text, as logprobs show it (an incomplete UTF-8 piece becomes U+FFFD)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: Sequence[MessageDict], add_generation_prompt: bool = True) -> str:
-        if not self.has_chat_template:
+    def render_chat(
+        self,
+        messages: Sequence[MessageDict],
+        add_generation_prompt: bool = True,
+        args: TemplateArgs = NO_TEMPLATE_ARGS,
+    ) -> str:
+        if args.source is None and not self.has_chat_template:
             raise ValueError("this model has no chat template; use completions with a plain prompt")
         text = self._hf.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages),
+            tools=None if args.tools is None else list(args.tools),
+            chat_template=args.source,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **args.kwargs,
         )
         return str(text)
 
@@ -93,38 +145,49 @@ class Tokenizer:
         messages: Sequence[MessageDict],
         add_generation_prompt: bool = True,
         known_reply: ReplyLookup | None = None,
+        args: TemplateArgs = NO_TEMPLATE_ARGS,
     ) -> list[int]:
         """Token ids of the rendered conversation.
 
         Where `known_reply(content)` returns the ids the engine generated for an assistant message, those
         ids are spliced in verbatim, at that message and nowhere else (a user message may quote the
         reply); the text between such replies is tokenized on its own, which is how the original request
-        saw it (its prompt ended where the reply began).
+        saw it (its prompt ended where the reply began). A reply known with a lead (its think block) is
+        spliced with it where the template renders the lead just before the content.
         """
-        text = self.render_chat(messages, add_generation_prompt)
-        replies: dict[int, Sequence[int]] = {}
+        text = self.render_chat(messages, add_generation_prompt, args)
+        replies: dict[int, KnownReply] = {}
         if known_reply is not None:
             for i, message in enumerate(messages):
                 content = message.get("content", "")
-                if message.get("role") == "assistant" and content:
+                if message.get("role") == "assistant" and content and isinstance(content, str):
                     reply = known_reply(content)
                     if reply is not None:
-                        replies[i] = reply
-        pieces = self._split_at_replies(messages, replies, add_generation_prompt, text)
+                        replies[i] = reply if isinstance(reply, KnownReply) else KnownReply(reply)
+        pieces = self._split_at_replies(messages, replies, add_generation_prompt, text, args)
         if pieces is None:
             return self.encode(text, add_special_tokens=False)
-        ids = self.encode(pieces[0], add_special_tokens=False)
+        ids: list[int] = []
+        pending = pieces[0]
         for i, after in zip(sorted(replies), pieces[1:], strict=True):
-            ids += replies[i]
-            ids += self.encode(after, add_special_tokens=False)
-        return ids
+            reply = replies[i]
+            if pending.endswith(reply.lead):
+                ids += self.encode(pending[: len(pending) - len(reply.lead)], add_special_tokens=False)
+                ids += reply.ids
+                pending = after
+            else:
+                # The template did not render the reply's lead (it dropped the think block): the content
+                # stays text, tokenized with what surrounds it.
+                pending += messages[i]["content"] + after
+        return ids + self.encode(pending, add_special_tokens=False)
 
     def _split_at_replies(
         self,
         messages: Sequence[MessageDict],
-        replies: dict[int, Sequence[int]],
+        replies: dict[int, KnownReply],
         add_generation_prompt: bool,
         text: str,
+        args: TemplateArgs,
     ) -> list[str] | None:
         """The rendered text around each reply's content, found by rendering a unique marker in its place.
 
@@ -135,7 +198,9 @@ class Tokenizer:
             return None
         marker = f"\x00kvserve-reply-{uuid.uuid4().hex}-"
         marked = [{**m, "content": f"{marker}{i}\x00"} if i in replies else m for i, m in enumerate(messages)]
-        parts = re.split(re.escape(marker) + r"(\d+)\x00", self.render_chat(marked, add_generation_prompt))
+        parts = re.split(
+            re.escape(marker) + r"(\d+)\x00", self.render_chat(marked, add_generation_prompt, args)
+        )
         order = [int(i) for i in parts[1::2]]
         pieces = parts[0::2]
         if order != sorted(replies):

@@ -31,6 +31,7 @@ from kvserve.server.auth import (
     stats_scope,
 )
 from kvserve.server.cache_views import cache_status
+from kvserve.server.chat_setup import chat_setup, read_chat_template
 from kvserve.server.context import ServerContext, check_model
 from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
 from kvserve.server.errors import APIError, install_error_handlers
@@ -167,10 +168,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     check_model(ctx, body.model)
     check_chat(body)
     namespace = cache_namespace(request, body.cache_salt)
-    fmt = ChatFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs, bool(body.tools))
     tenant = caller(request).tenant.name
     with ctx.async_engine.reserve(tenant, 1, body.n) as room:
         plan = await ctx.preparation.run(tenant, chat_plan, ctx, body, namespace)
+        fmt = ChatFormat(
+            LogprobRenderer(ctx.async_engine.tokenizer),
+            body.logprobs,
+            ctx.chat.tools.layout if body.tools else None,
+            ctx.chat.reasoning,
+            plan.opens_reasoning,
+            plan.tool_names,
+        )
         return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
@@ -233,6 +241,8 @@ async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> Tok
             body.messages,
             namespace,
             body.add_generation_prompt,
+            None,
+            ctx.chat,
         )
     else:
         prompt = body.prompt or ""
@@ -296,6 +306,12 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
     elif options.admin_key is not None:
         tenants.set_admin_key(options.admin_key)
     name = options.served_model_name or async_engine.model_name
+    chat = chat_setup(
+        async_engine.tokenizer,
+        read_chat_template(options.chat_template),
+        options.tool_call_format,
+        options.reasoning_parser,
+    )
     dashboard = Dashboard(StatsHistory.empty(), options.dashboard_show_text)
     preparation = PreparationPool(options.preparation_threads, options.max_preparing_per_tenant)
 
@@ -326,6 +342,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         in_flight=InFlightLimiter(options.max_in_flight_per_tenant),
         prompt_guard=PromptGuard(async_engine.max_model_len, async_engine.tokenizer.max_token_chars()),
         preparation=preparation,
+        chat=chat,
     )
     app.state.dashboard = dashboard
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.options import ServerOptions
+from kvserve.server.chat_setup import ChatSetup
 from kvserve.server.errors import APIError
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import InFlightLimiter
@@ -16,7 +17,8 @@ from kvserve.server.tenants import Tenants
 class ServerContext:
     """What every route needs: the engine's door, the served model's name and limits, metrics, the
     tenants (with the admin key) and the server's options, the two checks only the server makes
-    (`in_flight`, `prompt_guard`), and the threads that prepare requests, by tenant (`preparation`)."""
+    (`in_flight`, `prompt_guard`), the threads that prepare requests, by tenant (`preparation`), and the
+    chat template with its tool and reasoning formats (`chat`)."""
 
     async_engine: AsyncEngine
     model_name: str
@@ -28,6 +30,7 @@ class ServerContext:
     prompt_guard: PromptGuard
     options: ServerOptions
     preparation: PreparationPool
+    chat: ChatSetup
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:

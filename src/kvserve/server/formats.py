@@ -29,14 +29,9 @@ from kvserve.server.protocol import (
     ToolCall,
     Usage,
 )
-from kvserve.server.tools import (
-    ParsedCall,
-    ToolCallStream,
-    complete_calls,
-    is_call_text,
-    new_call_id,
-    parse_calls,
-)
+from kvserve.server.reasoning import ReasoningStream, split
+from kvserve.server.tool_formats.layout import CallLayout, ParsedCall
+from kvserve.server.tool_formats.stream import CallStream, new_call_id
 
 
 @dataclass(frozen=True)
@@ -97,6 +92,11 @@ class OutputFormat(Protocol):
 
     def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: Usage) -> BaseModel: ...
 
+    def reply_part(self, choice: Choice) -> str | None:
+        """What of a finished choice's text its client sends back as content, when that is not the
+        whole text (a reasoning reply without its think block)."""
+        ...
+
 
 def _tool_finish(reason: str | None, calls: bool) -> str | None:
     """OpenAI's finish reason for a reply that ended in tool calls."""
@@ -109,17 +109,38 @@ def _tool_calls(calls: Sequence[ParsedCall]) -> list[ToolCall]:
     ]
 
 
+@dataclass
+class _ChoiceStream:
+    """One streamed choice's parsers: its think block first, then its calls or content."""
+
+    reasoning: ReasoningStream | None
+    calls: CallStream | None
+
+
 class ChatFormat:
-    """With `tools`, replies made of tool calls (server/tools.py) become OpenAI `tool_calls`."""
+    """With `tools` (the server's call layout), replies made of tool calls become OpenAI `tool_calls`;
+    with `reasoning`, a reply's think block becomes `reasoning_content` (and `reasoning`, vLLM's newer
+    name), streamed as reasoning deltas before the content's. `opened`: the prompt opened the block. A
+    reply whose calls name a function not among `tool_names` (possible only unconstrained) is content."""
 
     id_prefix = "chatcmpl"
 
-    def __init__(self, renderer: LogprobRenderer, logprobs: bool, tools: bool = False) -> None:
+    def __init__(
+        self,
+        renderer: LogprobRenderer,
+        logprobs: bool,
+        tools: CallLayout | None = None,
+        reasoning: bool = False,
+        opened: bool = False,
+        tool_names: frozenset[str] | None = None,
+    ) -> None:
         self._renderer = renderer
         self._logprobs = logprobs
         self._tools = tools
-        # Per streamed choice: its text so far, parsed into content or tool-call deltas.
-        self._streams: dict[int, ToolCallStream] = {}
+        self._names = tool_names
+        self._reasoning = reasoning
+        self._opened = opened
+        self._streams: dict[int, _ChoiceStream] = {}
 
     def _render(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         return self._renderer.chat(entries) if self._logprobs else None
@@ -131,6 +152,11 @@ class ChatFormat:
             for c in choices
         ]
 
+    def _body_delta(self, stream: _ChoiceStream, text: str) -> dict[str, Any]:
+        if stream.calls is not None:
+            return stream.calls.push(text)
+        return {"content": text} if text else {}
+
     def chunk(
         self,
         ids: ResponseIds,
@@ -139,28 +165,54 @@ class ChatFormat:
         logprobs: Sequence[TokenLogprob],
         finish_reason: str | None,
     ) -> BaseModel:
-        delta: dict[str, Any] = {"content": text} if text else {}
-        if self._tools:
-            stream = self._streams.setdefault(choice.index, ToolCallStream())
-            delta = stream.push(text)
-            finish_reason = _tool_finish(finish_reason, stream.num_calls > 0)
+        stream = self._streams.setdefault(
+            choice.index,
+            _ChoiceStream(
+                ReasoningStream(self._opened) if self._reasoning else None,
+                CallStream(self._tools) if self._tools is not None else None,
+            ),
+        )
+        reasoning, body = ("", text) if stream.reasoning is None else stream.reasoning.push(text)
+        if finish_reason is not None and stream.reasoning is not None:
+            more_reasoning, more_body = stream.reasoning.finish()
+            reasoning += more_reasoning
+            body += more_body
+        delta: dict[str, Any] = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+        delta.update(self._body_delta(stream, body))
+        if stream.calls is not None:
+            finish_reason = _tool_finish(finish_reason, stream.calls.num_calls > 0)
         piece = ChatChunkChoice(
             index=choice.index, delta=delta, logprobs=self._render(logprobs), finish_reason=finish_reason
         )
         return self._chunk(ids, [piece])
 
+    def reply_part(self, choice: Choice) -> str | None:
+        if not self._reasoning:
+            return None
+        parts = split(choice.text, self._opened)
+        return parts.content if parts.reasoning is not None and parts.content else None
+
     def _message(self, choice: Choice) -> tuple[AssistantMessage, str | None]:
-        if not self._tools:
-            return AssistantMessage(content=choice.text), choice.finish_reason
-        if choice.finish_reason == "stop":
-            calls = parse_calls(choice.text)
+        parts = split(choice.text, self._opened) if self._reasoning else None
+        reasoning = None if parts is None else parts.reasoning
+        text = choice.text if parts is None else parts.content
+        message, finish = self._body(text, choice.finish_reason)
+        return message.model_copy(update={"reasoning_content": reasoning, "reasoning": reasoning}), finish
+
+    def _body(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+        content = text if text or not self._reasoning else None
+        layout = self._tools
+        if layout is None:
+            return AssistantMessage(content=content), finish_reason
+        if finish_reason == "stop":
+            calls = layout.parse_calls(text, self._names)
             if calls is not None:
                 return AssistantMessage(content=None, tool_calls=_tool_calls(calls)), "tool_calls"
-        elif choice.finish_reason == "length" and is_call_text(choice.text):
+        elif finish_reason == "length" and layout.is_call_text(text):
             # Cut short while calling: the calls it completed, never the markup of the unfinished one.
-            calls = complete_calls(choice.text)
+            calls = layout.complete_calls(text)
             return AssistantMessage(content=None, tool_calls=_tool_calls(calls) or None), "length"
-        return AssistantMessage(content=choice.text), choice.finish_reason
+        return AssistantMessage(content=content), finish_reason
 
     def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel:
         return self._chunk(ids, [], usage)
@@ -202,6 +254,9 @@ class CompletionFormat:
 
     def opening(self, ids: ResponseIds, choices: Sequence[Choice]) -> list[BaseModel]:
         return []
+
+    def reply_part(self, choice: Choice) -> str | None:
+        return None
 
     def _piece(
         self, choice: Choice, text: str, logprobs: Sequence[TokenLogprob], first: bool

@@ -21,13 +21,17 @@ from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import InvalidRequestError
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError
-from kvserve.server.prompts import chat_prompt, prompt_batch, text_prompt
+from kvserve.server.prompts import chat_prompt, prompt_batch, template_kwargs, text_prompt
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest, SamplingRequest
+from kvserve.server.reasoning import closes_reasoning, opens_reasoning
 from kvserve.server.structured import structured_outputs
-from kvserve.server.tools import constraint, tool_use
+from kvserve.server.tools import IN_THINK, MAY_THINK, NO_THINK, constraint, tool_use
 
 # The legacy completions route reports at most this many alternatives per token, as OpenAI's does.
 MAX_COMPLETION_LOGPROBS = 5
+# A prompt's last tokens that say whether its generation prompt opened a think block (`<think>\n`) or
+# closed one (`<think>\n\n</think>\n\n`).
+_PROMPT_TAIL_TOKENS = 8
 # A pin computes its prefix with one generated token, which leaves the whole prompt's KV in the cache.
 PIN_PREFILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -55,6 +59,10 @@ class RequestPlan:
     prompts: tuple[PlannedPrompt, ...]
     samples: tuple[SamplingParams, ...]
     namespace: str
+    # A chat whose prompt opened a think block: its replies start inside it.
+    opens_reasoning: bool = False
+    # A chat's tools, by name: only calls of these are its replies' tool calls.
+    tool_names: frozenset[str] | None = None
 
     @property
     def n(self) -> int:
@@ -123,17 +131,31 @@ def chat_plan(ctx: ServerContext, body: ChatCompletionRequest, namespace: str) -
         # Only completions' echo has a use for a reply of no tokens.
         raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
     tools = tool_use(body)
-    token_ids = chat_prompt(ctx.async_engine, ctx.prompt_guard, body.messages, namespace, True, tools)
+    kwargs = template_kwargs(body.chat_template_kwargs)
+    token_ids = chat_prompt(
+        ctx.async_engine, ctx.prompt_guard, body.messages, namespace, True, tools, ctx.chat, kwargs
+    )
+    tail = ctx.async_engine.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    opened = ctx.chat.reasoning and opens_reasoning(tail)
+    may_think = ctx.chat.reasoning and not closes_reasoning(tail)
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     tools_constrain = False
     if tools is not None and params.structured_outputs is None:
-        params = dataclasses.replace(params, structured_outputs=constraint(tools))
+        think = IN_THINK if opened else MAY_THINK if may_think else NO_THINK
+        params = dataclasses.replace(
+            params,
+            structured_outputs=constraint(tools, ctx.chat.tools.layout, think),
+            # The format's markup must stay in the text to be parsed, special tokens or not.
+            skip_special_tokens=params.skip_special_tokens and not ctx.chat.keep_special_tokens,
+        )
         tools_constrain = True
     elif tools is not None and tools.choice != "none":
         # With tool_choice "none" the request's own constraint applies; otherwise the tools' does.
         raise APIError(400, "tools cannot be combined with an output constraint.", param="tools")
     try:
-        return _plan(ctx, [token_ids], params, namespace)
+        plan = _plan(ctx, [token_ids], params, namespace)
+        names = None if tools is None else frozenset(t.name for t in tools.tools)
+        return dataclasses.replace(plan, opens_reasoning=opened, tool_names=names)
     except ConstraintRejected as e:
         if not tools_constrain:
             raise
@@ -170,7 +192,9 @@ def pin_plan(ctx: ServerContext, body: PinRequest, namespace: str) -> RequestPla
     """A pin's plan: the prefix to pin (rendered chat messages without the generation prompt, tokenized
     text or the ids given) as one prompt, with the params that compute its KV if it is not cached."""
     if body.messages is not None:
-        token_ids = chat_prompt(ctx.async_engine, ctx.prompt_guard, body.messages, namespace, False)
+        token_ids = chat_prompt(
+            ctx.async_engine, ctx.prompt_guard, body.messages, namespace, False, setup=ctx.chat
+        )
     elif isinstance(body.prompt, str):
         ctx.prompt_guard.check([body.prompt], "prompt")
         token_ids = text_prompt(ctx.async_engine.tokenizer, body.prompt)

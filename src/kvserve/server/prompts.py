@@ -5,14 +5,46 @@ the server can check: a text's characters, before it is rendered or tokenized. E
 tokens (their count, their range) is the engine's check (engine/validation.py).
 """
 
-from collections.abc import Sequence
+import json
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.errors import InvalidRequestError
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.tokenizer import TemplateArgs, Tokenizer
+from kvserve.server.chat_setup import ChatSetup
 from kvserve.server.protocol import ChatMessage
-from kvserve.server.tools import ToolUse, conversation
+from kvserve.server.tools import ToolUse, conversation, template_tools
+
+# chat_template_kwargs: template variables a client may set, within these bounds. The names the
+# renderer itself passes (or that change how it renders, not what) are not the client's to replace.
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_CHARS = 8192
+_KWARG_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+        "raise_exception",
+        "strftime_now",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +76,36 @@ class PromptGuard:
                     ) from None
 
 
+def template_kwargs(raw: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs, checked: at most MAX_TEMPLATE_KWARGS names, each an identifier
+    that is not reserved (nor a special token's, `*_token`), all of it at most MAX_TEMPLATE_KWARGS_CHARS
+    as JSON."""
+    if not raw:
+        return {}
+    if len(raw) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequestError(
+            f"chat_template_kwargs may set at most {MAX_TEMPLATE_KWARGS} variables", "chat_template_kwargs"
+        )
+    for name in raw:
+        if not _KWARG_NAME.fullmatch(name) or name in RESERVED_TEMPLATE_NAMES or name.endswith("_token"):
+            raise InvalidRequestError(
+                f"chat_template_kwargs cannot set {name[:64]!r}: a variable is a name of letters, digits "
+                "and underscores, and the messages, tools, generation prompt and special tokens are the "
+                "server's",
+                "chat_template_kwargs",
+            )
+    try:
+        size = len(json.dumps(raw))
+    except (ValueError, RecursionError):
+        size = MAX_TEMPLATE_KWARGS_CHARS + 1
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
+        raise InvalidRequestError(
+            f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON",
+            "chat_template_kwargs",
+        )
+    return dict(raw)
+
+
 def chat_prompt(
     async_engine: AsyncEngine,
     guard: PromptGuard,
@@ -51,19 +113,29 @@ def chat_prompt(
     namespace: str,
     add_generation_prompt: bool = True,
     tools: ToolUse | None = None,
+    setup: ChatSetup | None = None,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation (with its tools, calls and results in the generic format of
-    server/tools.py); earlier replies of this engine come back as their exact ids, so the next turn of
-    a chat finds its whole history in the prefix cache.
+    """Token ids of a conversation (with its tools, calls and results in the server's tool format,
+    server/tools.py, and the template variables `kwargs`); earlier replies of this engine come back as
+    their exact ids, so the next turn of a chat finds its whole history in the prefix cache.
 
     The guard reads the turns as rendered, so every text the request carries counts before anything is
-    tokenized: contents and their parts, calls' arguments and tool results (param `messages`), then the
-    tools' names, descriptions and schemas (param `tools`)."""
-    guard.check([turn["content"] for turn in conversation(messages, None)], "messages")
-    turns = conversation(messages, tools)
+    tokenized: contents and their parts, calls' arguments, reasoning and tool results (param
+    `messages`), then the tools' names, descriptions and schemas (param `tools`)."""
+    setup = setup or ChatSetup()
+    plain = conversation(messages, None, setup.tools)
+    guard.check([t.get("content", "") + t.get("reasoning_content", "") for t in plain], "messages")
+    turns = conversation(messages, tools, setup.tools)
+    listed = None
     if tools is not None:
-        guard.check([turn["content"] for turn in turns], "tools")
-    return async_engine.encode_chat(turns, namespace, add_generation_prompt)
+        if setup.tools.in_template:
+            listed = template_tools(tools)
+            guard.check([json.dumps(listed)], "tools")
+        else:
+            guard.check([turn["content"] for turn in turns], "tools")
+    args = TemplateArgs(source=setup.template, tools=listed, kwargs=dict(kwargs or {}))
+    return async_engine.encode_chat(turns, namespace, add_generation_prompt, args)
 
 
 def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

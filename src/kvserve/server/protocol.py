@@ -52,6 +52,10 @@ class ChatMessage(OpenAIRequest):
     content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     tool_call_id: str | None = None
+    # An assistant message's reasoning as this server returned it (vLLM's two names for it), passed to
+    # a template that renders it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @property
     def text(self) -> str:
@@ -112,6 +116,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    # Variables for the chat template (e.g. {"enable_thinking": false}), checked by server/prompts.py.
+    chat_template_kwargs: dict[str, Any] | None = None
     # The legacy function-calling fields, refused by name.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -175,6 +181,9 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
+    # A reasoning model's think block, under vLLM's older and newer names.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class TopLogprob(BaseModel):

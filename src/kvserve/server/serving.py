@@ -205,12 +205,25 @@ def _sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+def _remember_parts(
+    ctx: ServerContext, fmt: OutputFormat, generations: Sequence[Generation], namespace: str
+) -> None:
+    """Tell the reply memory which finished replies come back to their clients as a part (the content
+    after a think block), so that a later turn that renders the block again reads their KV."""
+    for g in generations:
+        part = fmt.reply_part(g.choice) if g.choice.finish_reason is not None else None
+        if part is not None:
+            ctx.async_engine.remember_reply_part(namespace, part, g.choice.text)
+
+
 async def _events(
+    ctx: ServerContext,
     request: Request,
     generations: Sequence[Generation],
     fmt: OutputFormat,
     ids: ResponseIds,
     include_usage: bool,
+    namespace: str,
 ) -> AsyncGenerator[str, None]:
     # OpenAI's chunks carry "usage": null until the last one when usage is asked for, and no key otherwise.
     exclude = None if include_usage else {"usage"}
@@ -227,6 +240,7 @@ async def _events(
                     chunk = fmt.chunk(ids, g.choice, delta.text, held, delta.finish_reason)
                     yield _sse(chunk.model_dump_json(exclude=exclude))
                     held.clear()
+        _remember_parts(ctx, fmt, generations, namespace)
         if include_usage:
             yield _sse(fmt.usage_chunk(ids, usage(generations)).model_dump_json())
     except Exception as exc:
@@ -314,7 +328,9 @@ async def respond(
             )
     await cancel_on_disconnect(request, _start_all(generations))
     if stream:
-        return EventStreamResponse(_events(request, generations, fmt, ids, include_usage), generations)
+        events = _events(ctx, request, generations, fmt, ids, include_usage, plan.namespace)
+        return EventStreamResponse(events, generations)
     choices = await cancel_on_disconnect(request, _run_all(generations))
+    _remember_parts(ctx, fmt, generations, plan.namespace)
     result = fmt.response(ids, choices, usage(generations))
     return Response(result.model_dump_json(), media_type="application/json")

@@ -1,7 +1,10 @@
-"""OpenAI tools on any chat model: a generic text format, a grammar that enforces it, and its parsing.
+"""OpenAI tools on any chat model: the request's tools checked, rendered in the model's format, and the
+grammar that constrains the reply to it.
 
-The default model's chat template knows no tools, so tools travel as text (the format of README.md,
-*Tools*):
+The format is the server's (server/chat_setup.py, one of server/tool_formats). A template that renders
+tools gets them as its `tools` variable, the calls as the assistant's text written exactly as the
+constrained model writes them, and the results as `tool` messages. Otherwise tools travel as text in
+the generic format (README.md, *Tools*):
 
 - the tools are listed in the system prompt, one JSON object per line (`TOOLS_HEADER` and `CALL_HOWTO`);
 - a call is one line, `<tool_call>{"name": "NAME", "arguments": ARGS}</tool_call>`, where ARGS is
@@ -10,39 +13,38 @@ The default model's chat template knows no tools, so tools travel as text (the f
   result of consecutive `tool` messages.
 
 Decoding is constrained (a Lark grammar with the schemas embedded, engine/grammar.py): `required` and a
-named function produce exactly calls, `auto` produces calls or plain text that does not start with `<`,
-`none` only such text. The tools are listed whatever the choice, so that every turn of a conversation
-starts with the same system prompt and finds it in the prefix cache.
-An assistant message with `tool_calls` renders back as the very text that was generated (the arguments
-string is the generated one), so the reply memory finds its ids and turn 2 hits turn 1's KV.
+named function produce exactly calls, `auto` produces calls or plain text that does not start as calls
+do, `none` only such text; with reasoning on, a think block may come first. The tools are listed
+whatever the choice, so that every turn of a conversation starts with the same prompt and finds it in
+the prefix cache. An assistant message with `tool_calls` renders back as the very text that was
+generated (the arguments string is the generated one), so the reply memory finds its ids and turn 2
+hits turn 1's KV.
 """
 
 import json
 import re
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.grammar import StructuredOutputs
 from kvserve.errors import InvalidRequestError
+from kvserve.model.tokenizer import MessageDict
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.server.reasoning import THINK_CLOSE, THINK_OPEN, THINK_SEP
+from kvserve.server.tool_formats import ToolFormat
+from kvserve.server.tool_formats.layout import NAME_PATTERN, CallLayout, ParsedCall
 
 CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
 RESPONSE_OPEN = "<tool_response>"
 RESPONSE_CLOSE = "</tool_response>"
 TOOLS_HEADER = "# Tools\n\nYou may call these functions (JSON Schema signatures, one per line):\n"
 CALL_HOWTO = (
     "\nTo call functions, reply with one line per call and nothing else:\n"
-    f'{CALL_OPEN}{{"name": "<function name>", "arguments": <arguments as JSON>}}{CALL_CLOSE}\n'
+    f'{CALL_OPEN}{{"name": "<function name>", "arguments": <arguments as JSON>}}</tool_call>\n'
     f"Results come back as {RESPONSE_OPEN}...{RESPONSE_CLOSE}."
 )
-# OpenAI's rule for function names; it also keeps names free of JSON escapes.
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_HEAD = re.compile(re.escape(CALL_OPEN) + r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
-_TAIL = "}" + CALL_CLOSE
-_JSON = json.JSONDecoder()
+_NAME = re.compile(NAME_PATTERN)
 MAX_TOOLS = 128
 
 
@@ -107,11 +109,6 @@ def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
     return ToolUse(tools, str(choice), body.parallel_tool_calls)
 
 
-def call_text(name: str, arguments: str) -> str:
-    """One call as the model writes it; `arguments` verbatim, so a generated call renders back exactly."""
-    return f'{CALL_OPEN}{{"name": "{name}", "arguments": {arguments}}}{CALL_CLOSE}'
-
-
 def _system_text(use: ToolUse) -> str:
     lines = [
         json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
@@ -120,24 +117,50 @@ def _system_text(use: ToolUse) -> str:
     return TOOLS_HEADER + "\n".join(lines) + "\n" + CALL_HOWTO
 
 
-def _assistant_text(message: ChatMessage) -> str:
-    calls = [call_text(c.function.name, c.function.arguments) for c in message.tool_calls or () if c.function]
-    return "\n".join(([message.text] if message.text else []) + calls)
+def _assistant_text(message: ChatMessage, layout: CallLayout) -> str:
+    """An assistant message's text with its calls written as the model writes them, arguments verbatim."""
+    calls = [
+        ParsedCall(c.function.name, c.function.arguments) for c in message.tool_calls or () if c.function
+    ]
+    return "\n".join(([message.text] if message.text else []) + ([layout.calls_text(calls)] if calls else []))
 
 
-def conversation(messages: Sequence[ChatMessage], use: ToolUse | None) -> list[dict[str, str]]:
-    """The messages as the chat template sees them: tools in the system prompt, calls and results as
-    text in the generic format (a template need not know roles other than system, user, assistant)."""
-    out: list[dict[str, str]] = []
+def _assistant(message: ChatMessage, layout: CallLayout) -> MessageDict:
+    turn: MessageDict = {"role": "assistant", "content": _assistant_text(message, layout)}
+    reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if reasoning is not None:
+        turn["reasoning_content"] = reasoning
+    return turn
+
+
+def template_tools(use: ToolUse) -> list[dict[str, Any]]:
+    """The tools as a template's `tools` variable takes them (OpenAI's shape)."""
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+        }
+        for t in use.tools
+    ]
+
+
+def _generic_conversation(
+    messages: Sequence[ChatMessage], use: ToolUse | None, fmt: ToolFormat
+) -> list[MessageDict]:
+    """Tools in the system prompt, calls and results as text in the generic format (a template need
+    not know roles other than system, user, assistant)."""
+    out: list[MessageDict] = []
+    merged_results = -1
     for m in messages:
         if m.role == "tool":
             result = RESPONSE_OPEN + m.text + RESPONSE_CLOSE
-            if out and out[-1].get("tool") == "1":
+            if out and merged_results == len(out) - 1:
                 out[-1]["content"] += "\n" + result
             else:
-                out.append({"role": "user", "content": result, "tool": "1"})
-        elif m.role == "assistant" and m.tool_calls:
-            out.append({"role": "assistant", "content": _assistant_text(m)})
+                out.append({"role": "user", "content": result})
+                merged_results = len(out) - 1
+        elif m.role == "assistant":
+            out.append(_assistant(m, fmt.layout))
         else:
             out.append({"role": m.role, "content": m.text})
     if use is not None:
@@ -145,7 +168,40 @@ def conversation(messages: Sequence[ChatMessage], use: ToolUse | None) -> list[d
             out[0]["content"] += "\n\n" + _system_text(use)
         else:
             out.insert(0, {"role": "system", "content": _system_text(use)})
-    return [{"role": m["role"], "content": m["content"]} for m in out]
+    return out
+
+
+def _template_conversation(
+    messages: Sequence[ChatMessage], use: ToolUse | None, fmt: ToolFormat
+) -> list[MessageDict]:
+    """The messages for a template that renders tools itself: `tool` messages as they are (with the
+    called function's name, which some templates print), calls as the assistant's text."""
+    names = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
+    out: list[MessageDict] = []
+    for m in messages:
+        if m.role == "tool":
+            turn: MessageDict = {"role": "tool", "content": m.text, "tool_call_id": m.tool_call_id or ""}
+            if m.tool_call_id in names:
+                turn["name"] = names[m.tool_call_id]
+            out.append(turn)
+        elif m.role == "assistant":
+            out.append(_assistant(m, fmt.layout))
+        else:
+            out.append({"role": m.role, "content": m.text})
+    if use is not None and fmt.tools_in_system:
+        tools_json = json.dumps(template_tools(use))
+        if out and out[0]["role"] == "system":
+            out[0]["tools"] = tools_json
+        else:
+            out.insert(0, {"role": "system", "content": "", "tools": tools_json})
+    return out
+
+
+def conversation(messages: Sequence[ChatMessage], use: ToolUse | None, fmt: ToolFormat) -> list[MessageDict]:
+    """The messages as the chat template sees them under the tool format `fmt`."""
+    if fmt.in_template:
+        return _template_conversation(messages, use, fmt)
+    return _generic_conversation(messages, use, fmt)
 
 
 def _strict(schema: dict[str, Any]) -> dict[str, Any]:
@@ -155,126 +211,48 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": guidance}
 
 
-def constraint(use: ToolUse) -> StructuredOutputs:
-    """The grammar of what the model may answer under `use`."""
+# Where a reply may reason before it answers: not at all, optionally (the reply may open a think
+# block), or it must end the block the prompt opened.
+NO_THINK = "none"
+MAY_THINK = "may"
+IN_THINK = "in"
+
+
+def _think_rules(think: str) -> tuple[str, list[str]]:
+    """The start rule's prefix for reasoning and its rules: the block ends at its first close tag."""
+    end = f"{json.dumps(THINK_CLOSE)} {json.dumps(THINK_SEP)}"
+    if think == MAY_THINK:
+        return "think? ", [f"think[lazy]: {json.dumps(THINK_OPEN)} /(?s:.*)/ {end}"]
+    if think == IN_THINK:
+        return "think ", [f"think[lazy]: /(?s:.*)/ {end}"]
+    return "", []
+
+
+def constraint(use: ToolUse, layout: CallLayout, think: str = NO_THINK) -> StructuredOutputs:
+    """The grammar of what the model may answer under `use`, in `layout`'s calls."""
+    prefix, lines = _think_rules(think)
+    text_rule = "TEXT: /[^" + re.escape(layout.first_char) + r"][\s\S]*/"
     if use.choice == "none":
-        return StructuredOutputs(grammar="start: TEXT\n" + r"TEXT: /[^<][\s\S]*/" + "\n")
+        return StructuredOutputs(grammar="\n".join([f"start: {prefix}TEXT", text_rule, *lines]) + "\n")
     tools = [t for t in use.tools if use.choice in ("auto", "required", t.name)]
     rules = []
     for i, t in enumerate(tools):
-        head = CALL_OPEN + f'{{"name": "{t.name}", "arguments": '
-        rules.append(f"call_{i}: {json.dumps(head)} args_{i} {json.dumps(_TAIL)}")
+        rules.append(f"call_{i}: {json.dumps(layout.head(t.name))} args_{i} {json.dumps(layout.tail)}")
         rules.append(f"args_{i}: %json {json.dumps(_strict(t.parameters))}")
-    calls = 'call ("\\n" call)*' if use.parallel and use.choice in ("auto", "required") else "call"
-    start = f"start: {calls}" + (" | TEXT" if use.choice == "auto" else "")
-    lines = [start, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))), *rules]
+    calls = (
+        f"call ({json.dumps(layout.sep)} call)*"
+        if use.parallel and use.choice in ("auto", "required")
+        else "call"
+    )
+    calls = " ".join(json.dumps(s) for s in (layout.open,) if s) + (" " if layout.open else "") + calls
+    calls += (" " + json.dumps(layout.close)) if layout.close else ""
+    body = f"({calls}" + (" | TEXT)" if use.choice == "auto" else ")")
+    lines = [
+        f"start: {prefix}{body}",
+        "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
+        *rules,
+        *lines,
+    ]
     if use.choice == "auto":
-        lines.append(r"TEXT: /[^<][\s\S]*/")
+        lines.append(text_rule)
     return StructuredOutputs(grammar="\n".join(lines) + "\n")
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str
-
-
-def _parse_one(text: str, pos: int) -> tuple[ParsedCall, int] | None:
-    """The call starting at `pos` and where it ends, or None if it is not (yet) complete."""
-    head = _HEAD.match(text, pos)
-    if head is None:
-        return None
-    try:
-        _, end = _JSON.raw_decode(text, head.end())
-    except ValueError:
-        return None
-    if not text.startswith(_TAIL, end):
-        return None
-    return ParsedCall(head.group(1), text[head.end() : end]), end + len(_TAIL)
-
-
-def _leading_calls(text: str) -> tuple[list[ParsedCall], int]:
-    """The complete calls at the start of `text`, one per line, and where the last of them ends."""
-    calls: list[ParsedCall] = []
-    pos = end = 0
-    while (parsed := _parse_one(text, pos)) is not None:
-        call, end = parsed
-        calls.append(call)
-        if not text.startswith("\n", end):
-            break
-        pos = end + 1
-    return calls, end
-
-
-def parse_calls(text: str) -> list[ParsedCall] | None:
-    """The calls of a reply made only of calls (one per line); None for a reply that is anything else."""
-    calls, end = _leading_calls(text)
-    return calls if calls and end == len(text) else None
-
-
-def is_call_text(text: str) -> bool:
-    """Whether a reply is in calls mode: under every tool choice a text reply cannot start with `<`."""
-    return text.startswith("<")
-
-
-def complete_calls(text: str) -> list[ParsedCall]:
-    """The calls a reply cut short (by max_tokens or the context) completed before it ended: the
-    unfinished last one is dropped."""
-    return _leading_calls(text)[0] if is_call_text(text) else []
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass
-class ToolCallStream:
-    """Turns one choice's text deltas into OpenAI's chunk deltas: `content` for a plain reply, or
-    `tool_calls` entries (first the id and name with empty arguments, then argument pieces)."""
-
-    text: str = ""
-    mode: str | None = None
-    num_calls: int = 0
-    _pos: int = 0
-    _args_start: int | None = None
-    _sent: int = 0
-    ids: list[str] = field(default_factory=list)
-
-    def push(self, delta: str) -> dict[str, Any]:
-        self.text += delta
-        if self.mode is None and self.text:
-            self.mode = "calls" if is_call_text(self.text) else "text"
-        if self.mode == "text":
-            return {"content": delta} if delta else {}
-        entries: dict[int, dict[str, Any]] = {}
-        while self.mode == "calls":
-            if self._args_start is None:
-                if self.text.startswith("\n", self._pos):
-                    self._pos += 1
-                head = _HEAD.match(self.text, self._pos)
-                if head is None:
-                    break
-                self.ids.append(new_call_id())
-                entries[self.num_calls] = {
-                    "index": self.num_calls,
-                    "id": self.ids[-1],
-                    "type": "function",
-                    "function": {"name": head.group(1), "arguments": ""},
-                }
-                self._args_start = self._sent = head.end()
-            parsed = _parse_one(self.text, self._pos)
-            # A complete call sends the rest of its arguments; an incomplete one all but what may
-            # still turn out to be the closing `}</tool_call>`.
-            end = self._args_start + len(parsed[0].arguments) if parsed else len(self.text) - len(_TAIL)
-            if end > self._sent:
-                entry = entries.setdefault(
-                    self.num_calls, {"index": self.num_calls, "function": {"arguments": ""}}
-                )
-                entry["function"]["arguments"] += self.text[self._sent : end]
-                self._sent = end
-            if parsed is None:
-                break
-            self.num_calls += 1
-            self._pos = parsed[1]
-            self._args_start = None
-        return {"tool_calls": list(entries.values())} if entries else {}
