@@ -17,11 +17,12 @@ import torch
 
 from kvserve.config import default_cache_dir
 from kvserve.errors import ModelLoadError
-from kvserve.model.loader import default_model_path, load_model
+from kvserve.model.loader import load_model
 from kvserve.model.moe import SparseMoe
 from kvserve.model.quant_linear import QuantLinear
 from tests.helpers import save_tiny_model
 from tests.model.family_cases import exact_runner, hf_logits, prompt_and_greedy, random_prompt
+from tests.model.gguf_families import tiny_vocabulary
 
 EXPERTS = 6
 MOE: dict[str, Any] = {
@@ -62,6 +63,17 @@ def make_uneven(model: Any) -> Any:
     return model
 
 
+def gguf_fields() -> dict[str, Any]:
+    """The config fields that match the GGUF files' tiny vocabulary (tests/model/gguf_families.py)."""
+    vocabulary = tiny_vocabulary("qwen3")
+    return {
+        "vocab_size": len(vocabulary),
+        "bos_token_id": vocabulary.bos,
+        "eos_token_id": vocabulary.eos,
+        "pad_token_id": vocabulary.eos,
+    }
+
+
 def tiny_moe(path: str, **overrides: Any) -> Any:
     """A saved tiny Qwen3-MoE made uneven; returns transformers' model read back from the folder."""
     import transformers
@@ -95,7 +107,7 @@ def expert_use(model: Any, ids: list[int]) -> torch.Tensor:
 
 
 def check_parity(ours: Any, theirs: Any, weight_dtype: str) -> float:
-    prompt = random_prompt(PROMPT, seed=1)
+    prompt = random_prompt(PROMPT, seed=1, vocab=theirs.config.vocab_size)
     counts = expert_use(theirs, prompt)
     assert counts[-1] == 0 and counts[0] >= counts.sum() // 3 and (counts > 0).sum() >= 4, counts
     logits, tokens = prompt_and_greedy(exact_runner(ours, weight_dtype=weight_dtype), prompt, STEPS)
@@ -163,8 +175,6 @@ def write_gguf(model: Any, path: str, kind: str, expert_count: int | None = None
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from kvserve.model.gguf_convert import copy_tokenizer_fields
-
     c = model.config
     writer = gguf.GGUFWriter(path, "qwen3moe")
     writer.add_block_count(c.num_hidden_layers)
@@ -180,7 +190,13 @@ def write_gguf(model: Any, path: str, kind: str, expert_count: int | None = None
     writer.add_expert_count(expert_count or c.num_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
     writer.add_expert_feed_forward_length(c.moe_intermediate_size)
-    copy_tokenizer_fields(gguf.GGUFReader(default_model_path()), writer)
+    vocabulary = tiny_vocabulary("qwen3")
+    writer.add_tokenizer_model(vocabulary.model)
+    writer.add_token_list(vocabulary.tokens)
+    writer.add_token_types(vocabulary.types)
+    writer.add_token_merges(vocabulary.merges)
+    writer.add_bos_token_id(vocabulary.bos)
+    writer.add_eos_token_id(vocabulary.eos)
     inner = model.model
 
     def add(name: str, t: torch.Tensor) -> None:
@@ -238,7 +254,11 @@ def test_a_gguf_matches_transformers_on_its_dequantized_weights(tmp_path: Any, k
     """Every layer sparse (llama.cpp's Qwen3-MoE has no dense layer); K-quant rows are 256 wide."""
     size = 256 if kind == "Q4_K" else 64
     theirs = tiny_moe(
-        str(tmp_path / "moe"), hidden_size=size, moe_intermediate_size=size, tie_word_embeddings=False
+        str(tmp_path / "moe"),
+        hidden_size=size,
+        moe_intermediate_size=size,
+        tie_word_embeddings=False,
+        **gguf_fields(),
     )
     path = str(tmp_path / f"moe-{kind}.gguf")
     write_gguf(theirs, path, kind)
@@ -261,7 +281,7 @@ def test_an_expert_count_that_does_not_match_the_tensors_is_one_error_at_load(
 ) -> None:
     import json
 
-    theirs = tiny_moe(str(tmp_path / "moe"))
+    theirs = tiny_moe(str(tmp_path / "moe"), **gguf_fields())
     if source == "folder":
         path = str(tmp_path / "moe")
         config_path = os.path.join(path, "config.json")
