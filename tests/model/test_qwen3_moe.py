@@ -295,3 +295,52 @@ def test_an_expert_count_that_does_not_match_the_tensors_is_one_error_at_load(
         write_gguf(theirs, path, "F32", expert_count=EXPERTS + 2)
     with pytest.raises(ModelLoadError, match=f"{EXPERTS + 2} experts but the weights hold {EXPERTS}"):
         exact_runner(load_model(path, default_cache_dir()))
+
+
+def moe_config(**fields: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        **MOE,
+        **fields,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_experts_per_tok": 7}, "num_experts_per_tok 7 must be between 1 and num_experts \\(6\\)"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok 0"),
+        ({"num_experts": -1}, "num_experts \\(-1\\)"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be at least 1"),
+        ({"mlp_only_layers": [4]}, "mlp_only_layers must list layer indices below 4"),
+        ({"mlp_only_layers": 1}, "wrong type"),
+    ],
+)
+def test_a_bad_moe_config_is_one_clear_error(fields: dict[str, Any], message: str) -> None:
+    from kvserve.model.families import config_from_hf
+
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(moe_config(**fields))
+
+
+def test_the_sparse_layers_follow_transformers_rule() -> None:
+    from kvserve.model.families import config_from_hf
+
+    def sparse(**fields: Any) -> tuple[bool, ...]:
+        moe = config_from_hf(moe_config(**fields)).moe
+        assert moe is not None
+        return moe.sparse_layers
+
+    assert sparse() == (True, True, True, True)
+    assert sparse(decoder_sparse_step=2, mlp_only_layers=[3]) == (False, True, False, False)
+    assert sparse(num_experts=0) == (False, False, False, False)
+    # transformers' save_pretrained writes the count as num_local_experts.
+    raw = moe_config(num_local_experts=3, num_experts_per_tok=1)
+    del raw["num_experts"]
+    moe = config_from_hf(raw).moe
+    assert moe is not None and moe.num_experts == 3
