@@ -106,6 +106,9 @@ def _edited(tmp_path: Any, case: str, edit: dict[str, Any]) -> str:
         ("gemma3", {"layer_types": ["chunked_attention"] * 4}, "layer_types must name"),
         ("smollm3-nope", {"no_rope_layers": [1, 0]}, "no_rope_layers must hold"),
         ("phi3-longrope", {"partial_rotary_factor": 0.33}, "partial_rotary_factor 0.33 leaves no even"),
+        ("qwen3", {"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+        ("gemma3", {"num_attention_heads": 0}, "num_attention_heads must be positive"),
+        ("smollm3-nope", {"intermediate_size": -1}, "intermediate_size must be positive"),
     ],
 )
 def test_config_fields_whose_math_is_not_implemented_are_refused(

@@ -196,9 +196,33 @@ def decoder_config(raw: Mapping[str, Any], architecture: str, **fields: Any) -> 
             eos_token_ids=eos_ids(raw.get("eos_token_id")),
             hidden_act=activation(raw),
         )
-        return ModelConfig(**{**common, **fields})
+        config = ModelConfig(**{**common, **fields})
     except KeyError as e:
         raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+    except ZeroDivisionError:
+        raise ValueError("num_attention_heads must be positive") from None
+    _check_shape(config)
+    return config
+
+
+def _check_shape(c: ModelConfig) -> None:
+    """Sizes a forward pass can run: positive, and whole groups of query heads per KV head."""
+    sizes = {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+    }
+    for name, value in sizes.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, not {value}")
+    if c.num_heads % c.num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads {c.num_heads} is not a multiple of num_key_value_heads {c.num_kv_heads}"
+        )
 
 
 def sliding_window(raw: Mapping[str, Any], default_on: bool) -> int | None:

@@ -111,6 +111,8 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
     # Biases are in the file or not; Llama's attention_bias covers q, k, v and o alike.
     config["attention_bias"] = meta.has_tensor("blk.0.attn_q.bias")
     config["mlp_bias"] = meta.has_tensor("blk.0.ffn_down.bias")
+    if n_head <= 0 or config["num_key_value_heads"] <= 0:
+        raise ValueError("the GGUF's attention head counts must be positive")
     key_length = meta.get("{arch}.attention.key_length")
     if key_length is not None:
         config["head_dim"] = int(key_length)
