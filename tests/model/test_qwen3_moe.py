@@ -317,6 +317,7 @@ def moe_config(**fields: Any) -> dict[str, Any]:
         ({"num_experts_per_tok": 0}, "num_experts_per_tok 0"),
         ({"num_experts": -1}, "num_experts \\(-1\\)"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step must be at least 1"),
+        ({"moe_intermediate_size": 0}, "moe_intermediate_size must be positive, not 0"),
         ({"mlp_only_layers": [4]}, "mlp_only_layers must list layer indices below 4"),
         ({"mlp_only_layers": 1}, "wrong type"),
     ],
@@ -344,3 +345,39 @@ def test_the_sparse_layers_follow_transformers_rule() -> None:
     del raw["num_experts"]
     moe = config_from_hf(raw).moe
     assert moe is not None and moe.num_experts == 3
+
+
+def test_the_engine_serves_transformers_greedy_reply_and_reads_it_back_from_its_cache(tmp_path: Any) -> None:
+    """Through the scheduler, the paged KV and the prefix cache: a second request on the same prompt
+    hits the first one's blocks and gives the same reply."""
+    from kvserve import SamplingParams
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import Engine
+
+    path = str(tmp_path / "moe")
+    theirs = tiny_moe(path)
+    config = EngineConfig(
+        kv_cache_memory=2**22, weight_dtype="float32", kv_dtype="float32", block_size=4, max_model_len=64
+    )
+    engine = Engine.from_config(config, model=load_model(path, default_cache_dir()))
+    prompt = random_prompt(30, seed=6)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    replies = []
+    for request_id in ("a", "b"):
+        engine.add_request(request_id, prompt, params)
+        tokens: list[int] = []
+        cached = 0
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.token_ids
+                cached = max(cached, delta.num_cached_tokens)
+        replies.append((tokens, cached))
+    (first, cached_first), (second, cached_second) = replies
+    assert cached_first == 0 and cached_second >= 24 and second == first
+    for layer in engine.runner.transformer.layers:
+        assert isinstance(layer.mlp, SparseMoe)
+    with torch.no_grad():
+        expected = theirs.generate(
+            torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
+    assert first == expected[0, len(prompt) :].tolist()
