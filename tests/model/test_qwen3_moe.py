@@ -63,8 +63,9 @@ def make_uneven(model: Any) -> Any:
     return model
 
 
-def gguf_fields() -> dict[str, Any]:
-    """The config fields that match the GGUF files' tiny vocabulary (tests/model/gguf_families.py)."""
+def vocabulary_fields() -> dict[str, Any]:
+    """The config fields of the family GGUF tests' tiny vocabulary (tests/model/gguf_families.py): a
+    few hundred rows of embedding keep every test here fast, from safetensors too."""
     vocabulary = tiny_vocabulary("qwen3")
     return {
         "vocab_size": len(vocabulary),
@@ -78,7 +79,7 @@ def tiny_moe(path: str, **overrides: Any) -> Any:
     """A saved tiny Qwen3-MoE made uneven; returns transformers' model read back from the folder."""
     import transformers
 
-    save_tiny_model(path, "qwen3_moe", **{**MOE, **overrides})
+    save_tiny_model(path, "qwen3_moe", **{**MOE, **vocabulary_fields(), **overrides})
     model = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()  # type: ignore[no-untyped-call]
     make_uneven(model)
@@ -258,7 +259,6 @@ def test_a_gguf_matches_transformers_on_its_dequantized_weights(tmp_path: Any, k
         hidden_size=size,
         moe_intermediate_size=size,
         tie_word_embeddings=False,
-        **gguf_fields(),
     )
     path = str(tmp_path / f"moe-{kind}.gguf")
     write_gguf(theirs, path, kind)
@@ -281,7 +281,7 @@ def test_an_expert_count_that_does_not_match_the_tensors_is_one_error_at_load(
 ) -> None:
     import json
 
-    theirs = tiny_moe(str(tmp_path / "moe"), **gguf_fields())
+    theirs = tiny_moe(str(tmp_path / "moe"))
     if source == "folder":
         path = str(tmp_path / "moe")
         config_path = os.path.join(path, "config.json")
@@ -360,7 +360,7 @@ def test_the_engine_serves_transformers_greedy_reply_and_reads_it_back_from_its_
         kv_cache_memory=2**22, weight_dtype="float32", kv_dtype="float32", block_size=4, max_model_len=64
     )
     engine = Engine.from_config(config, model=load_model(path, default_cache_dir()))
-    prompt = random_prompt(30, seed=6)
+    prompt = random_prompt(30, seed=6, vocab=theirs.config.vocab_size)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     replies = []
     for request_id in ("a", "b"):
