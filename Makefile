@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-prefill bench-structured bench-redis bench-cluster bench-peer cluster test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-prefill bench-structured bench-redis bench-cluster bench-peer cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,9 @@ bench-overhead: install
 
 bench-decode: install
 	$(BIN)/python -m benchmarks.bench_decode
+
+bench-moe: install
+	$(BIN)/python -m benchmarks.bench_moe
 
 bench-prefill: install
 	$(BIN)/python -m benchmarks.bench_prefill

@@ -17,11 +17,12 @@ import torch
 
 from kvserve.config import default_cache_dir
 from kvserve.errors import ModelLoadError
-from kvserve.model.loader import default_model_path, load_model
+from kvserve.model.loader import load_model
 from kvserve.model.moe import SparseMoe
 from kvserve.model.quant_linear import QuantLinear
 from tests.helpers import save_tiny_model
 from tests.model.family_cases import exact_runner, hf_logits, prompt_and_greedy, random_prompt
+from tests.model.gguf_families import tiny_vocabulary
 
 EXPERTS = 6
 MOE: dict[str, Any] = {
@@ -62,11 +63,23 @@ def make_uneven(model: Any) -> Any:
     return model
 
 
+def vocabulary_fields() -> dict[str, Any]:
+    """The config fields of the family GGUF tests' tiny vocabulary (tests/model/gguf_families.py): a
+    few hundred rows of embedding keep every test here fast, from safetensors too."""
+    vocabulary = tiny_vocabulary("qwen3")
+    return {
+        "vocab_size": len(vocabulary),
+        "bos_token_id": vocabulary.bos,
+        "eos_token_id": vocabulary.eos,
+        "pad_token_id": vocabulary.eos,
+    }
+
+
 def tiny_moe(path: str, **overrides: Any) -> Any:
     """A saved tiny Qwen3-MoE made uneven; returns transformers' model read back from the folder."""
     import transformers
 
-    save_tiny_model(path, "qwen3_moe", **{**MOE, **overrides})
+    save_tiny_model(path, "qwen3_moe", **{**MOE, **vocabulary_fields(), **overrides})
     model = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()  # type: ignore[no-untyped-call]
     make_uneven(model)
@@ -95,7 +108,7 @@ def expert_use(model: Any, ids: list[int]) -> torch.Tensor:
 
 
 def check_parity(ours: Any, theirs: Any, weight_dtype: str) -> float:
-    prompt = random_prompt(PROMPT, seed=1)
+    prompt = random_prompt(PROMPT, seed=1, vocab=theirs.config.vocab_size)
     counts = expert_use(theirs, prompt)
     assert counts[-1] == 0 and counts[0] >= counts.sum() // 3 and (counts > 0).sum() >= 4, counts
     logits, tokens = prompt_and_greedy(exact_runner(ours, weight_dtype=weight_dtype), prompt, STEPS)
@@ -163,8 +176,6 @@ def write_gguf(model: Any, path: str, kind: str, expert_count: int | None = None
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from kvserve.model.gguf_convert import copy_tokenizer_fields
-
     c = model.config
     writer = gguf.GGUFWriter(path, "qwen3moe")
     writer.add_block_count(c.num_hidden_layers)
@@ -180,7 +191,13 @@ def write_gguf(model: Any, path: str, kind: str, expert_count: int | None = None
     writer.add_expert_count(expert_count or c.num_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
     writer.add_expert_feed_forward_length(c.moe_intermediate_size)
-    copy_tokenizer_fields(gguf.GGUFReader(default_model_path()), writer)
+    vocabulary = tiny_vocabulary("qwen3")
+    writer.add_tokenizer_model(vocabulary.model)
+    writer.add_token_list(vocabulary.tokens)
+    writer.add_token_types(vocabulary.types)
+    writer.add_token_merges(vocabulary.merges)
+    writer.add_bos_token_id(vocabulary.bos)
+    writer.add_eos_token_id(vocabulary.eos)
     inner = model.model
 
     def add(name: str, t: torch.Tensor) -> None:
@@ -238,7 +255,10 @@ def test_a_gguf_matches_transformers_on_its_dequantized_weights(tmp_path: Any, k
     """Every layer sparse (llama.cpp's Qwen3-MoE has no dense layer); K-quant rows are 256 wide."""
     size = 256 if kind == "Q4_K" else 64
     theirs = tiny_moe(
-        str(tmp_path / "moe"), hidden_size=size, moe_intermediate_size=size, tie_word_embeddings=False
+        str(tmp_path / "moe"),
+        hidden_size=size,
+        moe_intermediate_size=size,
+        tie_word_embeddings=False,
     )
     path = str(tmp_path / f"moe-{kind}.gguf")
     write_gguf(theirs, path, kind)
@@ -275,3 +295,89 @@ def test_an_expert_count_that_does_not_match_the_tensors_is_one_error_at_load(
         write_gguf(theirs, path, "F32", expert_count=EXPERTS + 2)
     with pytest.raises(ModelLoadError, match=f"{EXPERTS + 2} experts but the weights hold {EXPERTS}"):
         exact_runner(load_model(path, default_cache_dir()))
+
+
+def moe_config(**fields: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        **MOE,
+        **fields,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_experts_per_tok": 7}, "num_experts_per_tok 7 must be between 1 and num_experts \\(6\\)"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok 0"),
+        ({"num_experts": -1}, "num_experts \\(-1\\)"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be at least 1"),
+        ({"moe_intermediate_size": 0}, "moe_intermediate_size must be positive, not 0"),
+        ({"mlp_only_layers": [4]}, "mlp_only_layers must list layer indices below 4"),
+        ({"mlp_only_layers": 1}, "wrong type"),
+    ],
+)
+def test_a_bad_moe_config_is_one_clear_error(fields: dict[str, Any], message: str) -> None:
+    from kvserve.model.families import config_from_hf
+
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(moe_config(**fields))
+
+
+def test_the_sparse_layers_follow_transformers_rule() -> None:
+    from kvserve.model.families import config_from_hf
+
+    def sparse(**fields: Any) -> tuple[bool, ...]:
+        moe = config_from_hf(moe_config(**fields)).moe
+        assert moe is not None
+        return moe.sparse_layers
+
+    assert sparse() == (True, True, True, True)
+    assert sparse(decoder_sparse_step=2, mlp_only_layers=[3]) == (False, True, False, False)
+    assert sparse(num_experts=0) == (False, False, False, False)
+    # transformers' save_pretrained writes the count as num_local_experts.
+    raw = moe_config(num_local_experts=3, num_experts_per_tok=1)
+    del raw["num_experts"]
+    moe = config_from_hf(raw).moe
+    assert moe is not None and moe.num_experts == 3
+
+
+def test_the_engine_serves_transformers_greedy_reply_and_reads_it_back_from_its_cache(tmp_path: Any) -> None:
+    """Through the scheduler, the paged KV and the prefix cache: a second request on the same prompt
+    hits the first one's blocks and gives the same reply."""
+    from kvserve import SamplingParams
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import Engine
+
+    path = str(tmp_path / "moe")
+    theirs = tiny_moe(path)
+    config = EngineConfig(
+        kv_cache_memory=2**22, weight_dtype="float32", kv_dtype="float32", block_size=4, max_model_len=64
+    )
+    engine = Engine.from_config(config, model=load_model(path, default_cache_dir()))
+    prompt = random_prompt(30, seed=6, vocab=theirs.config.vocab_size)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    replies = []
+    for request_id in ("a", "b"):
+        engine.add_request(request_id, prompt, params)
+        tokens: list[int] = []
+        cached = 0
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.token_ids
+                cached = max(cached, delta.num_cached_tokens)
+        replies.append((tokens, cached))
+    (first, cached_first), (second, cached_second) = replies
+    assert cached_first == 0 and cached_second >= 24 and second == first
+    for layer in engine.runner.transformer.layers:
+        assert isinstance(layer.mlp, SparseMoe)
+    with torch.no_grad():
+        expected = theirs.generate(
+            torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
+    assert first == expected[0, len(prompt) :].tolist()

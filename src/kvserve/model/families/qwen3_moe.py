@@ -37,8 +37,12 @@ def _moe(raw: Mapping[str, Any], layers: int) -> MoeConfig:
     top_k = int(raw.get("num_experts_per_tok", 8))
     step = int(raw.get("decoder_sparse_step", 1))
     dense = raw.get("mlp_only_layers") or []
-    if experts < 1 or not 0 < top_k <= experts:
+    # No experts at all makes every layer dense, as in transformers.
+    if experts < 0 or (experts and not 0 < top_k <= experts):
         raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts ({experts})")
+    expert_size = int(raw.get("moe_intermediate_size", 768))
+    if expert_size < 1:
+        raise ValueError(f"moe_intermediate_size must be positive, not {expert_size}")
     if step < 1:
         raise ValueError(f"decoder_sparse_step must be at least 1, not {step}")
     if any(not isinstance(i, int) or not 0 <= i < layers for i in dense):
@@ -46,9 +50,9 @@ def _moe(raw: Mapping[str, Any], layers: int) -> MoeConfig:
     return MoeConfig(
         num_experts=experts,
         top_k=top_k,
-        expert_intermediate_size=int(raw.get("moe_intermediate_size", 768)),
+        expert_intermediate_size=expert_size,
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+        sparse_layers=tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)),
     )
 
 
