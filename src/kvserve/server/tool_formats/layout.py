@@ -1,4 +1,4 @@
-"""The one engine under every tool-call format: a format is a `CallLayout` (its literal text around
+"""The one implementation under every tool-call format: a format is a `CallLayout` (its literal text around
 each call's name and arguments), and writing, parsing, streaming and constraining calls are written
 once over it.
 
@@ -8,8 +8,8 @@ and the grammar use the layout's exact text, so a constrained call comes out exa
 writes it, and renders back exactly (turn 2 then reads turn 1's KV through the call). The parser is
 more lenient, for unconstrained output: any whitespace where the layout has whitespace or between JSON
 punctuation, a format's aliases before `open` (Llama's `<|python_tag|>`) and its other argument keys.
-It never raises: hostile text (malformed JSON, unknown names, unterminated markup, deep nesting) is
-just not a call.
+It never raises: hostile text (malformed JSON, names outside OpenAI's rule or the request's tools,
+unterminated markup, deep nesting) is just not a call.
 """
 
 import functools
