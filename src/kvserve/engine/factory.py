@@ -156,10 +156,9 @@ def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) 
 
 
 def _max_model_len(config: EngineConfig, model: LoadedModel) -> int:
+    # Both attention backends apply a sliding-window layer's window, so the context runs to the model's own
+    # maximum whatever its windows.
     limit = model.config.max_position_embeddings
-    if model.config.sliding_window is not None:
-        # Our attention has no sliding window: staying inside it keeps the output exact.
-        limit = min(limit, model.config.sliding_window)
     asked = config.max_model_len
     if asked is not None and asked > limit:
         raise ConfigError(f"max_model_len {asked} exceeds what the model supports ({limit})")

@@ -143,7 +143,10 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for this step; k_cache/v_cache [slots, Hkv, D] of one layer.
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step; k_cache/v_cache [slots, Hkv, D] of one layer;
+        `window` the layer's sliding window (None: global): a token at position p attends to the keys at
+        positions [p - window + 1, p] only, transformers' convention, and nothing before them is read.
 
         Returns the attention output [T, Hq, D]."""

@@ -127,6 +127,8 @@ class ModelRunner:
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.kv_dtype
         )
         try:
+            if any(w is not None for w in c.windows):
+                raise KernelUnavailableError("the native decoder has no sliding-window layers")
             self.transformer.attach_native_decoder(self.kv_cache)
         except KernelUnavailableError as e:
             log.info("decode steps run op by op: %s", e)
