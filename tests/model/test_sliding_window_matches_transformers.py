@@ -135,3 +135,24 @@ def test_a_sliding_model_decodes_op_by_op(pair: tuple[LoadedModel, Any]) -> None
     ours, _ = pair
     runner = ModelRunner(ours, 16, BLOCK, 64, "cpu", "float32", "q8_0", "native")
     assert runner.transformer.decoder is None
+
+
+def test_a_tokens_logits_are_bitwise_the_same_from_a_prefill_a_chunk_or_a_decode(
+    pair: tuple[LoadedModel, Any],
+) -> None:
+    """With row-invariant products and the native kernel, a windowed row is the same row whether its
+    token ended a whole prefill, a chunk after cached context or came as a decode: the window keeps the
+    kernel's bitwise batch invariance."""
+    ours, _ = pair
+    runner = ModelRunner(ours, 64, BLOCK, 128, "cpu", "float32", "float16", "native")
+    prompt = _prompt(41, 8)
+    tables = [list(range(16 * i, 16 * (i + 1))) for i in range(3)]
+    whole = runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt, 0, tables[0], True)])).sampled[0]
+    runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt[:-1], 0, tables[1], False)]))
+    decode = SequenceChunk(prompt[-1:], 40, tables[1], True)
+    decoded = runner.execute(ForwardBatch(decodes=[decode])).sampled[0]
+    runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt[:25], 0, tables[2], False)]))
+    chunk = SequenceChunk(prompt[25:], 25, tables[2], True)
+    chunked = runner.execute(ForwardBatch(prefills=[chunk])).sampled[0]
+    assert torch.equal(decoded, whole)
+    assert torch.equal(chunked, whole)
