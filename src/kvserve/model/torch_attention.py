@@ -6,9 +6,9 @@ its last bits) depends on the rest of the batch: the native backend exists for t
 attention copies no K/V for the decode rows or a chunk after cached context: the query heads that share a
 KV head are laid along the query-length axis, so one SDPA call serves the whole group.
 
-A sliding-window layer masks what its window excludes (`window_mask`, built once per step and window:
-`TorchAttentionMetadata.window_masks`);
-the blocks before the window are still gathered (whatever they hold), never attended.
+A sliding-window layer gathers only from the first block its rows' windows reach and masks what the
+windows exclude (`window_mask`, built once per step and window: `TorchAttentionMetadata.window_masks`),
+so a block wholly before every row's window is never read.
 """
 
 from collections.abc import Sequence
@@ -57,44 +57,61 @@ class TorchAttentionMetadata(AttentionMetadata):
     decode_positions: list[int] = field(default_factory=list)
     windowed: dict[int, "WindowMasks"] = field(default_factory=dict)
 
-    def window_masks(self, window: int, group: int, device: torch.device) -> "WindowMasks":
+    def window_masks(self, window: int, group: int, block_size: int, device: torch.device) -> "WindowMasks":
         """The step's masks under `window`, shaped as the unwindowed ones (`decode_mask`, a first
-        chunk's causal mask, `ContinuedChunk.mask`)."""
+        chunk's causal mask, `ContinuedChunk.mask`) but over the keys from the first block any of their
+        rows' windows reaches."""
         if window not in self.windowed:
             positions = torch.tensor(self.decode_positions, dtype=torch.long)
-            decodes = window_mask(positions, self.decode_len, window)
+            first = _first_block(min(self.decode_positions, default=0), window, block_size)
+            keys = self.decode_len - first * block_size
+            decodes = window_mask(positions, keys, window, first * block_size)
+            continued = []
+            for c in self.continued_chunks:
+                start = c.context_len - (c.end - c.start)
+                fb = _first_block(start, window, block_size)
+                mask = window_mask(
+                    torch.arange(start, c.context_len),
+                    c.context_len - fb * block_size,
+                    window,
+                    fb * block_size,
+                )
+                continued.append((fb, mask.repeat_interleave(group, dim=0).to(device)))
             self.windowed[window] = WindowMasks(
-                decodes.view(len(positions), 1, 1, self.decode_len).to(device),
+                first,
+                decodes.view(len(positions), 1, 1, keys).to(device),
                 [
                     window_mask(torch.arange(end - start), end - start, window).to(device)
                     for start, end in self.first_chunks
                 ],
-                [
-                    window_mask(
-                        torch.arange(c.context_len - (c.end - c.start), c.context_len), c.context_len, window
-                    )
-                    .repeat_interleave(group, dim=0)
-                    .to(device)
-                    for c in self.continued_chunks
-                ],
+                continued,
             )
         return self.windowed[window]
 
 
 @dataclass
 class WindowMasks:
-    """One sliding window's masks for one step: the decodes' [decodes, 1, 1, decode_len], each first
-    chunk's [n, n], each continued chunk's [n * group, context_len]."""
+    """One sliding window's masks for one step, over the keys from a first block on (the blocks before
+    it are not gathered): the decodes' [decodes, 1, 1, decode_len - decode_block * block_size] from block
+    `decode_block`, each first chunk's [n, n], each continued chunk's first block and mask [n * group,
+    context_len - first block * block_size]."""
 
+    decode_block: int
     decodes: torch.Tensor
     first_chunks: list[torch.Tensor]
-    continued_chunks: list[torch.Tensor]
+    continued_chunks: list[tuple[int, torch.Tensor]]
 
 
-def window_mask(positions: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
-    """[len(positions), keys]: True where the token at each position may attend to key k, causally and,
-    with a window, only to k in [position - window + 1, position] (transformers' sliding window)."""
-    k = torch.arange(keys).unsqueeze(0)
+def _first_block(position: int, window: int, block_size: int) -> int:
+    """The block of the first key that the token at `position` attends to under `window`."""
+    return max(0, position - window + 1) // block_size
+
+
+def window_mask(positions: torch.Tensor, keys: int, window: int | None, offset: int = 0) -> torch.Tensor:
+    """[len(positions), keys]: True where the token at each position may attend to the key at position
+    offset + k, causally and, with a window, only to keys in [position - window + 1, position]
+    (transformers' sliding window)."""
+    k = torch.arange(offset, offset + keys).unsqueeze(0)
     p = positions.unsqueeze(1)
     allowed = k <= p
     if window is not None:
@@ -173,12 +190,15 @@ class TorchAttention(AttentionBackend):
         assert isinstance(meta, TorchAttentionMetadata)
         k_stored, v_stored = write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         bs = self.block_size
-        masks = None if window is None else meta.window_masks(window, self.group, self.device)
+        masks = None if window is None else meta.window_masks(window, self.group, bs, self.device)
         out = torch.empty_like(q)
         if meta.decode_tables is not None:
             nd = meta.num_decodes
-            kd = _gather(k_cache, meta.decode_tables, bs, q.dtype)[:, : meta.decode_len]
-            vd = _gather(v_cache, meta.decode_tables, bs, q.dtype)[:, : meta.decode_len]
+            # A sliding layer gathers only from the first block a decode's window reaches.
+            first = 0 if masks is None else masks.decode_block
+            tables, keys = meta.decode_tables[:, first:], meta.decode_len - first * bs
+            kd = _gather(k_cache, tables, bs, q.dtype)[:, :keys]
+            vd = _gather(v_cache, tables, bs, q.dtype)[:, :keys]
             mask = meta.decode_mask if masks is None else masks.decodes
             out[:nd] = _decode_rows(q[:nd], kd, vd, mask, scale)
         if meta.first_chunks:
@@ -190,9 +210,10 @@ class TorchAttention(AttentionBackend):
                     q[start:end], k_fresh[start:end], v_fresh[start:end], scale, first_mask
                 )
         for i, chunk in enumerate(meta.continued_chunks):
-            kc = _gather(k_cache, chunk.context_blocks, bs, q.dtype)[: chunk.context_len]
-            vc = _gather(v_cache, chunk.context_blocks, bs, q.dtype)[: chunk.context_len]
-            mask = chunk.mask if masks is None else masks.continued_chunks[i]
+            first, mask = (0, chunk.mask) if masks is None else masks.continued_chunks[i]
+            blocks, keys = chunk.context_blocks[first:], chunk.context_len - first * bs
+            kc = _gather(k_cache, blocks, bs, q.dtype)[:keys]
+            vc = _gather(v_cache, blocks, bs, q.dtype)[:keys]
             out[chunk.start : chunk.end] = _continued_chunk(q[chunk.start : chunk.end], kc, vc, mask, scale)
         return out
 
