@@ -192,6 +192,8 @@ class NativeAttention(AttentionBackend):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
+        # A sliding layer reads its own group's tables and slots.
+        meta = meta.group(window)
         assert isinstance(meta, NativeAttentionMetadata)
         # Every row reads its context, its own token's K/V included, from the cache.
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

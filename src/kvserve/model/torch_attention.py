@@ -187,6 +187,8 @@ class TorchAttention(AttentionBackend):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
+        # A sliding layer reads its own group's tables and slots.
+        meta = meta.group(window)
         assert isinstance(meta, TorchAttentionMetadata)
         k_stored, v_stored = write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         bs = self.block_size

@@ -187,7 +187,7 @@ class Transformer:
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim), cos, sin)
             q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-            attn = self.attention.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self.config.window(i))
+            attn = self.attention.forward(q, k, v, *kv.layer(i), meta, self.scale, self.config.window(i))
             h = layer.o.add(attn.view(n, self.q_size), h, d)
             x = self.rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
             h = layer.down.add(layer.up.mul(x, layer.gate.silu(x, d), d), h, d)
