@@ -139,7 +139,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         limits=limits,
         grammars=grammars,
         max_model_len=max_model_len,
-        bytes_per_block=bytes_per_block,
+        # With a sliding pool of its own, a global block's share of the memory both pools take.
+        bytes_per_block=config.kv_cache_memory // num_blocks if num_sliding_blocks else bytes_per_block,
     )
 
 
