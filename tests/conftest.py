@@ -76,6 +76,33 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(path, default_cache_dir())
 
 
+# Tiny sliding-window models: "all" slides in every layer (Mistral), "hybrid" has a global layer 0 and a
+# sliding layer 1 (Qwen2's max_window_layers).
+SLIDING_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "all": ("mistral", {}),
+    "hybrid": ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
+}
+
+
+@pytest.fixture(scope="session")
+def sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], LoadedModel]:
+    """`sliding_model(kind, window)`: a tiny random model like `tiny_model` whose layers slide over
+    `window` tokens as SLIDING_KINDS[kind] says, built once per session."""
+    from tests.helpers import save_tiny_model
+
+    models: dict[tuple[str, int], LoadedModel] = {}
+
+    def get(kind: str, window: int) -> LoadedModel:
+        if (kind, window) not in models:
+            family, overrides = SLIDING_KINDS[kind]
+            folder = str(tmp_path_factory.mktemp(f"sliding-{kind}-{window}") / family)
+            path = save_tiny_model(folder, family, vocab_size=4096, sliding_window=window, **overrides)
+            models[kind, window] = load_model(path, default_cache_dir())
+        return models[kind, window]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny models run fastest on one thread: with more, each small op pays a thread hand-off, and

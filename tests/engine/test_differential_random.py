@@ -18,12 +18,18 @@ blocks holding exactly the KV of their tokens. A cache that never hits would pas
 case also checks its hits: a request that repeats a finished one's prompt (a block or more of it, in the
 same namespace, with nothing evicted) finds it cached, and with the cache off nothing is.
 
+The same cases run on sliding-window models (`test_sliding_window_engine_matches_a_no_cache_engine`):
+every layer sliding or global and sliding layers mixed, windows of one token, inside a block, of exactly
+one block and of several, block sizes down to 1, prompts many windows long; each against a no-cache
+engine on the same model.
+
 `make test` runs a fixed (derandomized) set of examples; `KVSERVE_LONG_TESTS=1` (or
 `KVSERVE_DIFFERENTIAL_EXAMPLES=5000`) runs a longer, randomized search for nightly use.
 """
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +81,8 @@ class Case:
     drop_memory_every: int | None
     systems: list[list[int]]
     specs: list[Spec]
+    # A sliding-window model (conftest.SLIDING_KINDS kind, window), or None for the tiny Llama.
+    sliding: tuple[str, int] | None = None
 
 
 # A small alphabet makes accidental shared prefixes and partial-block hits common.
@@ -115,8 +123,10 @@ def samplings(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
-    block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))
+def cases(draw: st.DrawFn, sliding: bool = False) -> Case:
+    """A workload and an engine config; `sliding`: on a sliding-window model, whose window is drawn
+    against the block size (smaller, equal, several blocks)."""
+    block_size = draw(st.sampled_from([1, 2, 4, 8] if sliding else [1, 2, 4, 8, 16, 32]))
     systems = draw(st.lists(st.lists(_token, min_size=1, max_size=48), min_size=1, max_size=3))
     specs: list[Spec] = []
     for i in range(draw(st.integers(1, 10))):
@@ -158,6 +168,9 @@ def cases(draw: st.DrawFn) -> Case:
         drop_memory_every=draw(st.sampled_from([None, 1, 2, 5])) if lower else None,
         systems=systems,
         specs=specs,
+        sliding=(draw(st.sampled_from(["all", "hybrid"])), draw(st.sampled_from([1, 2, 3, 4, 8, 13])))
+        if sliding
+        else None,
     )
 
 
@@ -201,13 +214,47 @@ def reference(tiny_model: LoadedModel) -> Engine:
 def test_engine_matches_a_no_cache_engine_token_for_token(
     tiny_model: LoadedModel, reference: Engine, redis_session: RedisServer, case: Case
 ) -> None:
+    check_case(tiny_model, reference, redis_session, case)
+
+
+@pytest.fixture(scope="module")
+def sliding_references(sliding_model: Callable[[str, int], LoadedModel]) -> Callable[[str, int], Engine]:
+    """The no-cache engine on each sliding model (portable attention), made on first use."""
+    engines: dict[tuple[str, int], Engine] = {}
+
+    def get(kind: str, window: int) -> Engine:
+        if (kind, window) not in engines:
+            model = sliding_model(kind, window)
+            engines[kind, window] = engine_with_blocks(
+                model, 1024, 16, enable_prefix_caching=False, attention="torch"
+            )
+        return engines[kind, window]
+
+    return get
+
+
+@settings(SETTINGS, max_examples=max(EXAMPLES // 4, 1))
+@given(case=cases(sliding=True))
+def test_sliding_window_engine_matches_a_no_cache_engine(
+    sliding_model: Callable[[str, int], LoadedModel],
+    sliding_references: Callable[[str, int], Engine],
+    redis_session: RedisServer,
+    case: Case,
+) -> None:
+    assert case.sliding is not None
+    check_case(sliding_model(*case.sliding), sliding_references(*case.sliding), redis_session, case)
+
+
+def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer, case: Case) -> None:
+    """Run `case` on a fresh engine on `model` and check it against `reference`, its hits, its leaks
+    and a sample of its cached blocks."""
     if case.redis_tier:
         client = redis_session.client()
         client.flushall()
         client.close()
     with tempfile.TemporaryDirectory(prefix="kvserve-disk-") as disk:
         engine = engine_with_blocks(
-            tiny_model,
+            model,
             case.num_blocks,
             case.block_size,
             max_num_batched_tokens=case.max_num_batched_tokens,
@@ -224,6 +271,6 @@ def test_engine_matches_a_no_cache_engine_token_for_token(
             assert_repeats_hit(case, run, engine.stats().cache.num_evicted)
             assert_no_leak(engine)
             if case.enable_prefix_caching:
-                assert_cached_kv_is_fresh(engine, tiny_model, sample=6)
+                assert_cached_kv_is_fresh(engine, model, sample=6)
         finally:
             engine.close()

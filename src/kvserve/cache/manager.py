@@ -47,6 +47,16 @@ class SequenceBlocks:
     copy_source: int | None = None
     # Chain keys of the first full blocks, computed as far as needed (only with lower tiers).
     keys: list[bytes] = field(default_factory=list)
+    # With a sliding pool of its own: `sliding[j]` is the sliding layers' block of the positions of
+    # `blocks[j]`, RELEASED for the first `num_released` (wholly before the next token's window).
+    sliding: list[int] = field(default_factory=list)
+    num_released: int = 0
+    # The tokens computed as of the last `publish` (what the sliding release was measured against).
+    num_computed: int = 0
+
+
+# A sliding entry whose block the sequence let go: wholly before every window, never read again.
+RELEASED = -1
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,16 @@ class KVCacheManager:
       group) `max_pinned_blocks_per_namespace` (the PinTable's caps, see cache/pins.py).
     - A block loaded from a lower tier is verified there first and is written before it joins the tree.
     - The loader holds host tensors only: no pool block, no reference, no tree node is ever its.
+
+    With a sliding pool (`sliding_window`: the model's largest window, and the prefix cache off):
+    - Every sequence's `sliding` has one entry per entry of `blocks`; its first `num_released` entries
+      are RELEASED and every later one holds one reference to its sliding-pool block, so the sliding
+      pool's counts equal the live sequences' held entries and nothing else holds a sliding block.
+    - After `publish(seq, tokens, n)`, the entries released are exactly those of the blocks wholly
+      before position n - window + 1, the first the next token reads: a running sequence holds
+      ceil(window / block_size) + 1 sliding blocks at most between steps, whatever its length.
+    - A model without sliding layers, or one with the prefix cache on, has no sliding pool: its
+      sliding layers share the global blocks' ids, exactly as one pool.
     """
 
     def __init__(
@@ -125,14 +145,24 @@ class KVCacheManager:
         clock: Callable[[], float] = time.monotonic,
         max_pinned_blocks_per_namespace: int | None = None,
         load_budget_s: float = LOAD_BUDGET_S,
+        num_sliding_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
-        """`load_budget_s`: how long a request waits at most for blocks read from the lower tiers."""
+        """`load_budget_s`: how long a request waits at most for blocks read from the lower tiers.
+        `num_sliding_blocks` and `sliding_window` (both or neither): the sliding layers' own pool and
+        the largest window, whose blocks a sequence releases once every window has passed them."""
         if lower is not None and not enable_prefix_caching:
             raise ValueError("lower cache tiers need the prefix cache")
+        if (num_sliding_blocks > 0) != (sliding_window is not None) or (
+            num_sliding_blocks and enable_prefix_caching
+        ):
+            raise ValueError("a sliding pool needs its window, and the prefix cache off")
         if not 0 <= max_pinned_blocks < num_blocks:
             raise ValueError("the pinned blocks must leave at least one block of the pool unpinned")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.sliding_pool = BlockPool(num_sliding_blocks) if num_sliding_blocks else None
+        self.sliding_window = sliding_window
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
         self.lower = lower
         self.loader = BlockLoader(lower, budget_s=load_budget_s) if lower is not None else None
@@ -250,6 +280,7 @@ class KVCacheManager:
         if self._extend(seq, cached + n):
             return self._admitted(seq, cached, n, hits)
         self._release_blocks(seq.blocks)
+        self._release_sliding(seq)
         return None
 
     def _continuing(
@@ -329,8 +360,30 @@ class KVCacheManager:
             self.prefix_cache.evict(short)
         if need > self.pool.num_free:
             return False
+        if self.sliding_pool is not None:
+            if need > self.sliding_pool.num_free:
+                return False
+            seq.sliding += self.sliding_pool.allocate(need)
         seq.blocks += self.pool.allocate(need)
         return True
+
+    def sliding_table(self, seq: SequenceBlocks) -> list[int] | None:
+        """The sequence's block table in the sliding layers' group, released entries as block 0 (never
+        read: they lie before every window); None without a sliding pool (the global ids serve)."""
+        if self.sliding_pool is None:
+            return None
+        return [0 if b == RELEASED else b for b in seq.sliding]
+
+    def _release_passed(self, seq: SequenceBlocks, num_computed: int) -> None:
+        """Let go of the sliding blocks wholly before the next token's window."""
+        if self.sliding_pool is None or self.sliding_window is None:
+            return
+        seq.num_computed = num_computed
+        first_read = max(0, num_computed - self.sliding_window + 1)
+        for j in range(seq.num_released, first_read // self.block_size):
+            self.sliding_pool.release(seq.sliding[j])
+            seq.sliding[j] = RELEASED
+        seq.num_released = max(seq.num_released, first_read // self.block_size)
 
     def publish(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:
         """The KV of `tokens[:num_computed]` is computed: publish every newly full block, and let go of the
@@ -345,6 +398,7 @@ class KVCacheManager:
             if self.lower is not None:
                 self.lower.offer(seq.keys, seq.namespace, tokens, seq.blocks[:full], seq.num_published)
             seq.num_published = full
+        self._release_passed(seq, num_computed)
 
     def release(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:
         """The sequence ends (finished, aborted or preempted): its computed KV, a partial last block
@@ -358,9 +412,17 @@ class KVCacheManager:
             blocks = seq.blocks[: _blocks_for(num_computed, self.block_size)]
             self.prefix_cache.insert(seq.namespace, tokens[:num_computed], blocks)
         self._release_blocks(seq.blocks)
+        self._release_sliding(seq)
         seq.blocks = []
         seq.num_published = 0
         self._live.discard(seq)
+
+    def _release_sliding(self, seq: SequenceBlocks) -> None:
+        if self.sliding_pool is not None:
+            for b in seq.sliding[seq.num_released :]:
+                self.sliding_pool.release(b)
+        seq.sliding = []
+        seq.num_released = 0
 
     def _lock(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -486,3 +548,25 @@ class KVCacheManager:
         usage = self.usage()
         if (usage.num_locked, usage.num_cached) != (len(locked), len(tree_blocks)):
             raise AssertionError(f"usage {usage} disagrees with the walk: {len(locked)} locked")
+        self._check_sliding()
+
+    def _check_sliding(self) -> None:
+        """The sliding pool's invariants (see the class docstring)."""
+        pool = self.sliding_pool
+        if pool is None:
+            if any(seq.sliding for seq in self._live):
+                raise AssertionError("a sequence holds sliding blocks without a sliding pool")
+            return
+        holders: Counter[int] = Counter()
+        for seq in self._live:
+            if len(seq.sliding) != len(seq.blocks):
+                raise AssertionError("a sequence's sliding entries do not match its blocks")
+            released, held = seq.sliding[: seq.num_released], seq.sliding[seq.num_released :]
+            assert self.sliding_window is not None
+            passed = max(0, seq.num_computed - self.sliding_window + 1) // self.block_size
+            if seq.num_released != passed or any(b != RELEASED for b in released) or RELEASED in held:
+                raise AssertionError("a sequence's sliding blocks are not released exactly before its window")
+            holders.update(held)
+        for block in range(pool.num_blocks):
+            if pool.ref_count(block) != holders[block]:
+                raise AssertionError(f"sliding block {block}'s references are not its holders'")

@@ -65,6 +65,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
             f"({format_bytes(bytes_per_block)}: {config.block_size} tokens): raise --kv-cache-memory or "
             "lower --block-size"
         )
+    num_blocks, num_sliding_blocks = _pools(config, model, max_model_len, num_blocks)
     runner = ModelRunner(
         model,
         num_blocks,
@@ -77,6 +78,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         config.cache_dir,
         config.kv_cache_dtype,
         config.decode_activations == "int16",
+        num_sliding_blocks or None,
     )
     max_pinned_blocks = config.max_pinned_tokens // config.block_size
     if max_pinned_blocks >= num_blocks:
@@ -95,6 +97,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
             if config.max_pinned_tokens_per_tenant is None
             else config.max_pinned_tokens_per_tenant // config.block_size
         ),
+        num_sliding_blocks=num_sliding_blocks,
+        sliding_window=max(w for w in model.config.windows if w is not None) if num_sliding_blocks else None,
     )
     limits = RequestLimits(
         vocab_size=model.config.vocab_size,
@@ -113,13 +117,14 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         limits=GrammarLimits.from_config(config),
     )
     log.info(
-        "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-        "prefix cache %s, disk tier %s, redis tier %s",
+        "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), %d sliding-layer blocks, "
+        "max_model_len %d, prefix cache %s, disk tier %s, redis tier %s",
         time.monotonic() - started,
         model.name,
         num_blocks,
         config.block_size,
         num_blocks * config.block_size,
+        num_sliding_blocks,
         max_model_len,
         "on" if config.enable_prefix_caching else "off",
         config.kv_disk or "off",
@@ -134,8 +139,43 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         limits=limits,
         grammars=grammars,
         max_model_len=max_model_len,
-        bytes_per_block=bytes_per_block,
+        # With a sliding pool of its own, a global block's share of the memory both pools take.
+        bytes_per_block=config.kv_cache_memory // num_blocks if num_sliding_blocks else bytes_per_block,
     )
+
+
+def _pools(config: EngineConfig, model: LoadedModel, max_model_len: int, one_pool: int) -> tuple[int, int]:
+    """The global pool's blocks and the sliding layers' own pool's (0: none, the sliding layers share the
+    global ids) from `--kv-cache-memory`; `one_pool` is the blocks of every layer it holds.
+
+    A sliding model with the prefix cache off splits the memory so that one request at `max_model_len`
+    fills both pools alike: global bytes / sliding bytes = G * L / (S * (W + 2 * block_size)), G and S
+    the global and sliding layers, L the context and W the largest window. The sliding pool holds at
+    least one request's window and largest chunk, so a request the global pool fits is always admitted.
+    An all-sliding model's global group costs no memory: its pool is sized in blocks, a whole context per
+    sequence the sliding pool holds. The split is taken only where it holds at least as many tokens as
+    one pool would, so that it never shrinks what a request may use.
+    """
+    c, bs = model.config, config.block_size
+    windows = [w for w in c.windows if w is not None]
+    if not windows or config.enable_prefix_caching:
+        return one_pool, 0
+    layer_block = c.kv_bytes_per_token(TORCH_DTYPES[config.kv_cache_dtype].itemsize) // c.num_layers * bs
+    num_sliding, num_global = len(windows), c.num_layers - len(windows)
+    window = max(windows)
+    need = -(-(window + config.max_num_batched_tokens) // bs) + 1
+    memory = config.kv_cache_memory
+    if num_global:
+        share = num_sliding * (window + 2 * bs)
+        sliding_bytes = memory * share // (num_global * max_model_len + share)
+        sliding = max(need, sliding_bytes // (num_sliding * layer_block))
+        global_blocks = (memory - sliding * num_sliding * layer_block) // (num_global * layer_block)
+    else:
+        sliding = memory // (num_sliding * layer_block)
+        global_blocks = -(-max_model_len // bs) * max(1, sliding // (-(-window // bs) + 1))
+    if sliding < need or global_blocks < one_pool:
+        return one_pool, 0
+    return global_blocks, sliding
 
 
 def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) -> LowerTiers | None:
@@ -156,10 +196,9 @@ def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) 
 
 
 def _max_model_len(config: EngineConfig, model: LoadedModel) -> int:
+    # Both attention backends apply a sliding-window layer's window, so the context runs to the model's own
+    # maximum whatever its windows.
     limit = model.config.max_position_embeddings
-    if model.config.sliding_window is not None:
-        # Our attention has no sliding window: staying inside it keeps the output exact.
-        limit = min(limit, model.config.sliding_window)
     asked = config.max_model_len
     if asked is not None and asked > limit:
         raise ConfigError(f"max_model_len {asked} exceeds what the model supports ({limit})")

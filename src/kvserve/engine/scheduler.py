@@ -166,7 +166,14 @@ class Scheduler:
         start = request.num_computed
         sample = start + n == request.num_tokens
         tokens = request.token_ids[start : start + n]
-        chunk = SequenceChunk(tokens, start, request.kv.blocks, sample, request.needs_prompt_logits)
+        chunk = SequenceChunk(
+            tokens,
+            start,
+            request.kv.blocks,
+            sample,
+            request.needs_prompt_logits,
+            self.kv.sliding_table(request.kv),
+        )
         # The decode path is for one generated token after computed context; any other chunk is a prefill
         # chunk, a prompt's last token after a cache hit included. Decode rows take int16 activations
         # (EngineConfig.decode_activations), so a prompt token must run as a prefill row whether or not

@@ -1,7 +1,8 @@
 """Paged attention behind one interface: the KV cache, the step's chunks and the backend contract.
 
 The KV cache (in the compute dtype, or float16 under float32) is one tensor per layer and per K/V, of
-shape [num_blocks * block_size, kv_heads, head_dim] (slot = block * block_size + offset). A step's tokens
+shape [num_blocks * block_size, kv_heads, head_dim] (slot = block * block_size + offset), in two groups
+(global and sliding layers) with block ids of their own. A step's tokens
 are laid out decodes first, then one span per prefill chunk.
 
 A backend turns the step's chunks into its own metadata once per step (`prepare`), shared by every
@@ -13,7 +14,7 @@ row as its decode would be). The choice is made once, when the runner is built.
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -22,7 +23,14 @@ from kvserve.model import huge_pages
 
 
 class KVCache:
-    """Preallocated paged K/V memory for every layer."""
+    """Preallocated paged K/V memory for every layer, in two groups by the layer's attention window.
+
+    The global layers (no window) form one group and the sliding layers another, each one K and one V
+    tensor [layers in group, blocks * block_size, kv_heads, head_dim] with its own block ids: a sliding
+    layer's block may be released once it lies wholly before every window while the global layers' block
+    of the same positions stays. A model without sliding layers has the global group alone (`k`, `v`),
+    exactly one tensor per K/V over every layer.
+    """
 
     def __init__(
         self,
@@ -33,38 +41,85 @@ class KVCache:
         head_dim: int,
         device: torch.device,
         dtype: torch.dtype,
+        windows: Sequence[int | None] = (),
+        num_sliding_blocks: int | None = None,
     ) -> None:
+        """`windows[i]` is layer i's window (empty: every layer global); the sliding group holds
+        `num_sliding_blocks` blocks (default `num_blocks`: one id space shared with the global group)."""
         self.block_size = block_size
         self.dtype = dtype
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        windows = list(windows) or [None] * num_layers
+        # Each layer's group (False: global, True: sliding) and its index within that group.
+        self._group: list[tuple[bool, int]] = []
+        counts = [0, 0]
+        for w in windows:
+            self._group.append((w is not None, counts[w is not None]))
+            counts[w is not None] += 1
+        self.num_sliding_layers = counts[1]
+        self.num_sliding_blocks = num_blocks if num_sliding_blocks is None else num_sliding_blocks
+        # With one id space a block id names both groups' block of the same positions.
+        self.shared_ids = bool(counts[1]) and num_sliding_blocks is None
+        shape = (counts[0], num_blocks * block_size, num_kv_heads, head_dim)
         self.k = huge_pages.empty(shape, dtype, device).zero_()
         self.v = huge_pages.empty(shape, dtype, device).zero_()
+        sliding = (counts[1], self.num_sliding_blocks * block_size, num_kv_heads, head_dim)
+        self.sliding_k = huge_pages.empty(sliding, dtype, device).zero_() if counts[1] else self.k[:0]
+        self.sliding_v = huge_pages.empty(sliding, dtype, device).zero_() if counts[1] else self.v[:0]
 
-    def copy_block(self, src: int, dst: int) -> None:
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K and V caches [slots, kv_heads, head_dim], in its group's slots."""
+        sliding, j = self._group[i]
+        return (self.sliding_k[j], self.sliding_v[j]) if sliding else (self.k[j], self.v[j])
+
+    def copy_block(self, src: int, dst: int, sliding: bool = False) -> None:
+        """Copy block `src` onto `dst` in the global group (and the sliding one when they share ids), or
+        in the sliding group alone with `sliding`."""
+        if self.shared_ids and not sliding:
+            self.copy_block(src, dst, sliding=True)
         bs = self.block_size
-        self.k[:, dst * bs : (dst + 1) * bs] = self.k[:, src * bs : (src + 1) * bs]
-        self.v[:, dst * bs : (dst + 1) * bs] = self.v[:, src * bs : (src + 1) * bs]
+        k, v = (self.sliding_k, self.sliding_v) if sliding else (self.k, self.v)
+        k[:, dst * bs : (dst + 1) * bs] = k[:, src * bs : (src + 1) * bs]
+        v[:, dst * bs : (dst + 1) * bs] = v[:, src * bs : (src + 1) * bs]
 
-    def read_block(self, block: int) -> torch.Tensor:
-        """A CPU copy of one block's K and V in every layer, [2, layers, block_size, kv_heads, head_dim].
+    def read_block(self, block: int, sliding_block: int | None = None) -> torch.Tensor:
+        """A CPU copy of one block's K and V in every layer, [2, layers, block_size, kv_heads, head_dim],
+        from global block `block` and sliding block `sliding_block` (default: `block`).
 
         The copy's layout is the exchange format of the cache tiers, whatever the cache's own layout, so
         that a block written by one layout reads back under another.
         """
         bs = self.block_size
         rows = slice(block * bs, (block + 1) * bs)
-        return torch.stack((self.k[:, rows], self.v[:, rows])).to("cpu", copy=True)
+        if not self.num_sliding_layers:
+            return torch.stack((self.k[:, rows], self.v[:, rows])).to("cpu", copy=True)
+        s = block if sliding_block is None else sliding_block
+        srows = slice(s * bs, (s + 1) * bs)
+        layers = [
+            torch.stack((self.sliding_k[j, srows], self.sliding_v[j, srows]))
+            if sliding
+            else torch.stack((self.k[j, rows], self.v[j, rows]))
+            for sliding, j in self._group
+        ]
+        return torch.stack(layers, dim=1).to("cpu", copy=True)
 
-    def write_block(self, block: int, data: torch.Tensor) -> None:
+    def write_block(self, block: int, data: torch.Tensor, sliding_block: int | None = None) -> None:
         """Overwrite one block's K and V with `data` as `read_block` returns it."""
         bs = self.block_size
         rows = slice(block * bs, (block + 1) * bs)
-        self.k[:, rows] = data[0].to(self.k.device)
-        self.v[:, rows] = data[1].to(self.v.device)
+        if not self.num_sliding_layers:
+            self.k[:, rows] = data[0].to(self.k.device)
+            self.v[:, rows] = data[1].to(self.v.device)
+            return
+        s = block if sliding_block is None else sliding_block
+        srows = slice(s * bs, (s + 1) * bs)
+        for i, (sliding, j) in enumerate(self._group):
+            k, v, r = (self.sliding_k, self.sliding_v, srows) if sliding else (self.k, self.v, rows)
+            k[j, r] = data[0, i].to(k.device)
+            v[j, r] = data[1, i].to(v.device)
 
     def block_shape(self) -> tuple[int, ...]:
         """The shape of `read_block`'s result."""
-        return (2, self.k.shape[0], self.block_size, self.k.shape[2], self.k.shape[3])
+        return (2, len(self._group), self.block_size, self.k.shape[2], self.k.shape[3])
 
 
 class ScheduledChunk(Protocol):
@@ -92,6 +147,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     num_decodes: int
     num_prefills: int
+    # The same step over the sliding layers' block tables (their own ids), for the layers with a
+    # window; None when the model has no sliding group.
+    sliding: "AttentionMetadata | None" = field(default=None, kw_only=True)
+
+    def group(self, window: int | None) -> "AttentionMetadata":
+        """The metadata a layer with `window` reads: its group's tables and slots."""
+        return self.sliding if window is not None and self.sliding is not None else self
 
 
 def slot_mapping(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device) -> torch.Tensor:
@@ -143,7 +205,10 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for this step; k_cache/v_cache [slots, Hkv, D] of one layer.
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step; k_cache/v_cache [slots, Hkv, D] of one layer;
+        `window` the layer's sliding window (None: global): a token at position p attends to the keys at
+        positions [p - window + 1, p] only, transformers' convention, and nothing before them is read.
 
         Returns the attention output [T, Hq, D]."""

@@ -17,7 +17,7 @@ import torch
 
 from kvserve.errors import KernelAbiError
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -78,9 +78,9 @@ STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
     ("decoder", DecoderStruct),
 )
 
-# attention_kernel: q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, rows, heads, kv_heads,
-# dim, block_size, scale, threads.
-ATTENTION_ARGTYPES: list[Any] = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_double, _C]
+# attention_kernel: q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
+# kv_heads, dim, block_size, scale, threads.
+ATTENTION_ARGTYPES: list[Any] = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_double, _C]
 
 # (compute dtype, KV cache dtype) -> the attention kernel's symbol.
 ATTENTION_SYMBOLS = {

@@ -40,7 +40,7 @@ def load_library(cache_dir: str) -> ctypes.CDLL:
 class PagedAttentionKernel:
     """The native kernel's rows over the paged cache on the CPU, for one compute dtype and one KV cache
     dtype (the same, or float16 under float32): each row attends to the first `lens[r]` positions of its
-    own table."""
+    own table, or with a window to the last `window` of them (blocks wholly before those are never read)."""
 
     lib: ctypes.CDLL
     dtype: torch.dtype
@@ -81,10 +81,13 @@ class PagedAttentionKernel:
         lens: torch.Tensor,
         block_size: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q [rows, heads, dim] (rows may be strided); caches [slots, kv_heads, dim]; tables [rows, width]
         (rows may be strided, or all one table: a prefill chunk's tokens share their sequence's) and lens
-        [rows] int64. Returns [rows, heads, dim]."""
+        [rows] int64; `window`: None (every position) or a sliding window of at least 1. Returns [rows,
+        heads, dim]."""
+        assert window is None or window >= 1
         rows, heads, dim = q.shape
         # The kernel indexes heads and dims densely within a row and the caches and tables fully.
         assert q.stride(2) == 1 and q.stride(1) == dim and q.dtype == self.dtype
@@ -101,6 +104,7 @@ class PagedAttentionKernel:
             tables.data_ptr(),
             tables.stride(0),
             lens.data_ptr(),
+            window or 0,
             rows,
             heads,
             k_cache.shape[1],
@@ -186,7 +190,10 @@ class NativeAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        # A sliding layer reads its own group's tables and slots.
+        meta = meta.group(window)
         assert isinstance(meta, NativeAttentionMetadata)
         # Every row reads its context, its own token's K/V included, from the cache.
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -194,6 +201,13 @@ class NativeAttention(AttentionBackend):
         groups = [meta.decode_rows] if meta.decode_rows is not None else []
         for rows in groups + meta.chunk_rows:
             out[rows.start : rows.end] = self.kernel(
-                q[rows.start : rows.end], k_cache, v_cache, rows.tables, rows.lens, self.block_size, scale
+                q[rows.start : rows.end],
+                k_cache,
+                v_cache,
+                rows.tables,
+                rows.lens,
+                self.block_size,
+                scale,
+                window,
             )
         return out

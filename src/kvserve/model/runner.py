@@ -1,7 +1,7 @@
 """ModelRunner: owns the weights and the KV memory, turns one scheduled step into one forward pass."""
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,7 +25,9 @@ class SequenceChunk:
 
     `block_table` must already cover every position up to start + len(token_ids). When `sample` is set,
     the logits of the last token are returned; when `all_logits` is set (prompt logprobs), the logits
-    of every token of the chunk as well.
+    of every token of the chunk as well. `sliding_table` is the same positions' blocks in the sliding
+    layers' group (None: `block_table`, one id space); an entry before every window may be any block,
+    as it is never read (block 0 where the sequence released it).
     """
 
     token_ids: list[int]
@@ -33,6 +35,7 @@ class SequenceChunk:
     block_table: list[int]
     sample: bool
     all_logits: bool = False
+    sliding_table: list[int] | None = None
 
 
 @dataclass
@@ -49,6 +52,8 @@ class ForwardBatch:
     decodes: list[SequenceChunk] = field(default_factory=list)
     prefills: list[SequenceChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Copies on write in the sliding group, where its ids are its own.
+    sliding_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def attention_backend(
@@ -74,6 +79,11 @@ def attention_backend(
     return TorchAttention(block_size, group, device)
 
 
+def _sliding(chunk: SequenceChunk) -> SequenceChunk:
+    """The chunk as the sliding layers see it: over its sliding table."""
+    return chunk if chunk.sliding_table is None else replace(chunk, block_table=chunk.sliding_table)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -88,10 +98,12 @@ class ModelRunner:
         cache_dir: str | None = None,
         kv_dtype: str | None = None,
         int16_decodes: bool = False,
+        num_sliding_blocks: int | None = None,
     ):
         """`dtype` is the compute dtype, `kv_dtype` the KV cache's (default: `dtype`), `weight_dtype` the
         storage of the linear weights; `int16_decodes` gives the native products' decode and logits rows
-        int16 activations (EngineConfig.decode_activations).
+        int16 activations (EngineConfig.decode_activations). `num_sliding_blocks` sizes the sliding
+        layers' group (default `num_blocks`, sharing the global group's ids).
 
         `attention` picks the attention backend for decode rows and prefill rows (`attention_backend`);
         native kernels are built into `cache_dir`, by default kvserve's cache folder.
@@ -124,9 +136,19 @@ class ModelRunner:
             int16_decodes,
         )
         self.kv_cache = KVCache(
-            c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.device, self.kv_dtype
+            c.num_layers,
+            num_blocks,
+            block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            self.device,
+            self.kv_dtype,
+            c.windows,
+            num_sliding_blocks,
         )
         try:
+            if any(w is not None for w in c.windows):
+                raise KernelUnavailableError("the native decoder has no sliding-window layers")
             self.transformer.attach_native_decoder(self.kv_cache)
         except KernelUnavailableError as e:
             log.info("decode steps run op by op: %s", e)
@@ -145,6 +167,10 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(offset - 1)
         meta = self.attention.prepare(batch.decodes, batch.prefills)
+        if self.kv_cache.num_sliding_layers:
+            meta.sliding = self.attention.prepare(
+                [_sliding(c) for c in batch.decodes], [_sliding(c) for c in batch.prefills]
+            )
         dev = self.device
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, sample_rows
 
@@ -153,6 +179,8 @@ class ModelRunner:
         """Run one step: logits where chunks sample, and at every position of `all_logits` chunks."""
         for src, dst in batch.block_copies:
             self.kv_cache.copy_block(src, dst)
+        for src, dst in batch.sliding_copies:
+            self.kv_cache.copy_block(src, dst, sliding=True)
         input_ids, positions, meta, rows = self._inputs(batch)
         hidden = self.transformer.forward(input_ids, positions, meta, self.kv_cache)
         # Sampling runs on the CPU with each request's own generator, whatever the model's device.

@@ -5,10 +5,14 @@ rows are gathered into one batch padded to the longest context and masked, so a 
 its last bits) depends on the rest of the batch: the native backend exists for that. Grouped-query
 attention copies no K/V for the decode rows or a chunk after cached context: the query heads that share a
 KV head are laid along the query-length axis, so one SDPA call serves the whole group.
+
+A sliding-window layer gathers only from the first block its rows' windows reach and masks what the
+windows exclude (`window_mask`, built once per step and window: `TorchAttentionMetadata.window_masks`),
+so a block wholly before every row's window is never read.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,13 +46,77 @@ class TorchAttentionMetadata(AttentionMetadata):
     the decode rows, None and 0 without decodes; `decode_mask` [decodes, 1, 1, decode_len] masks their
     padding, None when every decode has the same context length. `first_chunks` are the [start, end)
     spans of the prefill chunks that start their sequence (they attend to the step's fresh K/V alone);
-    `continued_chunks` the others."""
+    `continued_chunks` the others. `decode_positions` are the decodes' positions; `windowed` keeps each
+    sliding window's masks, made by the first layer with that window (`window_masks`)."""
 
     decode_tables: torch.Tensor | None
     decode_len: int
     decode_mask: torch.Tensor | None
     first_chunks: list[tuple[int, int]]
     continued_chunks: list[ContinuedChunk]
+    decode_positions: list[int] = field(default_factory=list)
+    windowed: dict[int, "WindowMasks"] = field(default_factory=dict)
+
+    def window_masks(self, window: int, group: int, block_size: int, device: torch.device) -> "WindowMasks":
+        """The step's masks under `window`, shaped as the unwindowed ones (`decode_mask`, a first
+        chunk's causal mask, `ContinuedChunk.mask`) but over the keys from the first block any of their
+        rows' windows reaches."""
+        if window not in self.windowed:
+            positions = torch.tensor(self.decode_positions, dtype=torch.long)
+            first = _first_block(min(self.decode_positions, default=0), window, block_size)
+            keys = self.decode_len - first * block_size
+            decodes = window_mask(positions, keys, window, first * block_size)
+            continued = []
+            for c in self.continued_chunks:
+                start = c.context_len - (c.end - c.start)
+                fb = _first_block(start, window, block_size)
+                mask = window_mask(
+                    torch.arange(start, c.context_len),
+                    c.context_len - fb * block_size,
+                    window,
+                    fb * block_size,
+                )
+                continued.append((fb, mask.repeat_interleave(group, dim=0).to(device)))
+            self.windowed[window] = WindowMasks(
+                first,
+                decodes.view(len(positions), 1, 1, keys).to(device),
+                [
+                    window_mask(torch.arange(end - start), end - start, window).to(device)
+                    for start, end in self.first_chunks
+                ],
+                continued,
+            )
+        return self.windowed[window]
+
+
+@dataclass
+class WindowMasks:
+    """One sliding window's masks for one step, over the keys from a first block on (the blocks before
+    it are not gathered): the decodes' [decodes, 1, 1, decode_len - decode_block * block_size] from block
+    `decode_block`, each first chunk's [n, n], each continued chunk's first block and mask [n * group,
+    context_len - first block * block_size]."""
+
+    decode_block: int
+    decodes: torch.Tensor
+    first_chunks: list[torch.Tensor]
+    continued_chunks: list[tuple[int, torch.Tensor]]
+
+
+def _first_block(position: int, window: int, block_size: int) -> int:
+    """The block of the first key that the token at `position` attends to under `window`."""
+    return max(0, position - window + 1) // block_size
+
+
+def window_mask(positions: torch.Tensor, keys: int, window: int | None, offset: int = 0) -> torch.Tensor:
+    """[len(positions), keys]: True where the token at each position may attend to the key at position
+    offset + k, causally and, with a window, only to keys in [position - window + 1, position]
+    (transformers' sliding window)."""
+    k = torch.arange(offset, offset + keys).unsqueeze(0)
+    p = positions.unsqueeze(1)
+    allowed = k <= p
+    if window is not None:
+        allowed &= k > p - window
+    return allowed
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -105,6 +173,7 @@ class TorchAttention(AttentionBackend):
             decode_mask=decode_mask,
             first_chunks=first,
             continued_chunks=continued,
+            decode_positions=[c.start for c in decodes],
         )
 
     def forward(
@@ -116,27 +185,38 @@ class TorchAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        # A sliding layer reads its own group's tables and slots.
+        meta = meta.group(window)
         assert isinstance(meta, TorchAttentionMetadata)
         k_stored, v_stored = write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         bs = self.block_size
+        masks = None if window is None else meta.window_masks(window, self.group, bs, self.device)
         out = torch.empty_like(q)
         if meta.decode_tables is not None:
             nd = meta.num_decodes
-            kd = _gather(k_cache, meta.decode_tables, bs, q.dtype)[:, : meta.decode_len]
-            vd = _gather(v_cache, meta.decode_tables, bs, q.dtype)[:, : meta.decode_len]
-            out[:nd] = _decode_rows(q[:nd], kd, vd, meta.decode_mask, scale)
+            # A sliding layer gathers only from the first block a decode's window reaches.
+            first = 0 if masks is None else masks.decode_block
+            tables, keys = meta.decode_tables[:, first:], meta.decode_len - first * bs
+            kd = _gather(k_cache, tables, bs, q.dtype)[:, :keys]
+            vd = _gather(v_cache, tables, bs, q.dtype)[:, :keys]
+            mask = meta.decode_mask if masks is None else masks.decodes
+            out[:nd] = _decode_rows(q[:nd], kd, vd, mask, scale)
         if meta.first_chunks:
             # Only these read the fresh K/V: as the cache holds them, the same values a later chunk reads.
             k_fresh, v_fresh = k_stored.to(q.dtype), v_stored.to(q.dtype)
-            for start, end in meta.first_chunks:
-                out[start:end] = _first_chunk(q[start:end], k_fresh[start:end], v_fresh[start:end], scale)
-        for chunk in meta.continued_chunks:
-            kc = _gather(k_cache, chunk.context_blocks, bs, q.dtype)[: chunk.context_len]
-            vc = _gather(v_cache, chunk.context_blocks, bs, q.dtype)[: chunk.context_len]
-            out[chunk.start : chunk.end] = _continued_chunk(
-                q[chunk.start : chunk.end], kc, vc, chunk.mask, scale
-            )
+            for i, (start, end) in enumerate(meta.first_chunks):
+                first_mask = None if masks is None else masks.first_chunks[i]
+                out[start:end] = _first_chunk(
+                    q[start:end], k_fresh[start:end], v_fresh[start:end], scale, first_mask
+                )
+        for i, chunk in enumerate(meta.continued_chunks):
+            first, mask = (0, chunk.mask) if masks is None else masks.continued_chunks[i]
+            blocks, keys = chunk.context_blocks[first:], chunk.context_len - first * bs
+            kc = _gather(k_cache, blocks, bs, q.dtype)[:keys]
+            vc = _gather(v_cache, blocks, bs, q.dtype)[:keys]
+            out[chunk.start : chunk.end] = _continued_chunk(q[chunk.start : chunk.end], kc, vc, mask, scale)
         return out
 
 
@@ -151,14 +231,17 @@ def _decode_rows(
     return od.reshape(rows, heads, dim)
 
 
-def _first_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] causally over the chunk's own k/v [n, Hkv, D]."""
+def _first_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """q [n, Hq, D] causally over the chunk's own k/v [n, Hkv, D], or under `mask` [n, n] (a window)."""
     group = q.shape[1] // k.shape[1]
     # The CPU flash kernel wants contiguous 4-D [1, heads, len, dim] inputs with equal head counts.
     qs = q.transpose(0, 1).unsqueeze(0).contiguous()
     ks = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
     vs = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1)
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _continued_chunk(

@@ -271,7 +271,7 @@ class Transformer:
                 qk = apply_rotary(qk, *tables[layer.rope])
             q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-            attn = self.attention.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
+            attn = self.attention.forward(q, k, v, *kv.layer(i), meta, self.scale, c.window(i))
             if layer.post_attn_norm is None:
                 h = layer.o.add(attn.view(n, self.q_size), h, d)
             else:

@@ -105,7 +105,8 @@ int decoder_layers(const struct decoder *m, float *h, int64_t rows, const int64_
             break;
         if ((status = write_kv(m, vc, qkv + q_size + kv_size, rows, qkv_size, slots)))
             break;
-        if (attention(qkv, qkv_size, attn, kc, vc, tables, table_width, lens, rows, m->heads, m->kv_heads,
+        /* Global layers only: models with sliding-window layers decode op by op (native_decoder.py). */
+        if (attention(qkv, qkv_size, attn, kc, vc, tables, table_width, lens, 0, rows, m->heads, m->kv_heads,
                       m->head_dim, m->block_size, m->scale, threads)) {
             status = -2;
             break;

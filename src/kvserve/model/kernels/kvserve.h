@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define KVSERVE_ABI_VERSION 1
+#define KVSERVE_ABI_VERSION 2
 
 /* Block types: ggml's type ids, and K8, kvserve's own (see quants.h for the layouts). */
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_K8 = 100 };
@@ -33,12 +33,14 @@ int kvserve_struct_sizes(int64_t *sizes, int n);
  * q: rows of [heads, dim], `q_stride` elements apart; out: [rows, heads, dim] contiguous; k_cache and
  * v_cache: [slots, kv_heads, dim] (slot = block * block_size + offset); tables: row r's block ids from
  * tables + r * table_stride (0: every row reads one table, as a prefill chunk's tokens do); lens: [rows]
- * context lengths, each >= 1. Returns 0, or -1 when scratch memory could not be allocated. The element
+ * context lengths, each >= 1; window: 0, or the positions a row attends to, its own and the window - 1
+ * before it (a sliding-window layer: a row of length n reads positions [n - window, n) only, and never a
+ * block wholly before them, whose table entry may be anything). Returns 0, or -1 when scratch memory could not be allocated. The element
  * types are the symbol's: float or double rows, a cache of the same type or of _Float16 under float. */
 typedef int attention_kernel(const void *q, int64_t q_stride, void *out, const void *k_cache,
                              const void *v_cache, const int64_t *tables, int64_t table_stride,
-                             const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                             int64_t block_size, double scale, int threads);
+                             const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
+                             int64_t dim, int64_t block_size, double scale, int threads);
 
 attention_kernel paged_attention_f32;
 attention_kernel paged_attention_f64;

@@ -1,11 +1,11 @@
 /* Paged attention for the CPU, for prefill and decode rows alike (loaded through ctypes by
  * kvserve/model/native_attention.py; the decoder layers call it through its address).
  *
- * Each query row attends to the first `lens[r]` positions of its own sequence, read in place from the
- * paged cache (slot = block * block_size + offset, layout [slots, kv_heads, head_dim]): no context is
- * gathered into a copy and no row is padded to the longest one. Every reduction runs in a fixed order that
- * depends only on the row's own query, context and length: never on the other rows of the step or on the
- * thread count. That is what makes a row bitwise batch-invariant.
+ * Each query row attends to the first `lens[r]` positions of its own sequence (with a window, only the
+ * last `window` of them), read in place from the paged cache (slot = block * block_size + offset, layout
+ * [slots, kv_heads, head_dim]): no context is gathered into a copy and no row is padded to the longest
+ * one. Every reduction runs in a fixed order that depends only on the row's own query, context, window
+ * and length: never on the other rows of the step or on the thread count. That is what makes a row bitwise batch-invariant.
  *
  * The generic code (a row is one task, computed by one thread from start to end with reductions in
  * position order) is built for float and double (double serves the float64 reference runs of the tests),
@@ -30,6 +30,14 @@
 /* Query heads that read each cached row of their KV head together. */
 #define HG 4
 
+/* The first position a row of context length n attends to: with a window (> 0), the token at position
+ * n - 1 sees itself and the window - 1 positions before it (transformers' sliding window); 0 without.
+ * Blocks wholly before it are never read, so a caller may leave any block id there. */
+static inline int64_t window_start(int64_t n, int64_t window)
+{
+    return window > 0 && n > window ? n - window : 0;
+}
+
 /* ---- The generic rows ----
  *
  * DEFINE_ROWS(NAME, T, KV, EXP, WIDEN) defines, for rows of T over a cache of KV:
@@ -53,16 +61,17 @@
     }                                                                                                    \
                                                                                                          \
     static void NAME##_row(const T *restrict q, T *restrict out, const KV *restrict kc,                  \
-                           const KV *restrict vc, const int64_t *restrict table, int64_t n, int64_t heads, \
-                           int64_t kv_heads, int64_t dim, int64_t block_size, T scale, T *restrict scores, \
-                           T *restrict acc)                                                              \
+                           const KV *restrict vc, const int64_t *restrict table, int64_t n, int64_t lo,   \
+                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, T scale,    \
+                           T *restrict scores, T *restrict acc)                                          \
     {                                                                                                    \
         const int64_t group = heads / kv_heads, stride = kv_heads * dim;                                 \
         T wide[stride];                                                                                  \
-        for (int64_t start = 0; start < n; start += block_size) {                                        \
+        for (int64_t start = lo - lo % block_size; start < n; start += block_size) {                     \
             const int64_t len = n - start < block_size ? n - start : block_size;                         \
-            const KV *k = kc + table[start / block_size] * block_size * stride;                          \
-            for (int64_t i = 0; i < len; i++, k += stride) {                                             \
+            const int64_t i0 = start < lo ? lo - start : 0;                                              \
+            const KV *k = kc + (table[start / block_size] * block_size + i0) * stride;                   \
+            for (int64_t i = i0; i < len; i++, k += stride) {                                            \
                 const T *kr = WIDEN(k, wide, stride);                                                    \
                 for (int64_t h = 0; h < heads; h++) {                                                    \
                     const T *qh = q + h * dim;                                                           \
@@ -76,17 +85,18 @@
         }                                                                                                \
         for (int64_t h = 0; h < heads; h++) {                                                            \
             T *sh = scores + h * n, m, sum;                                                              \
-            NAME##_exp_scores(sh, n, &m, &sum);                                                          \
+            NAME##_exp_scores(sh + lo, n - lo, &m, &sum);                                                \
             const T inv = 1 / sum;                                                                       \
-            for (int64_t p = 0; p < n; p++)                                                              \
+            for (int64_t p = lo; p < n; p++)                                                             \
                 sh[p] *= inv;                                                                            \
         }                                                                                                \
         for (int64_t j = 0; j < heads * dim; j++)                                                        \
             acc[j] = 0;                                                                                  \
-        for (int64_t start = 0; start < n; start += block_size) {                                        \
+        for (int64_t start = lo - lo % block_size; start < n; start += block_size) {                     \
             const int64_t len = n - start < block_size ? n - start : block_size;                         \
-            const KV *v = vc + table[start / block_size] * block_size * stride;                          \
-            for (int64_t i = 0; i < len; i++, v += stride) {                                             \
+            const int64_t i0 = start < lo ? lo - start : 0;                                              \
+            const KV *v = vc + (table[start / block_size] * block_size + i0) * stride;                   \
+            for (int64_t i = i0; i < len; i++, v += stride) {                                            \
                 const T *vr = WIDEN(v, wide, stride);                                                    \
                 for (int64_t h = 0; h < heads; h++) {                                                    \
                     const T w = scores[h * n + start + i];                                               \
@@ -103,8 +113,8 @@
                                                                                                          \
     static int NAME##_rows(const void *q, int64_t q_stride, void *out, const void *k_cache,              \
                            const void *v_cache, const int64_t *tables, int64_t table_stride,             \
-                           const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, \
-                           int64_t block_size, double scale, int threads)                                \
+                           const int64_t *lens, int64_t window, int64_t rows, int64_t heads,             \
+                           int64_t kv_heads, int64_t dim, int64_t block_size, double scale, int threads) \
     {                                                                                                    \
         int64_t longest = 0;                                                                             \
         for (int64_t r = 0; r < rows; r++)                                                               \
@@ -120,8 +130,8 @@
                     continue;                                                                            \
                 }                                                                                        \
                 NAME##_row((const T *)q + r * q_stride, (T *)out + r * heads * dim, k_cache, v_cache,    \
-                           tables + r * table_stride, lens[r], heads, kv_heads, dim, block_size, (T)scale, \
-                           scores, scores + heads * longest);                                            \
+                           tables + r * table_stride, lens[r], window_start(lens[r], window), heads,     \
+                           kv_heads, dim, block_size, (T)scale, scores, scores + heads * longest);       \
             }                                                                                            \
             free(scores);                                                                                \
         }                                                                                                \
@@ -317,18 +327,21 @@ static ALWAYS_INLINE void fast_heads(const int kv16, const int values, const int
 /* One pass over blocks [b0, b1) of one cache: each KV head of a block, that head's query heads HG at a
  * time. */
 static ALWAYS_INLINE void fast_pass(const int kv16, const int values, const int C, const struct pass *s,
-                                    const void *cache, const int64_t *table, int64_t n, int64_t b0, int64_t b1,
-                                    int64_t kv_heads, int64_t group, int64_t block_size)
+                                    const void *cache, const int64_t *table, int64_t n, int64_t lo, int64_t b0,
+                                    int64_t b1, int64_t kv_heads, int64_t group, int64_t block_size)
 {
     const int64_t dim = C * 8, stride = kv_heads * dim, p0 = b0 * block_size;
     const size_t elem = kv16 ? 2 : 4;
-    for (int64_t b = b0; b < b1; b++) {
-        const int64_t len = n - b * block_size < block_size ? n - b * block_size : block_size;
+    for (int64_t b = lo / block_size; b < b1; b++) {
+        /* Positions [first, first + len) of the block: from the window's start, to the context's end. */
+        const int64_t first = b * block_size < lo ? lo - b * block_size : 0;
+        const int64_t len = (n - b * block_size < block_size ? n - b * block_size : block_size) - first;
         for (int64_t g = 0; g < kv_heads; g++) {
-            const void *kv = (const char *)cache + (size_t)(table[b] * block_size * stride + g * dim) * elem;
+            const void *kv =
+                (const char *)cache + (size_t)((table[b] * block_size + first) * stride + g * dim) * elem;
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HG) {
                 const int hg = (g + 1) * group - h0 < HG ? (int)((g + 1) * group - h0) : HG;
-                float *w = s->scores + h0 * s->width + b * block_size - p0;
+                float *w = s->scores + h0 * s->width + b * block_size + first - p0;
                 switch (hg) {
                 case 1:
                     fast_heads(kv16, values, 1, C, s, h0, kv, len, stride, w);
@@ -348,66 +361,71 @@ static ALWAYS_INLINE void fast_pass(const int kv16, const int values, const int 
     }
 }
 
-/* Every head of one row (q: its [heads, dim] rows) over blocks [b0, b1) of its context (the chunk): per
- * head h, part[h * part_stride] = the chunk's highest score, then the sum of exp(score - highest), then the
- * values weighted by those exps. A block's rows for every KV head lie together in the pool, so each block
+/* Every head of one row (q: its [heads, dim] rows) over blocks [b0, b1) of its context (the chunk), from
+ * position `lo` on (the row's window start, when it falls in the chunk): per head h, part[h * part_stride]
+ * = the chunk's highest score, then the sum of exp(score - highest), then the values weighted by those
+ * exps. A block's rows for every KV head lie together in the pool, so each block
  * is read whole, once by the scores and once by the values; `scores` holds heads * (b1 - b0) * block_size
  * floats. `touch`: read the blocks through first (the task's first row). */
 static ALWAYS_INLINE void fast_chunk(const int kv16, const int C, const float *q, const void *kc,
-                                     const void *vc, const int64_t *table, int64_t n, int64_t b0, int64_t b1,
-                                     int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
-                                     float *scores, float *part, int64_t part_stride, int touch)
+                                     const void *vc, const int64_t *table, int64_t n, int64_t lo, int64_t b0,
+                                     int64_t b1, int64_t heads, int64_t kv_heads, int64_t block_size,
+                                     float scale, float *scores, float *part, int64_t part_stride, int touch)
 {
     const int64_t group = heads / kv_heads, width = (b1 - b0) * block_size, p0 = b0 * block_size;
-    const int64_t m_all = (n < b1 * block_size ? n : b1 * block_size) - p0;
+    const int64_t from = lo > p0 ? lo : p0;
+    const int64_t m_all = (n < b1 * block_size ? n : b1 * block_size) - from;
     const struct pass s = {q, _mm256_set1_ps(scale), scores, width, part, part_stride};
     if (touch)
-        touch_blocks(kc, vc, table, b0, b1, n, block_size, (size_t)(kv_heads * C * 8) * (kv16 ? 2 : 4));
-    fast_pass(kv16, 0, C, &s, kc, table, n, b0, b1, kv_heads, group, block_size);
+        touch_blocks(kc, vc, table, from / block_size, b1, n, block_size,
+                     (size_t)(kv_heads * C * 8) * (kv16 ? 2 : 4));
+    fast_pass(kv16, 0, C, &s, kc, table, n, from, b0, b1, kv_heads, group, block_size);
     for (int64_t h = 0; h < heads; h++) {
         float *ph = part + h * part_stride;
-        f32_exp_scores(scores + h * width, m_all, &ph[0], &ph[1]);
+        f32_exp_scores(scores + h * width + from - p0, m_all, &ph[0], &ph[1]);
         for (int64_t d = 0; d < C * 8; d++)
             ph[2 + d] = 0;
     }
-    fast_pass(kv16, 1, C, &s, vc, table, n, b0, b1, kv_heads, group, block_size);
+    fast_pass(kv16, 1, C, &s, vc, table, n, from, b0, b1, kv_heads, group, block_size);
 }
 
 typedef void chunk_fn(const float *q, const void *kc, const void *vc, const int64_t *table, int64_t n,
-                      int64_t b0, int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                      float scale, float *scores, float *part, int64_t part_stride, int touch);
+                      int64_t lo, int64_t b0, int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim,
+                      int64_t block_size, float scale, float *scores, float *part, int64_t part_stride, int touch);
 
 /* `fast_chunk` for each cache type, with the head size as a constant. */
 static void chunk_f32(const float *q, const void *kc, const void *vc, const int64_t *table, int64_t n,
-                      int64_t b0, int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                      float scale, float *scores, float *part, int64_t part_stride, int touch)
+                      int64_t lo, int64_t b0, int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim,
+                      int64_t block_size, float scale, float *scores, float *part, int64_t part_stride, int touch)
 {
     if (dim == 64)
-        fast_chunk(0, 8, q, kc, vc, table, n, b0, b1, heads, kv_heads, block_size, scale, scores, part,
+        fast_chunk(0, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores, part,
                    part_stride, touch);
     else
-        fast_chunk(0, 16, q, kc, vc, table, n, b0, b1, heads, kv_heads, block_size, scale, scores, part,
+        fast_chunk(0, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores, part,
                    part_stride, touch);
 }
 
 #if HAVE_FLOAT16
 static void chunk_f16(const float *q, const void *kc, const void *vc, const int64_t *table, int64_t n,
-                      int64_t b0, int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                      float scale, float *scores, float *part, int64_t part_stride, int touch)
+                      int64_t lo, int64_t b0, int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim,
+                      int64_t block_size, float scale, float *scores, float *part, int64_t part_stride, int touch)
 {
     if (dim == 64)
-        fast_chunk(1, 8, q, kc, vc, table, n, b0, b1, heads, kv_heads, block_size, scale, scores, part,
+        fast_chunk(1, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores, part,
                    part_stride, touch);
     else
-        fast_chunk(1, 16, q, kc, vc, table, n, b0, b1, heads, kv_heads, block_size, scale, scores, part,
+        fast_chunk(1, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores, part,
                    part_stride, touch);
 }
 #endif
 
-/* One chunk of one row: the vector path's unit of work. */
+/* One chunk of one row: the vector path's unit of work. `chunk` counts from the context's start, so a
+ * row with a window has no units before the chunk its window starts in. */
 struct unit {
     int64_t row, chunk;
-    /* Whole chunks (every block full): a hash of their block ids; the row's last, partial chunk: none. */
+    /* Whole chunks (every block full and inside the window): a hash of their block ids; the row's last,
+     * partial chunk and the chunk its window starts in: none. */
     int whole;
     uint64_t key;
 };
@@ -430,20 +448,24 @@ static int unit_order(const void *pa, const void *pb)
  * blocks through once and computes every row of it from cache, so a prefix that eight decodes share is
  * read once a step, not eight times. Each row's arithmetic is the same either way: the bits do not
  * change. */
-static int64_t plan_units(const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows,
-                          int64_t block_size, int64_t cb, const int64_t *first, struct unit *units,
+static int64_t plan_units(const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t window,
+                          int64_t rows, int64_t block_size, int64_t cb, const int64_t *first, struct unit *units,
                           int64_t *starts)
 {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < first[r + 1] - first[r]; c++) {
-            struct unit *u = &units[first[r] + c];
+    const int64_t span = cb * block_size;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t lo = window_start(lens[r], window), c0 = lo / span;
+        for (int64_t i = 0; i < first[r + 1] - first[r]; i++) {
+            const int64_t c = c0 + i;
+            struct unit *u = &units[first[r] + i];
             u->row = r, u->chunk = c;
-            u->whole = (c + 1) * cb * block_size <= lens[r];
+            u->whole = (c + 1) * span <= lens[r] && c * span >= lo;
             /* FNV-1a over the chunk's block ids. */
             u->key = 14695981039346656037ull;
             for (int64_t b = c * cb; u->whole && b < (c + 1) * cb; b++)
                 u->key = (u->key ^ (uint64_t)tables[r * table_stride + b]) * 1099511628211ull;
         }
+    }
     const int64_t n = first[rows];
     qsort(units, (size_t)n, sizeof(struct unit), unit_order);
     int64_t tasks = 0;
@@ -465,18 +487,18 @@ static int64_t plan_units(const int64_t *tables, int64_t table_stride, const int
  * allocated. */
 static int fast_rows(chunk_fn *chunk, size_t kv_bytes, const float *q, int64_t q_stride, float *out,
                      const void *k_cache, const void *v_cache, const int64_t *tables, int64_t table_stride,
-                     const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                     int64_t block_size, float scale, int threads)
+                     const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
+                     int64_t dim, int64_t block_size, float scale, int threads)
 {
     const int64_t cb = chunk_blocks(block_size, kv_bytes * (size_t)(kv_heads * dim));
-    const int64_t part_size = dim + 2;
-    /* first[r]: row r's first chunk; its partials start at first[r] * heads. */
+    const int64_t part_size = dim + 2, span = block_size * cb;
+    /* first[r]: row r's first unit; its partials start at first[r] * heads. */
     int64_t *first = malloc(sizeof(int64_t) * (size_t)(rows + 1));
     if (!first)
         return -1;
     first[0] = 0;
     for (int64_t r = 0; r < rows; r++)
-        first[r + 1] = first[r] + (lens[r] + block_size * cb - 1) / (block_size * cb);
+        first[r + 1] = first[r] + (lens[r] + span - 1) / span - window_start(lens[r], window) / span;
     const int64_t units_n = first[rows], nt = threads < 1 ? 1 : threads;
     const size_t scores_n = (size_t)(heads * cb * block_size);
     float *parts = malloc(sizeof(float) * (size_t)(units_n * heads * part_size));
@@ -484,8 +506,8 @@ static int fast_rows(chunk_fn *chunk, size_t kv_bytes, const float *q, int64_t q
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(units_n + 1));
     float *scores_all = malloc(sizeof(float) * scores_n * (size_t)nt);
     const int ok = parts && units && starts && scores_all;
-    const int64_t tasks = ok ? plan_units(tables, table_stride, lens, rows, block_size, cb, first, units, starts)
-                             : 0;
+    const int64_t tasks =
+        ok ? plan_units(tables, table_stride, lens, window, rows, block_size, cb, first, units, starts) : 0;
     const int64_t merges = ok ? rows * heads : 0;
 #pragma omp parallel num_threads(nt) if (ok)
     {
@@ -493,13 +515,13 @@ static int fast_rows(chunk_fn *chunk, size_t kv_bytes, const float *q, int64_t q
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++)
             for (int64_t i = starts[t]; i < starts[t + 1]; i++) {
-                const int64_t r = units[i].row, c = units[i].chunk;
-                const int64_t chunks = first[r + 1] - first[r];
+                const int64_t r = units[i].row, c = units[i].chunk, lo = window_start(lens[r], window);
+                const int64_t chunks = first[r + 1] - first[r], own = c - lo / span;
                 const int64_t blocks = (lens[r] + block_size - 1) / block_size;
                 const int64_t b1 = (c + 1) * cb < blocks ? (c + 1) * cb : blocks;
-                chunk(q + r * q_stride, k_cache, v_cache, tables + r * table_stride, lens[r], c * cb, b1, heads,
-                      kv_heads, dim, block_size, scale, scores, parts + (first[r] * heads + c) * part_size,
-                      chunks * part_size, i == starts[t]);
+                chunk(q + r * q_stride, k_cache, v_cache, tables + r * table_stride, lens[r], lo, c * cb, b1,
+                      heads, kv_heads, dim, block_size, scale, scores,
+                      parts + (first[r] * heads + own) * part_size, chunks * part_size, i == starts[t]);
             }
 #pragma omp for schedule(static)
         for (int64_t rh = 0; rh < merges; rh++) {
@@ -536,21 +558,21 @@ static int fast_rows(chunk_fn *chunk, size_t kv_bytes, const float *q, int64_t q
  * each): a long prefill chunk's rows would otherwise hold tens of MiB of partials at once. */
 static int fast_attention(chunk_fn *chunk, size_t kv_bytes, const float *q, int64_t q_stride, float *out,
                           const void *k_cache, const void *v_cache, const int64_t *tables, int64_t table_stride,
-                          const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                          int64_t block_size, double scale, int threads)
+                          const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
+                          int64_t dim, int64_t block_size, double scale, int threads)
 {
     const int64_t span = block_size * chunk_blocks(block_size, kv_bytes * (size_t)(kv_heads * dim));
     const int64_t unit_bytes = heads * (dim + 2) * (int64_t)sizeof(float);
     for (int64_t r0 = 0, r1; r0 < rows; r0 = r1) {
         int64_t bytes = 0;
         for (r1 = r0; r1 < rows; r1++) {
-            bytes += (lens[r1] + span - 1) / span * unit_bytes;
+            bytes += ((lens[r1] + span - 1) / span - window_start(lens[r1], window) / span) * unit_bytes;
             if (r1 > r0 && bytes > WAVE_BYTES)
                 break;
         }
         if (fast_rows(chunk, kv_bytes, q + r0 * q_stride, q_stride, out + r0 * heads * dim, k_cache, v_cache,
-                      tables + r0 * table_stride, table_stride, lens + r0, r1 - r0, heads, kv_heads, dim,
-                      block_size, (float)scale, threads))
+                      tables + r0 * table_stride, table_stride, lens + r0, window, r1 - r0, heads, kv_heads,
+                      dim, block_size, (float)scale, threads))
             return -1;
     }
     return 0;
@@ -560,40 +582,40 @@ static int fast_attention(chunk_fn *chunk, size_t kv_bytes, const float *q, int6
 /* ---- The kernels (kvserve.h declares their type once: `attention_kernel`) ---- */
 
 int paged_attention_f32(const void *q, int64_t q_stride, void *out, const void *k_cache, const void *v_cache,
-                        const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows,
-                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, double scale,
-                        int threads)
+                        const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t window,
+                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                        double scale, int threads)
 {
 #if HAVE_AVX2
     if (fast_takes(dim))
         return fast_attention(chunk_f32, sizeof(float), q, q_stride, out, k_cache, v_cache, tables,
-                              table_stride, lens, rows, heads, kv_heads, dim, block_size, scale, threads);
+                              table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale, threads);
 #endif
-    return f32_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, rows, heads, kv_heads, dim,
-                    block_size, scale, threads);
+    return f32_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
+                    kv_heads, dim, block_size, scale, threads);
 }
 
 int paged_attention_f64(const void *q, int64_t q_stride, void *out, const void *k_cache, const void *v_cache,
-                        const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows,
-                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, double scale,
-                        int threads)
+                        const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t window,
+                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                        double scale, int threads)
 {
-    return f64_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, rows, heads, kv_heads, dim,
-                    block_size, scale, threads);
+    return f64_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
+                    kv_heads, dim, block_size, scale, threads);
 }
 
 #if HAVE_FLOAT16
 int paged_attention_f32_kv16(const void *q, int64_t q_stride, void *out, const void *k_cache,
                              const void *v_cache, const int64_t *tables, int64_t table_stride,
-                             const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                             int64_t block_size, double scale, int threads)
+                             const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
+                             int64_t dim, int64_t block_size, double scale, int threads)
 {
 #if HAVE_AVX2
     if (fast_takes(dim))
         return fast_attention(chunk_f16, sizeof(uint16_t), q, q_stride, out, k_cache, v_cache, tables,
-                              table_stride, lens, rows, heads, kv_heads, dim, block_size, scale, threads);
+                              table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale, threads);
 #endif
-    return f32_kv16_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, rows, heads, kv_heads,
-                         dim, block_size, scale, threads);
+    return f32_kv16_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
+                         kv_heads, dim, block_size, scale, threads);
 }
 #endif
