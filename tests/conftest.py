@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel, load_model
+from tests.model.family_cases import FAMILY_KINDS
 from tests.redis_server import RedisServer
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -82,6 +83,25 @@ SLIDING_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     "all": ("mistral", {}),
     "hybrid": ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
 }
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], LoadedModel]:
+    """`family_model(kind)`: a tiny random model of FAMILY_KINDS[kind] on a 4,096-token vocabulary,
+    built once per session."""
+    from tests.helpers import save_tiny_model
+
+    models: dict[str, LoadedModel] = {}
+
+    def get(kind: str) -> LoadedModel:
+        if kind not in models:
+            family, overrides = FAMILY_KINDS[kind]
+            folder = str(tmp_path_factory.mktemp(f"family-{kind}") / family)
+            path = save_tiny_model(folder, family, vocab_size=4096, **overrides)
+            models[kind] = load_model(path, default_cache_dir())
+        return models[kind]
+
+    return get
 
 
 @pytest.fixture(scope="session")

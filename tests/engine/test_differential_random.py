@@ -51,6 +51,7 @@ from tests.harness import (
     engine_with_blocks,
     reference_outputs,
 )
+from tests.model.family_cases import FAMILY_KINDS
 from tests.redis_server import RedisServer
 
 _NIGHTLY = os.environ.get("KVSERVE_DIFFERENTIAL_EXAMPLES") or (
@@ -243,6 +244,33 @@ def test_sliding_window_engine_matches_a_no_cache_engine(
 ) -> None:
     assert case.sliding is not None
     check_case(sliding_model(*case.sliding), sliding_references(*case.sliding), redis_session, case)
+
+
+@pytest.fixture(scope="module")
+def family_references(family_model: Callable[[str], LoadedModel]) -> Callable[[str], Engine]:
+    """The no-cache engine on each family's model (portable attention), made on first use."""
+    engines: dict[str, Engine] = {}
+
+    def get(kind: str) -> Engine:
+        if kind not in engines:
+            engines[kind] = engine_with_blocks(
+                family_model(kind), 1024, 16, enable_prefix_caching=False, attention="torch"
+            )
+        return engines[kind]
+
+    return get
+
+
+@settings(SETTINGS, max_examples=max(EXAMPLES // 6, len(FAMILY_KINDS)))
+@given(case=cases(), kind=st.sampled_from(sorted(FAMILY_KINDS)))
+def test_each_family_matches_a_no_cache_engine(
+    family_model: Callable[[str], LoadedModel],
+    family_references: Callable[[str], Engine],
+    redis_session: RedisServer,
+    case: Case,
+    kind: str,
+) -> None:
+    check_case(family_model(kind), family_references(kind), redis_session, case)
 
 
 def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer, case: Case) -> None:

@@ -47,6 +47,25 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Every family beyond Llama for the randomized differential test: the parity tests' cases
+# (above), Gemma 3's window cut to 5 so that its sliding layers slide within the
+# workloads' prompts, and a Qwen3-MoE with a dense layer among the sparse ones.
+FAMILY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    **{name: CASES[name] for name in ("qwen3", "smollm3-nope", "phi3-longrope")},
+    "gemma3-window-5": (CASES["gemma3"][0], {**CASES["gemma3"][1], "sliding_window": 5}),
+    "qwen3-moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+}
+
+
 def exact_runner(model: LoadedModel, max_positions: int = 512, weight_dtype: str = "float32") -> ModelRunner:
     """float32 compute, float32 KV, blocks of 4 tokens: the setting that matches transformers."""
     return ModelRunner(model, 160, 4, max_positions, "cpu", "float32", weight_dtype, kv_dtype="float32")
