@@ -263,6 +263,15 @@ def test_unknown_fields_are_ignored_and_the_model_may_be_left_out(server: Server
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
 
 
+def test_a_reply_without_reasoning_names_no_reasoning_field(server: Server) -> None:
+    """Regression: every reply carried `reasoning_content` and `reasoning` as nulls, and a client that
+    sends the message back through SMG got a 400 there (SMG reads the two names as one field twice)."""
+    r = httpx.post(f"{server.url}{CHAT}", json={"messages": HI, "max_tokens": 2}, timeout=60)
+    message = r.json()["choices"][0]["message"]
+    assert r.status_code == 200 and message["role"] == "assistant"
+    assert "reasoning_content" not in message and "reasoning" not in message
+
+
 def test_unexpected_errors_answer_500_without_details(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -181,9 +181,11 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
-    # A reasoning model's think block, under vLLM's older and newer names.
-    reasoning_content: str | None = None
-    reasoning: str | None = None
+    # A reasoning model's think block, under vLLM's older and newer names; left out of a reply without
+    # one: clients send the message back as it came, and SMG's router refuses a message that names both
+    # (it reads them as one field given twice).
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    reasoning: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(BaseModel):
