@@ -148,7 +148,7 @@ class AttentionMetadata:
     num_decodes: int
     num_prefills: int
     # The same step over the sliding layers' block tables (their own ids), for the layers with a
-    # window; None when the model has no sliding group.
+    # window; None when the model has no sliding group or its ids are the global ones.
     sliding: "AttentionMetadata | None" = field(default=None, kw_only=True)
 
     def group(self, window: int | None) -> "AttentionMetadata":

@@ -167,7 +167,9 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(offset - 1)
         meta = self.attention.prepare(batch.decodes, batch.prefills)
-        if self.kv_cache.num_sliding_layers:
+        # With one id space the sliding layers' tables and slots are the global ones: the step's one
+        # metadata serves both groups (`AttentionMetadata.group`).
+        if self.kv_cache.num_sliding_layers and not self.kv_cache.shared_ids:
             meta.sliding = self.attention.prepare(
                 [_sliding(c) for c in batch.decodes], [_sliding(c) for c in batch.prefills]
             )
