@@ -76,6 +76,27 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()  # type: ignore[no-any-return]
 
 
+def batched_greedy(
+    runner: ModelRunner, theirs: Any, prompts: list[list[int]], tables: list[list[int]], steps: int
+) -> list[list[int]]:
+    """Prefill the prompts together, then decode them together for `steps` steps, greedily; each step's
+    logits must equal transformers' for that sequence. Returns the whole sequences."""
+    seqs = [list(p) for p in prompts]
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    chunks = [SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
+    logits = runner.execute(ForwardBatch(prefills=chunks)).sampled
+    for _ in range(steps):
+        for i, row in enumerate(logits):
+            rows[i].append(row)
+            seqs[i].append(int(row.argmax()))
+        decodes = [SequenceChunk(s[-1:], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+        logits = runner.execute(ForwardBatch(decodes=decodes)).sampled
+    for prompt, seq, got in zip(prompts, seqs, rows, strict=True):
+        expected = hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
+        torch.testing.assert_close(torch.stack(got), expected, atol=1e-4, rtol=1e-4)
+    return seqs
+
+
 def prompt_and_greedy(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
     """Logits at every prompt position, then `steps` greedy tokens (logits of each decode appended)."""
     table = list(range(-(-(len(prompt) + steps) // 4)))

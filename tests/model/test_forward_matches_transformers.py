@@ -12,6 +12,7 @@ from kvserve.config import default_cache_dir
 from kvserve.model.loader import DEFAULT_MODEL_FILE, LoadedModel, load_model
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 from tests.helpers import save_tiny_model
+from tests.model.family_cases import batched_greedy
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
@@ -110,27 +111,6 @@ def test_chunks_after_cached_context_match_transformers_at_every_chunk_end(tmp_p
     assert start == len(ids)
 
 
-def _batched_greedy(
-    runner: ModelRunner, theirs: Any, prompts: list[list[int]], tables: list[list[int]], steps: int
-) -> list[list[int]]:
-    """Prefill the prompts together, then decode them together for `steps` steps, greedily; each step's
-    logits must equal transformers' for that sequence. Returns the whole sequences."""
-    seqs = [list(p) for p in prompts]
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-    chunks = [SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
-    logits = runner.execute(ForwardBatch(prefills=chunks)).sampled
-    for _ in range(steps):
-        for i, row in enumerate(logits):
-            rows[i].append(row)
-            seqs[i].append(int(row.argmax()))
-        decodes = [SequenceChunk(s[-1:], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
-        logits = runner.execute(ForwardBatch(decodes=decodes)).sampled
-    for prompt, seq, got in zip(prompts, seqs, rows, strict=True):
-        expected = _hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
-        torch.testing.assert_close(torch.stack(got), expected, atol=1e-4, rtol=1e-4)
-    return seqs
-
-
 def test_batched_decodes_of_mixed_lengths_match_transformers_whole_sequences(tmp_path: Any) -> None:
     """Decodes of different context lengths share one padded, masked attention call; each sequence's
     greedy continuation equals transformers' whole, and so do its logits at every step."""
@@ -138,7 +118,7 @@ def test_batched_decodes_of_mixed_lengths_match_transformers_whole_sequences(tmp
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (3, 17, 9, 30)]
     tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
-    for prompt, seq in zip(prompts, _batched_greedy(runner, theirs, prompts, tables, 8), strict=True):
+    for prompt, seq in zip(prompts, batched_greedy(runner, theirs, prompts, tables, 8), strict=True):
         with torch.no_grad():
             full = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
         assert seq == full
@@ -151,7 +131,7 @@ def test_long_decodes_over_scattered_blocks_match_transformers(tmp_path: Any) ->
     prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (260, 300)]
     # Block size 4: 90 blocks each; the second table jumps around in three runs.
     tables = [list(range(0, 90)), [*range(100, 130), *range(200, 240), *range(150, 170)]]
-    _batched_greedy(runner, theirs, prompts, tables, 4)
+    batched_greedy(runner, theirs, prompts, tables, 4)
 
 
 def test_default_model_greedy_replies_match_transformers(default_model: LoadedModel) -> None:

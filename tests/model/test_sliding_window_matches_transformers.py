@@ -12,6 +12,7 @@ from kvserve.config import default_cache_dir
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 from tests.helpers import save_tiny_model
+from tests.model.family_cases import batched_greedy
 
 BLOCK = 4
 
@@ -112,19 +113,9 @@ def test_batched_greedy_decodes_match_transformers(pair: tuple[LoadedModel, Any]
     prompts = [_prompt(n, 10 + n) for n in (2, 9, 30, 41)]
     tables = [list(range(50 + 16 * i, 50 + 16 * (i + 1))) for i in range(len(prompts))]
     steps = 8
-    seqs = [list(p) for p in prompts]
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-    chunks = [SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
-    logits = runner.execute(ForwardBatch(prefills=chunks)).sampled
-    for _ in range(steps):
-        for i, row in enumerate(logits):
-            rows[i].append(row)
-            seqs[i].append(int(row.argmax()))
-        decodes = [SequenceChunk(s[-1:], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
-        logits = runner.execute(ForwardBatch(decodes=decodes)).sampled
-    for prompt, seq, got in zip(prompts, seqs, rows, strict=True):
+    seqs = batched_greedy(runner, theirs, prompts, tables, steps)
+    for prompt, seq in zip(prompts, seqs, strict=True):
         expected = _hf_logits(theirs, seq[:-1])[len(prompt) - 1 :]
-        torch.testing.assert_close(torch.stack(got), expected, atol=1e-4, rtol=1e-4)
         # transformers' greedy choice after each of these prefixes: by induction, its whole greedy
         # continuation. (Its own generate with a cache differs from its forward pass at window 1.)
         assert seq[len(prompt) :] == expected.argmax(-1).tolist()
