@@ -10,6 +10,7 @@ Each chunk is one prefill from position 0; the logits at every position predict 
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -110,11 +111,16 @@ def float32_scores(default_model: LoadedModel, text_ids: list[int]) -> Scores:
     return score(default_model, text_ids, "float32")
 
 
-INT8_SHORT = pytest.mark.xfail(
-    raises=BelowQualityBar,
-    strict=True,
-    reason="int8 with per-row activations misses the 97% / 3% quality bars; strict, so passing them shows",
-)
+# int8 misses its quality bar (a strict xfail, so passing it shows) and scores slowest (about 200 s on 2
+# cores): it runs with KVSERVE_LONG_TESTS=1 only.
+INT8_SHORT = [
+    pytest.mark.xfail(
+        raises=BelowQualityBar,
+        strict=True,
+        reason="int8 with per-row activations misses the 97% / 3% quality bars; strict: passing shows",
+    ),
+    pytest.mark.skipif(os.environ.get("KVSERVE_LONG_TESTS") != "1", reason="slow: KVSERVE_LONG_TESTS=1"),
+]
 
 
 @pytest.mark.parametrize(
