@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.retention import (
     DROPPED_BUDGET,
     DROPPED_MEMORY,
@@ -197,3 +198,68 @@ def test_any_sequence_keeps_the_budgets_the_invariants_and_the_references(
         refs = table.references()
         for block in tree.ids.values():
             assert tree.pool.ref_count(block) == 1 + refs[block]
+
+
+MANAGER_BLOCKS = 12
+PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=MANAGER_BLOCKS * BS)
+TTLS = st.sampled_from([300.0, 3600.0, 0.0])
+MANAGER_OPS = st.one_of(
+    st.tuples(st.just("request"), NAMESPACES, PROMPTS),
+    # A request of the whole pool, sharing nothing: every retained block must give way to it.
+    st.tuples(st.just("request"), NAMESPACES, st.just([3] * MANAGER_BLOCKS * BS)),
+    st.tuples(
+        st.just("retain"),
+        st.integers(0, 100),
+        st.lists(st.tuples(st.integers(-2, MANAGER_BLOCKS * BS + 2), TTLS), max_size=4),
+    ),
+    st.tuples(st.just("advance"), st.floats(0, 4000)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    max_retained=st.integers(0, MANAGER_BLOCKS - 1),
+    budget=st.integers(0, MANAGER_BLOCKS),
+    ops=st.lists(MANAGER_OPS, max_size=30),
+)
+def test_with_any_retentions_a_request_that_fits_the_pool_is_admitted(
+    max_retained: int, budget: int, ops: list[tuple[object, ...]]
+) -> None:
+    """Retentions never cost a request its admission, and the manager's invariants (references
+    included) hold after each request, retention and expiry. A retention holds an earlier request's
+    prompt (by index), up to each of its breakpoints, valid or not."""
+    clock = [0.0]
+    kv = KVCacheManager(
+        MANAGER_BLOCKS,
+        BS,
+        True,
+        clock=lambda: clock[0],
+        max_retained_blocks=max_retained,
+        max_retained_blocks_per_namespace=budget,
+    )
+    done: list[tuple[str, list[int]]] = []
+    for op in ops:
+        if op[0] == "request":
+            _, ns, prompt = op
+            assert isinstance(ns, str) and isinstance(prompt, list)
+            admission = kv.admit(ns, prompt, len(prompt))
+            assert admission is not None, "a request alone that fits the pool is always admitted"
+            kv.publish(admission.seq, prompt, len(prompt))
+            kv.check()
+            kv.release(admission.seq, prompt, len(prompt))
+            done.append((ns, prompt))
+        elif op[0] == "retain":
+            _, which, breakpoints = op
+            assert isinstance(which, int) and isinstance(breakpoints, list)
+            if done:
+                ns, prompt = done[which % len(done)]
+                held = kv.retain(ns, prompt, breakpoints)
+                assert all(n % BS == 0 and n <= budget * BS for n in held)
+        else:
+            assert isinstance(op[1], float)
+            clock[0] += op[1]
+            kv.expire_retentions()
+        kv.check()
+        usage = kv.usage()
+        assert usage.num_retained <= max_retained
+        assert all(kv.namespace_usage(ns).num_retained <= min(budget, max_retained) for ns in "abc")
