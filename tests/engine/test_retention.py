@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from kvserve.cache.retention import DROPPED_BUDGET, DROPPED_MEMORY
+from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from kvserve.errors import ConfigError
 from kvserve.model.loader import LoadedModel
 from tests.harness import Spec, assert_matches_reference, drive, engine_with_blocks, reference_outputs
 
@@ -193,3 +195,19 @@ def test_retention_beside_pins(tiny_model: LoadedModel) -> None:
     assert [r.tokens for r in engine.kv.retentions("")] == [tuple(FLOOD[0])]
     assert [len(p.tokens) for p in engine.pins("")] == [40]
     engine.kv.check()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_retained": 1.0},
+        {"max_retained": -0.1},
+        {"max_retained": math.nan},
+        {"retention_budget": 1.5},
+        {"retention_budget": -1.0},
+        {"retention_budget": math.nan},
+    ],
+)
+def test_retention_shares_outside_their_range_are_refused(fields: dict[str, float]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(fields))):
+        EngineConfig(**fields)  # type: ignore[arg-type]
