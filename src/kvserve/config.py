@@ -112,6 +112,11 @@ class EngineConfig:
     back from the largest request the engine accepts, so that pins never starve a request.
     `max_pinned_tokens_per_tenant` caps one cache namespace's pins (a tenant's, or a shared group's;
     None: the whole `max_pinned_tokens`).
+    `retention_budget` and `max_retained` are shares of the pool left after pins: what one cache
+    namespace's retentions (prompt-cache breakpoints, cache/retention.py) may hold, and what all of them
+    together may; past the budget a namespace's oldest retention goes, and `max_retained` 0 turns
+    retention off (as the prefix cache off does). Retained blocks are not held back from requests: they
+    give way when a request could not run otherwise.
 
     `max_sequences_per_request` caps the sequences one request may start: its `n`, and prompts x n for a
     batch of prompts (each sequence is one engine request, counted in the queue and its tenant's share).
@@ -198,6 +203,16 @@ class EngineConfig:
     max_pinned_tokens_per_tenant: int | None = option(
         None, "of those, what one tenant (or shared group) may pin (default: all of them)"
     )
+    retention_budget: float = option(
+        0.25,
+        "share of the KV pool (less pins) one tenant's (or shared group's) cache_control retentions may "
+        "hold; past it the tenant's oldest retention goes (default %(default)s)",
+    )
+    max_retained: float = option(
+        0.5,
+        "share of the KV pool (less pins) all retentions together may hold, below 1; 0: retention off "
+        "(default %(default)s)",
+    )
     grammar_max_lexer_states: int = option(
         GRAMMAR_MAX_LEXER_STATES,
         "lexer states one request's constraint may build (about 0.65 KB each); a request that needs "
@@ -259,6 +274,8 @@ class EngineConfig:
                 "kv_remote must be a redis://, rediss:// or unix:// URL",
             ),
             (self.max_pinned_tokens >= 0, "max_pinned_tokens must be >= 0"),
+            (0 <= self.retention_budget <= 1, "retention_budget must be between 0 and 1"),
+            (0 <= self.max_retained < 1, "max_retained must be at least 0 and below 1"),
             *(
                 # The library takes machine-sized integers: a larger value would fail in it, not here.
                 (0 < getattr(self, name) < 2**31, f"{name} must be between 1 and {2**31 - 1}")

@@ -10,8 +10,11 @@ run off the engine thread (BlockLoader, loader.py): `start_load` hands the loade
 continue the match, the request waits, and `admit(..., load=job)` gives each block that arrived a fresh
 memory block, copies it there and inserts it into the tree as if it had just been computed.
 Pins (pins.py) own their references like the tree's nodes: the manager locks the prefix a pin holds.
+Retentions (retention.py) own theirs the same way: a breakpoint's cached prefix, held until its TTL
+within budgets that drop old retentions, and given way when an allocation could not succeed otherwise.
 """
 
+import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,6 +31,7 @@ from kvserve.cache.pins import Pin as Pin
 from kvserve.cache.pins import PinRefused as PinRefused
 from kvserve.cache.pins import Pins
 from kvserve.cache.prefix_cache import MatchResult, PrefixCache
+from kvserve.cache.retention import Retention, Retentions, retention_ttl
 from kvserve.cache.tiers import TIER_MEMORY, Arrived, TierUsage
 
 
@@ -87,6 +91,10 @@ class CacheUsage:
     tiers: tuple[TierUsage, ...] = ()
     # Cached blocks nothing holds but the tree: what eviction may take.
     num_evictable: int = 0
+    num_retained: int = 0
+    max_retained: int = 0
+    # Retentions dropped before their time, by reason (cache/retention.py: budget, server_cap, memory).
+    retentions_dropped: dict[str, int] = field(default_factory=dict)
 
     @property
     def usage(self) -> float:
@@ -96,11 +104,14 @@ class CacheUsage:
 
 @dataclass(frozen=True)
 class NamespaceUsage:
-    """One namespace's share of the pool: its cached blocks, its pinned blocks and its pinning cap."""
+    """One namespace's share of the pool: its cached blocks, its pinned blocks and its pinning cap, its
+    retained blocks and its retention budget."""
 
     num_cached: int
     num_pinned: int
     max_pinned: int
+    num_retained: int = 0
+    max_retained: int = 0
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -121,6 +132,10 @@ class KVCacheManager:
     - A pin owns one reference to each of its blocks, so a pinned block is never evictable; the distinct
       pinned blocks never exceed `max_pinned_blocks`, nor those of one namespace (a tenant or shared
       group) `max_pinned_blocks_per_namespace` (the PinTable's caps, see cache/pins.py).
+    - A retention owns one reference to each of its blocks, which are the tree's blocks of its prefix in
+      its namespace; the retained blocks stay within the server's cap and each namespace's budget (the
+      RetentionTable's rules, see cache/retention.py). Retention never makes an allocation fail: when
+      nothing is free or evictable and no other sequence holds blocks, retentions give way.
     - A block loaded from a lower tier is verified there first and is written before it joins the tree.
     - The loader holds host tensors only: no pool block, no reference, no tree node is ever its.
 
@@ -147,10 +162,14 @@ class KVCacheManager:
         load_budget_s: float = LOAD_BUDGET_S,
         num_sliding_blocks: int = 0,
         sliding_window: int | None = None,
+        max_retained_blocks: int = 0,
+        max_retained_blocks_per_namespace: int = 0,
     ) -> None:
         """`load_budget_s`: how long a request waits at most for blocks read from the lower tiers.
         `num_sliding_blocks` and `sliding_window` (both or neither): the sliding layers' own pool and
-        the largest window, whose blocks a sequence releases once every window has passed them."""
+        the largest window, whose blocks a sequence releases once every window has passed them.
+        `max_retained_blocks` and `max_retained_blocks_per_namespace`: what retentions may hold, in all
+        and in one namespace (0: retention off; always off without the prefix cache)."""
         if lower is not None and not enable_prefix_caching:
             raise ValueError("lower cache tiers need the prefix cache")
         if (num_sliding_blocks > 0) != (sliding_window is not None) or (
@@ -170,6 +189,8 @@ class KVCacheManager:
         self.clock = clock
         self._live: set[SequenceBlocks] = set()
         self._pins = Pins(self.pool, max_pinned_blocks, max_pinned_blocks_per_namespace, block_size)
+        retained = max_retained_blocks if enable_prefix_caching else 0
+        self._retentions = Retentions(self.pool, retained, max_retained_blocks_per_namespace, block_size)
 
     def cached_prefix_len(self, namespace: str, tokens: Sequence[int]) -> int:
         """How many leading tokens the cache holds now (a hint for ordering; nothing is locked)."""
@@ -358,6 +379,11 @@ class KVCacheManager:
         short = need - self.pool.num_free
         if short > 0 and self.prefix_cache is not None:
             self.prefix_cache.evict(short)
+            # Retained blocks are given up only when nothing else could free a block: no other sequence
+            # holds any (a waiting admission, or the running request that would preempt itself). Every
+            # request that passed validation then fits, as it would without retention.
+            while need > self.pool.num_free and self._alone(seq) and self._retentions.give_way():
+                self.prefix_cache.evict(need - self.pool.num_free)
         if need > self.pool.num_free:
             return False
         if self.sliding_pool is not None:
@@ -366,6 +392,10 @@ class KVCacheManager:
             seq.sliding += self.sliding_pool.allocate(need)
         seq.blocks += self.pool.allocate(need)
         return True
+
+    def _alone(self, seq: SequenceBlocks) -> bool:
+        """Whether no sequence but `seq` holds blocks (so none could free any by ending)."""
+        return len(self._live) == (1 if seq in self._live else 0)
 
     def sliding_table(self, seq: SequenceBlocks) -> list[int] | None:
         """The sequence's block table in the sliding layers' group, released entries as block 0 (never
@@ -474,28 +504,88 @@ class KVCacheManager:
     def pins(self, namespace: str) -> list[Pin]:
         return self._pins.of(namespace)
 
+    @property
+    def retention_enabled(self) -> bool:
+        return self._retentions.enabled
+
+    def retain(
+        self, namespace: str, tokens: Sequence[int], breakpoints: Sequence[tuple[int, float]]
+    ) -> list[int]:
+        """Hold the cached prefixes `tokens[:length]` of `namespace` against eviction for `ttl_s` seconds,
+        for each breakpoint (length, ttl_s), after the rules of cache/retention.py; returns the tokens
+        now held for each (0: nothing). Never raises for the breakpoints' values: one that is not an
+        integer length in 1..len(tokens) with a positive TTL, or that holds less than a block, is
+        skipped. Only what memory holds is retained (the lower tiers keep their own copies); a prefix
+        cached in part is retained in part."""
+        out = []
+        for breakpoint in breakpoints:
+            try:
+                length, ttl_s = breakpoint
+                length = operator.index(length)
+            except (TypeError, ValueError):
+                out.append(0)
+                continue
+            ttl = retention_ttl(ttl_s)
+            if ttl is None or self.prefix_cache is None or not 0 < length <= len(tokens):
+                out.append(0)
+                continue
+            prefix = self._retentions.retainable(tokens[:length])
+            if not prefix:
+                out.append(0)
+                continue
+            blocks = self.prefix_cache.match(namespace, prefix, record_hit=False).blocks
+            # Nothing allocates between the match and the retention's references: no block of it can go.
+            if blocks:
+                held = prefix[: len(blocks) * self.block_size]
+                self._retentions.retain(namespace, held, list(blocks), self.clock() + ttl)
+            out.append(len(blocks) * self.block_size)
+        return out
+
+    def expire_retentions(self) -> int:
+        """Drop every retention whose time is over; its blocks stay cached, evictable."""
+        return self._retentions.expire(self.clock())
+
+    def retentions(self, namespace: str) -> list[Retention]:
+        return self._retentions.of(namespace)
+
     def usage(self) -> CacheUsage:
         """The pool by state without walking the tree: a block with two or more references is always a
         tree block (`check` asserts it), so the tree's unlocked blocks are its nodes minus the shared
-        blocks; pinned blocks that no request holds are counted from the pins (bounded by the cap)."""
+        blocks; blocks that no request holds but pins or retentions do are counted from those (bounded by
+        their caps)."""
         cached = self.prefix_cache.num_nodes if self.prefix_cache is not None else 0
         unlocked_cached = cached - self.pool.num_shared
+        retentions = self._retentions
         return CacheUsage(
             num_blocks=self.pool.num_blocks,
             num_free=self.pool.num_free,
             num_cached=cached,
-            num_locked=self.pool.num_used - unlocked_cached - self._pins.num_pinned_only(),
+            num_locked=self.pool.num_used - unlocked_cached - self._held_without_requests(),
             num_evicted=self.prefix_cache.num_evicted if self.prefix_cache is not None else 0,
             num_pinned=len(self._pins.blocks()),
             num_evictable=unlocked_cached,
             max_pinned=self.max_pinned_blocks,
             tiers=tuple(self.lower.usage()) if self.lower is not None else (),
+            num_retained=retentions.num_blocks,
+            max_retained=retentions.max_blocks,
+            retentions_dropped=dict(retentions.dropped),
         )
+
+    def _held_without_requests(self) -> int:
+        """Blocks that nothing but the tree, pins and retentions holds."""
+        holds = self._pins.references() + self._retentions.references()
+        return sum(1 for b, k in holds.items() if self.pool.ref_count(b) == 1 + k)
 
     def namespace_usage(self, namespace: str) -> NamespaceUsage:
         cached = self.prefix_cache.num_nodes_in(namespace) if self.prefix_cache is not None else 0
-        pins = self._pins
-        return NamespaceUsage(cached, len(pins.blocks_in(namespace)), pins.max_blocks_per_namespace)
+        pins, retentions = self._pins, self._retentions
+        return NamespaceUsage(
+            cached,
+            len(pins.blocks_in(namespace)),
+            pins.max_blocks_per_namespace,
+            retentions.num_blocks_in(namespace),
+            retentions.max_blocks_per_namespace,
+        )
 
     def flush(self) -> None:
         """Wait until every load started is ready and the lower tiers have written every block offered
@@ -516,6 +606,7 @@ class KVCacheManager:
         """Assert the class invariants (for tests and debugging: walks the whole tree)."""
         holders: Counter[int] = Counter()
         tree_blocks: list[int] = []
+        entries: list[tuple[str, tuple[int, ...], int]] = []
         if self.prefix_cache is not None:
             entries = self.prefix_cache.entries()
             tree_blocks = [b for _, _, b in entries]
@@ -530,6 +621,7 @@ class KVCacheManager:
             if seq.copy_source is not None:
                 holders[seq.copy_source] += 1
         holders.update(self._pins.references())
+        holders.update(self._retentions.references())
         for block in range(self.pool.num_blocks):
             if self.pool.ref_count(block) != holders[block]:
                 raise AssertionError(
@@ -543,6 +635,12 @@ class KVCacheManager:
         self._pins.check()
         if any(self.pool.ref_count(b) < 2 for b in self._pins.blocks() & set(tree_blocks)):
             raise AssertionError("a pinned block is evictable")
+        self._retentions.check()
+        nodes = {(ns, path): b for ns, path, b in entries}
+        bs = self.block_size
+        for r in self._retentions.all():
+            if any(nodes.get((r.namespace, r.tokens[: (j + 1) * bs])) != b for j, b in enumerate(r.blocks)):
+                raise AssertionError("a retained block is not the tree's block of its prefix")
         locked = {b for seq in self._live for b in seq.blocks}
         locked.update(seq.copy_source for seq in self._live if seq.copy_source is not None)
         usage = self.usage()

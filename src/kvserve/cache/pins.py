@@ -160,7 +160,3 @@ class Pins(PinTable):
         for pin in expired:
             self.remove(pin.namespace, pin.pin_id)
         return len(expired)
-
-    def num_pinned_only(self) -> int:
-        """Pinned blocks that nothing but the tree and the pins holds (no running request)."""
-        return sum(1 for b, k in self.references().items() if self.pool.ref_count(b) == 1 + k)

@@ -19,8 +19,8 @@ reserved, waiting or running.
 
 It is the server's one door to the engine: besides generate and reserve, it validates requests
 (`validate`, the one check of a request, on the caller's thread), encodes chats with the reply splice
-(`encode_chat`), and offers the cache views (`stats`, `snapshot`, `cache_view`), pins and the reset,
-each run on the engine thread between steps. `engine` is reached only from here (and by tests).
+(`encode_chat`), and offers the cache views (`stats`, `snapshot`, `cache_view`), pins, retentions and
+the reset, each run on the engine thread between steps. `engine` is reached only from here (and by tests).
 """
 
 import asyncio
@@ -314,6 +314,19 @@ class AsyncEngine:
     async def unpin(self, namespace: str, pin_id: str) -> bool:
         found: bool = await self.call(lambda e: e.unpin(namespace, pin_id))
         return found
+
+    @property
+    def retention_enabled(self) -> bool:
+        return self.engine.kv.retention_enabled
+
+    async def retain(
+        self, namespace: str, tokens: Sequence[int], breakpoints: Sequence[tuple[int, float]]
+    ) -> list[int]:
+        """Hold the cached prefix of `tokens` up to each breakpoint (length, ttl_s) against eviction, on
+        the engine thread (see Engine.retain); the tokens held for each. Raises for nothing the
+        breakpoints or tokens hold."""
+        held: list[int] = await self.call(lambda e: e.retain(namespace, tokens, breakpoints))
+        return held
 
     def _apply(self, command: _Submit | _Abort | _Call) -> None:
         if isinstance(command, _Submit):

@@ -175,6 +175,7 @@ class Engine:
         """One engine step: schedule, execute the batch, sample a token for each request that samples,
         append it. Returns a delta for each request that sampled."""
         self.kv.expire_pins()
+        self.kv.expire_retentions()
         scheduled = self._schedule()
         if scheduled is None:
             return []
@@ -318,6 +319,20 @@ class Engine:
 
     def unpin(self, namespace: str, pin_id: str) -> bool:
         return self.kv.unpin(namespace, pin_id)
+
+    def retain(
+        self, namespace: str, tokens: Sequence[int], breakpoints: Sequence[tuple[int, float]]
+    ) -> list[int]:
+        """Hold the cached prefix of `tokens` up to each breakpoint (length, ttl_s) against eviction
+        (KVCacheManager.retain); returns the tokens held for each. Never raises for input: token ids
+        that no prompt could hold retain nothing, and so do breakpoints that are not a length within
+        them with a positive TTL, or that hold less than a block."""
+        try:
+            ids = validate_token_ids(self.limits, tokens)
+        except InvalidRequestError:
+            return [0] * len(breakpoints)
+        self.kv.expire_retentions()
+        return self.kv.retain(namespace, ids, breakpoints)
 
     def pins(self, namespace: str) -> list[Pin]:
         self.kv.expire_pins()

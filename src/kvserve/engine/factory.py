@@ -99,6 +99,9 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         ),
         num_sliding_blocks=num_sliding_blocks,
         sliding_window=max(w for w in model.config.windows if w is not None) if num_sliding_blocks else None,
+        # Shares of what pins leave: the blocks every request may use.
+        max_retained_blocks=int(config.max_retained * (num_blocks - max_pinned_blocks)),
+        max_retained_blocks_per_namespace=int(config.retention_budget * (num_blocks - max_pinned_blocks)),
     )
     limits = RequestLimits(
         vocab_size=model.config.vocab_size,

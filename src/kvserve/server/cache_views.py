@@ -36,12 +36,13 @@ def shared_tiers(tiers: list[TierInfo]) -> list[TierInfo]:
 
 def cache_status(view: CacheView) -> CacheStatus:
     """`GET /v1/cache`: every tier, memory first, and the namespace's pins. A tenant's view (`view.mine`)
-    counts the namespace's own blocks in memory and leaves the lower tiers' counts out (`shared_tiers`)."""
+    counts the namespace's own blocks in memory (cached, pinned, retained, and its caps) and leaves the
+    lower tiers' counts out (`shared_tiers`)."""
     usage, mine = view.usage, view.mine
-    cached, pinned, max_pinned = (
-        (usage.num_cached, usage.num_pinned, usage.max_pinned)
+    cached, pinned, max_pinned, retained, max_retained = (
+        (usage.num_cached, usage.num_pinned, usage.max_pinned, usage.num_retained, usage.max_retained)
         if mine is None
-        else (mine.num_cached, mine.num_pinned, mine.max_pinned)
+        else (mine.num_cached, mine.num_pinned, mine.max_pinned, mine.num_retained, mine.max_retained)
     )
     memory = TierInfo(
         name=TIER_MEMORY,
@@ -50,6 +51,8 @@ def cache_status(view: CacheView) -> CacheStatus:
         capacity_bytes=usage.num_blocks * view.bytes_per_block,
         pinned_blocks=pinned,
         max_pinned_blocks=max_pinned,
+        retained_blocks=retained,
+        max_retained_blocks=max_retained,
     )
     lower = lower_tiers(usage) if mine is None else shared_tiers(lower_tiers(usage))
     pins = [pin_info(p) for p in view.pins]

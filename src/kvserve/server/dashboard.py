@@ -36,7 +36,7 @@ HEAD_TOKENS = 12
 class PoolStats(BaseModel):
     """The KV pool by state, in blocks: free + cached + in_use + pinned = blocks. `cached` blocks hold a
     prefix and nothing else holds them (evictable); `in_use` blocks are held by running requests;
-    `pinned` blocks are held only by pins. `tiers` are the lower tiers, if any.
+    `pinned` blocks are held only by pins or prompt-cache retentions. `tiers` are the lower tiers, if any.
 
     A tenant's view counts only its own blocks: `cached` is every block that holds one of its prefixes
     and `pinned` its pins' blocks; the pool-wide fields are null and the lower tiers carry no counts."""

@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from kvserve.cache.retention import DROPPED_BUDGET, DROPPED_MEMORY, DROPPED_SERVER_CAP
 from kvserve.cache.tiers import TIER_MEMORY, LatencySnapshot, TierUsage
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import EngineStats
@@ -129,11 +130,32 @@ class EngineStatsCollector:
         families.append(
             (GaugeMetricFamily, "kvserve_kv_cache_pinned_blocks", "KV blocks held by pins.", c.num_pinned)
         )
+        families.append(
+            (
+                GaugeMetricFamily,
+                "kvserve_kv_cache_retained_blocks",
+                "KV blocks held by prompt-cache retentions (cache_control breakpoints).",
+                c.num_retained,
+            )
+        )
         for family_type, name, doc, value in families:
             family = family_type(name, doc, labels=_LABELS)
             family.add_metric([self.model_name], value)
             yield family
+        yield self._retentions_dropped(s)
         yield from self._tiers(s)
+
+    def _retentions_dropped(self, s: EngineStats) -> Metric:
+        """Retentions dropped before their TTL, by reason: a tenant over its budget (its oldest), the
+        server's cap (the largest holder's oldest), or memory no request could run without."""
+        dropped = CounterMetricFamily(
+            "kvserve_retentions_dropped",
+            "Prompt-cache retentions dropped before their TTL, by reason (budget, server_cap, memory).",
+            labels=[*_LABELS, "reason"],
+        )
+        for reason in (DROPPED_BUDGET, DROPPED_SERVER_CAP, DROPPED_MEMORY):
+            dropped.add_metric([self.model_name, reason], s.cache.retentions_dropped.get(reason, 0))
+        return dropped
 
     def _tiers(self, s: EngineStats) -> Iterable[Metric]:
         """Hits per tier (memory, disk) and each lower tier's usage and latencies, labelled by tier."""

@@ -328,6 +328,8 @@ class TierInfo(BaseModel):
     capacity_bytes: int
     pinned_blocks: int | None = None
     max_pinned_blocks: int | None = None
+    retained_blocks: int | None = None
+    max_retained_blocks: int | None = None
 
 
 class CacheStatus(BaseModel):
