@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-prefill bench-structured bench-redis bench-cluster bench-peer cluster test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-prefill bench-structured bench-redis bench-cluster bench-peer agents cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,11 @@ bench-structured: install
 # Builds llama.cpp's llama-server once (about 8 minutes) and benchmarks kvserve against it; never in CI.
 bench-peer: install
 	$(BIN)/python -m benchmarks.bench_peer
+
+# Claude Code and Codex CLI (pinned, from npm into .agents/) run one task each, twice, against kvserve on
+# a long-context tiny model; reports every request's status and cached fraction. Needs node and npm.
+agents: install
+	$(BIN)/python -m benchmarks.agents
 
 bench: install
 	$(BIN)/kvserve bench compare --out benchmarks/results

@@ -29,7 +29,8 @@ class Flag:
     field is a switch that sets the opposite of its default (--no-prefix-cache clears
     enable_prefix_caching). `env` names a variable whose value, when set, is the default instead of the
     field's: a key given that way does not show in ps. `show` writes the default for the help's
-    %(default)s (2GiB rather than 2147483648).
+    %(default)s (2GiB rather than 2147483648). `nargs` takes several values after the flag (argparse's
+    "+"), each parsed alone; the field holds them as a tuple.
     """
 
     help: str = ""
@@ -39,6 +40,7 @@ class Flag:
     choices: Sequence[str] | None = None
     env: str | None = None
     metavar: str | None = None
+    nargs: str | None = None
 
 
 def option(default: Any, help: str = "", *, repr: bool = True, **flag: Any) -> Any:
@@ -101,6 +103,7 @@ def add_flags(
             default=default,
             choices=flag.choices,
             metavar=flag.metavar,
+            nargs=flag.nargs,
             help=help,
         )
 
@@ -121,6 +124,8 @@ def to_argv(cls: type, args: argparse.Namespace, names: Iterable[str]) -> list[s
             continue
         if _value_type(f) is bool:
             argv += [flag_name(f)] if value != f.default else []
+        elif f.metadata[_METADATA_KEY].nargs is not None:
+            argv += [flag_name(f), *map(str, value)]
         else:
             argv += [flag_name(f), str(value)]
     return argv

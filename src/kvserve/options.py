@@ -26,6 +26,13 @@ def parse_origins(text: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
+def parse_model_name(text: str) -> str:
+    """One served model name: what a client writes in `model`, so neither empty nor padded."""
+    if not text or text != text.strip():
+        raise ValueError(f"a served model name must be non-empty, without spaces around it, not {text!r}")
+    return text
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     """How the HTTP server around an engine behaves: its address, its keys and tenants, the limits of
@@ -40,7 +47,9 @@ class ServerOptions:
     line shows it). `launch_nonce` is set by `kvserve serve` when `kvserve cluster` started it (from the
     environment, kvserve.credentials): GET /identity proves with it that this is the replica it spawned.
     `preparation_threads` prepare requests off the event loop, at most `max_preparing_per_tenant` of
-    them for one tenant at once (server/preparation.py).
+    them for one tenant at once (server/preparation.py). `served_model_name` holds the names a request's
+    `model` may be (one string counts as one name): the first is the one answers show, the others are
+    aliases (vLLM's meaning).
     """
 
     host: str = option("127.0.0.1", "address to listen on")
@@ -64,7 +73,14 @@ class ServerOptions:
         "one 'tenant:key' or 'tenant:key:shared-group' per line; each tenant gets its own prefix-cache "
         "namespace (members of a shared group share one); re-read on SIGHUP",
     )
-    served_model_name: str | None = option(None, "the model name clients send and see (default: the model's)")
+    served_model_name: Sequence[str] = option(
+        (),
+        "the names clients may send as the model: the first is the one /v1/models and replies show, the "
+        "others are aliases, such as the model ids agents send by default (default: the model's own name)",
+        parse=parse_model_name,
+        nargs="+",
+        metavar="NAME",
+    )
     allowed_origins: Sequence[str] = option(
         (),
         "origins browsers may call from (CORS): a JSON list such as '[\"https://a.example\"]' or a "
@@ -140,6 +156,15 @@ class ServerOptions:
         if isinstance(self.allowed_origins, str):
             raise ConfigError("allowed_origins must be a sequence of origins, not one string")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        # One name may be given as a string (not as its letters); several as a sequence, kept as a tuple.
+        names = self.served_model_name
+        names = (names,) if isinstance(names, str) else tuple(names)
+        for name in names:
+            try:
+                parse_model_name(name)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        object.__setattr__(self, "served_model_name", names)
         # Checked here, before anything loads: a bad option fails in a second, not after the model.
         check_kv_remote_secret(self.kv_remote, self.tenant_secret_file is not None)
         check_url_without_password("--kv-remote", self.kv_remote)

@@ -305,7 +305,8 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         )
     elif options.admin_key is not None:
         tenants.set_admin_key(options.admin_key)
-    name = options.served_model_name or async_engine.model_name
+    names = options.served_model_name or (async_engine.model_name,)
+    name = names[0]
     chat = chat_setup(
         async_engine.tokenizer,
         read_chat_template(options.chat_template),
@@ -334,6 +335,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
     app.state.context = ServerContext(
         async_engine=async_engine,
         model_name=name,
+        model_names=frozenset(names),
         max_model_len=async_engine.max_model_len,
         metrics=ServerMetrics(name),
         tenants=tenants,

@@ -18,10 +18,12 @@ class ServerContext:
     """What every route needs: the engine's door, the served model's name and limits, metrics, the
     tenants (with the admin key) and the server's options, the two checks only the server makes
     (`in_flight`, `prompt_guard`), the threads that prepare requests, by tenant (`preparation`), and the
-    chat template with its tool and reasoning formats (`chat`)."""
+    chat template with its tool and reasoning formats (`chat`). `model_name` is the name answers show,
+    `model_names` every name a request may send (it and its aliases)."""
 
     async_engine: AsyncEngine
     model_name: str
+    model_names: frozenset[str]
     max_model_len: int
     metrics: ServerMetrics
     tenants: Tenants
@@ -34,8 +36,9 @@ class ServerContext:
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
-    """A request may name the served model or none at all; any other name is a 404, as OpenAI answers."""
-    if model and model != ctx.model_name:
+    """A request may name the served model, one of its aliases, or none at all; any other name is a 404,
+    as OpenAI answers."""
+    if model and model not in ctx.model_names:
         raise APIError(
             404,
             f"The model '{model}' does not exist; this server serves '{ctx.model_name}' (GET /v1/models).",
