@@ -59,6 +59,10 @@ from kvserve.server.protocol import (
     TokenizeResponse,
 )
 from kvserve.server.request_id import RequestIdMiddleware
+from kvserve.server.responses_protocol import InputItemList, ResponseDeleted, ResponsesRequest
+from kvserve.server.responses_serving import item_list, respond_responses, unknown_response
+from kvserve.server.responses_serving import prepare as prepare_response
+from kvserve.server.responses_store import ResponseStore, StoreLimits
 from kvserve.server.serving import respond
 from kvserve.server.tenants import Tenants, load_or_create_secret
 from kvserve.server.unsupported import check_chat, check_completion
@@ -194,6 +198,51 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
     with ctx.async_engine.reserve(tenant, num_prompts, body.n) as room:
         plan = await ctx.preparation.run(tenant, completion_plan, ctx, body, namespace)
         return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
+
+
+# The Responses API: one more plan builder (responses_plan) over chat's prompt, tools and constraints,
+# and its own writer (server/responses_serving.py); its stored responses are the tenant's alone.
+@api.post("/v1/responses", dependencies=[InFlight])
+async def responses(body: ResponsesRequest, request: Request, ctx: Context) -> Response:
+    check_model(ctx, body.model)
+    namespace = cache_namespace(request)
+    tenant = caller(request).tenant.name
+    with ctx.async_engine.reserve(tenant, 1, 1) as room:
+        prepared = await ctx.preparation.run(tenant, prepare_response, ctx, body, namespace, tenant)
+        return await respond_responses(ctx, request, body, prepared, room, tenant)
+
+
+@api.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request, ctx: Context) -> Response:
+    tenant = caller(request).tenant.name
+    stored = await ctx.preparation.run(tenant, ctx.responses.get, tenant, response_id)
+    if stored is None:
+        raise unknown_response(response_id)
+    return Response(stored.response.model_dump_json(), media_type="application/json")
+
+
+@api.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request, ctx: Context) -> ResponseDeleted:
+    tenant = caller(request).tenant.name
+    if not await ctx.preparation.run(tenant, ctx.responses.delete, tenant, response_id):
+        raise unknown_response(response_id)
+    return ResponseDeleted(id=response_id)
+
+
+@api.get("/v1/responses/{response_id}/input_items")
+async def response_input_items(
+    response_id: str,
+    request: Request,
+    ctx: Context,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+    after: Annotated[str | None, Query(max_length=256)] = None,
+) -> InputItemList:
+    tenant = caller(request).tenant.name
+    stored = await ctx.preparation.run(tenant, ctx.responses.get, tenant, response_id)
+    if stored is None:
+        raise unknown_response(response_id)
+    return item_list(stored, limit, order, after)
 
 
 @api.get("/v1/cache/stats")
@@ -343,6 +392,11 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         prompt_guard=PromptGuard(async_engine.max_model_len, async_engine.tokenizer.max_token_chars()),
         preparation=preparation,
         chat=chat,
+        responses=ResponseStore(
+            StoreLimits(
+                options.responses_max_stored, options.responses_max_stored_bytes, options.responses_ttl_s
+            )
+        ),
     )
     app.state.dashboard = dashboard
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
