@@ -9,7 +9,7 @@ history and prefills only its new items; GET, DELETE and input_items.
 
 import json
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 import httpx
@@ -17,11 +17,16 @@ import jsonschema
 import openai
 import pytest
 from fastapi import FastAPI
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
+from kvserve.errors import InvalidRequestError
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
+from kvserve.server.errors import APIError
 from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.responses_serving import prepare
 from kvserve.server.tenants import Tenant, Tenants, load_or_create_secret
@@ -373,3 +378,126 @@ def test_a_codex_shaped_body(server: Server) -> None:
     usage = final["usage"]
     assert usage["input_tokens_details"]["cached_tokens"] >= usage["input_tokens"] - 16
     assert httpx.get(f"{server.url}/v1/responses/{final['id']}", headers=headers).status_code == 404
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _message(text: str, role: str = "user") -> dict[str, Any]:
+    return {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
+
+
+# (what, body or raw bytes, status, the param the error names or None)
+HOSTILE: list[tuple[str, Any, int, str | None]] = [
+    (
+        "unknown previous_response_id",
+        {"input": "Hi", "previous_response_id": "resp_x"},
+        404,
+        "previous_response_id",
+    ),
+    (
+        "function_call_output of an unknown call",
+        {"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]},
+        400,
+        "input[0].call_id",
+    ),
+    ("huge item list", {"input": [_message("x")] * 3000}, 400, "input"),
+    ("deep content", f'{{"input": [{{"role": "user", "content": {_deep(20_000)}}}]}}'.encode(), 400, None),
+    ("deep input", f'{{"input": {_deep(50_000)}}}'.encode(), 400, None),
+    ("negative max_output_tokens", {"input": "Hi", "max_output_tokens": -5}, 400, "max_output_tokens"),
+    ("zero max_output_tokens", {"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ("role tool", {"input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role"),
+    ("role function", {"input": [_message("x", "function")]}, 400, "input[0].role"),
+    (
+        "an image part",
+        {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+        400,
+        "input[0].content[0]",
+    ),
+    ("an item reference", {"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input[0]"),
+    (
+        "a call without arguments",
+        {"input": [{"type": "function_call", "call_id": "c", "name": "f"}]},
+        400,
+        None,
+    ),
+    ("no type, no role", {"input": [{"content": "x"}]}, 400, "input[0]"),
+    ("empty input", {"input": []}, 400, "input"),
+    ("input over the context", {"input": "word " * 5000}, 400, "input"),
+    ("a hosted tool_choice", {"input": "Hi", "tool_choice": {"type": "web_search"}}, 400, "tool_choice"),
+    (
+        "a nested namespace",
+        {"input": "Hi", "tools": [{"type": "namespace", "tools": [{"type": "namespace"}]}]},
+        400,
+        None,
+    ),
+    ("a tool without a type", {"input": "Hi", "tools": [{"name": "f"}]}, 400, "tools[0]"),
+    ("too much metadata", {"input": "Hi", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
+    ("an unknown text format", {"input": "Hi", "text": {"format": {"type": "xml"}}}, 400, "text.format"),
+    ("an unknown model", {"input": "Hi", "model": "gpt-9"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("what", "body", "status", "param"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_input_is_a_clear_4xx(
+    server: Server, what: str, body: Any, status: int, param: str | None
+) -> None:
+    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+    if isinstance(body, bytes):
+        reply = httpx.post(f"{server.url}/v1/responses", content=body, headers=headers, timeout=120)
+    else:
+        reply = httpx.post(
+            f"{server.url}/v1/responses", json={"model": NAME, **body}, headers=headers, timeout=120
+        )
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "Traceback" not in reply.text and len(reply.text) < 2000
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(max_output_tokens=st.integers(min_value=-(2**63), max_value=2**63))
+def test_any_max_output_tokens_is_refused_or_clamped(app: FastAPI, max_output_tokens: int) -> None:
+    ctx = app.state.context
+    namespace = ctx.tenants.namespace(Tenant("a"))
+    body = ResponsesRequest(input="Hi.", max_output_tokens=max_output_tokens)
+    if max_output_tokens < 1:
+        with pytest.raises(InvalidRequestError):
+            prepare(ctx, body, namespace, "a")
+        return
+    (prompt,) = prepare(ctx, body, namespace, "a").plan.prompts
+    assert prompt.checked.max_tokens == min(max_output_tokens, MAX_MODEL_LEN - len(prompt.token_ids))
+
+
+_TEXT = st.text(max_size=20)
+_PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "x"])}, optional={"text": _TEXT}
+)
+_ITEM = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "other"]),
+        "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+        "content": st.one_of(_TEXT, st.lists(_PART, max_size=3)),
+        "call_id": st.sampled_from(["c1", "c2"]),
+        "name": st.sampled_from(["get_weather", "f"]),
+        "arguments": st.sampled_from(['{"city": "Rome"}', "{", ""]),
+        "output": _TEXT,
+    },
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=st.lists(_ITEM, max_size=6))
+def test_any_item_list_is_planned_or_refused_by_name(app: FastAPI, items: list[dict[str, Any]]) -> None:
+    ctx = app.state.context
+    namespace = ctx.tenants.namespace(Tenant("a"))
+    try:
+        body = ResponsesRequest.model_validate({"input": items, "tools": [WEATHER]})
+    except ValidationError:
+        return
+    with suppress(InvalidRequestError, APIError):
+        prepare(ctx, body, namespace, "a")
