@@ -59,10 +59,11 @@ from kvserve.server.protocol import (
     TokenizeResponse,
 )
 from kvserve.server.request_id import RequestIdMiddleware
+from kvserve.server.responses_persist import DiskBackend, RedisBackend
 from kvserve.server.responses_protocol import InputItemList, ResponseDeleted, ResponsesRequest
 from kvserve.server.responses_serving import item_list, respond_responses, unknown_response
 from kvserve.server.responses_serving import prepare as prepare_response
-from kvserve.server.responses_store import ResponseStore, StoreLimits
+from kvserve.server.responses_store import Backend, ResponseStore, StoreLimits
 from kvserve.server.serving import respond
 from kvserve.server.tenants import Tenants, load_or_create_secret
 from kvserve.server.unsupported import check_chat, check_completion
@@ -342,6 +343,19 @@ async def cache(request: Request, ctx: Context) -> CacheStatus:
     return cache_status(await ctx.async_engine.cache_view(cache_namespace(request), whole_pool))
 
 
+def response_backend(config: EngineConfig, limits: StoreLimits) -> Backend | None:
+    """Where stored responses outlive the process: the Redis that replicas share (--kv-remote), else
+    the disk tier's folder (--kv-disk), sealed under the engine's secret (the cache folder's when none
+    was given, as the engine's own tiers take it)."""
+    if config.kv_remote is None and config.kv_disk is None:
+        return None
+    secret = config.secret if config.secret is not None else load_or_create_secret(config.cache_dir)
+    if config.kv_remote is not None:
+        return RedisBackend(config.kv_remote, secret)
+    assert config.kv_disk is not None
+    return DiskBackend(config.kv_disk, secret, limits.ttl_s)
+
+
 def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenants | None = None) -> FastAPI:
     """The HTTP app around a running AsyncEngine; the app owns it and shuts it down when it stops.
 
@@ -360,6 +374,9 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         read_chat_template(options.chat_template),
         options.tool_call_format,
         options.reasoning_parser,
+    )
+    limits = StoreLimits(
+        options.responses_max_stored, options.responses_max_stored_bytes, options.responses_ttl_s
     )
     dashboard = Dashboard(StatsHistory.empty(), options.dashboard_show_text)
     preparation = PreparationPool(options.preparation_threads, options.max_preparing_per_tenant)
@@ -392,11 +409,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         prompt_guard=PromptGuard(async_engine.max_model_len, async_engine.tokenizer.max_token_chars()),
         preparation=preparation,
         chat=chat,
-        responses=ResponseStore(
-            StoreLimits(
-                options.responses_max_stored, options.responses_max_stored_bytes, options.responses_ttl_s
-            )
-        ),
+        responses=ResponseStore(limits, response_backend(async_engine.config, limits)),
     )
     app.state.dashboard = dashboard
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)

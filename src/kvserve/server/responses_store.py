@@ -101,9 +101,10 @@ class ResponseStore:
             )
             return
         with self._lock:
-            self._insert(stored, len(data))
+            evicted = self._insert(stored, len(data))
         if self.backend is not None:
             self.backend.save(stored.tenant, stored.id, data, self.limits.ttl_s)
+            self._forget(stored.tenant, evicted)
 
     def get(self, tenant_name: str, response_id: str) -> StoredResponse | None:
         """The tenant's response of that id, or None (unknown, expired, deleted, or another tenant's)."""
@@ -116,7 +117,9 @@ class ResponseStore:
                     tenant.entries.move_to_end(response_id)
                     return found[0]
                 self._remove(tenant, response_id)
-                return None
+        if found is not None:
+            self._forget(tenant_name, [response_id])
+            return None
         return self._load(tenant_name, response_id, now)
 
     def _load(self, tenant_name: str, response_id: str, now: float) -> StoredResponse | None:
@@ -131,9 +134,11 @@ class ResponseStore:
             log.warning("responses: refused stored response %s: %s", response_id[:16], type(e).__name__)
             return None
         if stored.id != response_id or stored.tenant != tenant_name or stored.expires_at <= now:
+            self._forget(tenant_name, [response_id])
             return None
         with self._lock:
-            self._insert(stored, len(data))
+            evicted = self._insert(stored, len(data))
+        self._forget(tenant_name, evicted)
         return stored
 
     def delete(self, tenant_name: str, response_id: str) -> bool:
@@ -153,16 +158,26 @@ class ResponseStore:
             tenant = self._tenants.get(tenant_name)
             return 0 if tenant is None else len(tenant.entries)
 
-    def _insert(self, stored: StoredResponse, size: int) -> None:
+    def _insert(self, stored: StoredResponse, size: int) -> list[str]:
         """Keep `stored` as the tenant's most recently used, then evict its least recently used ones
-        until its store is within the limits (caller holds the lock)."""
+        until its store is within the limits (caller holds the lock); the ids evicted."""
         tenant = self._tenants.setdefault(stored.tenant, _TenantStore())
         self._remove(tenant, stored.id)
         tenant.entries[stored.id] = (stored, size)
         tenant.num_bytes += size
+        evicted = []
         while len(tenant.entries) > self.limits.max_count or tenant.num_bytes > self.limits.max_bytes:
-            _, (_, evicted) = tenant.entries.popitem(last=False)
-            tenant.num_bytes -= evicted
+            gone, (_, gone_size) = tenant.entries.popitem(last=False)
+            tenant.num_bytes -= gone_size
+            evicted.append(gone)
+        return evicted
+
+    def _forget(self, tenant_name: str, response_ids: list[str]) -> None:
+        """Delete from the backend what memory no longer keeps (evicted, expired): its bounds hold there
+        too, for the responses this process has seen."""
+        if self.backend is not None:
+            for response_id in response_ids:
+                self.backend.delete(tenant_name, response_id)
 
     @staticmethod
     def _remove(tenant: _TenantStore, response_id: str) -> None:
