@@ -28,6 +28,7 @@ from kvserve.engine.outputs import PromptOutputs
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, to_api_error
 from kvserve.server.formats import ChatFormat, Choice, ResponseIds
+from kvserve.server.generation import EventStreamResponse, Generation, cancel_on_disconnect, usage
 from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.plan import PreviousResponse, ResponsesPlan, responses_plan
 from kvserve.server.prompts import Continuation
@@ -48,7 +49,6 @@ from kvserve.server.responses_protocol import (
     ResponseUsage,
 )
 from kvserve.server.responses_store import StoredResponse, new_response_id
-from kvserve.server.serving import EventStreamResponse, Generation, cancel_on_disconnect, usage
 from kvserve.server.tools import conversation
 
 log = logging.getLogger("kvserve.server")
@@ -202,9 +202,10 @@ class _Run:
     def status(self) -> str:
         return "incomplete" if self.choice.finish_reason == "length" else "completed"
 
-    def store(self, response: ResponseObject, reply: _Reply, tenant: str) -> None:
+    async def store(self, response: ResponseObject, reply: _Reply, tenant: str) -> None:
         """Keep the response for GET and previous_response_id (`store`): its conversation with the reply
-        appended, and its exact ids when the reply's ids stand for its text."""
+        appended, and its exact ids when the reply's ids stand for its text. Written off the event loop
+        (its JSON, and the disk's fsync or Redis' round trip), as a preparation job of its tenant."""
         if not self.body.store:
             return
         assistant = reply.assistant()
@@ -222,7 +223,7 @@ class _Run:
             stored.continuation_ids = list(continuation.ids)
             stored.continuation_content = continuation.content
             stored.continuation_lead = continuation.lead
-        self.ctx.responses.put(stored)
+        await self.ctx.preparation.run(tenant, self.ctx.responses.put, stored)
 
     def _continuation(self, assistant: ChatMessage) -> Continuation | None:
         """The prompt's and the reply's ids, with the text they stand for before the reply's content as
@@ -473,7 +474,7 @@ async def _events(
             # An empty reply is still one message, as the whole response has.
             writer.reply.message = OutputMessage(id=_item_id("msg"), content=[OutputText(text="")])
         response = run.response(writer.reply, generation, run.status())
-        run.store(response, writer.reply, tenant)
+        await run.store(response, writer.reply, tenant)
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
         yield writer.event(kind, response=response.model_dump())
     except Exception as exc:
@@ -506,5 +507,5 @@ async def respond_responses(
     await cancel_on_disconnect(request, generation.run())
     reply = _whole_reply(run)
     response = run.response(reply, generation, run.status())
-    run.store(response, reply, tenant)
+    await run.store(response, reply, tenant)
     return Response(response.model_dump_json(), media_type="application/json")
