@@ -149,6 +149,20 @@ class ServerOptions:
         "<think> (default %(default)s)",
         choices=REASONING_PARSERS,
     )
+    responses_max_stored: int = option(
+        1024,
+        "stored responses (POST /v1/responses with store) kept per tenant, least recently used first "
+        "(default %(default)s)",
+    )
+    responses_max_stored_bytes: int = option(
+        64 * 2**20,
+        "bytes of stored responses kept per tenant, e.g. 64MiB (default %(default)s)",
+        parse=parse_bytes,
+        show=format_bytes,
+    )
+    responses_ttl_s: float = option(
+        24 * 3600.0, "seconds a stored response is kept after it was made (default %(default)s)"
+    )
     launch_nonce: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -182,5 +196,9 @@ class ServerOptions:
             raise ConfigError(f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+        if self.responses_max_stored < 1 or self.responses_max_stored_bytes < 1:
+            raise ConfigError("responses_max_stored and responses_max_stored_bytes must be positive")
+        if not 0 < self.responses_ttl_s <= 365 * 24 * 3600:
+            raise ConfigError("responses_ttl_s must be positive and at most a year")
         if not 1 <= self.max_preparing_per_tenant <= self.preparation_threads:
             raise ConfigError("max_preparing_per_tenant must be between 1 and preparation_threads")

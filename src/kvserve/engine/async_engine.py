@@ -46,7 +46,7 @@ from kvserve.engine.snapshot import CacheView, PinView, Snapshot, pin_view, take
 from kvserve.engine.validation import CheckedPrompt, TooManySequencesError, check_sequences
 from kvserve.errors import EngineOverloadedError, KVServeError
 from kvserve.model import openmp
-from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, MessageDict, TemplateArgs
+from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, MessageDict, ReplyLookup, TemplateArgs
 
 log = logging.getLogger("kvserve.engine")
 
@@ -206,12 +206,14 @@ class AsyncEngine:
         namespace: str = "",
         add_generation_prompt: bool = True,
         args: TemplateArgs = NO_TEMPLATE_ARGS,
+        known_reply: ReplyLookup | None = None,
     ) -> list[int]:
         """A conversation's token ids, earlier replies in `namespace` spliced in as their generated ids
         (engine/chat.py); off the event loop for a long chat. `args` carries the template, the tools
-        and the template variables when they are not the tokenizer's defaults."""
+        and the template variables when they are not the tokenizer's defaults; `known_reply`, when
+        given, is asked for replies' ids instead of the reply memory."""
         return encode_chat(
-            self.tokenizer, self.engine.replies, messages, namespace, add_generation_prompt, args
+            self.tokenizer, self.engine.replies, messages, namespace, add_generation_prompt, args, known_reply
         )
 
     def remember_reply_part(self, namespace: str, part: str, whole: str) -> None:

@@ -13,7 +13,7 @@ from jinja2 import TemplateError
 
 from kvserve.engine.reply_memory import ReplyMemory
 from kvserve.errors import InvalidRequestError
-from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, MessageDict, TemplateArgs, Tokenizer
+from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, MessageDict, ReplyLookup, TemplateArgs, Tokenizer
 
 
 def encode_chat(
@@ -23,9 +23,11 @@ def encode_chat(
     namespace: str = "",
     add_generation_prompt: bool = True,
     args: TemplateArgs = NO_TEMPLATE_ARGS,
+    known_reply: ReplyLookup | None = None,
 ) -> list[int]:
     """Token ids of a conversation, earlier replies spliced in as their generated ids; a conversation
-    the template cannot render is an InvalidRequestError on `messages`.
+    the template cannot render is an InvalidRequestError on `messages`. `known_reply` replaces the
+    reply memory's lookup (a stored conversation's own ids: server/responses_store.py).
 
     A template is a program run over the client's data (its messages, tools and template variables): a
     variable of an unexpected type makes a template raise TypeError or the like, which is the request's
@@ -34,7 +36,7 @@ def encode_chat(
         return tokenizer.encode_chat(
             messages,
             add_generation_prompt,
-            known_reply=lambda text: replies.lookup_reply(namespace, text),
+            known_reply=known_reply or (lambda text: replies.lookup_reply(namespace, text)),
             args=args,
         )
     except (ValueError, TemplateError, TypeError, AttributeError, LookupError, RecursionError) as e:

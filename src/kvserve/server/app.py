@@ -59,6 +59,11 @@ from kvserve.server.protocol import (
     TokenizeResponse,
 )
 from kvserve.server.request_id import RequestIdMiddleware
+from kvserve.server.responses_persist import DiskBackend, RedisBackend
+from kvserve.server.responses_protocol import InputItemList, ResponseDeleted, ResponsesRequest
+from kvserve.server.responses_serving import item_list, respond_responses, unknown_response
+from kvserve.server.responses_serving import prepare as prepare_response
+from kvserve.server.responses_store import Backend, ResponseStore, StoreLimits
 from kvserve.server.serving import respond
 from kvserve.server.tenants import Tenants, load_or_create_secret
 from kvserve.server.unsupported import check_chat, check_completion
@@ -196,6 +201,51 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
         return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
+# The Responses API: one more plan builder (responses_plan) over chat's prompt, tools and constraints,
+# and its own writer (server/responses_serving.py); its stored responses are the tenant's alone.
+@api.post("/v1/responses", dependencies=[InFlight])
+async def responses(body: ResponsesRequest, request: Request, ctx: Context) -> Response:
+    check_model(ctx, body.model)
+    namespace = cache_namespace(request)
+    tenant = caller(request).tenant.name
+    with ctx.async_engine.reserve(tenant, 1, 1) as room:
+        prepared = await ctx.preparation.run(tenant, prepare_response, ctx, body, namespace, tenant)
+        return await respond_responses(ctx, request, body, prepared, room, tenant)
+
+
+@api.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request, ctx: Context) -> Response:
+    tenant = caller(request).tenant.name
+    stored = await ctx.preparation.run(tenant, ctx.responses.get, tenant, response_id)
+    if stored is None:
+        raise unknown_response(response_id)
+    return Response(stored.response.model_dump_json(), media_type="application/json")
+
+
+@api.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request, ctx: Context) -> ResponseDeleted:
+    tenant = caller(request).tenant.name
+    if not await ctx.preparation.run(tenant, ctx.responses.delete, tenant, response_id):
+        raise unknown_response(response_id)
+    return ResponseDeleted(id=response_id)
+
+
+@api.get("/v1/responses/{response_id}/input_items")
+async def response_input_items(
+    response_id: str,
+    request: Request,
+    ctx: Context,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+    after: Annotated[str | None, Query(max_length=256)] = None,
+) -> InputItemList:
+    tenant = caller(request).tenant.name
+    stored = await ctx.preparation.run(tenant, ctx.responses.get, tenant, response_id)
+    if stored is None:
+        raise unknown_response(response_id)
+    return item_list(stored, limit, order, after)
+
+
 @api.get("/v1/cache/stats")
 async def cache_stats(request: Request, ctx: Context) -> CacheStatsResponse:
     """The prefix cache and the requests now, and the counters' history (the dashboard's data): all
@@ -293,6 +343,19 @@ async def cache(request: Request, ctx: Context) -> CacheStatus:
     return cache_status(await ctx.async_engine.cache_view(cache_namespace(request), whole_pool))
 
 
+def response_backend(config: EngineConfig, limits: StoreLimits) -> Backend | None:
+    """Where stored responses outlive the process: the Redis that replicas share (--kv-remote), else
+    the disk tier's folder (--kv-disk), sealed under the engine's secret (the cache folder's when none
+    was given, as the engine's own tiers take it)."""
+    if config.kv_remote is None and config.kv_disk is None:
+        return None
+    secret = config.secret if config.secret is not None else load_or_create_secret(config.cache_dir)
+    if config.kv_remote is not None:
+        return RedisBackend(config.kv_remote, secret)
+    assert config.kv_disk is not None
+    return DiskBackend(config.kv_disk, secret, limits.ttl_s)
+
+
 def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenants | None = None) -> FastAPI:
     """The HTTP app around a running AsyncEngine; the app owns it and shuts it down when it stops.
 
@@ -312,6 +375,9 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         read_chat_template(options.chat_template),
         options.tool_call_format,
         options.reasoning_parser,
+    )
+    limits = StoreLimits(
+        options.responses_max_stored, options.responses_max_stored_bytes, options.responses_ttl_s
     )
     dashboard = Dashboard(StatsHistory.empty(), options.dashboard_show_text)
     preparation = PreparationPool(options.preparation_threads, options.max_preparing_per_tenant)
@@ -345,6 +411,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         prompt_guard=PromptGuard(async_engine.max_model_len, async_engine.tokenizer.max_token_chars()),
         preparation=preparation,
         chat=chat,
+        responses=ResponseStore(limits, response_backend(async_engine.config, limits)),
     )
     app.state.dashboard = dashboard
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)

@@ -10,6 +10,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import InFlightLimiter
 from kvserve.server.preparation import PreparationPool
 from kvserve.server.prompts import PromptGuard
+from kvserve.server.responses_store import ResponseStore
 from kvserve.server.tenants import Tenants
 
 
@@ -17,9 +18,10 @@ from kvserve.server.tenants import Tenants
 class ServerContext:
     """What every route needs: the engine's door, the served model's name and limits, metrics, the
     tenants (with the admin key) and the server's options, the two checks only the server makes
-    (`in_flight`, `prompt_guard`), the threads that prepare requests, by tenant (`preparation`), and the
-    chat template with its tool and reasoning formats (`chat`). `model_name` is the name answers show,
-    `model_names` every name a request may send (it and its aliases)."""
+    (`in_flight`, `prompt_guard`), the threads that prepare requests, by tenant (`preparation`), the
+    chat template with its tool and reasoning formats (`chat`), and the stored responses of the
+    Responses API (`responses`). `model_name` is the name answers show, `model_names` every name a
+    request may send (it and its aliases)."""
 
     async_engine: AsyncEngine
     model_name: str
@@ -33,6 +35,7 @@ class ServerContext:
     options: ServerOptions
     preparation: PreparationPool
     chat: ChatSetup
+    responses: ResponseStore
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:

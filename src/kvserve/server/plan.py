@@ -5,8 +5,8 @@ preparation job of the caller's tenant, server/preparation.py): render and token
 body to SamplingParams, add the tools' constraint, and validate once (`AsyncEngine.validate`: the token
 ids, lengths, caps and the constraint, compiled there and only there). The engine's door then queues each
 prompt with each of the plan's samples as they are, checking nothing again. There is one builder per API,
-each producing the same plan: `chat_plan`, `completion_plan`, `pin_plan`; a new API is one more function
-beside them.
+each producing the same plan: `chat_plan`, `completion_plan`, `pin_plan`, `responses_plan` (OpenAI's
+Responses API, over chat's prompt and constraints); a new API is one more function beside them.
 
 The route has already done what needs no work: the body's fields alone (model, unsupported fields) and
 room in the engine's queue for the request's sequences (`AsyncEngine.reserve`).
@@ -21,11 +21,32 @@ from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import InvalidRequestError
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError
-from kvserve.server.prompts import chat_prompt, prompt_batch, template_kwargs, text_prompt
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest, SamplingRequest
+from kvserve.server.prompts import (
+    Continuation,
+    chat_prompt,
+    continued_chat_prompt,
+    prompt_batch,
+    template_kwargs,
+    text_prompt,
+)
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    PinRequest,
+    SamplingRequest,
+)
 from kvserve.server.reasoning import closes_reasoning, opens_reasoning
+from kvserve.server.responses_input import (
+    chat_tool_choice,
+    chat_tools,
+    check_fields,
+    input_messages,
+    response_format,
+)
+from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.structured import structured_outputs
-from kvserve.server.tools import IN_THINK, MAY_THINK, NO_THINK, constraint, tool_use
+from kvserve.server.tools import IN_THINK, MAY_THINK, NO_THINK, ToolUse, constraint, tool_use
 
 # The legacy completions route reports at most this many alternatives per token, as OpenAI's does.
 MAX_COMPLETION_LOGPROBS = 5
@@ -135,6 +156,20 @@ def chat_plan(ctx: ServerContext, body: ChatCompletionRequest, namespace: str) -
     token_ids = chat_prompt(
         ctx.async_engine, ctx.prompt_guard, body.messages, namespace, True, tools, ctx.chat, kwargs
     )
+    return _chat_plan(ctx, body, namespace, token_ids, tools, max_tokens, "messages")
+
+
+def _chat_plan(
+    ctx: ServerContext,
+    body: ChatCompletionRequest,
+    namespace: str,
+    token_ids: list[int],
+    tools: ToolUse | None,
+    max_tokens: int | None,
+    prompt_param: str,
+) -> RequestPlan:
+    """A chat's plan from its prompt: the reasoning the prompt opened or closed, the params, the tools'
+    constraint, and the one check. An error on the prompt names `prompt_param`."""
     tail = ctx.async_engine.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     opened = ctx.chat.reasoning and opens_reasoning(tail)
     may_think = ctx.chat.reasoning and not closes_reasoning(tail)
@@ -163,7 +198,68 @@ def chat_plan(ctx: ServerContext, body: ChatCompletionRequest, namespace: str) -
     except InvalidRequestError as e:
         if e.param != "prompt":
             raise
-        raise InvalidRequestError(e.message, "messages") from None
+        raise InvalidRequestError(e.message, prompt_param) from None
+
+
+@dataclass(frozen=True)
+class PreviousResponse:
+    """What a stored response hands the next turn: its conversation (without its instructions, which
+    are not carried over) and its exact token ids, when its reply can be continued token for token."""
+
+    messages: tuple[ChatMessage, ...]
+    continuation: Continuation | None
+
+
+@dataclass(frozen=True)
+class ResponsesPlan:
+    """A Responses request's plan, with what storing its response needs: the conversation it renders
+    (without instructions) and the text its prompt stands for."""
+
+    plan: RequestPlan
+    messages: tuple[ChatMessage, ...]
+    prompt_text: str
+    tools: ToolUse | None
+
+
+def responses_plan(
+    ctx: ServerContext, body: ResponsesRequest, namespace: str, previous: PreviousResponse | None
+) -> ResponsesPlan:
+    """A Responses request's plan: its items after the previous response's conversation (continuing
+    that response's exact token ids: only the new items are rendered into new tokens), its instructions
+    first, its tools and text format as chat's, and max_output_tokens clamped to the room the prompt
+    leaves in the context. An error on the prompt names `input`."""
+    check_fields(body)
+    history = previous.messages if previous is not None else ()
+    conversation = (*history, *input_messages(body.input, history))
+    if not conversation:
+        raise InvalidRequestError("input is empty: give a message", "input")
+    instructions = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    tools_listed, _ = chat_tools(body.tools)
+    chat = ChatCompletionRequest.model_construct(
+        messages=[*instructions, *conversation],
+        tools=tools_listed,
+        tool_choice=chat_tool_choice(body.tool_choice, tools_listed),
+        parallel_tool_calls=body.parallel_tool_calls,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        response_format=response_format(body.text.format if body.text is not None else None),
+    )
+    tools = tool_use(chat)
+    token_ids, prompt_text = continued_chat_prompt(
+        ctx.async_engine,
+        ctx.prompt_guard,
+        chat.messages,
+        namespace,
+        tools,
+        ctx.chat,
+        previous.continuation if previous is not None else None,
+    )
+    max_tokens = body.max_output_tokens
+    if max_tokens is not None and len(token_ids) + max_tokens > ctx.max_model_len:
+        # Clamped: no limit is the room the prompt leaves (the engine's rule).
+        max_tokens = None
+    plan = _chat_plan(ctx, chat, namespace, token_ids, tools, max_tokens, "input")
+    return ResponsesPlan(plan, conversation, prompt_text, tools)
 
 
 def completion_plan(ctx: ServerContext, body: CompletionRequest, namespace: str) -> RequestPlan:

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.errors import InvalidRequestError
-from kvserve.model.tokenizer import TemplateArgs, Tokenizer
+from kvserve.model.tokenizer import KnownReply, MessageDict, TemplateArgs, Tokenizer
 from kvserve.server.chat_setup import ChatSetup
 from kvserve.server.protocol import ChatMessage
 from kvserve.server.tools import ToolUse, conversation, template_tools
@@ -106,6 +106,31 @@ def template_kwargs(raw: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(raw)
 
 
+def chat_turns(
+    guard: PromptGuard,
+    messages: Sequence[ChatMessage],
+    tools: ToolUse | None,
+    setup: ChatSetup,
+    kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[MessageDict], TemplateArgs]:
+    """A conversation as the template takes it (turns and template args), behind the guard.
+
+    The guard reads the turns as rendered, so every text the request carries counts before anything is
+    tokenized: contents and their parts, calls' arguments, reasoning and tool results (param
+    `messages`), then the tools' names, descriptions and schemas (param `tools`)."""
+    plain = conversation(messages, None, setup.tools)
+    guard.check([t.get("content", "") + t.get("reasoning_content", "") for t in plain], "messages")
+    turns = conversation(messages, tools, setup.tools)
+    listed = None
+    if tools is not None:
+        if setup.tools.in_template:
+            listed = template_tools(tools)
+            guard.check([json.dumps(listed)], "tools")
+        else:
+            guard.check([turn["content"] for turn in turns], "tools")
+    return turns, TemplateArgs(source=setup.template, tools=listed, kwargs=dict(kwargs or {}))
+
+
 def chat_prompt(
     async_engine: AsyncEngine,
     guard: PromptGuard,
@@ -117,25 +142,49 @@ def chat_prompt(
     kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of a conversation (with its tools, calls and results in the server's tool format,
-    server/tools.py, and the template variables `kwargs`); earlier replies of this engine come back as
-    their exact ids, so the next turn of a chat finds its whole history in the prefix cache.
-
-    The guard reads the turns as rendered, so every text the request carries counts before anything is
-    tokenized: contents and their parts, calls' arguments, reasoning and tool results (param
-    `messages`), then the tools' names, descriptions and schemas (param `tools`)."""
-    setup = setup or ChatSetup()
-    plain = conversation(messages, None, setup.tools)
-    guard.check([t.get("content", "") + t.get("reasoning_content", "") for t in plain], "messages")
-    turns = conversation(messages, tools, setup.tools)
-    listed = None
-    if tools is not None:
-        if setup.tools.in_template:
-            listed = template_tools(tools)
-            guard.check([json.dumps(listed)], "tools")
-        else:
-            guard.check([turn["content"] for turn in turns], "tools")
-    args = TemplateArgs(source=setup.template, tools=listed, kwargs=dict(kwargs or {}))
+    server/tools.py, and the template variables `kwargs`), behind the guard (`chat_turns`); earlier
+    replies of this engine come back as their exact ids, so the next turn of a chat finds its whole
+    history in the prefix cache."""
+    turns, args = chat_turns(guard, messages, tools, setup or ChatSetup(), kwargs)
     return async_engine.encode_chat(turns, namespace, add_generation_prompt, args)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A stored conversation's exact token ids: its prompt and its reply's ids (`ids`), the reply's
+    content as its assistant message renders it, and the text the ids stand for before that content
+    (`lead`: the rendered prompt, then a think block the content follows)."""
+
+    ids: tuple[int, ...]
+    content: str
+    lead: str
+
+    def lookup(self, text: str) -> KnownReply | None:
+        return KnownReply(self.ids, self.lead) if text == self.content else None
+
+
+def continued_chat_prompt(
+    async_engine: AsyncEngine,
+    guard: PromptGuard,
+    messages: Sequence[ChatMessage],
+    namespace: str,
+    tools: ToolUse | None,
+    setup: ChatSetup,
+    continuation: Continuation | None,
+) -> tuple[list[int], str]:
+    """A conversation's token ids and its rendered text, continuing `continuation` when it is given:
+    its ids come first, exactly, and only the text the template renders after the reply is tokenized.
+    Where the template renders the stored part otherwise (other instructions or tools, a dropped think
+    block), the conversation is encoded as chat encodes it, the reply memory splicing what it knows."""
+    turns, args = chat_turns(guard, messages, tools, setup)
+    ids = None
+    if continuation is not None:
+        ids = async_engine.encode_chat(turns, namespace, True, args, continuation.lookup)
+        if tuple(ids[: len(continuation.ids)]) != continuation.ids:
+            ids = None
+    if ids is None:
+        ids = async_engine.encode_chat(turns, namespace, True, args)
+    return ids, async_engine.tokenizer.render_chat(turns, True, args)
 
 
 def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
