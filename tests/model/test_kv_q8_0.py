@@ -108,7 +108,8 @@ def test_the_round_trip_is_within_half_a_step_and_the_scales_rounding(
     assert back.shape == x.shape
     blocks_x = x.double().view(3, blocks, 32)
     d = blocks_x.abs().amax(dim=-1, keepdim=True) / 127
-    bound = d / 2 + 127 * (d - d.half().double()).abs() + 1e-12 * d
+    # The slack: x * (1 / d) in float32 is x / d within 127 * 2 ulps, which may round either way.
+    bound = d / 2 + 127 * (d - d.half().double()).abs() + 2e-5 * d
     assert ((blocks_x - back.view(3, blocks, 32)).abs() <= bound).all()
 
 

@@ -1,6 +1,7 @@
-"""q8_0 KV blocks in the disk tier: the tier stores the blocks' own bytes and gives them back unchanged, a
-restarted q8_0 engine finds them, and the fingerprint keeps them apart from float16 blocks of the same
-model and prompts (neither finds, nor deletes, the other's files)."""
+"""q8_0 KV blocks in the lower tiers: the disk tier stores the blocks' own bytes and gives them back
+unchanged, a restarted q8_0 engine finds them, and the fingerprint keeps them apart from float16 blocks of
+the same model and prompts (neither finds, nor deletes, the other's files); a replica reads another's
+q8_0 blocks from Redis."""
 
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from tests.cache.disk_harness import (
     rounds,
     run_and_check,
 )
-from tests.harness import assert_cached_kv_is_fresh, engine_with_blocks
+from tests.harness import assert_cached_kv_is_fresh, engine_with_blocks, greedy
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -84,3 +86,29 @@ def test_q8_0_and_float16_blocks_of_one_model_stay_apart(
     again = disk_engine(tiny_q8_model, tmp_path, engines, num_blocks=128, **HALF)
     run_and_check(again, half_reference, rounds(1))
     assert again.stats().hits_by_tier["disk"] == DISK_HITS
+
+
+def test_a_replica_reads_another_replicas_q8_0_blocks_from_redis(
+    tiny_q8_model: LoadedModel, redis_server: RedisServer
+) -> None:
+    prompt = [(i * 37) % 4000 + 50 for i in range(70)]
+    replicas = [
+        engine_with_blocks(tiny_q8_model, 64, 4, kv_remote=redis_server.url, secret=SEAL_KEY, **Q8)
+        for _ in range(2)
+    ]
+    outputs = []
+    try:
+        for engine in replicas:
+            engine.add_request("r", prompt, greedy(6))
+            out: list[int] = []
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    out += delta.token_ids
+            engine.kv.flush()
+            outputs.append(out)
+        assert replicas[1].stats().hits_by_tier.get("redis", 0) == (len(prompt) - 1) // 4 * 4
+        assert outputs[0] == outputs[1]
+        assert_cached_kv_is_fresh(replicas[1], tiny_q8_model, sample=8)
+    finally:
+        for engine in replicas:
+            engine.close()
