@@ -66,6 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--compare", choices=sorted(COMPARISONS), default="backends")
+    parser.add_argument(
+        "--max-context", type=int, default=None, help="skip workloads with a longer context (a short run)"
+    )
     args = parser.parse_args()
     threads = setup_threads()
     model = default_model()
@@ -86,6 +89,8 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, contexts in workloads.items():
+        if args.max_context is not None and max(contexts) > args.max_context:
+            continue
         samples = decode_steps(engines, contexts, args.tokens)
         med = {k: statistics.median(v) for k, v in samples.items()}
         results[name] = med
