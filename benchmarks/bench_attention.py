@@ -4,7 +4,8 @@ In-process, default weights: one stream decoding at several context lengths, and
 mixed context lengths (where the portable path pads every decode to the longest). The two engines
 alternate step by step on identical requests, so load on a shared machine hits both alike; the table
 reports median wall and CPU time per decode step and the ratio. Run: `make bench-attention` (writes
-benchmarks/results/attention.{json,md}).
+benchmarks/results/attention.{json,md}). `--compare kv-dtypes` runs the native kernel over a float16
+and a q8_0 KV cache instead (writes benchmarks/results/attention-kv.{json,md}).
 """
 
 import argparse
@@ -17,7 +18,18 @@ from benchmarks.common import default_model, make_engine, setup_threads, write_r
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 
-BACKENDS = ("native", "torch")
+# What each comparison runs side by side: its engines' names and EngineConfig overrides, the first the
+# baseline.
+COMPARISONS: dict[str, dict[str, dict[str, Any]]] = {
+    "backends": {
+        "native": {"attention": "native", "kv_cache_memory": 2 * 2**30},
+        "torch": {"attention": "torch", "kv_cache_memory": 2 * 2**30},
+    },
+    "kv-dtypes": {
+        "float16": {"attention": "native", "kv_dtype": "float16", "kv_cache_memory": 512 * 2**20},
+        "q8_0": {"attention": "native", "kv_dtype": "q8_0", "kv_cache_memory": 512 * 2**20},
+    },
+}
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -53,13 +65,18 @@ def decode_steps(engines: dict[str, Engine], contexts: list[int], tokens: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="backends")
+    parser.add_argument(
+        "--max-context", type=int, default=None, help="skip workloads with a longer context (a short run)"
+    )
     args = parser.parse_args()
     threads = setup_threads()
     model = default_model()
     engines = {
-        b: make_engine(model, attention=b, kv_cache_memory=2 * 2**30, max_num_batched_tokens=2048)
-        for b in BACKENDS
+        name: make_engine(model, max_num_batched_tokens=2048, **overrides)
+        for name, overrides in COMPARISONS[args.compare].items()
     }
+    a, b = engines
     workloads = {
         "1 stream, 500-token context": [500],
         "1 stream, 2,000-token context": [2000],
@@ -68,20 +85,29 @@ def main() -> None:
     }
     results: dict[str, Any] = {"threads": threads, "model": model.name, "decode_tokens": args.tokens}
     lines = [
-        "| workload | native ms/step | torch ms/step | torch / native | native CPU ms | torch CPU ms |",
+        f"| workload | {a} ms/step | {b} ms/step | {b} / {a} | {a} CPU ms | {b} CPU ms |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, contexts in workloads.items():
+        if args.max_context is not None and max(contexts) > args.max_context:
+            continue
         samples = decode_steps(engines, contexts, args.tokens)
         med = {k: statistics.median(v) for k, v in samples.items()}
         results[name] = med
-        ratio = med["torch wall"] / med["native wall"]
+        ratio = med[f"{b} wall"] / med[f"{a} wall"]
         lines.append(
-            f"| {name} | {med['native wall']:.1f} | {med['torch wall']:.1f} | {ratio:.2f}x "
-            f"| {med['native cpu']:.1f} | {med['torch cpu']:.1f} |"
+            f"| {name} | {med[f'{a} wall']:.1f} | {med[f'{b} wall']:.1f} | {ratio:.2f}x "
+            f"| {med[f'{a} cpu']:.1f} | {med[f'{b} cpu']:.1f} |"
         )
+    what = (
+        "Decode attention backends"
+        if args.compare == "backends"
+        else "Decode over a float16 and a q8_0 KV cache"
+    )
     write_results(
-        "attention", results, f"Decode attention backends, {threads} threads\n\n" + "\n".join(lines) + "\n"
+        "attention" if args.compare == "backends" else "attention-kv",
+        results,
+        f"{what}, {threads} threads\n\n" + "\n".join(lines) + "\n",
     )
 
 

@@ -77,6 +77,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(path, default_cache_dir())
 
 
+@pytest.fixture(scope="session")
+def tiny_q8_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """`tiny_model` with heads of 32 (a q8_0 KV cache quantizes blocks of 32 values along a head)."""
+    from tests.helpers import save_tiny_model
+
+    path = save_tiny_model(
+        str(tmp_path_factory.mktemp("tiny-q8") / "llama"), "llama", vocab_size=4096, head_dim=32
+    )
+    return load_model(path, default_cache_dir())
+
+
 # Tiny sliding-window models: "all" slides in every layer (Mistral), "hybrid" has a global layer 0 and a
 # sliding layer 1 (Qwen2's max_window_layers).
 SLIDING_KINDS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -18,6 +18,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.grammar import StructuredOutputs
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.model.kv_quant import kv_bytes_per_token
 from kvserve.model.loader import LoadedModel
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 
@@ -25,18 +26,20 @@ DTYPE = "float64"
 MAX_MODEL_LEN = 512
 
 
-def block_bytes(model: LoadedModel, block_size: int) -> int:
-    return model.config.kv_bytes_per_token(torch.float64.itemsize) * block_size
+def block_bytes(model: LoadedModel, block_size: int, kv_dtype: str = DTYPE) -> int:
+    return kv_bytes_per_token(model.config, kv_dtype) * block_size
 
 
 def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **overrides: Any) -> Engine:
     """An engine on `model` whose KV pool has exactly `num_blocks` blocks (at least, with a sliding
-    pool of its own)."""
+    pool of its own); a `kv_dtype` override (q8_0) sizes the pool in its bytes."""
+    kv_dtype = overrides.get("kv_dtype", "auto")
     config = EngineConfig(
         dtype=DTYPE,
         weight_dtype="float32",
         block_size=block_size,
-        kv_cache_memory=num_blocks * block_bytes(model, block_size),
+        kv_cache_memory=num_blocks
+        * block_bytes(model, block_size, DTYPE if kv_dtype == "auto" else kv_dtype),
         max_model_len=MAX_MODEL_LEN,
         **overrides,
     )
@@ -279,7 +282,9 @@ def assert_cached_kv_is_fresh(engine: Engine, model: LoadedModel, sample: int, s
     if not entries:
         return
     bs = engine.config.block_size
-    scratch = ModelRunner(model, MAX_MODEL_LEN, 1, MAX_MODEL_LEN, "cpu", DTYPE, "float32")
+    scratch = ModelRunner(
+        model, MAX_MODEL_LEN, 1, MAX_MODEL_LEN, "cpu", DTYPE, "float32", kv_dtype=engine.config.kv_cache_dtype
+    )
     for namespace, path, block in random.Random(seed).sample(entries, min(sample, len(entries))):
         del namespace
         scratch.execute(ForwardBatch(prefills=[SequenceChunk(list(path), 0, list(range(len(path))), False)]))

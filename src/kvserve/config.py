@@ -49,7 +49,7 @@ def format_bytes(value: int) -> str:
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16", "float64")
 WEIGHT_DTYPES = ("gguf", "q8_0", "float32", "float16", "int8")
 DECODE_ACTIVATIONS = ("int16", "float32")
-KV_DTYPES = ("auto", *COMPUTE_DTYPES)
+KV_DTYPES = ("auto", *COMPUTE_DTYPES, "q8_0")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 # The grammar library's limits (engine/grammar.py, GrammarLimits) and the compiled-grammar cache's size.
@@ -101,7 +101,8 @@ class EngineConfig:
     prefill rows: "native" (a C kernel built on first use; bitwise batch-invariant), "torch" (portable)
     or "auto" (native where it can run: CPU, float32 or float64, a C compiler present).
     `kv_dtype` is the KV cache's dtype (see `kv_cache_dtype`); with float16 the cache holds twice the
-    tokens per byte, and every attention path reads the same rounded values.
+    tokens per byte, with q8_0 (kvserve.model.kv_quant) 1.88x float16's, and every attention path reads
+    the same rounded values.
 
     `kv_disk`, when set, is the folder of the disk tier: blocks computed in memory are also written
     there (behind the step) and found again after eviction or a restart; `kv_disk_size` bounds it.
@@ -150,7 +151,8 @@ class EngineConfig:
     kv_dtype: str = option(
         "auto",
         "dtype of the KV cache: auto (float16 under --dtype float32, else --dtype), float16 (twice the "
-        "tokens per byte) or float32; default %(default)s",
+        "tokens per byte), q8_0 (blocks of 32 int8 values and a float16 scale: 1.88x float16's tokens "
+        "per byte; needs a head size that is a multiple of 32) or float32; default %(default)s",
         choices=KV_DTYPES,
     )
     attention: str = option(

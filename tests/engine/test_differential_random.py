@@ -10,7 +10,9 @@ penalties; configs range over block sizes 1..32, pools from one
 that barely fits the largest request to large ones, token budgets from 1, 1..64 sequences, both
 attention backends (the reference runs the portable one), the disk tier on or off (with the
 tiny pools, most of its cases evict and load blocks back from disk) and the Redis tier on or off (a real
-redis-server, emptied for each case; below the disk when both are on). With a lower tier, memory may
+redis-server, emptied for each case; below the disk when both are on), and the KV dtype: the compute
+dtype or q8_0 (whose blocks the tiers store as they are; on a tiny Llama with heads of 32, against a
+no-cache engine with a q8_0 cache too). With a lower tier, memory may
 also be dropped every few steps, so that most admissions wait in the loading state while the loader
 reads their blocks (n samples of one prompt loading together, aborts while loading). Every step
 checks the cache manager's accounting; every case ends with no leak and with a sample of the tree's
@@ -84,6 +86,8 @@ class Case:
     specs: list[Spec]
     # A sliding-window model (conftest.SLIDING_KINDS kind, window), or None for the tiny Llama.
     sliding: tuple[str, int] | None = None
+    # The KV cache's dtype: "auto" (the compute dtype) or q8_0 (on the tiny Llama with heads of 32).
+    kv_dtype: str = "auto"
 
 
 # A small alphabet makes accidental shared prefixes and partial-block hits common.
@@ -124,9 +128,9 @@ def samplings(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @st.composite
-def cases(draw: st.DrawFn, sliding: bool = False) -> Case:
+def cases(draw: st.DrawFn, sliding: bool = False, kv_dtypes: bool = False) -> Case:
     """A workload and an engine config; `sliding`: on a sliding-window model, whose window is drawn
-    against the block size (smaller, equal, several blocks)."""
+    against the block size (smaller, equal, several blocks); `kv_dtypes`: the KV dtype drawn too."""
     block_size = draw(st.sampled_from([1, 2, 4, 8] if sliding else [1, 2, 4, 8, 16, 32]))
     systems = draw(st.lists(st.lists(_token, min_size=1, max_size=48), min_size=1, max_size=3))
     specs: list[Spec] = []
@@ -172,6 +176,7 @@ def cases(draw: st.DrawFn, sliding: bool = False) -> Case:
         sliding=(draw(st.sampled_from(["all", "hybrid"])), draw(st.sampled_from([1, 2, 3, 4, 8, 13])))
         if sliding
         else None,
+        kv_dtype=draw(st.sampled_from(["auto", "auto", "q8_0"])) if kv_dtypes else "auto",
     )
 
 
@@ -210,12 +215,27 @@ def reference(tiny_model: LoadedModel) -> Engine:
     return engine_with_blocks(tiny_model, 1024, 16, enable_prefix_caching=False, attention="torch")
 
 
+@pytest.fixture(scope="module")
+def q8_reference(tiny_q8_model: LoadedModel) -> Engine:
+    return engine_with_blocks(
+        tiny_q8_model, 1024, 16, enable_prefix_caching=False, attention="torch", kv_dtype="q8_0"
+    )
+
+
 @SETTINGS
-@given(case=cases())
+@given(case=cases(kv_dtypes=True))
 def test_engine_matches_a_no_cache_engine_token_for_token(
-    tiny_model: LoadedModel, reference: Engine, redis_session: RedisServer, case: Case
+    tiny_model: LoadedModel,
+    reference: Engine,
+    tiny_q8_model: LoadedModel,
+    q8_reference: Engine,
+    redis_session: RedisServer,
+    case: Case,
 ) -> None:
-    check_case(tiny_model, reference, redis_session, case)
+    if case.kv_dtype == "q8_0":
+        check_case(tiny_q8_model, q8_reference, redis_session, case)
+    else:
+        check_case(tiny_model, reference, redis_session, case)
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +309,7 @@ def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer
             max_num_seqs=case.max_num_seqs,
             enable_prefix_caching=case.enable_prefix_caching,
             attention=case.attention,
+            kv_dtype=case.kv_dtype,
             kv_disk=disk if case.disk_tier else None,
             kv_remote=redis_session.url if case.redis_tier else None,
             secret=REDIS_SECRET,

@@ -23,8 +23,9 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.validation import RequestLimits
 from kvserve.errors import ConfigError
 from kvserve.model.fingerprint import model_fingerprint
+from kvserve.model.kv_quant import kv_bytes_per_token
 from kvserve.model.loader import LoadedModel, load_model
-from kvserve.model.runner import TORCH_DTYPES, ModelRunner
+from kvserve.model.runner import ModelRunner
 from kvserve.secret import DISK_TIER_SEAL_PURPOSE, derive_key, load_or_create_secret
 
 log = logging.getLogger("kvserve.engine")
@@ -55,9 +56,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     started = time.monotonic()
     model = model or load_model(config.model, config.cache_dir)
     max_model_len = _max_model_len(config, model)
-    bytes_per_block = (
-        model.config.kv_bytes_per_token(TORCH_DTYPES[config.kv_cache_dtype].itemsize) * config.block_size
-    )
+    bytes_per_block = kv_bytes_per_token(model.config, config.kv_cache_dtype) * config.block_size
     num_blocks = config.kv_cache_memory // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(
@@ -163,7 +162,7 @@ def _pools(config: EngineConfig, model: LoadedModel, max_model_len: int, one_poo
     windows = [w for w in c.windows if w is not None]
     if not windows or config.enable_prefix_caching:
         return one_pool, 0
-    layer_block = c.kv_bytes_per_token(TORCH_DTYPES[config.kv_cache_dtype].itemsize) // c.num_layers * bs
+    layer_block = kv_bytes_per_token(c, config.kv_cache_dtype) // c.num_layers * bs
     num_sliding, num_global = len(windows), c.num_layers - len(windows)
     window = max(windows)
     need = -(-(window + config.max_num_batched_tokens) // bs) + 1

@@ -1,7 +1,8 @@
 """Paged attention behind one interface: the KV cache, the step's chunks and the backend contract.
 
-The KV cache (in the compute dtype, or float16 under float32) is one tensor per layer and per K/V, of
-shape [num_blocks * block_size, kv_heads, head_dim] (slot = block * block_size + offset), in two groups
+The KV cache (in the compute dtype, float16 under float32, or q8_0 blocks: kvserve.model.kv_quant) is
+one tensor per layer and per K/V, of shape [num_blocks * block_size, kv_heads, head_dim] (q8_0: head_dim
+/ 32 * 34 bytes; slot = block * block_size + offset), in two groups
 (global and sliding layers) with block ids of their own. A step's tokens
 are laid out decodes first, then one span per prefill chunk.
 
@@ -19,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from kvserve.model import huge_pages
+from kvserve.model import huge_pages, kv_quant
 
 
 class KVCache:
@@ -170,8 +171,9 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the step's k/v [tokens, kv_heads, dim] into `slots` of one layer's caches; returns them as
-    the caches hold them (rounded to a lower-precision cache's dtype, or k and v themselves)."""
-    k_stored, v_stored = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    the caches hold them (rounded to a lower-precision cache's dtype, q8_0 blocks for a uint8 cache, or
+    k and v themselves: `kv_quant.values` reads them back)."""
+    k_stored, v_stored = kv_quant.store(k, k_cache.dtype), kv_quant.store(v, v_cache.dtype)
     k_cache.index_copy_(0, slots, k_stored)
     v_cache.index_copy_(0, slots, v_stored)
     return k_stored, v_stored

@@ -17,7 +17,7 @@ import torch
 
 from kvserve.errors import KernelAbiError
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -61,7 +61,7 @@ class DecoderStruct(ctypes.Structure):
         ("intermediate", _I),
         ("block_size", _I),
         ("layer_slots", _I),
-        ("kv_half", _I),
+        ("kv_type", _I),
         ("q16", _I),
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
@@ -82,11 +82,17 @@ STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
 # kv_heads, dim, block_size, scale, threads.
 ATTENTION_ARGTYPES: list[Any] = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_double, _C]
 
-# (compute dtype, KV cache dtype) -> the attention kernel's symbol.
+# The decoder layers' cache formats (KV_TYPE_* in kvserve.h), by the cache tensors' dtype (a uint8 cache
+# holds q8_0 blocks, kvserve.model.kv_quant).
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
+
+# (compute dtype, KV cache tensors' dtype) -> the attention kernel's symbol.
 ATTENTION_SYMBOLS = {
     (torch.float32, torch.float32): "paged_attention_f32",
     (torch.float64, torch.float64): "paged_attention_f64",
     (torch.float32, torch.float16): "paged_attention_f32_kv16",
+    (torch.float32, torch.uint8): "paged_attention_f32_q8",
+    (torch.float64, torch.uint8): "paged_attention_f64_q8",
 }
 
 

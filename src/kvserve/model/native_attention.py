@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.model import kv_quant
 from kvserve.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -39,8 +40,9 @@ def load_library(cache_dir: str) -> ctypes.CDLL:
 @dataclass(frozen=True)
 class PagedAttentionKernel:
     """The native kernel's rows over the paged cache on the CPU, for one compute dtype and one KV cache
-    dtype (the same, or float16 under float32): each row attends to the first `lens[r]` positions of its
-    own table, or with a window to the last `window` of them (blocks wholly before those are never read)."""
+    dtype (the same, float16 under float32, or uint8: q8_0 blocks under float32 or float64): each row
+    attends to the first `lens[r]` positions of its own table, or with a window to the last `window` of
+    them (blocks wholly before those are never read)."""
 
     lib: ctypes.CDLL
     dtype: torch.dtype
@@ -55,8 +57,8 @@ class PagedAttentionKernel:
             raise KernelUnavailableError(f"the native kernel runs on the CPU, not {device}")
         if (dtype, kv) not in ATTENTION_SYMBOLS:
             raise KernelUnavailableError(
-                "the native kernel supports float32 and float64, and a float16 cache under float32, "
-                f"not {dtype} with a {kv} cache"
+                "the native kernel supports float32 and float64, a float16 cache under float32 and a "
+                f"q8_0 cache under either, not {dtype} with a {kv} cache"
             )
         lib = load_library(cache_dir)
         if getattr(lib, ATTENTION_SYMBOLS[dtype, kv], None) is None:
@@ -92,6 +94,8 @@ class PagedAttentionKernel:
         # The kernel indexes heads and dims densely within a row and the caches and tables fully.
         assert q.stride(2) == 1 and q.stride(1) == dim and q.dtype == self.dtype
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == self.kv_dtype
+        quantized = self.kv_dtype == kv_quant.STORAGE
+        assert k_cache.shape[2] == (kv_quant.row_width(kv_quant.Q8_0, dim) if quantized else dim)
         assert tables.stride(1) == 1 and lens.is_contiguous()
         assert tables.dtype == torch.int64 and lens.dtype == torch.int64
         out = torch.empty((rows, heads, dim), dtype=q.dtype)

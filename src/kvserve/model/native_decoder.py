@@ -15,7 +15,7 @@ import ctypes
 import torch
 
 from kvserve.model.attention import KVCache
-from kvserve.model.kernel_abi import DecoderLayerStruct, DecoderStruct, QLinearStruct
+from kvserve.model.kernel_abi import KV_TYPES, DecoderLayerStruct, DecoderStruct, QLinearStruct
 from kvserve.model.native_attention import PagedAttentionKernel
 from kvserve.model.native_build import KernelUnavailableError
 from kvserve.model.quant_linear import QuantLinear, load_library
@@ -54,12 +54,12 @@ class NativeDecoder:
             raise KernelUnavailableError("the native decoder runs every product with one activation mode")
         hidden, heads, kv_heads, head_dim, intermediate, block_size = dims
         k_cache, v_cache = kv.k, kv.v
-        if k_cache.dtype not in (torch.float32, torch.float16) or not k_cache.is_contiguous():
+        if k_cache.dtype not in KV_TYPES or not k_cache.is_contiguous():
             raise KernelUnavailableError(
-                f"the native decoder takes a float32 or float16 cache, not {k_cache.dtype}"
+                f"the native decoder takes a float32, float16 or q8_0 cache, not {k_cache.dtype}"
             )
-        if k_cache.dtype == torch.float16 and not self.lib.decoder_layers_kv16():
-            raise KernelUnavailableError("this C compiler has no _Float16: no float16 cache writes")
+        if k_cache.dtype != torch.float32 and not self.lib.decoder_layers_kv16():
+            raise KernelUnavailableError("this C compiler has no _Float16: no float16 or q8_0 cache writes")
         assert v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
         self.kv = kv
         self._keep = (cos, sin)
@@ -86,7 +86,7 @@ class NativeDecoder:
             intermediate,
             block_size,
             k_cache.shape[1],
-            int(k_cache.dtype == torch.float16),
+            KV_TYPES[k_cache.dtype],
             int(layers[0][2].int16_decodes) if layers else 0,
             eps,
             scale,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvserve.config import COMPUTE_DTYPES, default_cache_dir
+from kvserve.model import kv_quant
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import KernelUnavailableError, NativeAttention, PagedAttentionKernel
@@ -110,7 +111,8 @@ class ModelRunner:
         """
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
-        self.kv_dtype = TORCH_DTYPES[kv_dtype or dtype]
+        kv_format = kv_dtype or dtype
+        self.kv_dtype = kv_quant.storage_dtype(kv_format)
         self.block_size = block_size
         cache_dir = cache_dir or default_cache_dir()
         c = model.config
@@ -140,7 +142,7 @@ class ModelRunner:
             num_blocks,
             block_size,
             c.num_kv_heads,
-            c.head_dim,
+            kv_quant.row_width(kv_format, c.head_dim),
             self.device,
             self.kv_dtype,
             c.windows,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import kv_quant
 from kvserve.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -120,10 +121,12 @@ def window_mask(positions: torch.Tensor, keys: int, window: int | None, offset: 
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks [..., n] of a layer's cache -> [..., n * block_size, kv_heads, head_dim] in `dtype`."""
-    heads, dim = cache.shape[1], cache.shape[2]
-    paged = cache.view(-1, block_size, heads, dim)
-    return paged.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, heads, dim).to(dtype)
+    """Blocks [..., n] of a layer's cache -> [..., n * block_size, kv_heads, head_dim] in `dtype` (a q8_0
+    cache's gathered blocks dequantized)."""
+    heads, width = cache.shape[1], cache.shape[2]
+    paged = cache.view(-1, block_size, heads, width)
+    gathered = paged.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, heads, width)
+    return kv_quant.values(gathered, dtype)
 
 
 class TorchAttention(AttentionBackend):
@@ -205,7 +208,7 @@ class TorchAttention(AttentionBackend):
             out[:nd] = _decode_rows(q[:nd], kd, vd, mask, scale)
         if meta.first_chunks:
             # Only these read the fresh K/V: as the cache holds them, the same values a later chunk reads.
-            k_fresh, v_fresh = k_stored.to(q.dtype), v_stored.to(q.dtype)
+            k_fresh, v_fresh = kv_quant.values(k_stored, q.dtype), kv_quant.values(v_stored, q.dtype)
             for i, (start, end) in enumerate(meta.first_chunks):
                 first_mask = None if masks is None else masks.first_chunks[i]
                 out[start:end] = _first_chunk(

@@ -3,10 +3,11 @@
  *
  * The same operations, in the same order, as the per-op path of transformer.py with these kernels:
  * rms_norm_rows, the qkv product, rope on q and k (x1 * cos - x2 * sin, x2 * cos + x1 * sin, each product
- * rounded: no contraction in this library), the K/V write into the paged cache (float32, or rounded to
- * float16 to nearest even as torch rounds), the attention kernel (called through the pointer the caller
- * passes, from the attention library), the o product plus the residual, rms_norm_rows, the gate product
- * with silu, the up product times it, the down product plus the residual. So a row's bits are those of the
+ * rounded: no contraction in this library), the K/V write into the paged cache (float32, rounded to
+ * float16 to nearest even as torch rounds, or quantized to q8_0 as kv_quant.py does), the attention
+ * kernel (called through the pointer the caller passes, from the attention library), the o product plus
+ * the residual, rms_norm_rows, the gate product with silu, the up product times it, the down product plus
+ * the residual. So a row's bits are those of the
  * per-op path, and as batch-invariant. What it saves is the per-op calls between the products. */
 #include <math.h>
 #include <stdint.h>
@@ -58,12 +59,49 @@ static void rope_rows(float *qkv, int64_t rows, int64_t stride, int64_t heads, i
     }
 }
 
+/* q8_0 (llama.cpp's quantize_row_q8_0_ref): per 32 values d = max |x| / 127, stored as float16, and
+ * roundf(x * (1 / d)) (0 for an all-zero block). The operations of kv_quant.quantize, in float, so that
+ * a decode's blocks have the bytes its prefill would have written. */
+#define QK 32
+#define Q8_BYTES (2 + QK)
+
+#if HAVE_FLOAT16
+static void quantize_q8_0(const float *x, uint8_t *dst, int64_t n)
+{
+    for (int64_t b = 0; b < n / QK; b++, x += QK, dst += Q8_BYTES) {
+        float amax = 0;
+        for (int j = 0; j < QK; j++)
+            amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+        const float d = amax / 127.0f, inverse = d != 0 ? 1.0f / d : 0.0f;
+        const _Float16 half = (_Float16)d;
+        memcpy(dst, &half, 2);
+        for (int j = 0; j < QK; j++)
+            dst[2 + j] = (uint8_t)(int8_t)roundf(x[j] * inverse);
+    }
+}
+#endif
+
+/* The bytes of one position's row of the caches. */
+static size_t kv_row_bytes(const struct decoder *m)
+{
+    const int64_t n = m->kv_heads * m->head_dim;
+    if (m->kv_type == KV_TYPE_Q8_0)
+        return (size_t)(n / QK * Q8_BYTES);
+    return (size_t)n * (m->kv_type == KV_TYPE_F16 ? 2 : 4);
+}
+
 static int write_kv(const struct decoder *m, void *cache, const float *src, int64_t rows, int64_t stride,
                     const int64_t *slots)
 {
     const int64_t n = m->kv_heads * m->head_dim;
     for (int64_t t = 0; t < rows; t++) {
-        if (m->kv_half) {
+        if (m->kv_type == KV_TYPE_Q8_0) {
+#if HAVE_FLOAT16
+            quantize_q8_0(src + t * stride, (uint8_t *)cache + (size_t)slots[t] * kv_row_bytes(m), n);
+#else
+            return -1;
+#endif
+        } else if (m->kv_type == KV_TYPE_F16) {
 #if HAVE_FLOAT16
             _Float16 *dst = (_Float16 *)cache + slots[t] * n;
             for (int64_t i = 0; i < n; i++)
@@ -86,8 +124,7 @@ int decoder_layers(const struct decoder *m, float *h, int64_t rows, const int64_
 {
     const int64_t q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    const size_t elem = m->kv_half ? 2 : 4;
-    const size_t layer_bytes = (size_t)m->layer_slots * (size_t)kv_size * elem;
+    const size_t layer_bytes = (size_t)m->layer_slots * kv_row_bytes(m);
     float *scratch = malloc(sizeof(float) * (size_t)(rows * (m->hidden + qkv_size + q_size + 2 * m->intermediate)));
     if (!scratch)
         return -2;

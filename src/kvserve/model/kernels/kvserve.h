@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define KVSERVE_ABI_VERSION 2
+#define KVSERVE_ABI_VERSION 3
 
 /* Block types: ggml's type ids, and K8, kvserve's own (see quants.h for the layouts). */
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_K8 = 100 };
@@ -36,7 +36,9 @@ int kvserve_struct_sizes(int64_t *sizes, int n);
  * context lengths, each >= 1; window: 0, or the positions a row attends to, its own and the window - 1
  * before it (a sliding-window layer: a row of length n reads positions [n - window, n) only, and never a
  * block wholly before them, whose table entry may be anything). Returns 0, or -1 when scratch memory could not be allocated. The element
- * types are the symbol's: float or double rows, a cache of the same type or of _Float16 under float. */
+ * types are the symbol's: float or double rows, a cache of the same type, of _Float16 under float, or of
+ * q8_0 blocks (`_q8`: each position's row is kv_heads * dim / 32 blocks of a float16 scale and 32 int8
+ * quants, 34 bytes, llama.cpp's block_q8_0; dim a multiple of 32). */
 typedef int attention_kernel(const void *q, int64_t q_stride, void *out, const void *k_cache,
                              const void *v_cache, const int64_t *tables, int64_t table_stride,
                              const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
@@ -46,6 +48,8 @@ attention_kernel paged_attention_f32;
 attention_kernel paged_attention_f64;
 /* Only where the compiler has _Float16; Python then finds no symbol and refuses a float16 cache. */
 attention_kernel paged_attention_f32_kv16;
+attention_kernel paged_attention_f32_q8;
+attention_kernel paged_attention_f64_q8;
 
 /* ---- Products on quantized blocks (matmul.c) ---- */
 
@@ -73,10 +77,13 @@ struct decoder_layer {
     struct qlinear qkv, o, gate, up, down;
 };
 
+/* The decoder layers' KV cache formats (`kv_type`). */
+enum { KV_TYPE_F32 = 0, KV_TYPE_F16 = 1, KV_TYPE_Q8_0 = 2 };
+
 struct decoder {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
-    /* Slots per layer in the caches ([layers, slots, kv_heads, head_dim]); 1 when the cache is float16. */
-    int64_t layer_slots, kv_half;
+    /* Slots per layer in the caches ([layers, slots, kv_heads, head_dim]); the caches' KV_TYPE_*. */
+    int64_t layer_slots, kv_type;
     /* 1: the products take the rows with int16 activations (they are all decodes). */
     int64_t q16;
     double eps, scale;
@@ -93,7 +100,7 @@ void rms_norm_rows(const float *x, const float *weight, float *out, int64_t rows
 int decoder_layers(const struct decoder *m, float *h, int64_t rows, const int64_t *positions,
                    const int64_t *slots, void *k_cache, void *v_cache, const int64_t *tables,
                    int64_t table_width, const int64_t *lens, attention_kernel *attention, int threads);
-/* 1 when this build can write a float16 cache. */
+/* 1 when this build can write a float16 or q8_0 cache (both need the compiler's _Float16). */
 int decoder_layers_kv16(void);
 
 #endif

@@ -9,9 +9,12 @@
  *
  * The generic code (a row is one task, computed by one thread from start to end with reductions in
  * position order) is built for float and double (double serves the float64 reference runs of the tests),
- * and for float with a float16 cache (KV): each cached position's row is widened to float as it is read
- * (exactly, with F16C where the CPU has it), and every product and sum stays in float. Float rows with a
- * head size of 64 or 128 take the vector path instead (`fast_attention`, below).
+ * for float with a float16 cache (KV): each cached position's row is widened to float as it is read
+ * (exactly, with F16C where the CPU has it), and every product and sum stays in float; and for float and
+ * double over a q8_0 cache (llama.cpp's block_q8_0: per 32 values of a head, a float16 scale d and 32
+ * int8 quants, 34 bytes; a cached position's row is kv_heads * dim / 32 blocks), each row dequantized
+ * (q * d, exact) as it is read. Float rows with a head size of 64 or 128 take the vector path instead
+ * (`fast_attention`, below), which dequantizes eight values at a time in registers.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,15 +41,20 @@ static inline int64_t window_start(int64_t n, int64_t window)
     return window > 0 && n > window ? n - window : 0;
 }
 
+/* q8_0: values per block and the block's bytes (a float16 scale, then the quants). */
+#define QK 32
+#define Q8_BYTES (2 + QK)
+
 /* ---- The generic rows ----
  *
- * DEFINE_ROWS(NAME, T, KV, EXP, WIDEN) defines, for rows of T over a cache of KV:
+ * DEFINE_ROWS(NAME, T, KV, EXP, WIDEN, ROW) defines, for rows of T over a cache of KV:
  * NAME##_exp_scores: scores s[0, n) -> exp(score - highest) in place, `mx` the highest, `sum` the exps'
  *   sum in position order;
  * NAME##_row: every head of one row over its whole context;
  * NAME##_rows: the rows as tasks of OpenMP threads, with the signature of `attention_kernel`.
- * WIDEN(src, wide, n) gives a cached position's row as T (the cache's own row when KV is T). */
-#define DEFINE_ROWS(NAME, T, KV, EXP, WIDEN)                                                              \
+ * WIDEN(src, wide, n) gives a cached position's row of n values as T (the cache's own row when KV is
+ * T); ROW(n) is how many KV elements such a row takes. */
+#define DEFINE_ROWS(NAME, T, KV, EXP, WIDEN, ROW)                                                        \
     static inline void NAME##_exp_scores(T *s, int64_t n, T *mx, T *sum)                                 \
     {                                                                                                    \
         T m = s[0], total = 0;                                                                           \
@@ -61,17 +69,17 @@ static inline int64_t window_start(int64_t n, int64_t window)
     }                                                                                                    \
                                                                                                          \
     static void NAME##_row(const T *restrict q, T *restrict out, const KV *restrict kc,                  \
-                           const KV *restrict vc, const int64_t *restrict table, int64_t n, int64_t lo,   \
+                           const KV *restrict vc, const int64_t *restrict table, int64_t n, int64_t lo,  \
                            int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, T scale,    \
                            T *restrict scores, T *restrict acc)                                          \
     {                                                                                                    \
-        const int64_t group = heads / kv_heads, stride = kv_heads * dim;                                 \
+        const int64_t group = heads / kv_heads, stride = kv_heads * dim, row = ROW(stride);              \
         T wide[stride];                                                                                  \
         for (int64_t start = lo - lo % block_size; start < n; start += block_size) {                     \
             const int64_t len = n - start < block_size ? n - start : block_size;                         \
             const int64_t i0 = start < lo ? lo - start : 0;                                              \
-            const KV *k = kc + (table[start / block_size] * block_size + i0) * stride;                   \
-            for (int64_t i = i0; i < len; i++, k += stride) {                                            \
+            const KV *k = kc + (table[start / block_size] * block_size + i0) * row;                      \
+            for (int64_t i = i0; i < len; i++, k += row) {                                               \
                 const T *kr = WIDEN(k, wide, stride);                                                    \
                 for (int64_t h = 0; h < heads; h++) {                                                    \
                     const T *qh = q + h * dim;                                                           \
@@ -95,8 +103,8 @@ static inline int64_t window_start(int64_t n, int64_t window)
         for (int64_t start = lo - lo % block_size; start < n; start += block_size) {                     \
             const int64_t len = n - start < block_size ? n - start : block_size;                         \
             const int64_t i0 = start < lo ? lo - start : 0;                                              \
-            const KV *v = vc + (table[start / block_size] * block_size + i0) * stride;                   \
-            for (int64_t i = i0; i < len; i++, v += stride) {                                            \
+            const KV *v = vc + (table[start / block_size] * block_size + i0) * row;                      \
+            for (int64_t i = i0; i < len; i++, v += row) {                                               \
                 const T *vr = WIDEN(v, wide, stride);                                                    \
                 for (int64_t h = 0; h < heads; h++) {                                                    \
                     const T w = scores[h * n + start + i];                                               \
@@ -150,8 +158,29 @@ static inline const double *same_f64(const double *src, double *wide, int64_t n)
     return src;
 }
 
-DEFINE_ROWS(f32, float, float, expf, same_f32)
-DEFINE_ROWS(f64, double, double, exp, same_f64)
+/* A float cache's row takes one element per value; a q8_0 row one byte per quant and two per scale. */
+#define VALUES(n) (n)
+#define Q8_ROW(n) ((n) / QK * Q8_BYTES)
+
+DEFINE_ROWS(f32, float, float, expf, same_f32, VALUES)
+DEFINE_ROWS(f64, double, double, exp, same_f64, VALUES)
+
+/* n values of q8_0 blocks dequantized into `wide`: q * d, exact in float and in double. */
+#define DEFINE_WIDEN_Q8(NAME, T)                                                                         \
+    static inline const T *NAME(const uint8_t *restrict src, T *restrict wide, int64_t n)                \
+    {                                                                                                    \
+        for (int64_t b = 0; b < n / QK; b++) {                                                           \
+            const uint8_t *block = src + b * Q8_BYTES;                                                   \
+            const T d = (T)half_to_float(read_u16(block));                                               \
+            for (int64_t j = 0; j < QK; j++)                                                             \
+                wide[b * QK + j] = (T)(int8_t)block[2 + j] * d;                                          \
+        }                                                                                                \
+        return wide;                                                                                     \
+    }
+DEFINE_WIDEN_Q8(widen_q8_f32, float)
+DEFINE_WIDEN_Q8(widen_q8_f64, double)
+DEFINE_ROWS(f32_q8, float, uint8_t, expf, widen_q8_f32, Q8_ROW)
+DEFINE_ROWS(f64_q8, double, uint8_t, exp, widen_q8_f64, Q8_ROW)
 #if HAVE_FLOAT16
 /* n float16 values widened to float into `wide` (exact either way, so both paths give the same bits). */
 static inline const float *widen_f16(const _Float16 *restrict src, float *restrict wide, int64_t n)
@@ -165,7 +194,7 @@ static inline const float *widen_f16(const _Float16 *restrict src, float *restri
         wide[i] = (float)src[i];
     return wide;
 }
-DEFINE_ROWS(f32_kv16, float, _Float16, expf, widen_f16)
+DEFINE_ROWS(f32_kv16, float, _Float16, expf, widen_f16, VALUES)
 #endif
 
 #if HAVE_AVX2
@@ -184,7 +213,7 @@ DEFINE_ROWS(f32_kv16, float, _Float16, expf, widen_f16)
  * together (one add tree for eight sums). Values: the heads' outputs stay in registers, four vectors of
  * each at a time.
  *
- * The helpers take the cache's element type (`kv16`: float16, else float), the head group's size `hg` and
+ * The helpers take the cache's format (`kv`: KV_F32, KV_F16 or KV_Q8), the head group's size `hg` and
  * the head size in vectors `C` as constants at every call (`fast_chunk` spells each case out), so that
  * their loops unroll into registers. */
 
@@ -197,12 +226,28 @@ static inline int64_t chunk_blocks(int64_t block_size, size_t row_bytes)
     return blocks < 1 ? 1 : blocks;
 }
 
-/* Eight cached values from element i of a cache row, as floats. */
-static ALWAYS_INLINE __m256 load8(const int kv16, const void *p, int64_t i)
+/* The cache formats of the vector path. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2 };
+
+/* The bytes of the first n values of a cache (n a multiple of QK for q8_0: whole blocks). */
+static ALWAYS_INLINE size_t kv_bytes(const int kv, int64_t n)
 {
-    if (kv16)
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    return _mm256_loadu_ps((const float *)p + i);
+    return kv == KV_Q8 ? (size_t)(n / QK * Q8_BYTES) : (size_t)n * (kv == KV_F16 ? 2 : 4);
+}
+
+/* Eight cached values as floats: vector c of the values from value r on (r a multiple of QK, so that a
+ * q8_0 block's four vectors share its scale). */
+static ALWAYS_INLINE __m256 load8(const int kv, const void *p, int64_t r, int c)
+{
+    if (kv == KV_Q8) {
+        const uint8_t *block = (const uint8_t *)p + kv_bytes(KV_Q8, r) + (size_t)(c / 4) * Q8_BYTES;
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(read_u16(block)));
+        const __m128i q = _mm_loadl_epi64((const __m128i *)(block + 2 + (c % 4) * 8));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+    if (kv == KV_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + r + 8 * c)));
+    return _mm256_loadu_ps((const float *)p + r + 8 * c);
 }
 
 /* Blocks [b0, b1) of both caches (each block's rows of every KV head lie together in the pool), read
@@ -237,7 +282,7 @@ static inline __m256 sum8(const __m256 v[8])
 
 /* Scores of `hg` query heads (q: their rows, C * 8 floats each, back to back) at the `len` positions of
  * one block (k: the KV head's row at its first position), into sh[h * width + i]. */
-static ALWAYS_INLINE void fast_scores(const int kv16, const int hg, const int C, const float *restrict q,
+static ALWAYS_INLINE void fast_scores(const int kv, const int hg, const int C, const float *restrict q,
                                       const void *restrict k, int64_t len, int64_t stride, __m256 sv,
                                       float *restrict sh, int64_t width)
 {
@@ -247,13 +292,13 @@ static ALWAYS_INLINE void fast_scores(const int kv16, const int hg, const int C,
         for (int i = 0; i < 8; i++) {
             /* Past the block's end, the last position again: computed, never stored. */
             const int64_t kr = (i0 + (i < m ? i : m - 1)) * stride;
-            __m256 kv = load8(kv16, k, kr), a[HG];
+            __m256 x = load8(kv, k, kr, 0), a[HG];
             for (int h = 0; h < hg; h++)
-                a[h] = _mm256_mul_ps(_mm256_loadu_ps(q + h * C * 8), kv);
+                a[h] = _mm256_mul_ps(_mm256_loadu_ps(q + h * C * 8), x);
             for (int c = 1; c < C; c++) {
-                kv = load8(kv16, k, kr + 8 * c);
+                x = load8(kv, k, kr, c);
                 for (int h = 0; h < hg; h++)
-                    a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * C * 8 + 8 * c), kv, a[h]);
+                    a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * C * 8 + 8 * c), x, a[h]);
             }
             for (int h = 0; h < hg; h++)
                 acc[h][i] = a[h];
@@ -276,7 +321,7 @@ static ALWAYS_INLINE void fast_scores(const int kv16, const int hg, const int C,
 /* The `hg` heads' weighted values over the `len` positions of one block (v: the KV head's row at its first
  * position; w[h * width + i]: head h's weight of position i), added in position order to o[h * o_stride]
  * (C * 8 floats each), four vectors of each head at a time. */
-static ALWAYS_INLINE void fast_values(const int kv16, const int hg, const int C, const void *restrict v,
+static ALWAYS_INLINE void fast_values(const int kv, const int hg, const int C, const void *restrict v,
                                       int64_t len, int64_t stride, const float *restrict w, int64_t width,
                                       float *restrict o, int64_t o_stride)
 {
@@ -290,7 +335,7 @@ static ALWAYS_INLINE void fast_values(const int kv16, const int hg, const int C,
             for (int h = 0; h < hg; h++)
                 wv[h] = _mm256_set1_ps(w[h * width + i]);
             for (int c = 0; c < 4; c++) {
-                const __m256 x = load8(kv16, v, i * stride + 8 * (c0 + c));
+                const __m256 x = load8(kv, v, i * stride, c0 + c);
                 for (int h = 0; h < hg; h++)
                     acc[h][c] = _mm256_fmadd_ps(wv[h], x, acc[h][c]);
             }
@@ -314,46 +359,46 @@ struct pass {
 
 /* One head group's `hg` heads, from h0, at one block of their KV head (kv: its row at the block's first
  * position, `len` positions): their scores, or (`values`) their weighted values. */
-static ALWAYS_INLINE void fast_heads(const int kv16, const int values, const int hg, const int C,
+static ALWAYS_INLINE void fast_heads(const int kvf, const int values, const int hg, const int C,
                                      const struct pass *s, int64_t h0, const void *kv, int64_t len,
                                      int64_t stride, float *w)
 {
     if (values)
-        fast_values(kv16, hg, C, kv, len, stride, w, s->width, s->part + h0 * s->part_stride + 2, s->part_stride);
+        fast_values(kvf, hg, C, kv, len, stride, w, s->width, s->part + h0 * s->part_stride + 2,
+                    s->part_stride);
     else
-        fast_scores(kv16, hg, C, s->q + h0 * C * 8, kv, len, stride, s->sv, w, s->width);
+        fast_scores(kvf, hg, C, s->q + h0 * C * 8, kv, len, stride, s->sv, w, s->width);
 }
 
 /* One pass over blocks [b0, b1) of one cache: each KV head of a block, that head's query heads HG at a
  * time. */
-static ALWAYS_INLINE void fast_pass(const int kv16, const int values, const int C, const struct pass *s,
+static ALWAYS_INLINE void fast_pass(const int kvf, const int values, const int C, const struct pass *s,
                                     const void *cache, const int64_t *table, int64_t n, int64_t lo, int64_t b0,
                                     int64_t b1, int64_t kv_heads, int64_t group, int64_t block_size)
 {
     const int64_t dim = C * 8, stride = kv_heads * dim, p0 = b0 * block_size;
-    const size_t elem = kv16 ? 2 : 4;
     for (int64_t b = lo / block_size; b < b1; b++) {
         /* Positions [first, first + len) of the block: from the window's start, to the context's end. */
         const int64_t first = b * block_size < lo ? lo - b * block_size : 0;
         const int64_t len = (n - b * block_size < block_size ? n - b * block_size : block_size) - first;
         for (int64_t g = 0; g < kv_heads; g++) {
             const void *kv =
-                (const char *)cache + (size_t)((table[b] * block_size + first) * stride + g * dim) * elem;
+                (const char *)cache + kv_bytes(kvf, (table[b] * block_size + first) * stride + g * dim);
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HG) {
                 const int hg = (g + 1) * group - h0 < HG ? (int)((g + 1) * group - h0) : HG;
                 float *w = s->scores + h0 * s->width + b * block_size + first - p0;
                 switch (hg) {
                 case 1:
-                    fast_heads(kv16, values, 1, C, s, h0, kv, len, stride, w);
+                    fast_heads(kvf, values, 1, C, s, h0, kv, len, stride, w);
                     break;
                 case 2:
-                    fast_heads(kv16, values, 2, C, s, h0, kv, len, stride, w);
+                    fast_heads(kvf, values, 2, C, s, h0, kv, len, stride, w);
                     break;
                 case 3:
-                    fast_heads(kv16, values, 3, C, s, h0, kv, len, stride, w);
+                    fast_heads(kvf, values, 3, C, s, h0, kv, len, stride, w);
                     break;
                 default:
-                    fast_heads(kv16, values, HG, C, s, h0, kv, len, stride, w);
+                    fast_heads(kvf, values, HG, C, s, h0, kv, len, stride, w);
                     break;
                 }
             }
@@ -367,7 +412,7 @@ static ALWAYS_INLINE void fast_pass(const int kv16, const int values, const int 
  * exps. A block's rows for every KV head lie together in the pool, so each block
  * is read whole, once by the scores and once by the values; `scores` holds heads * (b1 - b0) * block_size
  * floats. `touch`: read the blocks through first (the task's first row). */
-static ALWAYS_INLINE void fast_chunk(const int kv16, const int C, const float *q, const void *kc,
+static ALWAYS_INLINE void fast_chunk(const int kv, const int C, const float *q, const void *kc,
                                      const void *vc, const int64_t *table, int64_t n, int64_t lo, int64_t b0,
                                      int64_t b1, int64_t heads, int64_t kv_heads, int64_t block_size,
                                      float scale, float *scores, float *part, int64_t part_stride, int touch)
@@ -378,15 +423,15 @@ static ALWAYS_INLINE void fast_chunk(const int kv16, const int C, const float *q
     const struct pass s = {q, _mm256_set1_ps(scale), scores, width, part, part_stride};
     if (touch)
         touch_blocks(kc, vc, table, from / block_size, b1, n, block_size,
-                     (size_t)(kv_heads * C * 8) * (kv16 ? 2 : 4));
-    fast_pass(kv16, 0, C, &s, kc, table, n, from, b0, b1, kv_heads, group, block_size);
+                     kv_bytes(kv, kv_heads * C * 8));
+    fast_pass(kv, 0, C, &s, kc, table, n, from, b0, b1, kv_heads, group, block_size);
     for (int64_t h = 0; h < heads; h++) {
         float *ph = part + h * part_stride;
         f32_exp_scores(scores + h * width + from - p0, m_all, &ph[0], &ph[1]);
         for (int64_t d = 0; d < C * 8; d++)
             ph[2 + d] = 0;
     }
-    fast_pass(kv16, 1, C, &s, vc, table, n, from, b0, b1, kv_heads, group, block_size);
+    fast_pass(kv, 1, C, &s, vc, table, n, from, b0, b1, kv_heads, group, block_size);
 }
 
 typedef void chunk_fn(const float *q, const void *kc, const void *vc, const int64_t *table, int64_t n,
@@ -399,11 +444,11 @@ static void chunk_f32(const float *q, const void *kc, const void *vc, const int6
                       int64_t block_size, float scale, float *scores, float *part, int64_t part_stride, int touch)
 {
     if (dim == 64)
-        fast_chunk(0, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores, part,
-                   part_stride, touch);
+        fast_chunk(KV_F32, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
+                   part, part_stride, touch);
     else
-        fast_chunk(0, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores, part,
-                   part_stride, touch);
+        fast_chunk(KV_F32, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
+                   part, part_stride, touch);
 }
 
 #if HAVE_FLOAT16
@@ -412,13 +457,26 @@ static void chunk_f16(const float *q, const void *kc, const void *vc, const int6
                       int64_t block_size, float scale, float *scores, float *part, int64_t part_stride, int touch)
 {
     if (dim == 64)
-        fast_chunk(1, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores, part,
-                   part_stride, touch);
+        fast_chunk(KV_F16, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
+                   part, part_stride, touch);
     else
-        fast_chunk(1, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores, part,
-                   part_stride, touch);
+        fast_chunk(KV_F16, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
+                   part, part_stride, touch);
 }
 #endif
+
+static void chunk_q8(const float *q, const void *kc, const void *vc, const int64_t *table, int64_t n,
+                     int64_t lo, int64_t b0, int64_t b1, int64_t heads, int64_t kv_heads, int64_t dim,
+                     int64_t block_size, float scale, float *scores, float *part, int64_t part_stride,
+                     int touch)
+{
+    if (dim == 64)
+        fast_chunk(KV_Q8, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
+                   part, part_stride, touch);
+    else
+        fast_chunk(KV_Q8, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
+                   part, part_stride, touch);
+}
 
 /* One chunk of one row: the vector path's unit of work. `chunk` counts from the context's start, so a
  * row with a window has no units before the chunk its window starts in. */
@@ -485,12 +543,12 @@ static int64_t plan_units(const int64_t *tables, int64_t table_stride, const int
 /* The rows by `chunk` (`plan_units` makes the tasks), then each (row, head) merges its chunks' partials in
  * chunk order; one chunk needs only its sum's inverse. Returns 0, or -1 when scratch memory could not be
  * allocated. */
-static int fast_rows(chunk_fn *chunk, size_t kv_bytes, const float *q, int64_t q_stride, float *out,
+static int fast_rows(chunk_fn *chunk, size_t row_bytes, const float *q, int64_t q_stride, float *out,
                      const void *k_cache, const void *v_cache, const int64_t *tables, int64_t table_stride,
                      const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
                      int64_t dim, int64_t block_size, float scale, int threads)
 {
-    const int64_t cb = chunk_blocks(block_size, kv_bytes * (size_t)(kv_heads * dim));
+    const int64_t cb = chunk_blocks(block_size, row_bytes);
     const int64_t part_size = dim + 2, span = block_size * cb;
     /* first[r]: row r's first unit; its partials start at first[r] * heads. */
     int64_t *first = malloc(sizeof(int64_t) * (size_t)(rows + 1));
@@ -556,12 +614,12 @@ static int fast_rows(chunk_fn *chunk, size_t kv_bytes, const float *q, int64_t q
 
 /* The vector path over every row, in waves whose chunk partials fit in WAVE_BYTES (at least one row
  * each): a long prefill chunk's rows would otherwise hold tens of MiB of partials at once. */
-static int fast_attention(chunk_fn *chunk, size_t kv_bytes, const float *q, int64_t q_stride, float *out,
+static int fast_attention(chunk_fn *chunk, size_t row_bytes, const float *q, int64_t q_stride, float *out,
                           const void *k_cache, const void *v_cache, const int64_t *tables, int64_t table_stride,
                           const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
                           int64_t dim, int64_t block_size, double scale, int threads)
 {
-    const int64_t span = block_size * chunk_blocks(block_size, kv_bytes * (size_t)(kv_heads * dim));
+    const int64_t span = block_size * chunk_blocks(block_size, row_bytes);
     const int64_t unit_bytes = heads * (dim + 2) * (int64_t)sizeof(float);
     for (int64_t r0 = 0, r1; r0 < rows; r0 = r1) {
         int64_t bytes = 0;
@@ -570,7 +628,7 @@ static int fast_attention(chunk_fn *chunk, size_t kv_bytes, const float *q, int6
             if (r1 > r0 && bytes > WAVE_BYTES)
                 break;
         }
-        if (fast_rows(chunk, kv_bytes, q + r0 * q_stride, q_stride, out + r0 * heads * dim, k_cache, v_cache,
+        if (fast_rows(chunk, row_bytes, q + r0 * q_stride, q_stride, out + r0 * heads * dim, k_cache, v_cache,
                       tables + r0 * table_stride, table_stride, lens + r0, window, r1 - r0, heads, kv_heads,
                       dim, block_size, (float)scale, threads))
             return -1;
@@ -588,8 +646,9 @@ int paged_attention_f32(const void *q, int64_t q_stride, void *out, const void *
 {
 #if HAVE_AVX2
     if (fast_takes(dim))
-        return fast_attention(chunk_f32, sizeof(float), q, q_stride, out, k_cache, v_cache, tables,
-                              table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale, threads);
+        return fast_attention(chunk_f32, kv_bytes(KV_F32, kv_heads * dim), q, q_stride, out, k_cache, v_cache,
+                              tables, table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale,
+                              threads);
 #endif
     return f32_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
                     kv_heads, dim, block_size, scale, threads);
@@ -612,10 +671,35 @@ int paged_attention_f32_kv16(const void *q, int64_t q_stride, void *out, const v
 {
 #if HAVE_AVX2
     if (fast_takes(dim))
-        return fast_attention(chunk_f16, sizeof(uint16_t), q, q_stride, out, k_cache, v_cache, tables,
-                              table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale, threads);
+        return fast_attention(chunk_f16, kv_bytes(KV_F16, kv_heads * dim), q, q_stride, out, k_cache, v_cache,
+                              tables, table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale,
+                              threads);
 #endif
     return f32_kv16_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
                          kv_heads, dim, block_size, scale, threads);
 }
 #endif
+
+int paged_attention_f32_q8(const void *q, int64_t q_stride, void *out, const void *k_cache, const void *v_cache,
+                           const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t window,
+                           int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                           double scale, int threads)
+{
+#if HAVE_AVX2
+    if (fast_takes(dim))
+        return fast_attention(chunk_q8, kv_bytes(KV_Q8, kv_heads * dim), q, q_stride, out, k_cache, v_cache,
+                              tables, table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale,
+                              threads);
+#endif
+    return f32_q8_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
+                       kv_heads, dim, block_size, scale, threads);
+}
+
+int paged_attention_f64_q8(const void *q, int64_t q_stride, void *out, const void *k_cache, const void *v_cache,
+                           const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t window,
+                           int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                           double scale, int threads)
+{
+    return f64_q8_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
+                       kv_heads, dim, block_size, scale, threads);
+}
