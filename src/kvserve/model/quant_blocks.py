@@ -51,29 +51,33 @@ class QuantizedWeight:
         return int(self.data.shape[0])
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows `index` dequantized to float32 [len(index), in] (embedding lookups)."""
-        blocks = self.data.index_select(0, index.reshape(-1)).view(
-            -1, self.in_features // QK, BLOCK_BYTES[self.qtype]
-        )
-        if self.qtype == K8:
-            scales = blocks[..., :12].contiguous().view(torch.float32)
-            q = blocks[..., 12:].contiguous().view(torch.int8).float().view(*blocks.shape[:-1], 2, 16)
-            w = q * scales[..., :2].unsqueeze(-1) + scales[..., 2:3].unsqueeze(-1)
-            return w.reshape(*index.shape, self.in_features)
-        d = blocks[..., :2].contiguous().view(torch.float16).float()
-        if self.qtype == Q8_0:
-            w = blocks[..., 2:].contiguous().view(torch.int8).float() * d
-        else:
-            qs = blocks[..., 4:] if self.qtype == Q4_1 else blocks[..., 2:]
-            q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
-            if self.qtype == Q4_0:
-                w = (q - 8) * d
-            else:
-                w = q * d + blocks[..., 2:4].contiguous().view(torch.float16).float()
-        return w.reshape(*index.shape, self.in_features)
+        """Rows `index` dequantized to float32 [*index.shape, in] (embedding lookups)."""
+        picked = self.data.index_select(0, index.reshape(-1))
+        return dequantize_rows(picked, self.qtype, self.in_features).reshape(*index.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features))
+
+
+def dequantize_rows(data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """uint8 rows of blocks [n, in / 32 * block bytes] of `qtype` as float32 [n, in]."""
+    blocks = data.reshape(-1, in_features // QK, BLOCK_BYTES[qtype])
+    if qtype == K8:
+        scales = blocks[..., :12].contiguous().view(torch.float32)
+        q = blocks[..., 12:].contiguous().view(torch.int8).float().view(*blocks.shape[:-1], 2, 16)
+        w = q * scales[..., :2].unsqueeze(-1) + scales[..., 2:3].unsqueeze(-1)
+        return w.reshape(-1, in_features)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()
+    if qtype == Q8_0:
+        w = blocks[..., 2:].contiguous().view(torch.int8).float() * d
+    else:
+        qs = blocks[..., 4:] if qtype == Q4_1 else blocks[..., 2:]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
+        if qtype == Q4_0:
+            w = (q - 8) * d
+        else:
+            w = q * d + blocks[..., 2:4].contiguous().view(torch.float16).float()
+    return w.reshape(-1, in_features)
 
 
 def concat(weights: list[QuantizedWeight]) -> QuantizedWeight | None:

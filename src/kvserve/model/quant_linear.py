@@ -10,6 +10,7 @@ the kernel's float operations exactly as written.
 import ctypes
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +18,7 @@ from kvserve.model import huge_pages
 from kvserve.model.kernel_abi import COL_TILE, LINEAR, OP_ADD, OP_MUL, OP_NONE, OP_SILU
 from kvserve.model.linear import Linear, make_linear
 from kvserve.model.native_build import KernelUnavailableError, load_kernel
-from kvserve.model.quant_blocks import QK, QuantizedWeight, quantize_q8_0
+from kvserve.model.quant_blocks import QK, QuantizedWeight, dequantize_rows, quantize_q8_0
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,15 @@ def interleave(weight: QuantizedWeight, arena: BlockArena | None = None) -> torc
     return out
 
 
+@dataclass(frozen=True)
+class BlockShape:
+    """What a product keeps of its loaded blocks once they are interleaved: their type and shape."""
+
+    qtype: int
+    in_features: int
+    out_features: int
+
+
 class QuantLinear(Linear):
     """y = op(x @ dequantize(weight).T + bias) on the weight's blocks, x float32 on the CPU.
 
@@ -99,6 +109,10 @@ class QuantLinear(Linear):
     (tests compare it with the vector path); `wide` False keeps a batch on the AVX2 tiles where the build
     also has AVX-512 ones (the same bits; for tests and benchmarks). `arena` holds the kernel's layout of
     the blocks where given (a model's products share one, see BlockArena).
+
+    Only the interleaved copy is kept: the blocks as loaded are not referenced once it is made, so the
+    model's weights are resident once (`weight` is their type and shape; `rows` reads the interleaved
+    copy for a tied embedding's lookups).
     """
 
     def __init__(
@@ -114,7 +128,7 @@ class QuantLinear(Linear):
         if weight.data.device.type != "cpu":
             raise KernelUnavailableError("quantized weights run on the CPU")
         self.lib = load_library(cache_dir)
-        self.weight = weight
+        self.weight = BlockShape(weight.qtype, weight.in_features, weight.out_features)
         self._data = interleave(weight, arena)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         if self.bias is not None and self.bias.shape != (weight.out_features,):
@@ -127,6 +141,24 @@ class QuantLinear(Linear):
     def data_ptr(self) -> int:
         """The address of the kernel's layout of the blocks."""
         return int(self._data.data_ptr())
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of the weight dequantized to float32 [*index.shape, in], read from the
+        interleaved copy: the same bytes as the loaded blocks' rows, so the same values bit for bit."""
+        w = self.weight
+        flat = index.reshape(-1)
+        row_bytes = self._data.numel() // w.out_features
+        grouped = w.out_features // COL_TILE * COL_TILE
+        nb = w.in_features // QK
+        block = row_bytes // nb
+        head = self._data[: grouped * row_bytes].view(grouped // COL_TILE, nb, COL_TILE, block)
+        tail = self._data[grouped * row_bytes :].view(-1, row_bytes)
+        picked = torch.empty((flat.numel(), row_bytes), dtype=torch.uint8)
+        in_head = flat < grouped
+        h = flat[in_head]
+        picked[in_head] = head[h // COL_TILE, :, h % COL_TILE].reshape(-1, row_bytes)
+        picked[~in_head] = tail[flat[~in_head] - grouped]
+        return dequantize_rows(picked, w.qtype, w.in_features).reshape(*index.shape, w.in_features)
 
     @property
     def vectorized(self) -> bool:

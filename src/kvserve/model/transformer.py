@@ -111,7 +111,7 @@ class Transformer:
 
         # The lookup reads the file's blocks where the products do (the same values as the float rows, a
         # quarter of their bytes for Q8_0): no float copy of the vocabulary stays resident.
-        self.embed_blocks = blocks.get("model.embed_tokens.weight")
+        self.embed_blocks: QuantizedWeight | QuantLinear | None = blocks.get("model.embed_tokens.weight")
         if weight_dtype != "gguf" or device.type != "cpu":
             self.embed_blocks = None
         self.embed = None if self.embed_blocks is not None else w.tensor("model.embed_tokens.weight")
@@ -162,7 +162,7 @@ class Transformer:
                 )
             )
         expected = (c.vocab_size, hidden)
-        if self.embed_blocks is not None:
+        if isinstance(self.embed_blocks, QuantizedWeight):
             shape: tuple[int, ...] = (self.embed_blocks.out_features, self.embed_blocks.in_features)
         else:
             assert self.embed is not None
@@ -171,6 +171,10 @@ class Transformer:
             raise ModelLoadError(
                 "model.embed_tokens.weight", f"shape {shape} does not match config {expected}"
             )
+        if self.embed_blocks is not None and c.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
+            # The tied head's interleaved copy holds the same bytes: the lookup reads its rows, and the
+            # blocks as loaded are not kept (the vocabulary is resident once).
+            self.embed_blocks = self.lm_head
         # Where the products run natively, so do the norms: one call each instead of five torch ops.
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
             NativeRmsNorm(cache_dir) if isinstance(self.lm_head, QuantLinear) else rms_norm
