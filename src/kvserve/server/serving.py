@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from contextlib import aclosing, suppress
 from typing import Any, TypeVar
 
@@ -205,13 +205,16 @@ def _sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-def _remember_parts(
-    ctx: ServerContext, fmt: OutputFormat, generations: Sequence[Generation], namespace: str
+def remember_parts(
+    ctx: ServerContext,
+    reply_part: Callable[[Choice], str | None],
+    generations: Sequence[Generation],
+    namespace: str,
 ) -> None:
     """Tell the reply memory which finished replies come back to their clients as a part (the content
     after a think block), so that a later turn that renders the block again reads their KV."""
     for g in generations:
-        part = fmt.reply_part(g.choice) if g.choice.finish_reason is not None else None
+        part = reply_part(g.choice) if g.choice.finish_reason is not None else None
         if part is not None:
             ctx.async_engine.remember_reply_part(namespace, part, g.choice.text)
 
@@ -240,7 +243,7 @@ async def _events(
                     chunk = fmt.chunk(ids, g.choice, delta.text, held, delta.finish_reason)
                     yield _sse(chunk.model_dump_json(exclude=exclude))
                     held.clear()
-        _remember_parts(ctx, fmt, generations, namespace)
+        remember_parts(ctx, fmt.reply_part, generations, namespace)
         if include_usage:
             yield _sse(fmt.usage_chunk(ids, usage(generations)).model_dump_json())
     except Exception as exc:
@@ -289,25 +292,18 @@ async def _start_all(generations: Sequence[Generation]) -> None:
         raise errors[0]
 
 
-async def _run_all(generations: Sequence[Generation]) -> list[Choice]:
+async def run_all(generations: Sequence[Generation]) -> list[Choice]:
     return list(await asyncio.gather(*(g.run() for g in generations)))
 
 
-async def respond(
-    ctx: ServerContext,
-    request: Request,
-    fmt: OutputFormat,
-    plan: RequestPlan,
-    room: Reservation,
-    stream: bool,
-    include_usage: bool,
-) -> Response:
-    """Run the plan's samples of each of its prompts through the engine and answer with every choice,
-    whole or as a stream of chunks. The samples of a prompt are submitted together, so all but the
-    first read its KV from the prefix cache instead of computing it again. `room` is the engine's room
-    for them, reserved by the route before any work: each takes its sequence from it as it is queued.
-    A stream's last chunk carries the usage when `include_usage`."""
-    ids = ResponseIds(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
+async def start(
+    ctx: ServerContext, request: Request, id_prefix: str, plan: RequestPlan, room: Reservation
+) -> tuple[ResponseIds, list[Generation]]:
+    """Submit the plan's samples of each of its prompts to the engine and wait for each one's first
+    delta. The samples of a prompt are submitted together, so all but the first read its KV from the
+    prefix cache instead of computing it again. `room` is the engine's room for them, reserved by the
+    route before any work: each takes its sequence from it as it is queued."""
+    ids = ResponseIds(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
     log_id: str = getattr(request.state, "request_id", ids.id)
     many = len(plan.prompts) * plan.n > 1
     generations = []
@@ -327,10 +323,25 @@ async def respond(
                 )
             )
     await cancel_on_disconnect(request, _start_all(generations))
+    return ids, generations
+
+
+async def respond(
+    ctx: ServerContext,
+    request: Request,
+    fmt: OutputFormat,
+    plan: RequestPlan,
+    room: Reservation,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    """Run the plan through the engine (`start`) and answer with every choice, whole or as a stream
+    of chunks. A stream's last chunk carries the usage when `include_usage`."""
+    ids, generations = await start(ctx, request, fmt.id_prefix, plan, room)
     if stream:
         events = _events(ctx, request, generations, fmt, ids, include_usage, plan.namespace)
         return EventStreamResponse(events, generations)
-    choices = await cancel_on_disconnect(request, _run_all(generations))
-    _remember_parts(ctx, fmt, generations, plan.namespace)
+    choices = await cancel_on_disconnect(request, run_all(generations))
+    remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
     result = fmt.response(ids, choices, usage(generations))
     return Response(result.model_dump_json(), media_type="application/json")
