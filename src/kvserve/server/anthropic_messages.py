@@ -94,16 +94,25 @@ def _result_text(block: Block, param: str) -> str:
 class _Converter:
     """Builds the chat turn by turn; a breakpoint takes the turns so far and the one being built."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_breakpoints: int) -> None:
         self.out: list[ChatMessage] = []
         self.breakpoints: list[Breakpoint] = []
+        self.max_breakpoints = max_breakpoints
         # The tool_use ids of the last assistant turn: the ones the next user turn may answer.
         self.open_calls: set[str] = set()
 
     def mark(self, partial: list[ChatMessage], control: CacheControl | None, param: str) -> None:
         if control is not None:
-            ttl = _ttl(control, f"{param}.cache_control")
-            self.breakpoints.append(Breakpoint(tuple(self.out + partial), ttl))
+            self.add(tuple(self.out + partial), _ttl(control, f"{param}.cache_control"))
+
+    def add(self, messages: tuple[ChatMessage, ...], ttl_s: float) -> None:
+        # Refused at the first one too many: each copies the conversation so far.
+        if len(self.breakpoints) == self.max_breakpoints:
+            raise InvalidRequestError(
+                f"at most {MAX_BREAKPOINTS} blocks may carry cache_control (the top-level one included)",
+                "cache_control",
+            )
+        self.breakpoints.append(Breakpoint(messages, ttl_s))
 
     def system(self, content: Content, param: str) -> None:
         if isinstance(content, str):
@@ -262,13 +271,13 @@ def anthropic_chat(body: MessagesBase, reasoning: bool) -> AnthropicChat:
     tools, tool_controls = _tools(body)
     choice, parallel = _tool_choice(body)
     use = offered_tools(tools, choice, parallel)
-    convert = _Converter()
+    top = None if body.cache_control is None else _ttl(body.cache_control, "cache_control")
+    convert = _Converter(MAX_BREAKPOINTS - (top is not None))
     if body.system is not None:
         convert.system(body.system, "system")
     system_turns = list(convert.out)
     for i, control in enumerate(tool_controls):
-        ttl = _ttl(control, f"tools[{i}].cache_control")
-        convert.breakpoints.append(Breakpoint(tuple(system_turns), ttl))
+        convert.add(tuple(system_turns), _ttl(control, f"tools[{i}].cache_control"))
     for i, message in enumerate(body.messages):
         param = f"messages[{i}]"
         if message.role == "system":
@@ -282,12 +291,7 @@ def anthropic_chat(body: MessagesBase, reasoning: bool) -> AnthropicChat:
             "the last message must be a user turn; kvserve does not continue an assistant turn (prefill)",
             f"messages[{len(body.messages) - 1}].role",
         )
-    if body.cache_control is not None:
-        convert.breakpoints.append(Breakpoint(tuple(convert.out), _ttl(body.cache_control, "cache_control")))
-    if len(convert.breakpoints) > MAX_BREAKPOINTS:
-        raise InvalidRequestError(
-            f"at most {MAX_BREAKPOINTS} blocks may carry cache_control (the top-level one included), "
-            f"not {len(convert.breakpoints)}",
-            "cache_control",
-        )
-    return AnthropicChat(convert.out, use, thinking_kwargs(body, reasoning), tuple(convert.breakpoints))
+    breakpoints = list(convert.breakpoints)
+    if top is not None:
+        breakpoints.append(Breakpoint(tuple(convert.out), top))
+    return AnthropicChat(convert.out, use, thinking_kwargs(body, reasoning), tuple(breakpoints))
