@@ -201,8 +201,9 @@ def test_a_tool_use_and_its_result_round_trip_through_the_cache(
         )
         assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].type == "text"
         # The call comes back as the text the model wrote: the second turn reads the first one's KV
-        # through the call (all its whole blocks).
-        assert _n(answer.usage.cache_read_input_tokens) >= prompt_one + call.usage.output_tokens - 1 - BLOCK
+        # through the call, to its last token (whose KV was never computed) at most.
+        read = _n(answer.usage.cache_read_input_tokens)
+        assert read >= prompt_one + call.usage.output_tokens - 2, (read, prompt_one, call.usage.output_tokens)
     assert_no_leak(server.wait_idle())
 
 
