@@ -30,7 +30,7 @@ from kvserve.server.app import create_app
 
 SERVER = Path(kvserve.server.__file__).parent
 # The modules that answer routes; app.py assembles them and is the only one that imports them.
-ROUTE_MODULES = {"serving", "responses_serving", "pinning", "dashboard"}
+ROUTE_MODULES = {"serving", "responses_serving", "anthropic_serving", "pinning", "dashboard"}
 PROMPT = list(range(100, 120))
 
 

@@ -23,6 +23,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
+from kvserve.server.errors import is_anthropic_path
 from kvserve.server.tenants import Tenants, load_or_create_secret
 from tests.hostile_grammars import deep_nesting, huge_alternation, overlapping_terminals
 
@@ -178,12 +179,17 @@ def _bound_generation(body: Any) -> None:
         body["max_tokens"] = MAX_TOKENS
 
 
-def assert_answered_cleanly(status: int, text: str) -> None:
+def assert_answered_cleanly(status: int, text: str, path: str = "") -> None:
+    """Never a 5xx or a trace; a refusal in the route's API's shape (Anthropic's on /v1/messages)."""
     assert status < 500, text
     assert "Traceback" not in text
     if status >= 400:
-        error = json.loads(text)["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"], text
+        body = json.loads(text)
+        error = body["error"]
+        if is_anthropic_path(path):
+            assert body["type"] == "error" and set(error) == {"type", "message"} and error["message"], text
+        else:
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], text
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
@@ -222,7 +228,7 @@ def fuzz_every_operation(api: Any, fuzz_target: Target, mode: GenerationMode) ->
         def run(case: Any) -> None:
             _bound_generation(case.body)
             response = case.call(base_url=fuzz_target.url, timeout=120)
-            assert_answered_cleanly(response.status_code, response.text)
+            assert_answered_cleanly(response.status_code, response.text, case.operation.path)
 
         run()
 
@@ -332,6 +338,63 @@ CORPUS: list[tuple[str, str, Any, bool | None]] = [
     ("detokenize negative", "/detokenize", {"tokens": [-1]}, True),
     ("tokenize both", "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, True),
     ("tokenize neither", "/tokenize", {}, True),
+    ("messages deep JSON", "/v1/messages", _deep(100_000).encode(), True),
+    (
+        "messages deep content",
+        "/v1/messages",
+        f'{{"max_tokens": 1, "messages": {_deep(20_000)}}}'.encode(),
+        True,
+    ),
+    (
+        "messages image block",
+        "/v1/messages",
+        {"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        True,
+    ),
+    (
+        "messages unknown tool_use_id",
+        "/v1/messages",
+        {
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]}],
+        },
+        True,
+    ),
+    (
+        "messages max_tokens -1",
+        "/v1/messages",
+        {"max_tokens": -1, "messages": [{"role": "user", "content": "Hi"}]},
+        True,
+    ),
+    (
+        "messages max_tokens 2^70",
+        "/v1/messages",
+        {"max_tokens": 2**70, "messages": [{"role": "user", "content": "Hi"}]},
+        True,
+    ),
+    (
+        "messages bad ttl",
+        "/v1/messages",
+        {
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "cache_control": {"type": "ephemeral", "ttl": "9h"},
+        },
+        True,
+    ),
+    (
+        "messages wrong role",
+        "/v1/messages",
+        {"max_tokens": 1, "messages": [{"role": "tool", "content": "Hi"}]},
+        True,
+    ),
+    (
+        "messages NUL",
+        "/v1/messages",
+        {"max_tokens": 1, "messages": [{"role": "user", "content": "a\x00b"}], "stream": True},
+        False,
+    ),
+    ("count_tokens no messages", "/v1/messages/count_tokens", {"messages": []}, True),
 ]
 
 
@@ -511,7 +574,7 @@ def _check(target: Target, case: Case) -> None:
         return r.status_code, r.text
 
     status, text = asyncio.run(target.beside_ordinary(fuzzed))
-    assert_answered_cleanly(status, text)
+    assert_answered_cleanly(status, text, case.path)
     if case.expect is True:
         assert 400 <= status < 500, (case.what, text[:500])
     elif case.expect is False:

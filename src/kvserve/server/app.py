@@ -22,6 +22,8 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.validation import check_vocabulary
 from kvserve.options import ServerOptions
 from kvserve.secret import read_secret
+from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, TokenCount
+from kvserve.server.anthropic_serving import MessagesFormat, respond_messages
 from kvserve.server.auth import (
     ADMIN_TENANT,
     authenticate,
@@ -40,7 +42,7 @@ from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import BodySizeLimit, InFlightLimiter
 from kvserve.server.pinning import check_pinning_on, pin_prefix, unpin
-from kvserve.server.plan import chat_plan, completion_plan, pin_plan
+from kvserve.server.plan import chat_plan, completion_plan, messages_plan, messages_tokens, pin_plan
 from kvserve.server.preparation import PreparationPool
 from kvserve.server.prompts import PromptGuard, chat_prompt, prompt_batch, text_prompt
 from kvserve.server.protocol import (
@@ -244,6 +246,35 @@ async def response_input_items(
     if stored is None:
         raise unknown_response(response_id)
     return item_list(stored, limit, order, after)
+
+
+# Anthropic's Messages API: the same path as a chat completion (one prompt, one sample), its own plan
+# builder and answer shape; errors on these routes take Anthropic's shape (server/errors.py).
+@api.post("/v1/messages", dependencies=[InFlight])
+async def messages(body: MessagesRequest, request: Request, ctx: Context) -> Response:
+    check_model(ctx, body.model)
+    namespace = cache_namespace(request)
+    tenant = caller(request).tenant.name
+    with ctx.async_engine.reserve(tenant, 1, 1) as room:
+        plan = await ctx.preparation.run(tenant, messages_plan, ctx, body, namespace)
+        fmt = MessagesFormat(
+            ctx.async_engine.tokenizer,
+            ctx.chat.tools.layout if plan.tool_names is not None else None,
+            plan.tool_names,
+            ctx.chat.reasoning,
+            plan.opens_reasoning,
+            tuple(body.stop_sequences or ()),
+        )
+        return await respond_messages(ctx, request, fmt, plan, room, body.stream)
+
+
+@api.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request, ctx: Context) -> TokenCount:
+    """The prompt a message request with this body would prefill, in tokens."""
+    check_model(ctx, body.model)
+    tenant = caller(request).tenant.name
+    tokens = await ctx.preparation.run(tenant, messages_tokens, ctx, body, cache_namespace(request))
+    return TokenCount(input_tokens=len(tokens))
 
 
 @api.get("/v1/cache/stats")

@@ -1,5 +1,6 @@
-"""Who is calling: the bearer token names a tenant (or is the operator's admin key), and the tenant (not
-the client) picks the cache namespace that a request may read and write."""
+"""Who is calling: the key (a bearer token, or Anthropic's `x-api-key` header) names a tenant (or is the
+operator's admin key), and the tenant (not the client) picks the cache namespace that a request may read
+and write."""
 
 import secrets
 from dataclasses import dataclass
@@ -24,9 +25,13 @@ class Caller:
 
 
 def _bearer(request: Request) -> str | None:
+    """The key a request carries: `Authorization: Bearer <key>` (OpenAI's clients), else
+    `x-api-key: <key>` (Anthropic's). Either names the same tenants."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     # No key is empty (tenants.check_key), so neither is a token that could match one.
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 def _is_admin_key(token: str | None, admin_key: str | None) -> bool:
@@ -48,8 +53,8 @@ def authenticate(request: Request, tenants: Tenants, admin_key: str | None = Non
         if tenant is None:
             raise APIError(
                 401,
-                "Missing or incorrect API key: send the header 'Authorization: Bearer <key>' "
-                "with a key the server was started with (--api-key or --api-key-file).",
+                "Missing or incorrect API key: send the header 'Authorization: Bearer <key>' (or "
+                "'x-api-key: <key>') with a key the server was started with (--api-key or --api-key-file).",
                 code="invalid_api_key",
             )
         caller = Caller(tenant, tenants)

@@ -1,7 +1,8 @@
-"""OpenAI-shaped errors: every failure answers `{"error": {message, type, param, code}}`, never a stack trace.
+"""OpenAI-shaped errors: every failure answers `{"error": {message, type, param, code}}`, never a stack trace;
+on Anthropic's routes (`/v1/messages...`) Anthropic's shape, `{"type": "error", "error": {type, message}}`.
 
 One mapping (`to_api_error`) turns any exception into its status and body, so that a handler before the
-response and an error event inside a stream say the same thing.
+response and an error event inside a stream say the same thing; the shape is the route's.
 """
 
 import json
@@ -63,10 +64,41 @@ class APIError(Exception):
         )
         self.headers = dict(headers or {})
 
-    def response(self) -> Response:
+    def response(self, anthropic: bool = False) -> Response:
+        """The error as a response, in Anthropic's shape when `anthropic`, else OpenAI's."""
+        shaped = anthropic_error(self) if anthropic else ErrorResponse(error=self.detail).model_dump()
         # ASCII-escaped: a message may quote client text holding a lone surrogate, which UTF-8 cannot encode.
-        body = json.dumps(ErrorResponse(error=self.detail).model_dump(), ensure_ascii=True)
+        body = json.dumps(shaped, ensure_ascii=True)
         return Response(body, status_code=self.status, headers=self.headers, media_type="application/json")
+
+
+# Anthropic's error types by status; any other status is an `api_error`.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a path is one of Anthropic's routes, whose errors take Anthropic's shape."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_error(error: APIError) -> dict[str, Any]:
+    """`{"type": "error", "error": {"type", "message"}}`; the param, when there is one, is named in
+    the message (Anthropic's errors have no field for it)."""
+    message = error.detail.message
+    param = error.detail.param
+    if param and param not in message:
+        message = f"{message} ({param})"
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class ClientDisconnected(Exception):
@@ -138,7 +170,7 @@ async def _handle(request: Request, exc: Exception) -> Response:
         log.error("%s %s failed: %r", request.method, request.url.path, exc)
     else:
         log.info("%s %s -> %d: %s", request.method, request.url.path, error.status, error.detail.message)
-    return error.response()
+    return error.response(is_anthropic_path(request.url.path))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,11 +1,15 @@
 """One engine request as the server sees it (`Generation`: its deltas, latencies, usage and log line),
-a client's hang-up cancelling it, and the event stream that closes it: what the chat and completions
-writer (server/serving.py) and the Responses writer (server/responses_serving.py) share.
+a client's hang-up cancelling it, and the event stream that closes it: and a plan's
+generations started together (`start`): what the chat and completions writer (server/serving.py), the
+Responses writer (server/responses_serving.py) and the Messages writer (server/anthropic_serving.py)
+share.
 """
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar
 
@@ -14,12 +18,13 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.async_engine import Reservation
-from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.outputs import PromptOutputs, RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import ClientDisconnected
-from kvserve.server.formats import Choice
+from kvserve.server.formats import Choice, ResponseIds
 from kvserve.server.metrics import RequestTimer
+from kvserve.server.plan import RequestPlan
 from kvserve.server.protocol import PromptTokensDetails, Usage
 
 log = logging.getLogger("kvserve.server")
@@ -180,3 +185,62 @@ class EventStreamResponse(StreamingResponse):
             # Also covers an event generator that was never started.
             for g in self._generations:
                 await g.close()
+
+
+def remember_parts(
+    ctx: ServerContext,
+    reply_part: Callable[[Choice], str | None],
+    generations: Sequence[Generation],
+    namespace: str,
+) -> None:
+    """Tell the reply memory which finished replies come back to their clients as a part (the content
+    after a think block), so that a later turn that renders the block again reads their KV."""
+    for g in generations:
+        part = reply_part(g.choice) if g.choice.finish_reason is not None else None
+        if part is not None:
+            ctx.async_engine.remember_reply_part(namespace, part, g.choice.text)
+
+
+async def start_all(generations: Sequence[Generation]) -> None:
+    """Wait for every generation's first delta; if one fails, abort them all and raise its error. A
+    refused request is one line in the log (its error's), not one per sequence."""
+    results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for g in generations:
+            await g.close(log_line=False)
+        raise errors[0]
+
+
+async def run_all(generations: Sequence[Generation]) -> list[Choice]:
+    return list(await asyncio.gather(*(g.run() for g in generations)))
+
+
+async def start(
+    ctx: ServerContext, request: Request, id_prefix: str, plan: RequestPlan, room: Reservation
+) -> tuple[ResponseIds, list[Generation]]:
+    """Submit the plan's samples of each of its prompts to the engine and wait for each one's first
+    delta. The samples of a prompt are submitted together, so all but the first read its KV from the
+    prefix cache instead of computing it again. `room` is the engine's room for them, reserved by the
+    route before any work: each takes its sequence from it as it is queued."""
+    ids = ResponseIds(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
+    log_id: str = getattr(request.state, "request_id", ids.id)
+    many = len(plan.prompts) * plan.n > 1
+    generations = []
+    for i, prompt in enumerate(plan.prompts):
+        outputs = PromptOutputs.start(len(prompt.token_ids), plan.n)
+        for j, sample in enumerate(plan.samples):
+            index = i * plan.n + j
+            generations.append(
+                Generation(
+                    ctx,
+                    f"{log_id}[{index}]" if many else log_id,
+                    f"{ids.id}-{index}",
+                    Choice(index, prompt, outputs, j),
+                    sample,
+                    plan.namespace,
+                    room,
+                )
+            )
+    await cancel_on_disconnect(request, start_all(generations))
+    return ids, generations

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.server.errors import RETRY_AFTER_S, APIError
+from kvserve.server.errors import RETRY_AFTER_S, APIError, is_anthropic_path
 
 # An oversized body is read and dropped up to this many times the limit, so that a client still
 # writing gets its 413 rather than a reset connection; past that the connection is simply closed.
@@ -79,7 +79,7 @@ class BodySizeLimit:
             "--max-request-bytes); send a shorter prompt.",
             code="request_too_large",
         )
-        await error.response()(scope, receive, send)
+        await error.response(is_anthropic_path(scope["path"]))(scope, receive, send)
 
 
 @dataclass

@@ -6,19 +6,23 @@ body to SamplingParams, add the tools' constraint, and validate once (`AsyncEngi
 ids, lengths, caps and the constraint, compiled there and only there). The engine's door then queues each
 prompt with each of the plan's samples as they are, checking nothing again. There is one builder per API,
 each producing the same plan: `chat_plan`, `completion_plan`, `pin_plan`, `responses_plan` (OpenAI's
-Responses API, over chat's prompt and constraints); a new API is one more function beside them.
+Responses API, over chat's prompt and constraints), `messages_plan` (Anthropic's Messages API); a new API
+is one more function beside them.
 
 The route has already done what needs no work: the body's fields alone (model, unsupported fields) and
 room in the engine's queue for the request's sequences (`AsyncEngine.reserve`).
 """
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.engine.grammar import ConstraintRejected
+from kvserve.engine.grammar import ConstraintRejected, StructuredOutputs
 from kvserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import InvalidRequestError
+from kvserve.server.anthropic_messages import AnthropicChat, anthropic_chat
+from kvserve.server.anthropic_protocol import MAX_MAX_TOKENS, MessagesBase, MessagesRequest
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError
 from kvserve.server.prompts import (
@@ -70,6 +74,14 @@ class PlannedPrompt:
         return self.checked.token_ids
 
 
+@dataclass(frozen=True, order=True)
+class CacheBreakpoint:
+    """A prefix of the prompt a client asked to keep: its first `tokens` tokens, for `ttl_s` seconds."""
+
+    tokens: int
+    ttl_s: float
+
+
 @dataclass(frozen=True)
 class RequestPlan:
     """A request as the engine will run it: every prompt checked with the request's params, and the
@@ -84,6 +96,9 @@ class RequestPlan:
     opens_reasoning: bool = False
     # A chat's tools, by name: only calls of these are its replies' tool calls.
     tool_names: frozenset[str] | None = None
+    # Where an Anthropic request's cache breakpoints fall, first to last: the prefixes to keep, for the
+    # retention that keeps them.
+    breakpoints: tuple[CacheBreakpoint, ...] = ()
 
     @property
     def n(self) -> int:
@@ -156,24 +171,25 @@ def chat_plan(ctx: ServerContext, body: ChatCompletionRequest, namespace: str) -
     token_ids = chat_prompt(
         ctx.async_engine, ctx.prompt_guard, body.messages, namespace, True, tools, ctx.chat, kwargs
     )
-    return _chat_plan(ctx, body, namespace, token_ids, tools, max_tokens, "messages")
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    return _chat_plan(ctx, token_ids, params, tools, namespace)
 
 
 def _chat_plan(
     ctx: ServerContext,
-    body: ChatCompletionRequest,
-    namespace: str,
     token_ids: list[int],
+    params: SamplingParams,
     tools: ToolUse | None,
-    max_tokens: int | None,
-    prompt_param: str,
+    namespace: str,
+    prompt_param: str = "messages",
 ) -> RequestPlan:
-    """A chat's plan from its prompt: the reasoning the prompt opened or closed, the params, the tools'
-    constraint, and the one check. An error on the prompt names `prompt_param`."""
+    """A rendered chat's plan, whichever API it came from: whether the prompt opened or closed a think
+    block, the tools' grammar as the output constraint unless tool_choice is "none", and the one check.
+    An error on the prompt names `prompt_param`, and a constraint the grammar library rejects that came from
+    the tools names `tools`."""
     tail = ctx.async_engine.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     opened = ctx.chat.reasoning and opens_reasoning(tail)
     may_think = ctx.chat.reasoning and not closes_reasoning(tail)
-    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     tools_constrain = False
     if tools is not None and params.structured_outputs is None:
         think = IN_THINK if opened else MAY_THINK if may_think else NO_THINK
@@ -258,8 +274,95 @@ def responses_plan(
     if max_tokens is not None and len(token_ids) + max_tokens > ctx.max_model_len:
         # Clamped: no limit is the room the prompt leaves (the engine's rule).
         max_tokens = None
-    plan = _chat_plan(ctx, chat, namespace, token_ids, tools, max_tokens, "input")
+    params = sampling_params(chat, max_tokens, None)
+    plan = _chat_plan(ctx, token_ids, params, tools, namespace, "input")
     return ResponsesPlan(plan, conversation, prompt_text, tools)
+
+
+def _anthropic_tokens(
+    ctx: ServerContext, chat: AnthropicChat, messages: Sequence[ChatMessage], namespace: str, reply: bool
+) -> list[int]:
+    return chat_prompt(
+        ctx.async_engine, ctx.prompt_guard, messages, namespace, reply, chat.tools, ctx.chat, chat.kwargs
+    )
+
+
+def messages_tokens(ctx: ServerContext, body: MessagesBase, namespace: str) -> list[int]:
+    """The prompt an Anthropic message request prefills (what count_tokens counts)."""
+    chat = anthropic_chat(body, ctx.chat.reasoning)
+    return _anthropic_tokens(ctx, chat, chat.messages, namespace, True)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _breakpoints(
+    ctx: ServerContext, chat: AnthropicChat, token_ids: list[int], namespace: str
+) -> tuple[CacheBreakpoint, ...]:
+    """Each breakpoint's offset in the prompt: its conversation rendered on its own, followed by an
+    empty user turn (some templates refuse a conversation without a user query, and a turn after it
+    makes every template close the breakpoint's), and compared with the whole prompt token by token.
+    The offset is where the two part, at the block's end give or take the few tokens of markup both
+    share; it is always a prefix of the prompt."""
+    found: list[CacheBreakpoint] = []
+    for b in chat.breakpoints:
+        if not b.messages:
+            continue
+        try:
+            ids = _anthropic_tokens(
+                ctx, chat, [*b.messages, ChatMessage(role="user", content="")], namespace, False
+            )
+        except InvalidRequestError:
+            # A template that cannot render the conversation cut at this block: the breakpoint keeps
+            # nothing, and the request goes on.
+            continue
+        tokens = _common_prefix(ids, token_ids)
+        if tokens:
+            found.append(CacheBreakpoint(tokens, b.ttl_s))
+    return tuple(sorted(found, key=lambda b: b.tokens))
+
+
+def _output_format(body: MessagesRequest) -> StructuredOutputs | None:
+    spec = (body.output_config or {}).get("format")
+    if spec is None:
+        return None
+    if (
+        not isinstance(spec, dict)
+        or spec.get("type") != "json_schema"
+        or not isinstance(spec.get("schema"), dict)
+    ):
+        raise InvalidRequestError(
+            "output_config.format must be {type: json_schema, schema: {...}}", "output_config.format"
+        )
+    return StructuredOutputs(json=spec["schema"])
+
+
+def messages_plan(ctx: ServerContext, body: MessagesRequest, namespace: str) -> RequestPlan:
+    """An Anthropic message's plan: the request rendered as a chat (server/anthropic_messages.py) and
+    planned as one, max_tokens clamped to the room the prompt leaves in the context, and where its
+    cache breakpoints fall."""
+    if not 1 <= body.max_tokens <= MAX_MAX_TOKENS:
+        raise InvalidRequestError(f"max_tokens must be between 1 and {MAX_MAX_TOKENS}", "max_tokens")
+    chat = anthropic_chat(body, ctx.chat.reasoning)
+    token_ids = _anthropic_tokens(ctx, chat, chat.messages, namespace, True)
+    # A prompt that fills the context keeps max_tokens 1, and the check refuses it for its length.
+    max_tokens = max(1, min(body.max_tokens, ctx.max_model_len - len(token_ids)))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        stop=list(body.stop_sequences or []),
+        structured_outputs=_output_format(body),
+    )
+    plan = _chat_plan(ctx, token_ids, params, chat.tools, namespace)
+    return dataclasses.replace(plan, breakpoints=_breakpoints(ctx, chat, token_ids, namespace))
 
 
 def completion_plan(ctx: ServerContext, body: CompletionRequest, namespace: str) -> RequestPlan:

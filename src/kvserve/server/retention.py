@@ -12,10 +12,6 @@ from collections.abc import Sequence
 
 from kvserve.server.context import ServerContext
 
-# The TTLs Anthropic's cache_control takes, in seconds: "5m" (its default, when "ttl" is absent) and "1h".
-CACHE_CONTROL_TTLS = {"5m": 300.0, "1h": 3600.0}
-DEFAULT_CACHE_CONTROL_TTL = "5m"
-
 
 async def retain_breakpoints(
     ctx: ServerContext, namespace: str, token_ids: Sequence[int], breakpoints: Sequence[tuple[int, float]]

@@ -8,8 +8,6 @@ of them in server/generation.py, which the Responses API's writer shares).
 
 import asyncio
 import logging
-import time
-import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 
@@ -17,11 +15,19 @@ from fastapi import Request, Response
 
 from kvserve.engine.async_engine import Reservation
 from kvserve.engine.logprobs import TokenLogprob
-from kvserve.engine.outputs import PromptOutputs, RequestDelta
+from kvserve.engine.outputs import RequestDelta
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import ErrorResponse, to_api_error
-from kvserve.server.formats import Choice, OutputFormat, ResponseIds
-from kvserve.server.generation import EventStreamResponse, Generation, cancel_on_disconnect, usage
+from kvserve.server.formats import OutputFormat, ResponseIds
+from kvserve.server.generation import (
+    EventStreamResponse,
+    Generation,
+    cancel_on_disconnect,
+    remember_parts,
+    run_all,
+    start,
+    usage,
+)
 from kvserve.server.plan import RequestPlan
 
 log = logging.getLogger("kvserve.server")
@@ -70,17 +76,6 @@ def _sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-def _remember_parts(
-    ctx: ServerContext, fmt: OutputFormat, generations: Sequence[Generation], namespace: str
-) -> None:
-    """Tell the reply memory which finished replies come back to their clients as a part (the content
-    after a think block), so that a later turn that renders the block again reads their KV."""
-    for g in generations:
-        part = fmt.reply_part(g.choice) if g.choice.finish_reason is not None else None
-        if part is not None:
-            ctx.async_engine.remember_reply_part(namespace, part, g.choice.text)
-
-
 async def _events(
     ctx: ServerContext,
     request: Request,
@@ -105,7 +100,7 @@ async def _events(
                     chunk = fmt.chunk(ids, g.choice, delta.text, held, delta.finish_reason)
                     yield _sse(chunk.model_dump_json(exclude=exclude))
                     held.clear()
-        _remember_parts(ctx, fmt, generations, namespace)
+        remember_parts(ctx, fmt.reply_part, generations, namespace)
         if include_usage:
             yield _sse(fmt.usage_chunk(ids, usage(generations)).model_dump_json())
     except Exception as exc:
@@ -117,21 +112,6 @@ async def _events(
     yield _sse("[DONE]")
 
 
-async def _start_all(generations: Sequence[Generation]) -> None:
-    """Wait for every generation's first delta; if one fails, abort them all and raise its error. A
-    refused request is one line in the log (its error's), not one per sequence."""
-    results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        for g in generations:
-            await g.close(log_line=False)
-        raise errors[0]
-
-
-async def _run_all(generations: Sequence[Generation]) -> list[Choice]:
-    return list(await asyncio.gather(*(g.run() for g in generations)))
-
-
 async def respond(
     ctx: ServerContext,
     request: Request,
@@ -141,35 +121,13 @@ async def respond(
     stream: bool,
     include_usage: bool,
 ) -> Response:
-    """Run the plan's samples of each of its prompts through the engine and answer with every choice,
-    whole or as a stream of chunks. The samples of a prompt are submitted together, so all but the
-    first read its KV from the prefix cache instead of computing it again. `room` is the engine's room
-    for them, reserved by the route before any work: each takes its sequence from it as it is queued.
-    A stream's last chunk carries the usage when `include_usage`."""
-    ids = ResponseIds(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
-    log_id: str = getattr(request.state, "request_id", ids.id)
-    many = len(plan.prompts) * plan.n > 1
-    generations = []
-    for i, prompt in enumerate(plan.prompts):
-        outputs = PromptOutputs.start(len(prompt.token_ids), plan.n)
-        for j, sample in enumerate(plan.samples):
-            index = i * plan.n + j
-            generations.append(
-                Generation(
-                    ctx,
-                    f"{log_id}[{index}]" if many else log_id,
-                    f"{ids.id}-{index}",
-                    Choice(index, prompt, outputs, j),
-                    sample,
-                    plan.namespace,
-                    room,
-                )
-            )
-    await cancel_on_disconnect(request, _start_all(generations))
+    """Run the plan through the engine (`start`) and answer with every choice, whole or as a stream
+    of chunks. A stream's last chunk carries the usage when `include_usage`."""
+    ids, generations = await start(ctx, request, fmt.id_prefix, plan, room)
     if stream:
         events = _events(ctx, request, generations, fmt, ids, include_usage, plan.namespace)
         return EventStreamResponse(events, generations)
-    choices = await cancel_on_disconnect(request, _run_all(generations))
-    _remember_parts(ctx, fmt, generations, plan.namespace)
+    choices = await cancel_on_disconnect(request, run_all(generations))
+    remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
     result = fmt.response(ids, choices, usage(generations))
     return Response(result.model_dump_json(), media_type="application/json")

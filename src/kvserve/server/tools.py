@@ -85,28 +85,34 @@ def _tool(i: int, raw: Any) -> Tool:
 
 def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
     """The request's tools and tool_choice, checked; None when it offers none."""
-    if not body.tools:
-        if body.tool_choice not in (None, "none", "auto"):
+    return offered_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+
+
+def offered_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> ToolUse | None:
+    """Tools and a tool_choice in OpenAI's shapes, checked; None when there are no tools. Other APIs
+    (server/anthropic_messages.py) map theirs to these shapes and share the checks."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError("tool_choice needs tools", "tool_choice")
         return None
-    if len(body.tools) > MAX_TOOLS:
+    if len(tools) > MAX_TOOLS:
         raise InvalidRequestError(f"at most {MAX_TOOLS} tools are accepted", "tools")
-    tools = tuple(_tool(i, t) for i, t in enumerate(body.tools))
-    names = [t.name for t in tools]
+    checked = tuple(_tool(i, t) for i, t in enumerate(tools))
+    names = [t.name for t in checked]
     if len(set(names)) != len(names):
         raise InvalidRequestError("tool names must be distinct", "tools")
-    choice = body.tool_choice if body.tool_choice is not None else "auto"
+    choice = tool_choice if tool_choice is not None else "auto"
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if choice.get("type") != "function" or name not in names:
             raise InvalidRequestError("tool_choice must name one of the tools' functions", "tool_choice")
-        return ToolUse(tools, str(name), body.parallel_tool_calls)
+        return ToolUse(checked, str(name), parallel)
     if choice not in ("none", "auto", "required"):
         raise InvalidRequestError(
             "tool_choice must be none, auto, required or {type: function, function: {name}}", "tool_choice"
         )
-    return ToolUse(tools, str(choice), body.parallel_tool_calls)
+    return ToolUse(checked, str(choice), parallel)
 
 
 def _system_text(use: ToolUse) -> str:
