@@ -86,11 +86,12 @@ def test_a_running_sequence_holds_only_its_window_of_sliding_blocks(
         engine.close()
 
 
-def test_only_a_sliding_model_without_the_prefix_cache_gets_a_sliding_pool(
+def test_only_a_sliding_model_gets_a_sliding_pool(
     tiny_model: LoadedModel, sliding_model: Callable[[str, int], LoadedModel]
 ) -> None:
     """A model without sliding layers keeps one pool and one K/V tensor over every layer, with the cache
-    on or off; a sliding model splits only with the cache off (the tree keeps every layer's KV)."""
+    on or off; a sliding model splits with the cache on as with it off (the tree keeps sliding blocks
+    and tombstones), and keeps one pool where the split would shrink it."""
     for caching in (False, True):
         plain = engine_with_blocks(tiny_model, 64, 4, enable_prefix_caching=caching)
         cache = plain.runner.kv_cache
@@ -98,10 +99,12 @@ def test_only_a_sliding_model_without_the_prefix_cache_gets_a_sliding_pool(
         assert cache.k.shape[0] == tiny_model.config.num_layers and cache.sliding_k.numel() == 0
         plain.close()
     hybrid = sliding_model("hybrid", 3)
-    on = engine_with_blocks(hybrid, 64, 4)
-    assert on.kv.sliding_pool is None and on.runner.kv_cache.shared_ids
-    off = engine_with_blocks(hybrid, 64, 4, enable_prefix_caching=False, max_num_batched_tokens=8)
-    assert off.kv.sliding_pool is not None and off.num_blocks >= 64
-    assert off.runner.kv_cache.sliding_k.shape[1] == off.kv.sliding_pool.num_blocks * 4
-    on.close()
-    off.close()
+    for caching in (False, True):
+        split = engine_with_blocks(hybrid, 64, 4, enable_prefix_caching=caching, max_num_batched_tokens=8)
+        assert split.kv.sliding_pool is not None and split.num_blocks >= 64
+        assert split.runner.kv_cache.sliding_k.shape[1] == split.kv.sliding_pool.num_blocks * 4
+        split.close()
+    # A chunk of 1,024 tokens needs more sliding blocks than the split leaves a pool of 64.
+    one = engine_with_blocks(hybrid, 64, 4)
+    assert one.kv.sliding_pool is None and one.runner.kv_cache.shared_ids
+    one.close()
