@@ -179,7 +179,9 @@ class KVCacheManager:
         self.max_pinned_blocks = max_pinned_blocks
         self.clock = clock
         self._live: set[SequenceBlocks] = set()
-        self._pins = Pins(self.pool, max_pinned_blocks, max_pinned_blocks_per_namespace, block_size)
+        self._pins = Pins(
+            self.pool, max_pinned_blocks, max_pinned_blocks_per_namespace, block_size, self.sliding_pool
+        )
 
     def cached_prefix_len(self, namespace: str, tokens: Sequence[int]) -> int:
         """How many leading tokens the cache holds now (a hint for ordering; nothing is locked)."""
@@ -533,7 +535,8 @@ class KVCacheManager:
         return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
     def pin(self, namespace: str, tokens: Sequence[int], ttl_s: float) -> Pin | None:
-        """Hold the full blocks of `tokens` in memory for `ttl_s` seconds. A pin of the same prefix in
+        """Hold the full blocks of `tokens` in memory for `ttl_s` seconds (with a sliding pool, and the
+        sliding blocks of their last window, so that the prefix stays usable). A pin of the same prefix in
         the same namespace is extended instead. Returns None, holding nothing, when the prefix is not
         wholly cached (in memory or a lower tier): compute it, then pin again.
 
@@ -553,7 +556,7 @@ class KVCacheManager:
             self._land(seq, prefix, self._read_now(namespace, prefix, len(seq.blocks)), {})
             if len(seq.blocks) < len(prefix) // self.block_size:
                 return None
-            return self._pins.add(namespace, prefix, seq.blocks, expires_at)
+            return self._pins.add(namespace, prefix, seq.blocks, expires_at, seq.sliding)
         finally:
             # A made pin holds references of its own; however the pin ends (made, not cached, refused,
             # or anything raising), the lock that found its blocks goes: a leak would shrink the pool.
@@ -664,6 +667,8 @@ class KVCacheManager:
                 raise AssertionError("two tree nodes hold one sliding block")
             holders.update(held_by_tree)
             tree = {b: entries[(ns, path)] for ns, path, b in self.prefix_cache.entries()}
+        for pin in self._pins.all():
+            holders.update(pin.sliding)
         for seq in self._live:
             if seq.sliding_copy_source is not None:
                 holders[seq.sliding_copy_source] += 1
