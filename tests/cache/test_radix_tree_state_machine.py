@@ -400,7 +400,7 @@ class SlidingCacheMachine(CacheMachine):
     that admissions and growth tombstone), drawn windows smaller than a block, equal to one and of
     several; the tree's sliding blocks and tombstones are checked against `SlidingReference`, matches
     against its usable-prefix rule, tombstoning against its order (old positions, then least recently
-    used), and global eviction takes tombstoned leaves first."""
+    used, then earlier positions), and global eviction takes tombstoned leaves first."""
 
     ref: SlidingReference
 
@@ -527,14 +527,16 @@ class SlidingCacheMachine(CacheMachine):
     def evict_sliding(self, n: int) -> None:
         locked = self._locked_sliding()
         candidates = {k for k, s in self.ref.sliding.items() if s is not None and not locked[s]}
-        order = {k: (not self.ref.old(k), self.ref.entries[k].last_use) for k in candidates}
+        order = {k: (not self.ref.old(k), self.ref.entries[k].last_use, len(k[1])) for k in candidates}
         freed = self.cache.evict_sliding(n)
         assert freed == min(n, len(candidates))
         gone = self._follow_tombstones(locked)
         assert len(gone) == freed
         left = candidates - gone
         if gone and left:
-            assert max(order[k] for k in gone) <= min(order[k] for k in left), "old positions first, then LRU"
+            assert max(order[k] for k in gone) <= min(order[k] for k in left), (
+                "old positions first, then LRU, then earlier positions"
+            )
 
     @invariant()
     def sliding_blocks_are_the_references(self) -> None:

@@ -372,11 +372,12 @@ class PrefixCache:
     def evict_sliding(self, num_blocks: int) -> int:
         """Free up to `num_blocks` sliding blocks that only the tree holds, tombstoning their nodes: old
         positions first (nodes that no leaf below reads in its last window), each kind least recently
-        used first. Returns how many; walks the tree (called only when the sliding pool is short)."""
+        used first, and among equally recent ones the earlier positions first. Returns how many; walks
+        the tree (called only when the sliding pool is short)."""
         pool = self.sliding_pool
         if pool is None:
             return 0
-        candidates: list[tuple[bool, int, int, _Node]] = []
+        candidates: list[tuple[bool, int, int, int, _Node]] = []
         for root in self._roots.values():
             order: list[_Node] = []
             stack = list(root.children.values())
@@ -391,9 +392,10 @@ class PrefixCache:
             for node in order:
                 if node.sliding is not None and pool.ref_count(node.sliding) == 1:
                     read = node.depth > self.first_read(lowest[node])
-                    candidates.append((read, node.last_access, id(node), node))
+                    # A path published together is equally recent: its earlier positions go first.
+                    candidates.append((read, node.last_access, node.depth, id(node), node))
         freed = 0
-        for _, _, _, node in heapq.nsmallest(num_blocks, candidates):
+        for *_, node in heapq.nsmallest(num_blocks, candidates):
             assert node.sliding is not None
             pool.release(node.sliding)
             node.sliding = None
