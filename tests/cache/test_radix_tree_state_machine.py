@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.manager import KVCacheManager, SequenceBlocks
+from kvserve.cache.manager import RELEASED, KVCacheManager, SequenceBlocks
 from kvserve.cache.prefix_cache import PrefixCache
 
 BS = 4
@@ -324,3 +324,254 @@ def test_pool_refuses_double_free_and_overallocation() -> None:
     with pytest.raises(MemoryError):
         pool.allocate(3)
     assert pool.num_free == 2
+
+
+class SlidingReference(Reference):
+    """The reference with a sliding pool: each entry also has its sliding block or a tombstone (None),
+    and a match is cut back to its longest usable prefix by the rule written here apart from the tree's:
+    every entry that the next token's window reads (positions from P - window + 1 on) holds its sliding
+    block."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.sliding: dict[Key, int | None] = {}
+
+    def first_read(self, num_tokens: int) -> int:
+        return max(0, num_tokens - self.window + 1)
+
+    def usable(
+        self, namespace: str, query: Sequence[int], n: int, copied: int | None
+    ) -> tuple[int, int | None]:
+        path = [(namespace, tuple(query[: (j + 1) * BS])) for j in range(n // BS)]
+        if copied is not None:
+            path.append(next(k for k in self.entries if self.entries[k].block == copied))
+        end = n
+        while path:
+            lo = self.first_read(end) // BS
+            dead = [j for j in range(lo, len(path)) if self.sliding[path[j]] is None]
+            if not dead:
+                break
+            del path[max(dead) :]
+            end = len(path) * BS
+        return end, copied if copied is not None and end == n else None
+
+    def match(self, namespace: str, query: Sequence[int]) -> tuple[int, int | None]:
+        n, copied = super().match(namespace, query)
+        return self.usable(namespace, query, n, copied)
+
+    def whole_match(self, namespace: str, query: Sequence[int]) -> int:
+        """The usable match of whole blocks only (an admission that gave up its partial block)."""
+        n, _ = super().match(namespace, query[: len(query) // BS * BS] if query else query)
+        k = n // BS
+        return self.usable(namespace, query, k * BS, None)[0]
+
+    def insert_sliding(
+        self,
+        namespace: str,
+        path: Sequence[int],
+        blocks: Sequence[int],
+        sliding: Sequence[int],
+        locked: Counter[int],
+    ) -> None:
+        before = set(self.entries)
+        self.insert(namespace, path, blocks, locked)
+        for k in before - set(self.entries):
+            del self.sliding[k]
+        for j, s in enumerate(sliding[: len(blocks)]):
+            key = (namespace, tuple(path[: (j + 1) * BS]))
+            if key not in self.entries:
+                continue
+            if self.sliding.get(key) is None and s != RELEASED:
+                self.sliding[key] = s
+            else:
+                self.sliding.setdefault(key, None)
+
+    def old(self, key: Key) -> bool:
+        """Whether no leaf below `key` reads it in its last window."""
+        ns, p = key
+        leaves = [q for n2, q in self.entries if n2 == ns and _under(q, p)]
+        leaves = [q for q in leaves if not any(r != q and _under(r, q) for r in leaves)]
+        return len(p) <= self.first_read(min(len(q) for q in leaves))
+
+
+class SlidingCacheMachine(CacheMachine):
+    """The same machine over a model with sliding layers: the manager has a sliding pool (tight, so
+    that admissions and growth tombstone), drawn windows smaller than a block, equal to one and of
+    several; the tree's sliding blocks and tombstones are checked against `SlidingReference`, matches
+    against its usable-prefix rule, tombstoning against its order (old positions, then least recently
+    used, then earlier positions), and global eviction takes tombstoned leaves first."""
+
+    ref: SlidingReference
+
+    @initialize(window=st.sampled_from([1, 2, 3, 4, 5, 8, 13]), extra=st.integers(0, 12))
+    def start(self, window: int, extra: int) -> None:
+        # Enough for one sequence's window and largest chunk (the factory's floor), and a few more.
+        num_sliding = -(-(window + 3 * BS) // BS) + 3 + extra
+        self.kv = KVCacheManager(
+            NUM_BLOCKS, BS, enable_prefix_caching=True, num_sliding_blocks=num_sliding, sliding_window=window
+        )
+        cache = self.kv.prefix_cache
+        assert cache is not None
+        self.cache = cache
+        self.ref = SlidingReference(window)
+
+    def _locked_sliding(self) -> Counter[int]:
+        held: Counter[int] = Counter()
+        for live in self.live:
+            held.update(b for b in live.seq.sliding if b != RELEASED)
+            if live.seq.sliding_copy_source is not None:
+                held[live.seq.sliding_copy_source] += 1
+        return held
+
+    def _follow_tombstones(self, locked: Counter[int]) -> set[Key]:
+        """Entries the cache tombstoned since the reference last looked: each was unlocked."""
+        now = self.cache.sliding_entries()
+        gone = {k for k, s in self.ref.sliding.items() if s is not None and k in now and now[k] is None}
+        for key in gone:
+            block = self.ref.sliding[key]
+            assert block is not None and not locked[block], "a locked sliding block was tombstoned"
+            self.ref.sliding[key] = None
+        return gone
+
+    def _follow(self, before: set[Key], locked: Counter[int], locked_sliding: Counter[int]) -> None:
+        """After an admission or growth: what went was unlocked (the order is checked by the rules that
+        evict alone, where one call decides it)."""
+        gone = before - set(self._tree())
+        for key in gone:
+            assert not locked[self.ref.entries[key].block], "a locked block was evicted"
+            del self.ref.entries[key]
+            del self.ref.sliding[key]
+        self._follow_tombstones(locked_sliding)
+
+    @rule(namespace=namespaces, seq=tokens, budget=st.integers(1, 3 * BS))
+    def admit(self, namespace: str, seq: list[int], budget: int) -> None:
+        before = set(self.ref.entries)
+        locked, locked_sliding = self._locked(), self._locked_sliding()
+        expected, copied = self.ref.match(namespace, seq[:-1])
+        admission = self.kv.admit(namespace, seq, budget)
+        if admission is not None and admission.copy is None and copied is not None:
+            # The partial hit was given up and the whole blocks matched again.
+            expected, copied = self.ref.whole_match(namespace, seq[:-1]), None
+        self._follow(before, locked, locked_sliding)
+        if admission is None:
+            return
+        assert admission.num_cached_tokens == expected
+        if admission.copy is not None:
+            assert admission.copy[0] == copied
+            assert admission.sliding_copy is not None
+            assert (
+                admission.sliding_copy[0]
+                == self.ref.sliding[next(k for k in self.ref.entries if self.ref.entries[k].block == copied)]
+            )
+        assert admission.num_new_tokens == min(len(seq) - admission.num_cached_tokens, budget)
+        self.live.append(_Live(admission.seq, seq, admission.num_cached_tokens))
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100), n=st.integers(1, 2 * BS))
+    def compute(self, index: int, n: int) -> None:
+        live = self.live[index % len(self.live)]
+        target = min(live.computed + n, len(live.tokens))
+        before = set(self.ref.entries)
+        locked, locked_sliding = self._locked(), self._locked_sliding()
+        grown = self.kv.grow(live.seq, target)
+        self._follow(before, locked, locked_sliding)
+        if not grown:
+            return
+        published = live.seq.num_published
+        sliding = list(live.seq.sliding)
+        live.computed = target
+        self.kv.publish(live.seq, live.tokens, target)
+        full = target // BS
+        if full > published:
+            self.ref.insert_sliding(
+                live.seq.namespace, live.tokens[: full * BS], live.seq.blocks[:full], sliding, self._locked()
+            )
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def release(self, index: int) -> None:
+        live = self.live.pop(index % len(self.live))
+        computed, blocks, sliding = live.computed, list(live.seq.blocks), list(live.seq.sliding)
+        copying = live.seq.copy_source is not None
+        self.kv.release(live.seq, live.tokens, computed)
+        if computed and not copying:
+            n = -(-computed // BS)
+            self.ref.insert_sliding(
+                live.seq.namespace, live.tokens[:computed], blocks[:n], sliding, self._locked()
+            )
+
+    @rule(n=st.integers(1, NUM_BLOCKS))
+    def evict(self, n: int) -> None:
+        before = set(self.ref.entries)
+        locked = self._locked()
+        removable = len(self.ref.removable(locked))
+        freed = self.cache.evict(n)
+        assert freed == min(n, removable)
+        gone = before - set(self._tree())
+        assert len(gone) == freed
+
+        def key(k: Key) -> tuple[bool, int]:
+            return (self.ref.sliding[k] is not None, self.ref.entries[k].last_use)
+
+        survivors = self.ref.evictable_leaves(locked) - gone
+        for k in gone:
+            assert not locked[self.ref.entries[k].block], "a locked block was evicted"
+        if gone and survivors:
+            assert max(map(key, gone)) <= min(map(key, survivors)), "tombstoned leaves first, then LRU"
+        for k in gone:
+            del self.ref.entries[k]
+            del self.ref.sliding[k]
+
+    @rule(n=st.integers(1, 8))
+    def evict_sliding(self, n: int) -> None:
+        locked = self._locked_sliding()
+        candidates = {k for k, s in self.ref.sliding.items() if s is not None and not locked[s]}
+        order = {k: (not self.ref.old(k), self.ref.entries[k].last_use, len(k[1])) for k in candidates}
+        freed = self.cache.evict_sliding(n)
+        assert freed == min(n, len(candidates))
+        gone = self._follow_tombstones(locked)
+        assert len(gone) == freed
+        left = candidates - gone
+        if gone and left:
+            assert max(order[k] for k in gone) <= min(order[k] for k in left), (
+                "old positions first, then LRU, then earlier positions"
+            )
+
+    @invariant()
+    def sliding_blocks_are_the_references(self) -> None:
+        assert self.cache.sliding_entries() == self.ref.sliding
+
+
+TestSlidingCacheMachine = SlidingCacheMachine.TestCase
+TestSlidingCacheMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def _sliding_tree(window: int) -> tuple[PrefixCache, BlockPool, BlockPool]:
+    pool, sliding = BlockPool(16), BlockPool(16)
+    cache = PrefixCache(pool, BS, sliding, window)
+    blocks, windows = pool.allocate(4), sliding.allocate(4)
+    cache.insert("", list(range(4 * BS)), blocks, windows)
+    for b in blocks:
+        pool.release(b)
+    for b in windows:
+        sliding.release(b)
+    return cache, pool, sliding
+
+
+def test_tombstoning_takes_old_positions_before_the_last_window() -> None:
+    """One path inserted at once (every node equally recent): the sliding blocks that no window of its
+    end reads go first, so the whole prefix stays usable."""
+    cache, _, sliding = _sliding_tree(window=BS)
+    assert cache.evict_sliding(3) == 3
+    assert sliding.num_used == 1
+    assert cache.match("", [*range(4 * BS), 99]).num_tokens == 4 * BS
+
+
+def test_a_match_past_a_tombstone_in_its_window_is_cut_back_to_it() -> None:
+    cache, _, _ = _sliding_tree(window=2 * BS)
+    assert cache.evict_sliding(2) == 2
+    # Blocks 0 and 1 are tombstones: a prefix of 2 blocks needs block 1 (window 8 reads positions 1..7).
+    assert cache.match("", [*range(2 * BS), 99]).num_tokens == 0
+    match = cache.match("", [*range(4 * BS), 99])
+    assert match.num_tokens == 4 * BS and match.sliding[:2] == (RELEASED, RELEASED)

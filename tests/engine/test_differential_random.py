@@ -23,7 +23,10 @@ same namespace, with nothing evicted) finds it cached, and with the cache off no
 The same cases run on sliding-window models (`test_sliding_window_engine_matches_a_no_cache_engine`):
 every layer sliding or global and sliding layers mixed, windows of one token, inside a block, of exactly
 one block and of several, block sizes down to 1, prompts many windows long; each against a no-cache
-engine on the same model.
+engine on the same model. Most of them run over two pools, the sliding layers' own beside the global one,
+with the cache on as with it off: the sliding pool is the factory's split, as tight as one request's
+window and chunk allows, so that cached prefixes are tombstoned and matches cut back at tombstones
+(`KVCacheManager.check()` after every step). Skipping the cut-back makes it fail.
 
 `make test` runs a fixed (derandomized) set of examples; `KVSERVE_LONG_TESTS=1` (or
 `KVSERVE_DIFFERENTIAL_EXAMPLES=5000`) runs a longer, randomized search for nightly use.

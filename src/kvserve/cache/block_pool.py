@@ -1,5 +1,9 @@
 """BlockPool: a fixed set of KV blocks with reference counts."""
 
+# A sliding-layer entry without a block: a sequence let it go (wholly before every window it reads), or
+# a tree node's sliding part was freed (a tombstone). No pool hands out this id.
+RELEASED = -1
+
 
 class BlockPool:
     """Hands out block ids 0..num_blocks-1.

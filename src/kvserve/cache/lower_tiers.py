@@ -59,17 +59,24 @@ class LowerTiers:
         return BlockRecord(keys[j], parent, namespace, tuple(tokens[j * bs : (j + 1) * bs]))
 
     def offer(
-        self, keys: list[bytes], namespace: str, tokens: Sequence[int], blocks: Sequence[int], start: int
+        self,
+        keys: list[bytes],
+        namespace: str,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        start: int,
+        sliding: Sequence[int] | None = None,
     ) -> None:
-        """`blocks[j]` holds full block j of `tokens`, and blocks `start..` were just computed: every tier
-        that lacks one gets a copy (written behind)."""
+        """`blocks[j]` holds full block j of `tokens` (and `sliding[j]` its sliding layers' part, where
+        they have blocks of their own), and blocks `start..` were just computed: every tier that lacks
+        one gets a copy (written behind)."""
         self.extend_keys(keys, namespace, tokens, len(blocks))
         for j in range(start, len(blocks)):
             record = self.record(keys, namespace, tokens, j)
             missing = [t for t in self.tiers if not t.contains(record.key)]
             if not missing:
                 continue
-            kv = self.io.read_block(blocks[j])
+            kv = self.io.read_block(blocks[j], sliding[j] if sliding is not None else None)
             for tier in missing:
                 tier.store(record, kv)
 
@@ -119,18 +126,20 @@ class LowerTiers:
     def land(
         self,
         arrived: Sequence[Arrived],
-        fresh_block: Callable[[], int | None],
+        fresh_block: Callable[[], tuple[int, int | None] | None],
         landed: Callable[[int], None],
     ) -> LoadedBlocks:
         """Copy blocks read by `read_run`, in order, into memory: `fresh_block()` gives the memory block
-        for each one (None: the pool is short, and landing stops there); `landed(block)` is called once
-        it holds the KV, before the next `fresh_block()`."""
+        for each one and its sliding layers' block (None: none of their own, see `BlockIO`), or None when
+        the pool is short, and landing stops there; `landed(block)` is called once it holds the KV,
+        before the next `fresh_block()`."""
         loaded = LoadedBlocks()
         for tier, kv in arrived:
-            block = fresh_block()
-            if block is None:
+            fresh = fresh_block()
+            if fresh is None:
                 break
-            self.io.write_block(block, kv)
+            block, sliding = fresh
+            self.io.write_block(block, kv, sliding)
             landed(block)
             loaded.blocks.append(block)
             loaded.tiers.append(tier)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+# RELEASED is part of the manager's API: a sequence's sliding entry that it let go.
+from kvserve.cache.block_pool import RELEASED as RELEASED
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.loader import LOAD_BUDGET_S, BlockLoader, LoadJob
 from kvserve.cache.lower_tiers import LowerTiers
@@ -55,12 +57,11 @@ class SequenceBlocks:
     # `blocks[j]`, RELEASED for the first `num_released` (wholly before the next token's window).
     sliding: list[int] = field(default_factory=list)
     num_released: int = 0
-    # The tokens computed as of the last `publish` (what the sliding release was measured against).
+    # The tokens computed as of admission or the last `publish` (what the sliding release is measured
+    # against).
     num_computed: int = 0
-
-
-# A sliding entry whose block the sequence let go: wholly before every window, never read again.
-RELEASED = -1
+    # The sliding block of `copy_source`, copied alike into `sliding[num_published]`.
+    sliding_copy_source: int | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class Admission:
     """A sequence admitted with its cached prefix locked and blocks for its first chunk allocated.
 
     `num_cached_tokens` tokens need no computing; the first chunk is the next `num_new_tokens`. When
-    `copy` is set, the runner must copy block `copy[0]` into `copy[1]` before the step's forward pass.
+    `copy` is set, the runner must copy block `copy[0]` into `copy[1]` before the step's forward pass (and
+    `sliding_copy` likewise in the sliding group).
     `hits` splits the cached tokens by the tier they were found in.
     """
 
@@ -77,6 +79,8 @@ class Admission:
     num_new_tokens: int
     copy: tuple[int, int] | None = None
     hits: dict[str, int] = field(default_factory=dict)
+    # The same copy in the sliding layers' group, where its ids are its own.
+    sliding_copy: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,15 +143,19 @@ class KVCacheManager:
     - A block loaded from a lower tier is verified there first and is written before it joins the tree.
     - The loader holds host tensors only: no pool block, no reference, no tree node is ever its.
 
-    With a sliding pool (`sliding_window`: the model's largest window, and the prefix cache off):
+    With a sliding pool (`sliding_window`: the model's largest window):
     - Every sequence's `sliding` has one entry per entry of `blocks`; its first `num_released` entries
-      are RELEASED and every later one holds one reference to its sliding-pool block, so the sliding
-      pool's counts equal the live sequences' held entries and nothing else holds a sliding block.
-    - After `publish(seq, tokens, n)`, the entries released are exactly those of the blocks wholly
-      before position n - window + 1, the first the next token reads: a running sequence holds
-      ceil(window / block_size) + 1 sliding blocks at most between steps, whatever its length.
-    - A model without sliding layers, or one with the prefix cache on, has no sliding pool: its
-      sliding layers share the global blocks' ids, exactly as one pool.
+      are RELEASED and every later one holds one reference to its sliding-pool block. Each sliding
+      block's reference count equals its holders: the tree's node (one; see PrefixCache), each live
+      sequence's held entry and each sequence copying from it (`sliding_copy_source`).
+    - At admission and after `publish(seq, tokens, n)`, the entries released are exactly those of the
+      blocks wholly before position n - window + 1, the first the next token reads: a running sequence
+      holds ceil(window / block_size) + 1 sliding blocks at most between steps, whatever its length.
+    - A sequence admitted with a cached prefix of P tokens holds the global blocks of [0, P) and the
+      sliding blocks of its window, locked in the same call that found them; a tree node of a running
+      sequence's window is never a tombstone.
+    - A model without sliding layers has no sliding pool, and a sliding model whose split would shrink
+      the pool has none either: their sliding layers share the global blocks' ids, exactly as one pool.
     """
 
     def __init__(
@@ -172,23 +180,27 @@ class KVCacheManager:
         and in one namespace (0: retention off; always off without the prefix cache)."""
         if lower is not None and not enable_prefix_caching:
             raise ValueError("lower cache tiers need the prefix cache")
-        if (num_sliding_blocks > 0) != (sliding_window is not None) or (
-            num_sliding_blocks and enable_prefix_caching
-        ):
-            raise ValueError("a sliding pool needs its window, and the prefix cache off")
+        if (num_sliding_blocks > 0) != (sliding_window is not None):
+            raise ValueError("a sliding pool needs its window")
         if not 0 <= max_pinned_blocks < num_blocks:
             raise ValueError("the pinned blocks must leave at least one block of the pool unpinned")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.sliding_pool = BlockPool(num_sliding_blocks) if num_sliding_blocks else None
         self.sliding_window = sliding_window
-        self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.prefix_cache = (
+            PrefixCache(self.pool, block_size, self.sliding_pool, sliding_window)
+            if enable_prefix_caching
+            else None
+        )
         self.lower = lower
         self.loader = BlockLoader(lower, budget_s=load_budget_s) if lower is not None else None
         self.max_pinned_blocks = max_pinned_blocks
         self.clock = clock
         self._live: set[SequenceBlocks] = set()
-        self._pins = Pins(self.pool, max_pinned_blocks, max_pinned_blocks_per_namespace, block_size)
+        self._pins = Pins(
+            self.pool, max_pinned_blocks, max_pinned_blocks_per_namespace, block_size, self.sliding_pool
+        )
         retained = max_retained_blocks if enable_prefix_caching else 0
         self._retentions = Retentions(self.pool, retained, max_retained_blocks_per_namespace, block_size)
 
@@ -275,8 +287,7 @@ class KVCacheManager:
         if self.prefix_cache is not None:
             prompt = tokens[: self._cache_limit(tokens, max_cached)]
             match = self.prefix_cache.match(namespace, prompt)
-            seq.blocks = list(match.blocks)
-            self._lock(seq.blocks)
+            self._hold(seq, match)
             hits[TIER_MEMORY] = match.num_tokens
             landing = self._continuing(load, seq, prompt, arrived) if load is not None else []
             if self._land(seq, prompt, landing, hits):
@@ -286,23 +297,57 @@ class KVCacheManager:
             if match.partial_block is not None:
                 self._lock([match.partial_block])
                 seq.copy_source = match.partial_block
+                if self.sliding_pool is not None:
+                    assert match.partial_sliding is not None
+                    self.sliding_pool.ref(match.partial_sliding)
+                    seq.sliding_copy_source = match.partial_sliding
                 n = min(len(tokens) - cached, budget)
                 if self._extend(seq, cached + n):
                     return self._admitted(seq, cached, n, hits)
                 # The copy source is one block more than the chunk itself needs; in a pool that can
                 # hold the chunk but not both, give up the partial hit rather than never admitting.
-                self.pool.release(match.partial_block)
-                seq.copy_source = None
+                self._drop_copy_source(seq)
                 hits[TIER_MEMORY] = len(match.blocks) * self.block_size
+                if self.sliding_pool is not None:
+                    # The whole blocks' window starts earlier, where a tombstone may lie: match again.
+                    self._release_all(seq)
+                    match = self.prefix_cache.match(namespace, prompt, record_hit=False, partial=False)
+                    self._hold(seq, match)
+                    hits[TIER_MEMORY] = match.num_tokens
             cached = len(seq.blocks) * self.block_size
         else:
             cached = 0
         n = min(len(tokens) - cached, budget)
         if self._extend(seq, cached + n):
             return self._admitted(seq, cached, n, hits)
+        self._release_all(seq)
+        return None
+
+    def _hold(self, seq: SequenceBlocks, match: MatchResult) -> None:
+        """Lock a match for `seq`: its global blocks, and with a sliding pool the sliding blocks of its
+        window (the entries before it are RELEASED)."""
+        seq.blocks = list(match.blocks)
+        self._lock(seq.blocks)
+        if self.sliding_pool is not None:
+            seq.sliding = list(match.sliding)
+            for b in seq.sliding:
+                if b != RELEASED:
+                    self.sliding_pool.ref(b)
+            seq.num_released = seq.sliding.count(RELEASED)
+
+    def _release_all(self, seq: SequenceBlocks) -> None:
         self._release_blocks(seq.blocks)
         self._release_sliding(seq)
-        return None
+        seq.blocks = []
+
+    def _drop_copy_source(self, seq: SequenceBlocks) -> None:
+        if seq.copy_source is not None:
+            self.pool.release(seq.copy_source)
+            seq.copy_source = None
+        if seq.sliding_copy_source is not None:
+            assert self.sliding_pool is not None
+            self.sliding_pool.release(seq.sliding_copy_source)
+            seq.sliding_copy_source = None
 
     def _continuing(
         self, job: LoadJob, seq: SequenceBlocks, prompt: Sequence[int], arrived: list[Arrived]
@@ -324,26 +369,69 @@ class KVCacheManager:
     ) -> int:
         """Copy `arrived` (read from the lower tiers, continuing `seq`'s memory match of `tokens`) into
         fresh blocks of `seq` (evicting if needed); each joins the tree and stays locked for `seq`.
+        With a sliding pool only the blocks of the run's last window get their sliding part (the
+        others join the tree as tombstones), and the sequence keeps the longest usable prefix.
         Returns how many landed."""
         if self.lower is None or self.prefix_cache is None or not arrived:
             return 0
         cache, bs, start = self.prefix_cache, self.block_size, len(seq.blocks)
+        first_read = cache.first_read((start + len(arrived)) * bs) if self.sliding_pool is not None else 0
 
-        def fresh_block() -> int | None:
-            return seq.blocks[-1] if self._extend(seq, (len(seq.blocks) + 1) * bs) else None
+        def fresh_block() -> tuple[int, int | None] | None:
+            if not self._extend(seq, (len(seq.blocks) + 1) * bs):
+                return None
+            if self.sliding_pool is None:
+                return seq.blocks[-1], None
+            if len(seq.blocks) * bs <= first_read:
+                self.sliding_pool.release(seq.sliding[-1])
+                seq.sliding[-1] = RELEASED
+                return seq.blocks[-1], None
+            return seq.blocks[-1], seq.sliding[-1]
 
         def landed(block: int) -> None:
-            cache.insert(seq.namespace, tokens[: len(seq.blocks) * bs], seq.blocks)
+            sliding = seq.sliding if self.sliding_pool is not None else None
+            cache.insert(seq.namespace, tokens[: len(seq.blocks) * bs], seq.blocks, sliding)
 
         loaded = self.lower.land(arrived, fresh_block, landed)
         # A block taken for a load that did not land holds nothing.
-        self._release_blocks(seq.blocks[start + len(loaded.blocks) :])
-        del seq.blocks[start + len(loaded.blocks) :]
-        for tier in loaded.tiers:
+        self._truncate(seq, start + len(loaded.blocks))
+        if self.sliding_pool is not None:
+            self._truncate(seq, self._usable_blocks(seq))
+        num_landed = max(0, len(seq.blocks) - start)
+        for tier in loaded.tiers[:num_landed]:
             hits[tier] = hits.get(tier, 0) + bs
-        if loaded.blocks:
+        if num_landed:
             hits[TIER_MEMORY] = start * bs
-        return len(loaded.blocks)
+        return num_landed
+
+    def _truncate(self, seq: SequenceBlocks, num_blocks: int) -> None:
+        """Let go of `seq`'s blocks from `num_blocks` on (those in the tree stay there)."""
+        self._release_blocks(seq.blocks[num_blocks:])
+        del seq.blocks[num_blocks:]
+        if self.sliding_pool is not None:
+            for b in seq.sliding[num_blocks:]:
+                if b != RELEASED:
+                    self.sliding_pool.release(b)
+            del seq.sliding[num_blocks:]
+
+    def _usable_blocks(self, seq: SequenceBlocks) -> int:
+        """How many of `seq`'s whole blocks form a usable prefix (the PrefixCache's rule over its own
+        entries), its sliding entries then released exactly before that prefix's window."""
+        assert self.prefix_cache is not None and self.sliding_pool is not None
+        bs, m = self.block_size, len(seq.blocks)
+        while m:
+            lo = self.prefix_cache.first_read(m * bs) // bs
+            dead = next((j for j in range(m - 1, lo - 1, -1) if seq.sliding[j] == RELEASED), None)
+            if dead is None:
+                break
+            m = dead
+        lo = self.prefix_cache.first_read(m * bs) // bs
+        for j in range(min(lo, len(seq.sliding))):
+            if seq.sliding[j] != RELEASED:
+                self.sliding_pool.release(seq.sliding[j])
+                seq.sliding[j] = RELEASED
+        seq.num_released = min(lo, m)
+        return m
 
     def _read_now(self, namespace: str, tokens: Sequence[int], start: int) -> list[Arrived]:
         """The blocks `start..` of `tokens` the lower tiers hold, read on this thread within the loader's
@@ -362,11 +450,15 @@ class KVCacheManager:
 
     def _admitted(self, seq: SequenceBlocks, cached: int, n: int, hits: dict[str, int]) -> Admission:
         seq.num_published = cached // self.block_size
+        if self.sliding_pool is not None:
+            seq.num_computed = cached
         self._live.add(seq)
-        copy = None
+        copy = sliding_copy = None
         if seq.copy_source is not None:
             copy = (seq.copy_source, seq.blocks[seq.num_published])
-        return Admission(seq, cached, n, copy, {tier: n for tier, n in hits.items() if n})
+        if seq.sliding_copy_source is not None:
+            sliding_copy = (seq.sliding_copy_source, seq.sliding[seq.num_published])
+        return Admission(seq, cached, n, copy, {tier: n for tier, n in hits.items() if n}, sliding_copy)
 
     def grow(self, seq: SequenceBlocks, num_tokens: int) -> bool:
         """Make `seq.blocks` cover `num_tokens` tokens; False, with nothing taken, if the pool cannot."""
@@ -387,6 +479,9 @@ class KVCacheManager:
         if need > self.pool.num_free:
             return False
         if self.sliding_pool is not None:
+            short = need - self.sliding_pool.num_free
+            if short > 0 and self.prefix_cache is not None:
+                self.prefix_cache.evict_sliding(short)
             if need > self.sliding_pool.num_free:
                 return False
             seq.sliding += self.sliding_pool.allocate(need)
@@ -410,6 +505,7 @@ class KVCacheManager:
             return
         seq.num_computed = num_computed
         first_read = max(0, num_computed - self.sliding_window + 1)
+        # A sequence never takes back what it let go: only a longer computed prefix releases more.
         for j in range(seq.num_released, first_read // self.block_size):
             self.sliding_pool.release(seq.sliding[j])
             seq.sliding[j] = RELEASED
@@ -418,15 +514,18 @@ class KVCacheManager:
     def publish(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:
         """The KV of `tokens[:num_computed]` is computed: publish every newly full block, and let go of the
         copy source (the step that copied it has run)."""
-        if seq.copy_source is not None:
-            self.pool.release(seq.copy_source)
-            seq.copy_source = None
+        self._drop_copy_source(seq)
         full = num_computed // self.block_size
         if full > seq.num_published:
+            sliding = seq.sliding[:full] if self.sliding_pool is not None else None
             if self.prefix_cache is not None:
-                self.prefix_cache.insert(seq.namespace, tokens[: full * self.block_size], seq.blocks[:full])
+                self.prefix_cache.insert(
+                    seq.namespace, tokens[: full * self.block_size], seq.blocks[:full], sliding
+                )
             if self.lower is not None:
-                self.lower.offer(seq.keys, seq.namespace, tokens, seq.blocks[:full], seq.num_published)
+                self.lower.offer(
+                    seq.keys, seq.namespace, tokens, seq.blocks[:full], seq.num_published, sliding
+                )
             seq.num_published = full
         self._release_passed(seq, num_computed)
 
@@ -436,11 +535,11 @@ class KVCacheManager:
         if seq.copy_source is not None:
             # Released before the step that copies: the block meant to receive the copy holds nothing,
             # and every full block before it came from the tree, so there is nothing to publish.
-            self.pool.release(seq.copy_source)
-            seq.copy_source = None
+            self._drop_copy_source(seq)
         elif self.prefix_cache is not None and num_computed:
-            blocks = seq.blocks[: _blocks_for(num_computed, self.block_size)]
-            self.prefix_cache.insert(seq.namespace, tokens[:num_computed], blocks)
+            n = _blocks_for(num_computed, self.block_size)
+            sliding = seq.sliding[:n] if self.sliding_pool is not None else None
+            self.prefix_cache.insert(seq.namespace, tokens[:num_computed], seq.blocks[:n], sliding)
         self._release_blocks(seq.blocks)
         self._release_sliding(seq)
         seq.blocks = []
@@ -466,7 +565,8 @@ class KVCacheManager:
         return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
     def pin(self, namespace: str, tokens: Sequence[int], ttl_s: float) -> Pin | None:
-        """Hold the full blocks of `tokens` in memory for `ttl_s` seconds. A pin of the same prefix in
+        """Hold the full blocks of `tokens` in memory for `ttl_s` seconds (with a sliding pool, and the
+        sliding blocks of their last window, so that the prefix stays usable). A pin of the same prefix in
         the same namespace is extended instead. Returns None, holding nothing, when the prefix is not
         wholly cached (in memory or a lower tier): compute it, then pin again.
 
@@ -482,16 +582,15 @@ class KVCacheManager:
             return extended
         seq = SequenceBlocks(namespace)
         try:
-            seq.blocks = list(self.prefix_cache.match(namespace, prefix).blocks)
-            self._lock(seq.blocks)
+            self._hold(seq, self.prefix_cache.match(namespace, prefix))
             self._land(seq, prefix, self._read_now(namespace, prefix, len(seq.blocks)), {})
             if len(seq.blocks) < len(prefix) // self.block_size:
                 return None
-            return self._pins.add(namespace, prefix, seq.blocks, expires_at)
+            return self._pins.add(namespace, prefix, seq.blocks, expires_at, seq.sliding)
         finally:
             # A made pin holds references of its own; however the pin ends (made, not cached, refused,
             # or anything raising), the lock that found its blocks goes: a leak would shrink the pool.
-            self._release_blocks(seq.blocks)
+            self._release_all(seq)
 
     def unpin(self, namespace: str, pin_id: str) -> bool:
         """Let go of a pin of `namespace`; False if there is none by that id (or it is another's)."""
@@ -649,14 +748,31 @@ class KVCacheManager:
         self._check_sliding()
 
     def _check_sliding(self) -> None:
-        """The sliding pool's invariants (see the class docstring)."""
+        """The sliding pool's invariants (see the class and PrefixCache docstrings)."""
         pool = self.sliding_pool
         if pool is None:
-            if any(seq.sliding for seq in self._live):
+            if any(seq.sliding or seq.sliding_copy_source is not None for seq in self._live):
                 raise AssertionError("a sequence holds sliding blocks without a sliding pool")
+            if self.prefix_cache is not None and any(self.prefix_cache.sliding_entries().values()):
+                raise AssertionError("a tree node holds a sliding block without a sliding pool")
             return
         holders: Counter[int] = Counter()
+        tree: dict[int, int | None] = {}
+        if self.prefix_cache is not None:
+            entries = self.prefix_cache.sliding_entries()
+            held_by_tree = [b for b in entries.values() if b is not None]
+            if len(set(held_by_tree)) != len(held_by_tree):
+                raise AssertionError("two tree nodes hold one sliding block")
+            holders.update(held_by_tree)
+            tree = {b: entries[(ns, path)] for ns, path, b in self.prefix_cache.entries()}
+        for pin in self._pins.all():
+            holders.update(pin.sliding)
         for seq in self._live:
+            if seq.sliding_copy_source is not None:
+                holders[seq.sliding_copy_source] += 1
+            for j in range(seq.num_released, seq.num_published):
+                if seq.blocks[j] in tree and tree[seq.blocks[j]] is None:
+                    raise AssertionError("a tombstone lies inside a running sequence's window")
             if len(seq.sliding) != len(seq.blocks):
                 raise AssertionError("a sequence's sliding entries do not match its blocks")
             released, held = seq.sliding[: seq.num_released], seq.sliding[seq.num_released :]

@@ -5,8 +5,10 @@ table the KVCacheManager keeps: its pins also own their pool references, as the 
 tree's. The manager locks a cached prefix's blocks and hands them to `add`, which takes the pin's own
 reference to each; `remove` and `expire` give them back. Together they keep these invariants
 (`KVCacheManager.check` verifies them):
-- Every pin in `Pins` owns one pool reference to each of its `blocks`, so a pinned block is never
-  evictable; a pin leaves it only through `remove` (unpinned) or `expire` (its time is over), and its
+- Every pin in `Pins` owns one pool reference to each of its `blocks`, and with a sliding pool one to
+  each of its `sliding` blocks (those of its prefix's last window, what keeps the prefix usable), so a
+  pinned block is never evictable nor a pinned window tombstoned;
+  a pin leaves it only through `remove` (unpinned) or `expire` (its time is over), and its
   references go with it.
 - The distinct blocks of all pins never exceed `max_blocks`, nor those of one namespace (a tenant or a
   shared group) `max_blocks_per_namespace`: `add` refuses a pin that would exceed either before it
@@ -17,9 +19,9 @@ reference to each; `remove` and `expire` give them back. Together they keep thes
 import itertools
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.block_pool import RELEASED, BlockPool
 
 
 class PinRefused(ValueError):
@@ -29,13 +31,16 @@ class PinRefused(ValueError):
 @dataclass(eq=False)
 class Pin:
     """A prefix held in memory until `expires_at` (the manager's clock): it owns one pool reference to
-    each of `blocks`, the full blocks of `tokens`."""
+    each of `blocks`, the full blocks of `tokens`, and one sliding-pool reference to each of `sliding`,
+    the sliding blocks of its last window (none without a sliding pool). `max_blocks` counts `blocks`:
+    the sliding ones are ceil(window / block_size) + 1 at most."""
 
     pin_id: str
     namespace: str
     tokens: tuple[int, ...]
     blocks: list[int]
     expires_at: float
+    sliding: list[int] = field(default_factory=list)
 
 
 class PinTable:
@@ -132,17 +137,35 @@ class Pins(PinTable):
     """A PinTable whose pins own one pool reference to each of their blocks."""
 
     def __init__(
-        self, pool: BlockPool, max_blocks: int, max_blocks_per_namespace: int | None, block_size: int
+        self,
+        pool: BlockPool,
+        max_blocks: int,
+        max_blocks_per_namespace: int | None,
+        block_size: int,
+        sliding_pool: BlockPool | None = None,
     ) -> None:
         super().__init__(max_blocks, max_blocks_per_namespace, block_size)
         self.pool = pool
+        self.sliding_pool = sliding_pool
 
-    def add(self, namespace: str, prefix: tuple[int, ...], blocks: list[int], expires_at: float) -> Pin:
-        """Record a pin of `prefix` held in `blocks` (locked by the caller, who keeps its own references)
-        and take the pin's reference to each; PinRefused, taking nothing, over a cap."""
+    def add(
+        self,
+        namespace: str,
+        prefix: tuple[int, ...],
+        blocks: list[int],
+        expires_at: float,
+        sliding: Sequence[int] = (),
+    ) -> Pin:
+        """Record a pin of `prefix` held in `blocks` and the sliding blocks `sliding` (RELEASED entries
+        skipped; all locked by the caller, who keeps its own references) and take the pin's reference
+        to each; PinRefused, taking nothing, over a cap."""
         pin = super().add(namespace, prefix, list(blocks), expires_at)
         for b in pin.blocks:
             self.pool.ref(b)
+        if self.sliding_pool is not None:
+            pin.sliding = [b for b in sliding if b != RELEASED]
+            for b in pin.sliding:
+                self.sliding_pool.ref(b)
         return pin
 
     def remove(self, namespace: str, pin_id: str) -> Pin | None:
@@ -152,6 +175,9 @@ class Pins(PinTable):
         if pin is not None:
             for b in pin.blocks:
                 self.pool.release(b)
+            if self.sliding_pool is not None:
+                for b in pin.sliding:
+                    self.sliding_pool.release(b)
         return pin
 
     def expire(self, now: float) -> int:

@@ -5,6 +5,11 @@ tokens) or, at a leaf, a partial block (fewer tokens, e.g. the tail of a finishe
 found by their exact token tuple; a partial match is found by the longest common prefix among the
 children, and is reported so that the caller copies that block before writing into it (copy on write).
 Hits are therefore exact to the token, not rounded down to a block boundary.
+
+With a sliding pool (a model whose sliding layers hold their KV in blocks of their own), a node also
+keeps the sliding layers' block of its positions, or a tombstone (`sliding` None) once that block was
+freed. A cached prefix is usable only where its last window still has its sliding blocks: `match` cuts
+a match back to the last prefix whose window is whole (see `PrefixCache`).
 """
 
 import heapq
@@ -14,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.block_pool import RELEASED, BlockPool
 
 
 @dataclass(eq=False)
@@ -29,6 +34,8 @@ class _Node:
     namespace: str = ""
     hits: int = 0
     last_hit: float = 0.0
+    # The sliding layers' block of the same positions (with a sliding pool); None: a tombstone.
+    sliding: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,11 +61,17 @@ class MatchResult:
     `blocks` are full blocks holding tokens [0, len(blocks) * block_size). If `partial_block` is set, its
     first `num_tokens - len(blocks) * block_size` tokens hold the rest of the match; it belongs to the
     cache and must be copied, never written. The result holds no reference: lock what you use at once.
+
+    With a sliding pool, `sliding[j]` is the sliding block of `blocks[j]` for the blocks that the next
+    token's window reads (from `first_read(num_tokens)` on), RELEASED before them, and
+    `partial_sliding` the partial block's sliding block.
     """
 
     blocks: tuple[int, ...] = ()
     num_tokens: int = 0
     partial_block: int | None = None
+    sliding: tuple[int, ...] = ()
+    partial_sliding: int | None = None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -78,11 +91,34 @@ class PrefixCache:
       tree's is unlocked, any other reference (a running request) locks it.
     - Only leaves whose block is unlocked are evicted, least recently used first, and only by `evict`.
     - Partial blocks are only ever leaves; a match never crosses namespaces.
+
+    With a sliding pool (`sliding_pool`, `window` the model's largest window):
+    - Every node holds its global block; its sliding block, when it has one, is another tree reference
+      (in the sliding pool), and no two nodes share one. A node whose sliding block only the tree holds
+      may be tombstoned (`evict_sliding`): the block is freed, the node stays.
+    - A prefix of length P is usable when the nodes that the next token's window reads, those holding
+      positions from `first_read(P)` on, all hold their sliding blocks. `match` returns the longest
+      usable prefix of its walk: a match past a tombstone inside the last window is cut back to the
+      tombstone's block, and a partial leaf is used only if its own window is whole.
+    - Tombstoning takes unlocked sliding blocks of old positions first (nodes no leaf below reads in its
+      last window), least recently used first; evicting a leaf frees its sliding block with it, and
+      leaves that are tombstones (no match can end there) go first.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        sliding_pool: BlockPool | None = None,
+        window: int | None = None,
+    ) -> None:
+        if (sliding_pool is None) != (window is None):
+            raise ValueError("a sliding pool needs its window")
         self.pool = pool
         self.block_size = block_size
+        self.sliding_pool = sliding_pool
+        self.window = window
+        self.num_tombstoned = 0
         self._roots: dict[str, _Node] = {}
         self._clock = itertools.count(1)
         # Eviction only ever looks at leaves; in chat workloads they are few next to the inner nodes.
@@ -101,30 +137,38 @@ class PrefixCache:
             root = self._roots[namespace] = _Node((), -1, None, namespace=namespace)
         return root
 
-    def match(self, namespace: str, tokens: Sequence[int], record_hit: bool = True) -> MatchResult:
-        """Longest cached prefix of `tokens`; marks the matched nodes as recently used and, with
-        `record_hit`, counts a hit where the match ended.
+    def first_read(self, num_tokens: int) -> int:
+        """The first position that the token after `num_tokens` computed ones reads in its window."""
+        assert self.window is not None
+        return max(0, num_tokens - self.window + 1)
+
+    def match(
+        self, namespace: str, tokens: Sequence[int], record_hit: bool = True, partial: bool = True
+    ) -> MatchResult:
+        """Longest usable cached prefix of `tokens`; marks the matched nodes as recently used and, with
+        `record_hit`, counts a hit where the match ended. `partial` False: whole blocks only.
 
         Full blocks are followed by exact token tuple; the rest is matched against the last full node's
-        children by longest common prefix, ties to the most recently used child.
+        children by longest common prefix, ties to the most recently used child. With a sliding pool the
+        match is then cut back to its longest usable prefix (the class docstring's rule).
         """
         bs = self.block_size
         node = self._roots.get(namespace)
         if node is None:
             return MatchResult()
         now = next(self._clock)
-        blocks: list[int] = []
+        path: list[_Node] = []
         i = 0
         while i + bs <= len(tokens):
             child = node.children.get(tuple(tokens[i : i + bs]))
             if child is None:
                 break
             child.last_access = now
-            blocks.append(child.block)
+            path.append(child)
             node = child
             i += bs
         best, best_node = 0, None
-        rest = tokens[i : i + bs]
+        rest = tokens[i : i + bs] if partial else ()
         for child in node.children.values():
             n = _common_prefix(child.tokens, rest)
             # Ties go to the most recently used child, so that which block is copied (and kept warm) is
@@ -133,14 +177,48 @@ class PrefixCache:
                 n == best and best_node is not None and child.last_access > best_node.last_access
             ):
                 best, best_node = n, child
+        if best_node is not None:
+            best_node.last_access = now
+        if self.sliding_pool is not None:
+            path, best_node, best = self._usable(path, best_node, best)
+        blocks = tuple(n.block for n in path)
         if best_node is None:
-            if i and record_hit:
-                self._record_hit(node)
-            return MatchResult(tuple(blocks), i)
-        best_node.last_access = now
+            if path and record_hit:
+                self._record_hit(path[-1])
+            return MatchResult(blocks, len(path) * bs, sliding=self._window_blocks(path, len(path) * bs))
         if record_hit:
             self._record_hit(best_node)
-        return MatchResult(tuple(blocks), i + best, best_node.block)
+        end = len(path) * bs + best
+        return MatchResult(blocks, end, best_node.block, self._window_blocks(path, end), best_node.sliding)
+
+    def _usable(
+        self, path: list[_Node], partial: _Node | None, n_partial: int
+    ) -> tuple[list[_Node], _Node | None, int]:
+        """The longest usable prefix of a match (full nodes `path`, then `n_partial` tokens of
+        `partial`): from the end back, a tombstone inside the window cuts the match to its block."""
+        bs = self.block_size
+        nodes = path + ([partial] if partial is not None else [])
+        m, end = len(nodes), len(path) * bs + (n_partial if partial is not None else 0)
+        while m:
+            lo = self.first_read(end) // bs
+            dead = next((j for j in range(m - 1, lo - 1, -1) if nodes[j].sliding is None), None)
+            if dead is None:
+                break
+            m, end = dead, dead * bs
+        if m > len(path):
+            return path, partial, n_partial
+        return path[:m], None, 0
+
+    def _window_blocks(self, path: list[_Node], end: int) -> tuple[int, ...]:
+        """The sliding blocks of `path` that the token after `end` reads, RELEASED before them."""
+        if self.sliding_pool is None:
+            return ()
+        lo = self.first_read(end) // self.block_size
+        out = [RELEASED] * min(lo, len(path))
+        for node in path[lo:]:
+            assert node.sliding is not None, "a usable prefix has no tombstone in its window"
+            out.append(node.sliding)
+        return tuple(out)
 
     HOT_LIMIT = 1024
 
@@ -188,11 +266,20 @@ class PrefixCache:
             )
         return out
 
-    def insert(self, namespace: str, tokens: Sequence[int], blocks: Sequence[int]) -> int:
-        """Record that blocks[j] holds tokens[j*bs : (j+1)*bs] (the last block may be partial).
+    def insert(
+        self,
+        namespace: str,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        sliding: Sequence[int] | None = None,
+    ) -> int:
+        """Record that blocks[j] holds tokens[j*bs : (j+1)*bs] (the last block may be partial), and with
+        a sliding pool that sliding[j] holds the same positions in the sliding layers (RELEASED: the
+        caller let it go, the node is a tombstone).
 
         Every token must already have its KV computed. Blocks the tree lacks gain a tree reference;
-        where the tree already holds the same tokens, its own block stays. Returns the number of new nodes.
+        where the tree already holds the same tokens, its own block stays, and a tombstone there takes
+        the given sliding block. Returns the number of new nodes.
         """
         bs = self.block_size
         if len(blocks) != -(-len(tokens) // bs):
@@ -215,6 +302,10 @@ class PrefixCache:
                 self.num_nodes += 1
                 self._nodes_in[namespace] += 1
                 added += 1
+            if child.sliding is None and sliding is not None and sliding[j] != RELEASED:
+                assert self.sliding_pool is not None
+                child.sliding = sliding[j]
+                self.sliding_pool.ref(sliding[j])
             child.last_access = now
             node = child
         return added
@@ -247,6 +338,9 @@ class PrefixCache:
         if not parent.children and parent.parent is not None:
             self._leaves.add(parent)
         self.pool.release(node.block)
+        if node.sliding is not None:
+            assert self.sliding_pool is not None
+            self.sliding_pool.release(node.sliding)
         self.num_nodes -= 1
         self._nodes_in[node.namespace] -= 1
         if not self._nodes_in[node.namespace]:
@@ -255,19 +349,58 @@ class PrefixCache:
     def _evictable(self, node: _Node) -> bool:
         return node.parent is not None and not node.children and self.pool.ref_count(node.block) == 1
 
+    def _eviction_key(self, node: _Node) -> tuple[bool, int, int]:
+        # With a sliding pool a tombstoned leaf goes first: no match can end there.
+        return (self.sliding_pool is None or node.sliding is not None, node.last_access, id(node))
+
     def evict(self, num_blocks: int) -> int:
-        """Free up to `num_blocks` unlocked leaf blocks, least recently used first; returns how many."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves if self._evictable(n)]
+        """Free up to `num_blocks` unlocked leaf blocks, least recently used first (tombstoned leaves
+        before the others); returns how many."""
+        heap = [(self._eviction_key(n), n) for n in self._leaves if self._evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_blocks:
-            _, _, node = heapq.heappop(heap)
+            _, node = heapq.heappop(heap)
             parent = node.parent
             self._remove(node)
             freed += 1
             if parent is not None and self._evictable(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                heapq.heappush(heap, (self._eviction_key(parent), parent))
         self.num_evicted += freed
+        return freed
+
+    def evict_sliding(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` sliding blocks that only the tree holds, tombstoning their nodes: old
+        positions first (nodes that no leaf below reads in its last window), each kind least recently
+        used first, and among equally recent ones the earlier positions first. Returns how many; walks
+        the tree (called only when the sliding pool is short)."""
+        pool = self.sliding_pool
+        if pool is None:
+            return 0
+        candidates: list[tuple[bool, int, int, int, _Node]] = []
+        for root in self._roots.values():
+            order: list[_Node] = []
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                order.append(node)
+                stack.extend(node.children.values())
+            # The shallowest leaf below each node, children before parents.
+            lowest: dict[_Node, int] = {}
+            for node in reversed(order):
+                lowest[node] = min((lowest[c] for c in node.children.values()), default=node.depth)
+            for node in order:
+                if node.sliding is not None and pool.ref_count(node.sliding) == 1:
+                    read = node.depth > self.first_read(lowest[node])
+                    # A path published together is equally recent: its earlier positions go first.
+                    candidates.append((read, node.last_access, node.depth, id(node), node))
+        freed = 0
+        for *_, node in heapq.nsmallest(num_blocks, candidates):
+            assert node.sliding is not None
+            pool.release(node.sliding)
+            node.sliding = None
+            freed += 1
+        self.num_tombstoned += freed
         return freed
 
     def reset(self) -> int:
@@ -275,6 +408,18 @@ class PrefixCache:
         freed = self.evict(self.num_nodes)
         self.num_evicted -= freed
         return freed
+
+    def sliding_entries(self) -> dict[tuple[str, tuple[int, ...]], int | None]:
+        """Every node's sliding block (None: a tombstone, or no sliding pool) by (namespace, tokens from
+        the root through the node)."""
+        out: dict[tuple[str, tuple[int, ...]], int | None] = {}
+        for namespace, root in self._roots.items():
+            stack = [(child, child.tokens) for child in root.children.values()]
+            while stack:
+                node, path = stack.pop()
+                out[(namespace, path)] = node.sliding
+                stack.extend((c, path + c.tokens) for c in node.children.values())
+        return out
 
     def entries(self) -> list[tuple[str, tuple[int, ...], int]]:
         """Every node as (namespace, tokens from the root through this node, block)."""

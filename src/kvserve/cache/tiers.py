@@ -140,12 +140,14 @@ class Prefetching(Protocol):
 
 
 class BlockIO(Protocol):
-    """Reads and writes one memory block's KV (the model's KVCache), whatever its tensor layout."""
+    """Reads and writes one memory block's KV (the model's KVCache), whatever its tensor layout. Where
+    the sliding layers have block ids of their own, `sliding_block` is the same positions' block there;
+    None writes the global layers only."""
 
     dtype: torch.dtype
 
-    def read_block(self, block: int) -> torch.Tensor: ...
+    def read_block(self, block: int, sliding_block: int | None = None) -> torch.Tensor: ...
 
-    def write_block(self, block: int, data: torch.Tensor) -> None: ...
+    def write_block(self, block: int, data: torch.Tensor, sliding_block: int | None = None) -> None: ...
 
     def block_shape(self) -> tuple[int, ...]: ...

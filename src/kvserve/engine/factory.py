@@ -157,7 +157,7 @@ def _pools(config: EngineConfig, model: LoadedModel, max_model_len: int, one_poo
     """The global pool's blocks and the sliding layers' own pool's (0: none, the sliding layers share the
     global ids) from `--kv-cache-memory`; `one_pool` is the blocks of every layer it holds.
 
-    A sliding model with the prefix cache off splits the memory so that one request at `max_model_len`
+    A sliding model splits the memory (with the prefix cache on or off) so that one request at `max_model_len`
     fills both pools alike: global bytes / sliding bytes = G * L / (S * (W + 2 * block_size)), G and S
     the global and sliding layers, L the context and W the largest window. The sliding pool holds at
     least one request's window and largest chunk, so a request the global pool fits is always admitted.
@@ -167,7 +167,7 @@ def _pools(config: EngineConfig, model: LoadedModel, max_model_len: int, one_poo
     """
     c, bs = model.config, config.block_size
     windows = [w for w in c.windows if w is not None]
-    if not windows or config.enable_prefix_caching:
+    if not windows:
         return one_pool, 0
     layer_block = kv_bytes_per_token(c, config.kv_cache_dtype) // c.num_layers * bs
     num_sliding, num_global = len(windows), c.num_layers - len(windows)

@@ -53,6 +53,7 @@ class ScheduledStep:
     decodes: list[tuple[Request, SequenceChunk]] = field(default_factory=list)
     prefills: list[tuple[Request, SequenceChunk]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    sliding_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
 
     @property
@@ -61,6 +62,7 @@ class ScheduledStep:
             decodes=[c for _, c in self.decodes],
             prefills=[c for _, c in self.prefills],
             block_copies=list(self.block_copies),
+            sliding_copies=list(self.sliding_copies),
         )
 
     @property
@@ -283,6 +285,8 @@ class Scheduler:
             self.counters.hits_by_tier.update(admission.hits)
             if admission.copy is not None:
                 step.block_copies.append(admission.copy)
+            if admission.sliding_copy is not None:
+                step.sliding_copies.append(admission.sliding_copy)
             self._add_chunk(step, request, admission.num_new_tokens)
             budget -= admission.num_new_tokens
             admitted.append(request)

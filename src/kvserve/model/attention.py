@@ -84,7 +84,8 @@ class KVCache:
 
     def read_block(self, block: int, sliding_block: int | None = None) -> torch.Tensor:
         """A CPU copy of one block's K and V in every layer, [2, layers, block_size, kv_heads, head_dim],
-        from global block `block` and sliding block `sliding_block` (default: `block`).
+        from global block `block` and sliding block `sliding_block` (where the sliding group's ids are
+        its own; with one id space `block` serves both).
 
         The copy's layout is the exchange format of the cache tiers, whatever the cache's own layout, so
         that a block written by one layout reads back under another.
@@ -93,7 +94,9 @@ class KVCache:
         rows = slice(block * bs, (block + 1) * bs)
         if not self.num_sliding_layers:
             return torch.stack((self.k[:, rows], self.v[:, rows])).to("cpu", copy=True)
-        s = block if sliding_block is None else sliding_block
+        s = block if self.shared_ids else sliding_block
+        if s is None:
+            raise ValueError("the sliding layers have ids of their own: name the block's sliding block")
         srows = slice(s * bs, (s + 1) * bs)
         layers = [
             torch.stack((self.sliding_k[j, srows], self.sliding_v[j, srows]))
@@ -104,16 +107,20 @@ class KVCache:
         return torch.stack(layers, dim=1).to("cpu", copy=True)
 
     def write_block(self, block: int, data: torch.Tensor, sliding_block: int | None = None) -> None:
-        """Overwrite one block's K and V with `data` as `read_block` returns it."""
+        """Overwrite one block's K and V with `data` as `read_block` returns it. Where the sliding group's
+        ids are its own, its layers are written to `sliding_block`, and not at all when that is None
+        (a block whose sliding part is not kept)."""
         bs = self.block_size
         rows = slice(block * bs, (block + 1) * bs)
         if not self.num_sliding_layers:
             self.k[:, rows] = data[0].to(self.k.device)
             self.v[:, rows] = data[1].to(self.v.device)
             return
-        s = block if sliding_block is None else sliding_block
-        srows = slice(s * bs, (s + 1) * bs)
+        s = block if self.shared_ids else sliding_block
+        srows = slice(s * bs, (s + 1) * bs) if s is not None else None
         for i, (sliding, j) in enumerate(self._group):
+            if sliding and srows is None:
+                continue
             k, v, r = (self.sliding_k, self.sliding_v, srows) if sliding else (self.k, self.v, rows)
             k[j, r] = data[0, i].to(k.device)
             v[j, r] = data[1, i].to(v.device)
