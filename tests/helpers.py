@@ -16,6 +16,7 @@ import torch
 from kvserve.config import default_cache_dir
 from kvserve.model.linear import Linear
 from kvserve.model.loader import resolve_model_dir
+from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 
 _TINY: dict[str, Any] = {
     "hidden_size": 64,
@@ -114,3 +115,25 @@ class AllDecodes(Linear):
 
     def mul(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         return self.inner.mul(x, other, x.shape[0])
+
+
+class Clock:
+    """A manager's clock that moves only when a test sets `now`: expiry at exact times, no sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def prefilled_decodes(runner: ModelRunner, lengths: list[int], seed: int) -> list[SequenceChunk]:
+    """One decode for each prompt length, its prompt already in the cache (16 blocks per sequence)."""
+    gen = torch.Generator().manual_seed(seed)
+    decodes = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, 4096, (n,), generator=gen).tolist()
+        table = list(range(16 * i, 16 * (i + 1)))
+        runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[:-1], 0, table, False)]))
+        decodes.append(SequenceChunk(ids[-1:], n - 1, table, True))
+    return decodes

@@ -18,20 +18,13 @@ from kvserve.model.loader import LoadedModel
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from tests.harness import Spec, assert_matches_reference, drive, engine_with_blocks, reference_outputs
+from tests.helpers import Clock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 4
 PINNED = [100 + (i * 13) % 3000 for i in range(40)]
 FLOOD = [[1000 + d * 50 + i for i in range(40)] for d in range(10)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def flood(engine: Engine) -> None:

@@ -15,20 +15,13 @@ from kvserve.engine.engine import Engine
 from kvserve.errors import ConfigError
 from kvserve.model.loader import LoadedModel
 from tests.harness import Spec, assert_matches_reference, drive, engine_with_blocks, reference_outputs
+from tests.helpers import Clock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 4
 PREFIX = [100 + (i * 13) % 3000 for i in range(40)]
 FLOOD = [[1000 + d * 50 + i for i in range(40)] for d in range(10)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def cache(engine: Engine, prompts: list[list[int]], namespace: str = "") -> None:

@@ -20,7 +20,7 @@ from kvserve.model import kv_quant
 from kvserve.model.fingerprint import model_fingerprint
 from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import PagedAttentionKernel
-from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
+from kvserve.model.runner import ModelRunner, SequenceChunk
 from tests.model.attention_cases import Case, cases, inputs, reference
 from tests.model.test_kv_float16 import chat_prompts, greedy
 
@@ -143,35 +143,6 @@ def test_the_fingerprint_tells_q8_0_from_float16(default_model: LoadedModel) -> 
     assert model_fingerprint(default_model, "gguf", "float32", 16, "q8_0") != model_fingerprint(
         default_model, "gguf", "float32", 16, "float16"
     )
-
-
-def _prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list[SequenceChunk]:
-    """One decode for each prompt length, its prompt already in the cache (16 blocks per sequence)."""
-    gen = torch.Generator().manual_seed(seed)
-    decodes = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(0, 4096, (n,), generator=gen).tolist()
-        table = list(range(16 * i, 16 * (i + 1)))
-        runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[:-1], 0, table, False)]))
-        decodes.append(SequenceChunk(ids[-1:], n - 1, table, True))
-    return decodes
-
-
-def test_the_native_decoder_writes_the_per_op_paths_q8_0_bytes(tiny_q8_model: LoadedModel) -> None:
-    """The decoder quantizes in C, the per-op path in torch: the same blocks, byte for byte, and the same
-    logits, so a decode's cached K/V is what a prefill of its token would have written."""
-    runner = ModelRunner(tiny_q8_model, 64, 4, 256, "cpu", "float32", "q8_0", "native", kv_dtype="q8_0")
-    assert runner.transformer.decoder is not None
-    decodes = _prefilled(runner, [5, 41, 18], seed=11)
-    k0, v0 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
-    fused = runner.execute(ForwardBatch(decodes=list(decodes))).sampled
-    k1, v1 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
-    assert not torch.equal(k1, k0)
-    runner.kv_cache.k.copy_(k0)
-    runner.kv_cache.v.copy_(v0)
-    runner.transformer.decoder = None
-    assert torch.equal(runner.execute(ForwardBatch(decodes=list(decodes))).sampled, fused)
-    assert torch.equal(runner.kv_cache.k, k1) and torch.equal(runner.kv_cache.v, v1)
 
 
 @pytest.mark.parametrize("attention", ["native", "torch"])

@@ -9,32 +9,25 @@ from hypothesis import strategies as st
 
 from kvserve.model.loader import LoadedModel
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
-
-
-def _prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list[SequenceChunk]:
-    """One decode for each prompt length, its prompt already in the cache (16 blocks per sequence)."""
-    gen = torch.Generator().manual_seed(seed)
-    decodes = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(0, 4096, (n,), generator=gen).tolist()
-        table = list(range(16 * i, 16 * (i + 1)))
-        runner.execute(ForwardBatch(prefills=[SequenceChunk(ids[:-1], 0, table, False)]))
-        decodes.append(SequenceChunk(ids[-1:], n - 1, table, True))
-    return decodes
+from tests.helpers import prefilled_decodes
 
 
 @pytest.mark.parametrize("int16", [False, True], ids=["float32 decodes", "int16 decodes"])
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "q8_0"])
 def test_a_decode_step_through_the_native_decoder_equals_the_per_op_path(
-    tiny_model: LoadedModel, kv_dtype: str, int16: bool
+    request: pytest.FixtureRequest, kv_dtype: str, int16: bool
 ) -> None:
-    """Logits and the K/V written into the cache, bit for bit, for decodes of different lengths."""
+    """Logits and the K/V written into the cache, bit for bit, for decodes of different lengths. With a
+    q8_0 cache the decoder quantizes in C and the per-op path in torch: the same blocks, byte for byte,
+    so a decode's cached K/V is what a prefill of its token would have written (q8_0 needs heads of a
+    multiple of 32: its own tiny model)."""
+    model: LoadedModel = request.getfixturevalue("tiny_q8_model" if kv_dtype == "q8_0" else "tiny_model")
     runner = ModelRunner(
-        tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native", kv_dtype=kv_dtype, int16_decodes=int16
+        model, 64, 4, 256, "cpu", "float32", "q8_0", "native", kv_dtype=kv_dtype, int16_decodes=int16
     )
     decoder = runner.transformer.decoder
     assert decoder is not None
-    decodes = _prefilled(runner, [5, 41, 18], seed=11)
+    decodes = prefilled_decodes(runner, [5, 41, 18], seed=11)
     k0, v0 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
     fused = runner.execute(ForwardBatch(decodes=list(decodes))).sampled
     k1, v1 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
@@ -50,7 +43,7 @@ def test_a_decode_step_through_the_native_decoder_equals_the_per_op_path(
 @pytest.mark.parametrize("int16", [False, True], ids=["float32 decodes", "int16 decodes"])
 def test_a_decode_through_the_native_decoder_is_batch_invariant(tiny_model: LoadedModel, int16: bool) -> None:
     runner = ModelRunner(tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native", int16_decodes=int16)
-    decodes = _prefilled(runner, [30, 7, 52, 12], seed=5)
+    decodes = prefilled_decodes(runner, [30, 7, 52, 12], seed=5)
     batch = runner.execute(ForwardBatch(decodes=list(decodes))).sampled
     for i, d in enumerate(decodes):
         assert torch.equal(runner.execute(ForwardBatch(decodes=[d])).sampled[0], batch[i])
