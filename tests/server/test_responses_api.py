@@ -27,6 +27,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.errors import APIError
+from kvserve.server.responses_input import custom_arguments, custom_input
 from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.responses_serving import prepare
 from kvserve.server.tenants import Tenant, Tenants, load_or_create_secret
@@ -409,6 +410,13 @@ def test_a_custom_tool_round_trip(client: openai.OpenAI) -> None:
         tools=[EXEC],
     )
     assert answered.status in ("completed", "incomplete")
+
+
+@given(st.text())
+def test_a_custom_tool_input_is_the_string_of_the_arguments_it_is_offered_as(text: str) -> None:
+    assert custom_input(custom_arguments(text)) == text
+    # Arguments that are not {"input": string} (a reply cut short) are the input as they stand.
+    assert custom_input('{"input": "cut') == '{"input": "cut'
 
 
 def _deep(depth: int) -> str:
