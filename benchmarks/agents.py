@@ -5,9 +5,10 @@ Installs both CLIs from npm at pinned versions into .agents/node_modules (once),
 Llama with a 65,536-token context and the default model's tokenizer and chat template (the default
 model's 8,192 tokens are too few for the agents' first prompts), starts `kvserve serve` on it on a
 loopback port, with the model ids the CLIs send by default as aliases, and runs one non-interactive task
-with each CLI twice in the same folder, so that the second run's first request can find the first's
-prefix in the cache. The CLIs reach kvserve through a recording proxy (agent_proxy.py); each request's
-prompt and cached tokens come from kvserve's own log line for it.
+with each CLI twice in the same folder (a fixed path: the CLIs put it in the prompt), so that the
+second run's first request can find the first's prefix in the cache (`--only NAME`: one CLI). The
+CLIs reach kvserve through a recording proxy (agent_proxy.py); each request's prompt and cached
+tokens come from kvserve's own log line for it.
 
 Exits 1 if any request was not answered 2xx, or if a CLI's second run's first request had under 90% of
 its prompt cached. Everything is written to .agents/runs/latest/: the report, every request with its
@@ -50,6 +51,9 @@ SERVED_NAME = "kvserve-agents"
 TASK = "Read notes.txt in this folder and reply with its first line, nothing else."
 NOTES = "kvserve keeps the KV of every prefix it has seen.\nAgents resend their whole context every step.\n"
 MIN_CACHED_FRACTION = 0.9
+CLIENTS = (("claude-code", claude_code), ("codex", codex))
+# The task's folder: one fixed path, so that a run's prompt (which names it) is the same every time.
+WORKSPACE = os.path.join(tempfile.gettempdir(), "kvserve-agents-workspace")
 RUNS = 2
 # The reply's expected length in tokens, sampled at temperature 1 (see the module's docstring).
 MEAN_REPLY_TOKENS = 24
@@ -243,6 +247,11 @@ def main() -> int:
         "--port", type=int, default=8197, help="kvserve's loopback port (default %(default)s)"
     )
     parser.add_argument("--fixtures", action="store_true", help="write each CLI's first request to the tests")
+    parser.add_argument(
+        "--only",
+        choices=[name for name, _ in CLIENTS],
+        help="run this CLI alone (default: each in turn)",
+    )
     args = parser.parse_args()
 
     bin_dir = install(FOLDER)
@@ -250,8 +259,11 @@ def main() -> int:
     out = os.path.join(FOLDER, "runs", "latest")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    # Outside the repository: the agents put the git status of their folder's repository in the prompt.
-    workspace = tempfile.mkdtemp(prefix="kvserve-agents-")
+    # Outside the repository (the agents put the git status of their folder's repository in the
+    # prompt), and the same path at every run: the agents put it in the prompt too.
+    workspace = WORKSPACE
+    shutil.rmtree(workspace, ignore_errors=True)
+    os.makedirs(workspace, mode=0o700)
     with open(os.path.join(workspace, "notes.txt"), "w") as f:
         f.write(NOTES)
     api_key = secrets.token_hex(16)
@@ -260,7 +272,8 @@ def main() -> int:
     with kvserve(model, args.port, api_key, log_path) as url, running_proxy(url) as (proxy, proxy_url):
         agents = [
             make(bin_dir, os.path.join(out, name), proxy_url, api_key, proxy_url, TASK)
-            for name, make in (("claude-code", claude_code), ("codex", codex))
+            for name, make in CLIENTS
+            if args.only in (None, name)
         ]
         try:
             run_agents(agents, proxy, workspace, out)

@@ -27,6 +27,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.errors import APIError
+from kvserve.server.responses_input import custom_arguments, custom_input
 from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.responses_serving import prepare
 from kvserve.server.tenants import Tenant, Tenants, load_or_create_secret
@@ -380,6 +381,44 @@ def test_a_codex_shaped_body(server: Server) -> None:
     assert httpx.get(f"{server.url}/v1/responses/{final['id']}", headers=headers).status_code == 404
 
 
+EXEC = {"type": "custom", "name": "exec", "description": "Run a shell command.", "format": {"type": "text"}}
+
+
+def test_a_custom_tool_round_trip(client: openai.OpenAI) -> None:
+    """A custom tool is offered as a function of one string: its call comes back as a custom_tool_call
+    with that string as its free-text input, whole and streamed, and a custom_tool_call_output answers it."""
+    forced: Any = {"type": "custom", "name": "exec"}
+    whole = _create(client, input="List the files.", tools=[EXEC], tool_choice=forced, max_output_tokens=48)
+    (call,) = whole.output
+    assert call.type == "custom_tool_call" and call.name == "exec" and call.call_id
+    assert isinstance(call.input, str)
+    events, final = _streamed(
+        client, input="List the files.", tools=[EXEC], tool_choice=forced, max_output_tokens=48
+    )
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" not in kinds
+    done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    (streamed,) = final.output
+    assert streamed.type == "custom_tool_call" and [e.input for e in done] == [streamed.input]
+    answered = _create(
+        client,
+        input=[
+            _message("List the files."),
+            {"type": "custom_tool_call", "call_id": call.call_id, "name": "exec", "input": call.input},
+            {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "notes.txt"},
+        ],
+        tools=[EXEC],
+    )
+    assert answered.status in ("completed", "incomplete")
+
+
+@given(st.text())
+def test_a_custom_tool_input_is_the_string_of_the_arguments_it_is_offered_as(text: str) -> None:
+    assert custom_input(custom_arguments(text)) == text
+    # Arguments that are not {"input": string} (a reply cut short) are the input as they stand.
+    assert custom_input('{"input": "cut') == '{"input": "cut'
+
+
 def _deep(depth: int) -> str:
     return "[" * depth + "]" * depth
 
@@ -436,6 +475,50 @@ HOSTILE: list[tuple[str, Any, int, str | None]] = [
     ("too much metadata", {"input": "Hi", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
     ("an unknown text format", {"input": "Hi", "text": {"format": {"type": "xml"}}}, 400, "text.format"),
     ("an unknown model", {"input": "Hi", "model": "gpt-9"}, 404, "model"),
+    (
+        "additional_tools with a tool without a name",
+        {"input": [{"type": "additional_tools", "tools": [{"type": "function"}]}, _message("Hi")]},
+        400,
+        "input[0].tools[0]",
+    ),
+    (
+        "additional_tools with a tool without a type",
+        {"input": [{"type": "additional_tools", "tools": ["exec"]}, _message("Hi")]},
+        400,
+        "input[0].tools[0]",
+    ),
+    ("additional_tools without tools", {"input": [{"type": "additional_tools"}]}, 400, "input[0]"),
+    (
+        "additional_tools over the tool bound",
+        {"input": [{"type": "additional_tools", "tools": [WEATHER] * 300}, _message("Hi")]},
+        400,
+        None,
+    ),
+    ("a custom tool without a name", {"input": "Hi", "tools": [{"type": "custom"}]}, 400, "tools[0]"),
+    (
+        "custom_tool_call_output of an unknown call",
+        {"input": [{"type": "custom_tool_call_output", "call_id": "call_nope", "output": "x"}]},
+        400,
+        "input[0].call_id",
+    ),
+    (
+        "a custom_tool_call without input",
+        {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "exec"}]},
+        400,
+        "input[0].input",
+    ),
+    (
+        "a huge custom tool input",
+        {
+            "input": [
+                {"type": "custom_tool_call", "call_id": "c", "name": "exec", "input": "word " * 5000},
+                {"type": "custom_tool_call_output", "call_id": "c", "output": "done"},
+            ],
+            "tools": [{"type": "custom", "name": "exec"}],
+        },
+        400,
+        "input",
+    ),
 ]
 
 

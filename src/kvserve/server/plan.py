@@ -235,6 +235,8 @@ class ResponsesPlan:
     messages: tuple[ChatMessage, ...]
     prompt_text: str
     tools: ToolUse | None
+    # The names of the tools that are custom tools: their calls are answered as custom_tool_call items.
+    custom_tools: frozenset[str] = frozenset()
 
 
 def responses_plan(
@@ -245,16 +247,16 @@ def responses_plan(
     first, its tools and text format as chat's, and max_output_tokens clamped to the room the prompt
     leaves in the context. An error on the prompt names `input`."""
     check_fields(body)
+    listed = chat_tools(body.tools, body.input)
     history = previous.messages if previous is not None else ()
     conversation = (*history, *input_messages(body.input, history))
     if not conversation:
         raise InvalidRequestError("input is empty: give a message", "input")
     instructions = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
-    tools_listed, _ = chat_tools(body.tools)
     chat = ChatCompletionRequest.model_construct(
         messages=[*instructions, *conversation],
-        tools=tools_listed,
-        tool_choice=chat_tool_choice(body.tool_choice, tools_listed),
+        tools=listed.tools,
+        tool_choice=chat_tool_choice(body.tool_choice, listed.tools),
         parallel_tool_calls=body.parallel_tool_calls,
         temperature=body.temperature,
         top_p=body.top_p,
@@ -276,7 +278,7 @@ def responses_plan(
         max_tokens = None
     params = sampling_params(chat, max_tokens, None)
     plan = _chat_plan(ctx, token_ids, params, tools, namespace, "input")
-    return ResponsesPlan(plan, conversation, prompt_text, tools)
+    return ResponsesPlan(plan, conversation, prompt_text, tools, listed.custom)
 
 
 def _anthropic_tokens(

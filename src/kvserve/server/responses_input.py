@@ -6,12 +6,22 @@ a `function_call_output` a tool message, and a `reasoning` item the reasoning of
 that follows it. Every `function_call_output` must answer a call of the conversation (this request's or
 a stored response's). Function tools become chat tools; a `namespace` group is flattened to its
 functions; tool types that only OpenAI runs (`web_search`, `file_search`, `code_interpreter`, ...) are
-dropped with a warning in the log (README, *Responses API*). Nothing here raises but
+dropped with a warning in the log (README, *Responses API*). An `additional_tools` item (Codex sends
+its tools so, in `input`) adds its tools to the request's and renders nothing itself, its id no more
+than any item's id, so that a resent conversation renders the same prompt.
+
+A `custom` tool (OpenAI's freeform tools: the call's input is free text) is offered to the model as a
+function taking one string, {"input": "..."}: its call is constrained as any function call is, to that
+object, and its free text is the string; a `grammar` format is not enforced (the model may write any
+string). A `custom_tool_call` item is that call (the input as the JSON object's one string) and a
+`custom_tool_call_output` its tool message, as function calls are. Nothing here raises but
 InvalidRequestError, whose param names the item or tool.
 """
 
+import json
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
@@ -20,6 +30,7 @@ from kvserve.server.responses_protocol import (
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_KEYS,
     MAX_METADATA_VALUE_CHARS,
+    MAX_TOOL_ENTRIES,
     InputItem,
     InputPart,
     ResponsesRequest,
@@ -32,6 +43,18 @@ MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 # A namespace may hold functions only (no namespace in a namespace).
 NAMESPACE = "namespace"
+CUSTOM = "custom"
+ADDITIONAL_TOOLS = "additional_tools"
+# A custom tool's one argument, as the model writes it.
+CUSTOM_INPUT = "input"
+CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {CUSTOM_INPUT: {"type": "string"}},
+    "required": [CUSTOM_INPUT],
+    "additionalProperties": False,
+}
+_CALLS = ("function_call", "custom_tool_call")
+_CALL_OUTPUTS = ("function_call_output", "custom_tool_call_output")
 
 
 def _parts_text(parts: str | Sequence[InputPart] | None, param: str) -> str:
@@ -70,7 +93,7 @@ def input_messages(items: str | Sequence[InputItem], history: Sequence[ChatMessa
     for i, item in enumerate(items):
         param = f"input[{i}]"
         kind = item.type if item.type is not None else ("message" if item.role is not None else None)
-        if kind != "function_call":
+        if kind not in _CALLS:
             calling = None
         if kind == "message":
             if item.role not in MESSAGE_ROLES:
@@ -85,10 +108,16 @@ def input_messages(items: str | Sequence[InputItem], history: Sequence[ChatMessa
                 reasoning = None
             else:
                 out.append(ChatMessage(role=role, content=text))  # type: ignore[arg-type]
-        elif kind == "function_call":
+        elif kind == ADDITIONAL_TOOLS:
+            # Its tools joined the request's (additional_tools below); nothing of it is rendered here.
+            continue
+        elif kind in _CALLS:
             call_id = _required(item.call_id, f"{param}.call_id", kind)
             name = _required(item.name, f"{param}.name", kind)
-            arguments = _required(item.arguments, f"{param}.arguments", kind)
+            if kind == "function_call":
+                arguments = _required(item.arguments, f"{param}.arguments", kind)
+            else:
+                arguments = custom_arguments(_required(item.input, f"{param}.input", kind))
             call = ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
             calls.add(call_id)
             if calling is None:
@@ -97,11 +126,12 @@ def input_messages(items: str | Sequence[InputItem], history: Sequence[ChatMessa
                 out.append(calling)
             assert calling.tool_calls is not None
             calling.tool_calls.append(call)
-        elif kind == "function_call_output":
+        elif kind in _CALL_OUTPUTS:
             call_id = _required(item.call_id, f"{param}.call_id", kind)
             if call_id not in calls:
                 raise InvalidRequestError(
-                    f"{param}.call_id matches no function_call of this conversation", f"{param}.call_id"
+                    f"{param}.call_id matches no function_call or custom_tool_call of this conversation",
+                    f"{param}.call_id",
                 )
             text = _parts_text(item.output, f"{param}.output")
             out.append(ChatMessage(role="tool", tool_call_id=call_id, content=text))
@@ -112,7 +142,8 @@ def input_messages(items: str | Sequence[InputItem], history: Sequence[ChatMessa
         else:
             raise InvalidRequestError(
                 f"{param} is an item of type {str(kind)[:64]!r}; kvserve reads message, function_call, "
-                "function_call_output and reasoning items",
+                "function_call_output, custom_tool_call, custom_tool_call_output, reasoning and "
+                "additional_tools items",
                 param,
             )
     return out
@@ -126,19 +157,75 @@ def _function(raw: dict[str, Any], param: str) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def chat_tools(tools: Sequence[Any] | None) -> tuple[list[dict[str, Any]] | None, list[str]]:
-    """The request's tools as chat tools, and the types dropped (hosted tools kvserve cannot run)."""
-    if not tools:
-        return None, []
+def custom_arguments(text: str) -> str:
+    """A custom tool call's free-text input as the arguments of the function it is offered as."""
+    return json.dumps({CUSTOM_INPUT: text}, ensure_ascii=False)
+
+
+def custom_input(arguments: str) -> str:
+    """The free text of a custom tool call, from the arguments the model generated (constrained to
+    {"input": string}; the arguments themselves where they are not that, as a reply cut short)."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    text = parsed.get(CUSTOM_INPUT) if isinstance(parsed, dict) else None
+    return text if isinstance(text, str) else arguments
+
+
+def _custom(raw: dict[str, Any], param: str) -> dict[str, Any]:
+    """A custom (freeform) tool as a function taking its free text as one string."""
+    name = raw.get("name")
+    if not isinstance(name, str):
+        raise InvalidRequestError(f"{param} is a custom tool without a name", param)
+    fn: dict[str, Any] = {"name": name, "parameters": CUSTOM_PARAMETERS}
+    if isinstance(raw.get("description"), str):
+        fn["description"] = raw["description"]
+    return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ListedTools:
+    """The request's tools as chat tools, the names of those that are custom tools, and the hosted
+    tool types dropped."""
+
+    tools: list[dict[str, Any]] | None
+    custom: frozenset[str]
+    dropped: list[str]
+
+
+def additional_tools(items: str | Sequence[InputItem]) -> list[tuple[str, Any]]:
+    """The tools of the input's `additional_tools` items, each with the param that names it."""
+    if isinstance(items, str):
+        return []
+    out: list[tuple[str, Any]] = []
+    for i, item in enumerate(items):
+        if item.type != ADDITIONAL_TOOLS:
+            continue
+        if item.tools is None:
+            param = f"input[{i}]"
+            raise InvalidRequestError(f"{param} is an additional_tools item without 'tools'", param)
+        out += [(f"input[{i}].tools[{j}]", tool) for j, tool in enumerate(item.tools)]
+    if len(out) > MAX_TOOL_ENTRIES:
+        raise InvalidRequestError(f"input lists over {MAX_TOOL_ENTRIES} additional tools", "input")
+    return out
+
+
+def chat_tools(tools: Sequence[Any] | None, items: str | Sequence[InputItem] = ()) -> ListedTools:
+    """The request's tools and its additional_tools items' tools as chat tools."""
+    entries = [(f"tools[{i}]", raw) for i, raw in enumerate(tools or ())] + additional_tools(items)
     out: list[dict[str, Any]] = []
+    custom: set[str] = set()
     dropped: list[str] = []
-    for i, raw in enumerate(tools):
-        param = f"tools[{i}]"
+    for param, raw in entries:
         kind = raw.get("type") if isinstance(raw, dict) else None
         if not isinstance(kind, str):
             raise InvalidRequestError(f"{param} must be an object with a 'type'", param)
         if kind == "function":
             out.append(_function(raw, param))
+        elif kind == CUSTOM:
+            out.append(_custom(raw, param))
+            custom.add(raw["name"])
         elif kind == NAMESPACE:
             members = raw.get("tools")
             if not isinstance(members, list):
@@ -148,10 +235,13 @@ def chat_tools(tools: Sequence[Any] | None) -> tuple[list[dict[str, Any]] | None
                 inner_kind = member.get("type", "function") if isinstance(member, dict) else None
                 if inner_kind == "function":
                     out.append(_function(member, inner))
+                elif inner_kind == CUSTOM:
+                    out.append(_custom(member, inner))
+                    custom.add(member["name"])
                 elif isinstance(inner_kind, str) and inner_kind != NAMESPACE:
                     dropped.append(inner_kind[:64])
                 else:
-                    raise InvalidRequestError(f"{inner} must be a function tool", inner)
+                    raise InvalidRequestError(f"{inner} must be a function or custom tool", inner)
         else:
             dropped.append(kind[:64])
     if dropped:
@@ -159,19 +249,20 @@ def chat_tools(tools: Sequence[Any] | None) -> tuple[list[dict[str, Any]] | None
             "responses: dropped tools that only OpenAI runs (kvserve cannot): %s",
             ", ".join(sorted(set(dropped))),
         )
-    return out or None, dropped
+    return ListedTools(out or None, frozenset(custom), dropped)
 
 
 def chat_tool_choice(choice: Any, tools: Sequence[dict[str, Any]] | None) -> Any:
-    """tool_choice in chat's shape: none, auto, required, or {type: function, function: {name}}."""
+    """tool_choice in chat's shape: none, auto, required, or {type: function, function: {name}} (a
+    custom tool is chosen as the function it is offered as)."""
     if choice is None or isinstance(choice, str):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", CUSTOM):
         return {"type": "function", "function": {"name": choice.get("name")}}
     kind = choice.get("type") if isinstance(choice, dict) else None
     raise InvalidRequestError(
         f"tool_choice {str(kind)[:64]!r} is not served: give none, auto, required or "
-        "{type: function, name} (kvserve runs no hosted tools)",
+        "{type: function or custom, name} (kvserve runs no hosted tools)",
         "tool_choice",
     )
 

@@ -1,8 +1,9 @@
 """Request and response bodies of OpenAI's Responses API (`POST /v1/responses`), as pydantic models.
 
 As in server/protocol.py, requests ignore fields they do not know, and fields that change nothing here
-(`include`, `reasoning.summary`, `prompt_cache_key`, `user`, `service_tier`, `truncation`) are parsed
-and left without effect (README, *Responses API*). Input items are one permissive model: which fields
+(`include`, `reasoning.effort`, `reasoning.summary`, `reasoning.context`, `text.verbosity`,
+`prompt_cache_key`, `client_metadata`, `user`, `service_tier`, `truncation`) are parsed and left
+without effect (README, *Responses API*). Input items are one permissive model: which fields
 an item needs depends on its `type`, and server/responses_input.py checks them, naming the item.
 Responses carry OpenAI's field names, the ones always null here included, because clients index them.
 """
@@ -37,7 +38,8 @@ Parts = Annotated[list[InputPart], Field(max_length=MAX_CONTENT_PARTS)]
 
 class InputItem(OpenAIRequest):
     """One item of `input`: a message (`type` "message", or absent with a `role`), a `function_call`, a
-    `function_call_output` or a `reasoning` item."""
+    `function_call_output`, a `custom_tool_call` (its free text in `input`), a `custom_tool_call_output`,
+    a `reasoning` item or an `additional_tools` item (its `tools` join the request's)."""
 
     type: str | None = None
     id: Id | None = None
@@ -46,6 +48,8 @@ class InputItem(OpenAIRequest):
     call_id: Id | None = None
     name: str | None = None
     arguments: str | None = None
+    input: str | None = None
+    tools: Annotated[list[Any], Field(max_length=MAX_TOOL_ENTRIES)] | None = None
     output: str | Parts | None = None
     summary: Parts | None = None
     encrypted_content: str | None = None
@@ -69,6 +73,7 @@ class TextConfig(OpenAIRequest):
 class ReasoningConfig(OpenAIRequest):
     effort: str | None = None
     summary: str | None = None
+    context: str | None = None
 
 
 class ResponsesRequest(OpenAIRequest):
@@ -92,6 +97,7 @@ class ResponsesRequest(OpenAIRequest):
     reasoning: ReasoningConfig | None = None
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     metadata: dict[str, str] | None = None
+    client_metadata: dict[str, Any] | None = None
     user: str | None = None
 
 
@@ -120,6 +126,16 @@ class FunctionCallItem(BaseModel):
     status: str = "completed"
 
 
+class CustomToolCallItem(BaseModel):
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    id: str
+    call_id: str
+    name: str
+    # The free text: the string the model generated as the call's one argument.
+    input: str
+    status: str = "completed"
+
+
 class ReasoningText(BaseModel):
     type: Literal["reasoning_text"] = "reasoning_text"
     text: str
@@ -134,7 +150,7 @@ class ReasoningItem(BaseModel):
     status: str = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
+OutputItem = OutputMessage | FunctionCallItem | CustomToolCallItem | ReasoningItem
 
 
 class InputTokensDetails(BaseModel):

@@ -3,11 +3,14 @@ stored for `previous_response_id` when `store` is on.
 
 The reply is parsed as chat's is (server/formats.py:ChatFormat: think block, tool calls in the server's
 format), then shaped as Responses output items: a `reasoning` item, then either `function_call` items
-(arguments: the exact text generated) or one `message` with its `output_text`. A stream sends OpenAI's
-events, each with an increasing `sequence_number`: response.created, response.in_progress, then for each
-item output_item.added, its parts and deltas (reasoning_text, output_text, function_call_arguments) and
-their .done events, output_item.done, and last response.completed (response.incomplete when cut at
-max_output_tokens). A stored response keeps the conversation with its reply and the exact token ids
+(arguments: the exact text generated), `custom_tool_call` items for the custom tools (input: the string
+the model wrote as the one argument they are offered with, server/responses_input.py), or one `message`
+with its `output_text`. A stream sends OpenAI's events, each with an increasing `sequence_number`:
+response.created, response.in_progress, then for each item output_item.added, its parts and deltas
+(reasoning_text, output_text, function_call_arguments) and their .done events (a custom tool call's
+input comes whole, as one response.custom_tool_call_input.delta and its .done, when the call ends),
+output_item.done, and last response.completed (response.incomplete when cut at max_output_tokens). A
+stored response keeps the conversation with its reply and the exact token ids
 (server/responses_store.py); a stream is stored once it has ended whole.
 """
 
@@ -33,7 +36,9 @@ from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.plan import PreviousResponse, ResponsesPlan, responses_plan
 from kvserve.server.prompts import Continuation
 from kvserve.server.protocol import ChatMessage, FunctionCall, ToolCall
+from kvserve.server.responses_input import custom_input
 from kvserve.server.responses_protocol import (
+    CustomToolCallItem,
     FunctionCallItem,
     IncompleteDetails,
     InputItemList,
@@ -94,10 +99,25 @@ def prepare(ctx: ServerContext, body: ResponsesRequest, namespace: str, tenant: 
     return responses_plan(ctx, body, namespace, previous_response(ctx, tenant, body.previous_response_id))
 
 
+def _call_item(call: FunctionCallItem, custom: frozenset[str]) -> FunctionCallItem | CustomToolCallItem:
+    """A call as its output item: a custom tool's as a custom_tool_call with its free text."""
+    if call.name not in custom:
+        return call
+    return CustomToolCallItem(
+        id=call.id,
+        call_id=call.call_id,
+        name=call.name,
+        input=custom_input(call.arguments),
+        status=call.status,
+    )
+
+
 @dataclass
 class _Reply:
-    """A reply as output items grow: its reasoning, its text and its calls."""
+    """A reply as output items grow: its reasoning, its text and its calls (each as the function call
+    the model wrote; `custom` names those answered as custom_tool_call items)."""
 
+    custom: frozenset[str] = frozenset()
     reasoning: ReasoningItem | None = None
     message: OutputMessage | None = None
     calls: list[FunctionCallItem] = field(default_factory=list)
@@ -106,7 +126,7 @@ class _Reply:
         out: list[OutputItem] = [] if self.reasoning is None else [self.reasoning]
         if self.message is not None:
             out.append(self.message)
-        return [*out, *self.calls]
+        return [*out, *(_call_item(c, self.custom) for c in self.calls)]
 
     def assistant(self) -> ChatMessage:
         """The reply as the conversation's next assistant message."""
@@ -279,7 +299,7 @@ def _whole_reply(run: _Run) -> _Reply:
     """The finished reply's items, parsed whole (ChatFormat's parse, as a chat completion's)."""
     result = run.fmt.response(run.ids, [run.choice], usage([]))
     message = result.choices[0].message  # type: ignore[attr-defined]
-    reply = _Reply()
+    reply = _Reply(run.prepared.custom_tools)
     if message.reasoning_content is not None:
         reply.reasoning = ReasoningItem(
             id=_item_id("rs"), content=[ReasoningText(text=message.reasoning_content)]
@@ -298,9 +318,9 @@ def _whole_reply(run: _Run) -> _Reply:
 class _EventWriter:
     """A reply's chat chunk deltas (reasoning, content, tool_calls) as Responses events, numbered."""
 
-    def __init__(self) -> None:
+    def __init__(self, custom: frozenset[str]) -> None:
         self.sequence = 0
-        self.reply = _Reply()
+        self.reply = _Reply(custom)
         # The item now open: its output index and kind ("reasoning", "message" or "call").
         self._open: str | None = None
 
@@ -359,11 +379,14 @@ class _EventWriter:
                 )
                 self.reply.calls.append(call)
                 self._open = "call"
-                out.append(self._added(call))
+                out.append(self._added(_call_item(call, self.reply.custom)))
             piece = entry.get("function", {}).get("arguments", "")
             if piece and self.reply.calls:
                 call = self.reply.calls[-1]
                 call.arguments += piece
+                if call.name in self.reply.custom:
+                    # Its free text is known once the arguments' JSON string has ended (close).
+                    continue
                 out.append(
                     self.event(
                         "response.function_call_arguments.delta",
@@ -441,6 +464,24 @@ class _EventWriter:
         if kind == "call" and self.reply.calls:
             call = self.reply.calls[-1]
             call.status = "completed"
+            if call.name in self.reply.custom:
+                custom = _call_item(call, self.reply.custom)
+                assert isinstance(custom, CustomToolCallItem)
+                return [
+                    self.event(
+                        "response.custom_tool_call_input.delta",
+                        item_id=custom.id,
+                        output_index=index,
+                        delta=custom.input,
+                    ),
+                    self.event(
+                        "response.custom_tool_call_input.done",
+                        item_id=custom.id,
+                        output_index=index,
+                        input=custom.input,
+                    ),
+                    self.event("response.output_item.done", output_index=index, item=self._dump(custom)),
+                ]
             return [
                 self.event(
                     "response.function_call_arguments.done",
@@ -457,7 +498,7 @@ class _EventWriter:
 async def _events(
     run: _Run, request: Request, generation: Generation, tenant: str
 ) -> AsyncGenerator[str, None]:
-    writer = _EventWriter()
+    writer = _EventWriter(run.prepared.custom_tools)
     opening = run.response(_Reply(), None, "in_progress").model_dump()
     yield writer.event("response.created", response=opening)
     yield writer.event("response.in_progress", response=opening)

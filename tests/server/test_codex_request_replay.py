@@ -1,0 +1,89 @@
+"""Codex CLI's recorded first request (agent_requests/codex.json), replayed as sent, streamed, against a
+real server on the agents' long-context tiny model: its tools arrive in an `additional_tools` input
+item (namespaces holding a `custom` tool and function tools), with reasoning.context, text.verbosity
+and client_metadata. A second replay with fresh item ids and a fresh prompt_cache_key, as Codex's next
+run sends, reads at least 90% of its prompt from the cache: the item ids never reach the prompt."""
+
+import json
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import httpx
+import pytest
+from benchmarks.agents import FIXTURES, build_model
+from fastapi import FastAPI
+
+from kvserve.config import EngineConfig, default_cache_dir
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.engine import Engine
+from kvserve.model.loader import load_model
+from kvserve.options import ServerOptions
+from kvserve.server.app import create_app
+from tests.server.live import Server, assert_no_leak
+
+KEY = "codex-replay-key"
+# The headers a replay resends: the recorded ones but the connection's own and the credential.
+_NOT_RESENT = {"host", "content-length", "authorization", "accept-encoding", "connection"}
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, Any]:
+    with open(os.path.join(FIXTURES, "codex.json")) as f:
+        fixture: dict[str, Any] = json.load(f)
+    return fixture
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, serve_app: Callable[[FastAPI], AbstractContextManager[str]]
+) -> Iterator[Server]:
+    model = load_model(build_model(str(tmp_path_factory.mktemp("codex-model"))), default_cache_dir())
+    engine = Engine.from_config(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=32768), model=model)
+    async_engine = AsyncEngine(engine)
+    # Codex sends its own default model id: served as an alias, as `make agents` does.
+    options = ServerOptions(api_key=KEY, served_model_name=("kvserve-agents", "gpt-6.2-sol"))
+    with serve_app(create_app(async_engine, options)) as url:
+        yield Server(url, async_engine)
+
+
+def _replay(server: Server, headers: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+    """The request streamed; its events checked in order; the final response."""
+    sent = {k: v for k, v in headers.items() if k.lower() not in _NOT_RESENT}
+    sent["authorization"] = f"Bearer {KEY}"
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, headers=sent, timeout=600) as r:
+        text = "".join(r.iter_text())
+        assert r.status_code == 200, text[:2000]
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    final: dict[str, Any] = events[-1]["response"]
+    return final
+
+
+def _fresh_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """The body as Codex's next run sends it: every item id and the prompt_cache_key new."""
+    items = [{**item, "id": f"{item['id'].split('_')[0]}_{uuid.uuid4()}"} for item in body["input"]]
+    return {**body, "input": items, "prompt_cache_key": str(uuid.uuid4())}
+
+
+def test_codexs_first_request_is_answered_and_its_next_run_is_cached(
+    server: Server, recorded: dict[str, Any]
+) -> None:
+    body = recorded["body"]
+    assert body["input"][0]["type"] == "additional_tools"
+    first = _replay(server, recorded["headers"], body)
+    assert first["store"] is False
+    calls = [i for i in first["output"] if i["type"] in ("function_call", "custom_tool_call")]
+    offered = {t["name"] for group in body["input"][0]["tools"] for t in group["tools"]}
+    assert {c["name"] for c in calls} <= offered
+    for call in calls:
+        if call["type"] == "custom_tool_call":
+            assert call["name"] == "exec" and isinstance(call["input"], str)
+    second = _replay(server, recorded["headers"], _fresh_ids(body))
+    usage = second["usage"]
+    assert usage["input_tokens"] == first["usage"]["input_tokens"]
+    assert usage["input_tokens_details"]["cached_tokens"] >= 0.9 * usage["input_tokens"]
+    assert_no_leak(server.wait_idle())
