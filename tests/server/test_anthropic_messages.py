@@ -556,6 +556,12 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("an assistant turn last", {"messages": [USER, {"role": "assistant", "content": "Sure"}]}, "prefill"),
     (
+        "an assistant turn last but for a system turn",
+        {"messages": [USER, {"role": "assistant", "content": "Sure"}, {"role": "system", "content": "x"}]},
+        "prefill",
+    ),
+    ("system turns alone", {"messages": [{"role": "system", "content": "x"}]}, "user turn"),
+    (
         "a server tool",
         {"messages": [USER], "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
         "only Anthropic",

@@ -286,10 +286,15 @@ def anthropic_chat(body: MessagesBase, reasoning: bool) -> AnthropicChat:
             convert.user(message.content, param)
         else:
             convert.assistant(message.content, param)
-    if body.messages[-1].role != "user":
+    # System turns may follow the last user turn (Claude Code sends its reminders there); the last
+    # other turn is the one the reply answers.
+    turns = [i for i, m in enumerate(body.messages) if m.role != "system"]
+    if not turns or body.messages[turns[-1]].role != "user":
+        last = turns[-1] if turns else len(body.messages) - 1
         raise InvalidRequestError(
-            "the last message must be a user turn; kvserve does not continue an assistant turn (prefill)",
-            f"messages[{len(body.messages) - 1}].role",
+            "the last message other than system turns must be a user turn; kvserve does not continue an "
+            "assistant turn (prefill)",
+            f"messages[{last}].role",
         )
     breakpoints = list(convert.breakpoints)
     if top is not None:

@@ -1,0 +1,78 @@
+"""Claude Code's recorded first request (agent_requests/claude_code.json), replayed as sent, streamed,
+against a real server on the agents' long-context tiny model: `?beta=true`, x-api-key, max_tokens
+128,000, system blocks with cache_control, a `system`-role message after the user's, 12 tools, adaptive
+thinking, context_management and output_config. Its next run (a new metadata.user_id, as Claude Code
+sends) reads at least 90% of its prompt from the cache."""
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import httpx
+import pytest
+from benchmarks.agents import FIXTURES, build_model
+from fastapi import FastAPI
+
+from kvserve.config import EngineConfig, default_cache_dir
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.engine import Engine
+from kvserve.model.loader import load_model
+from kvserve.options import ServerOptions
+from kvserve.server.app import create_app
+from tests.server.live import Server, assert_no_leak
+
+KEY = "claude-code-replay-key"
+# The headers a replay resends: the recorded ones but the connection's own and the credential.
+_NOT_RESENT = {"host", "content-length", "x-api-key", "accept-encoding", "connection"}
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, Any]:
+    with open(os.path.join(FIXTURES, "claude_code.json")) as f:
+        fixture: dict[str, Any] = json.load(f)
+    return fixture
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, serve_app: Callable[[FastAPI], AbstractContextManager[str]]
+) -> Iterator[Server]:
+    model = load_model(build_model(str(tmp_path_factory.mktemp("claude-model"))), default_cache_dir())
+    engine = Engine.from_config(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=32768), model=model)
+    # Claude Code sends its own default model id: served as an alias, as `make agents` does.
+    options = ServerOptions(api_key=KEY, served_model_name=("kvserve-agents", "claude-opus-5-5"))
+    async_engine = AsyncEngine(engine)
+    with serve_app(create_app(async_engine, options)) as url:
+        yield Server(url, async_engine)
+
+
+def _replay(server: Server, recorded: dict[str, Any], body: dict[str, Any]) -> dict[str, int]:
+    """The request streamed as Claude Code sends it; its events checked in order; the prompt's usage."""
+    headers = {k: v for k, v in recorded["headers"].items() if k.lower() not in _NOT_RESENT}
+    headers["x-api-key"] = KEY
+    url = f"{server.url}{recorded['path']}"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=600) as r:
+        text = "".join(r.iter_text())
+        assert r.status_code == 200, text[:2000]
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    usage: dict[str, int] = events[0]["message"]["usage"]
+    return usage
+
+
+def test_claude_codes_first_request_is_answered_and_its_next_run_is_cached(
+    server: Server, recorded: dict[str, Any]
+) -> None:
+    body = recorded["body"]
+    assert [m["role"] for m in body["messages"]][-1] == "system" and body["max_tokens"] > 32768
+    first = _replay(server, recorded, body)
+    prompt = first["input_tokens"] + first["cache_read_input_tokens"] + first["cache_creation_input_tokens"]
+    assert prompt > 8192 and first["cache_read_input_tokens"] == 0
+    second = _replay(server, recorded, {**body, "metadata": {"user_id": "another-run"}})
+    total = second["input_tokens"] + second["cache_read_input_tokens"] + second["cache_creation_input_tokens"]
+    assert total == prompt
+    assert second["cache_read_input_tokens"] >= 0.9 * prompt
+    assert_no_leak(server.wait_idle())
