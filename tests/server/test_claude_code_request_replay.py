@@ -5,23 +5,15 @@ thinking, context_management and output_config. Its next run (a new metadata.use
 sends) reads at least 90% of its prompt from the cache."""
 
 import json
-import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
 import pytest
-from benchmarks.agents import FIXTURES, build_model
 from fastapi import FastAPI
 
-from kvserve.config import EngineConfig, default_cache_dir
-from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.engine import Engine
-from kvserve.model.loader import load_model
-from kvserve.options import ServerOptions
-from kvserve.server.app import create_app
-from tests.server.live import Server, assert_no_leak
+from tests.server.live import Server, agents_server, assert_no_leak, recorded_request
 
 KEY = "claude-code-replay-key"
 # The headers a replay resends: the recorded ones but the connection's own and the credential.
@@ -30,22 +22,17 @@ _NOT_RESENT = {"host", "content-length", "x-api-key", "accept-encoding", "connec
 
 @pytest.fixture(scope="module")
 def recorded() -> dict[str, Any]:
-    with open(os.path.join(FIXTURES, "claude_code.json")) as f:
-        fixture: dict[str, Any] = json.load(f)
-    return fixture
+    return recorded_request("claude_code")
 
 
 @pytest.fixture(scope="module")
 def server(
     tmp_path_factory: pytest.TempPathFactory, serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> Iterator[Server]:
-    model = load_model(build_model(str(tmp_path_factory.mktemp("claude-model"))), default_cache_dir())
-    engine = Engine.from_config(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=32768), model=model)
-    # Claude Code sends its own default model id: served as an alias, as `make agents` does.
-    options = ServerOptions(api_key=KEY, served_model_name=("kvserve-agents", "claude-opus-5-5"))
-    async_engine = AsyncEngine(engine)
-    with serve_app(create_app(async_engine, options)) as url:
-        yield Server(url, async_engine)
+    with agents_server(
+        str(tmp_path_factory.mktemp("claude-model")), serve_app, KEY, "claude-opus-5-5"
+    ) as server:
+        yield server
 
 
 def _replay(server: Server, recorded: dict[str, Any], body: dict[str, Any]) -> dict[str, int]:

@@ -5,7 +5,6 @@ and client_metadata. A second replay with fresh item ids and a fresh prompt_cach
 run sends, reads at least 90% of its prompt from the cache: the item ids never reach the prompt."""
 
 import json
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -13,16 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
-from benchmarks.agents import FIXTURES, build_model
 from fastapi import FastAPI
 
-from kvserve.config import EngineConfig, default_cache_dir
-from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.engine import Engine
-from kvserve.model.loader import load_model
-from kvserve.options import ServerOptions
-from kvserve.server.app import create_app
-from tests.server.live import Server, assert_no_leak
+from tests.server.live import Server, agents_server, assert_no_leak, recorded_request
 
 KEY = "codex-replay-key"
 # The headers a replay resends: the recorded ones but the connection's own and the credential.
@@ -31,22 +23,15 @@ _NOT_RESENT = {"host", "content-length", "authorization", "accept-encoding", "co
 
 @pytest.fixture(scope="module")
 def recorded() -> dict[str, Any]:
-    with open(os.path.join(FIXTURES, "codex.json")) as f:
-        fixture: dict[str, Any] = json.load(f)
-    return fixture
+    return recorded_request("codex")
 
 
 @pytest.fixture(scope="module")
 def server(
     tmp_path_factory: pytest.TempPathFactory, serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> Iterator[Server]:
-    model = load_model(build_model(str(tmp_path_factory.mktemp("codex-model"))), default_cache_dir())
-    engine = Engine.from_config(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=32768), model=model)
-    async_engine = AsyncEngine(engine)
-    # Codex sends its own default model id: served as an alias, as `make agents` does.
-    options = ServerOptions(api_key=KEY, served_model_name=("kvserve-agents", "gpt-6.2-sol"))
-    with serve_app(create_app(async_engine, options)) as url:
-        yield Server(url, async_engine)
+    with agents_server(str(tmp_path_factory.mktemp("codex-model")), serve_app, KEY, "gpt-6.2-sol") as server:
+        yield server
 
 
 def _replay(server: Server, headers: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
