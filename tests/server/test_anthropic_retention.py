@@ -45,29 +45,36 @@ def _flood(url: str, seed: int) -> None:
         assert r.status_code == 200, r.text
 
 
-def _turn(client: anthropic.Anthropic, system: Any, question: str) -> Any:
-    return client.messages.create(
-        model=NAME,
-        max_tokens=2,
-        system=system,
-        messages=[{"role": "user", "content": question}],
-        extra_body={"temperature": 0},
-    ).usage
+def _turn(client: anthropic.Anthropic, system: Any, question: str, stream: bool) -> Any:
+    args: dict[str, Any] = {
+        "model": NAME,
+        "max_tokens": 2,
+        "system": system,
+        "messages": [{"role": "user", "content": question}],
+        "extra_body": {"temperature": 0},
+    }
+    if stream:
+        with client.messages.stream(**args) as events:
+            return events.get_final_message().usage
+    return client.messages.create(**args).usage
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("breakpoint", [True, False])
-def test_a_breakpoints_prefix_survives_a_flood_that_cycles_the_pool(server: Server, breakpoint: bool) -> None:
+def test_a_breakpoints_prefix_survives_a_flood_that_cycles_the_pool(
+    server: Server, breakpoint: bool, stream: bool
+) -> None:
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
     text = "You are a careful assistant for a shipping company; answer in one short sentence. " * 5
     block: dict[str, Any] = {"type": "text", "text": text}
     if breakpoint:
         block["cache_control"] = {"type": "ephemeral"}
-    first = _turn(client, [block], "Where is my parcel?")
+    first = _turn(client, [block], "Where is my parcel?", stream)
     assert first.cache_read_input_tokens == 0
     if breakpoint:
         assert first.cache_creation_input_tokens > 64
     _flood(server.url, seed=1)
-    second = _turn(client, [block], "When does it arrive?")
+    second = _turn(client, [block], "When does it arrive?", stream)
     if breakpoint:
         # The system block's whole blocks, at least, come from the cache.
         assert second.cache_read_input_tokens >= first.cache_creation_input_tokens - 16

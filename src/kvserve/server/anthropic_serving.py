@@ -293,12 +293,20 @@ async def _events(
             },
         )
         yield _event("message_stop", {})
+        await _retain(ctx, plan)
     except Exception as exc:
         # The status line is long gone: the error can only travel as an event.
         error = to_api_error(request, exc)
         if error.status >= 500:
             log.exception("%s failed while streaming", message_id)
         yield _event("error", {"error": anthropic_error(error)["error"]})
+
+
+async def _retain(ctx: ServerContext, plan: RequestPlan) -> None:
+    """Hold each breakpoint's prefix once the reply is out: while it ran, its own sequence held the
+    prompt's blocks, and an engine call before its first token would have delayed that token by a step."""
+    breakpoints = [(b.tokens, b.ttl_s) for b in plan.breakpoints]
+    await retain_breakpoints(ctx, plan.namespace, plan.prompts[0].token_ids, breakpoints)
 
 
 async def respond_messages(
@@ -311,14 +319,12 @@ async def respond_messages(
 ) -> Response:
     """Run a message plan (one prompt, one sample) and answer in Anthropic's shape."""
     ids, generations = await start(ctx, request, "msg", plan, room)
-    # The prompt is computed and cached by the first delta: hold each breakpoint's prefix from now on.
-    breakpoints = [(b.tokens, b.ttl_s) for b in plan.breakpoints]
-    await retain_breakpoints(ctx, plan.namespace, plan.prompts[0].token_ids, breakpoints)
     (g,) = generations
     if stream:
         return EventStreamResponse(_events(ctx, request, plan, g, fmt, ids.id), generations)
     choices: Sequence[Choice] = await cancel_on_disconnect(request, run_all(generations))
     remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
+    await _retain(ctx, plan)
     (choice,) = choices
     content, calls = fmt.content(choice)
     stop_reason, stop_sequence = fmt.stop(choice, calls)
