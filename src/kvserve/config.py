@@ -51,6 +51,9 @@ WEIGHT_DTYPES = ("gguf", "q8_0", "float32", "float16", "int8")
 DECODE_ACTIVATIONS = ("int16", "float32")
 KV_DTYPES = ("auto", *COMPUTE_DTYPES, "q8_0")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
+SPECULATIVE = ("suffix", "off")
+# Draft tokens one sequence may verify in a step at most: each is a row of the step.
+MAX_SPECULATIVE_TOKENS = 64
 
 # The grammar library's limits (engine/grammar.py, GrammarLimits) and the compiled-grammar cache's size.
 # Real constraints (JSON schemas with strings of 200 characters, formats and patterns, 64 tools, 1,024
@@ -173,6 +176,18 @@ class EngineConfig:
     max_num_seqs: int = option(64, "requests decoded together at most")
     max_num_batched_tokens: int = option(1024, "tokens per forward pass at most")
     max_waiting: int = option(1024, "queued requests before answering 503")
+    speculative: str = option(
+        "suffix",
+        "speculative decoding: suffix (drafts from the request's own text and its namespace's recent "
+        "replies, verified exactly as extra rows of the step) or off; default %(default)s",
+        choices=SPECULATIVE,
+    )
+    speculative_tokens: int = option(
+        8,
+        f"draft tokens one sequence may verify in a step, 1 to {MAX_SPECULATIVE_TOKENS} "
+        "(default %(default)s)",
+        parse=positive_int,
+    )
     max_sequences_per_request: int = option(
         256,
         "sequences (prompts x n) one request may start before answering 400 (default %(default)s)",
@@ -299,6 +314,11 @@ class EngineConfig:
             (self.max_num_seqs > 0, "max_num_seqs must be positive"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"),
             (self.max_waiting > 0, "max_waiting must be positive"),
+            (self.speculative in SPECULATIVE, f"speculative must be one of {', '.join(SPECULATIVE)}"),
+            (
+                0 < self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+                f"speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}",
+            ),
             (self.max_sequences_per_request > 0, "max_sequences_per_request must be positive"),
             (self.cache_aware_scheduling_bound >= 0, "cache_aware_scheduling_bound must be >= 0"),
             (self.threads is None or self.threads > 0, "threads must be positive"),

@@ -41,6 +41,11 @@ class EngineStats:
     prefill_tokens_computed: int
     preemptions: int
     cache: CacheUsage
+    # Speculation (vLLM's spec_decode counters): steps where a sequence verified a draft, the draft
+    # tokens verified, and those accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
