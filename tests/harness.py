@@ -57,6 +57,54 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
     return engine
 
 
+class OracleDrafter:
+    """Drafts that are mostly right: the reference engine's own continuation of the request's prompt
+    (computed on first use, alone, on a no-cache engine), cut to a random length and, often, wrong from
+    a random token on. Verification must keep exactly the right prefix, whatever the draft, so every
+    case exercises acceptance, rejection and rollback. Unseeded sampled requests draw seeds of their own
+    in each engine: their drafts are simply often rejected."""
+
+    def __init__(self, reference: Engine, seed: int) -> None:
+        self.reference = reference
+        self.random = random.Random(seed)
+        self.expected: dict[str, list[int]] = {}
+        self.prompts: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.verified_counts: list[tuple[int, int]] = []
+
+    def added(self, key: str, prompt: list[int], params: SamplingParams) -> None:
+        self.prompts[key] = (prompt, params)
+
+    def _continuation(self, key: str) -> list[int]:
+        if key not in self.expected:
+            prompt, params = self.prompts[key]
+            self.reference.add_request(f"oracle-{key}", prompt, replace(params, prompt_logprobs=None))
+            out: list[int] = []
+            while self.reference.has_unfinished_requests():
+                for delta in self.reference.step():
+                    out += delta.token_ids
+            self.expected[key] = out
+        return self.expected[key]
+
+    def propose(self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int) -> list[int]:
+        del namespace, load
+        if key not in self.prompts or self.random.random() < 0.2:
+            return []
+        prompt, _ = self.prompts[key]
+        done = len(tokens) - len(prompt)
+        draft = self._continuation(key)[done : done + self.random.randint(1, limit)]
+        if draft and self.random.random() < 0.5:
+            wrong = self.random.randrange(len(draft))
+            draft = [*draft[:wrong], (draft[wrong] + 1) % 4096, *draft[wrong + 1 :]]
+        return draft
+
+    def verified(self, key: str, drafted: int, accepted: int) -> None:
+        self.verified_counts.append((drafted, accepted))
+
+    def finished(self, key: str, namespace: str, output: Sequence[int]) -> None:
+        self.prompts.pop(key, None)
+        self.expected.pop(key, None)
+
+
 def gate_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch, timeout_s: float = 120) -> threading.Event:
     """Make every step of `engine` wait until the returned gate is set (or `timeout_s` passes), so that
     requests stay in flight however fast the tiny model is."""
@@ -148,6 +196,7 @@ def drive(
     check_each_step: bool = True,
     max_steps: int = 20_000,
     drop_memory_every: int | None = None,
+    oracle: OracleDrafter | None = None,
 ) -> Run:
     """Submit each spec at its arrival step (and after what it depends on), step until all end, abort
     where a spec says so; checks the cache invariants after every step. With `drop_memory_every`, every
@@ -186,6 +235,8 @@ def drive(
             for j in range(spec.n):
                 run.samples[(i, j)] = []
                 engine.add_request(_sample_id(i, j), prompt, params.for_sample(j), spec.namespace)
+                if oracle is not None:
+                    oracle.added(_sample_id(i, j), prompt, params.for_sample(j))
             submitted_at[i] = step
         for delta in engine.step():
             i, j = _parse_id(delta.request_id)

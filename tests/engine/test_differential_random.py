@@ -47,6 +47,7 @@ from kvserve.engine.grammar import StructuredOutputs
 from kvserve.model.loader import LoadedModel
 from tests.harness import (
     MAX_MODEL_LEN,
+    OracleDrafter,
     Run,
     Spec,
     assert_cached_kv_is_fresh,
@@ -91,6 +92,11 @@ class Case:
     sliding: tuple[str, int] | None = None
     # The KV cache's dtype: "auto" (the compute dtype) or q8_0 (on the tiny Llama with heads of 32).
     kv_dtype: str = "auto"
+    # Speculation: "off", "suffix" (the engine's drafter) or "oracle" (tests.harness.OracleDrafter,
+    # mostly right drafts, seeded by `oracle_seed`), and the draft tokens a decode may verify.
+    speculative: str = "off"
+    speculative_tokens: int = 8
+    oracle_seed: int = 0
 
 
 # A small alphabet makes accidental shared prefixes and partial-block hits common.
@@ -180,6 +186,9 @@ def cases(draw: st.DrawFn, sliding: bool = False, kv_dtypes: bool = False) -> Ca
         if sliding
         else None,
         kv_dtype=draw(st.sampled_from(["auto", "auto", "q8_0"])) if kv_dtypes else "auto",
+        speculative=draw(st.sampled_from(["off", "suffix", "oracle", "oracle"])),
+        speculative_tokens=draw(st.sampled_from([1, 2, 3, 8, 64])),
+        oracle_seed=draw(st.integers(0, 2**16)),
     )
 
 
@@ -215,13 +224,21 @@ def assert_repeats_hit(case: Case, run: Run, evicted: int) -> None:
 @pytest.fixture(scope="module")
 def reference(tiny_model: LoadedModel) -> Engine:
     # The portable attention path, so that cases on the native kernel are checked against the other one.
-    return engine_with_blocks(tiny_model, 1024, 16, enable_prefix_caching=False, attention="torch")
+    return engine_with_blocks(
+        tiny_model, 1024, 16, enable_prefix_caching=False, attention="torch", speculative="off"
+    )
 
 
 @pytest.fixture(scope="module")
 def q8_reference(tiny_q8_model: LoadedModel) -> Engine:
     return engine_with_blocks(
-        tiny_q8_model, 1024, 16, enable_prefix_caching=False, attention="torch", kv_dtype="q8_0"
+        tiny_q8_model,
+        1024,
+        16,
+        enable_prefix_caching=False,
+        attention="torch",
+        kv_dtype="q8_0",
+        speculative="off",
     )
 
 
@@ -250,7 +267,7 @@ def sliding_references(sliding_model: Callable[[str, int], LoadedModel]) -> Call
         if (kind, window) not in engines:
             model = sliding_model(kind, window)
             engines[kind, window] = engine_with_blocks(
-                model, 1024, 16, enable_prefix_caching=False, attention="torch"
+                model, 1024, 16, enable_prefix_caching=False, attention="torch", speculative="off"
             )
         return engines[kind, window]
 
@@ -277,7 +294,12 @@ def family_references(family_model: Callable[[str], LoadedModel]) -> Callable[[s
     def get(kind: str) -> Engine:
         if kind not in engines:
             engines[kind] = engine_with_blocks(
-                family_model(kind), 1024, 16, enable_prefix_caching=False, attention="torch"
+                family_model(kind),
+                1024,
+                16,
+                enable_prefix_caching=False,
+                attention="torch",
+                speculative="off",
             )
         return engines[kind]
 
@@ -313,12 +335,20 @@ def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer
             enable_prefix_caching=case.enable_prefix_caching,
             attention=case.attention,
             kv_dtype=case.kv_dtype,
+            speculative="off" if case.speculative == "off" else "suffix",
+            speculative_tokens=case.speculative_tokens,
             kv_disk=disk if case.disk_tier else None,
             kv_remote=redis_session.url if case.redis_tier else None,
             secret=REDIS_SECRET,
         )
+        oracle = None
+        if case.speculative == "oracle":
+            oracle = OracleDrafter(reference, case.oracle_seed)
+            engine.scheduler.drafter = oracle
         try:
-            run = drive(engine, case.systems, case.specs, drop_memory_every=case.drop_memory_every)
+            run = drive(
+                engine, case.systems, case.specs, drop_memory_every=case.drop_memory_every, oracle=oracle
+            )
             assert_matches_reference(run, reference_outputs(reference, run))
             assert_repeats_hit(case, run, engine.stats().cache.num_evicted)
             assert_no_leak(engine)

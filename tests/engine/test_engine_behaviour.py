@@ -266,16 +266,19 @@ def test_one_token_steps_run_on_their_own_thread_count(
 
     engine = make_engine(enable_prefix_caching=False, single_token_threads=1)
     threads = engine._threads
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     original = engine.runner.execute
 
     def execute(batch: Any) -> Any:
-        seen.append(torch.get_num_threads())
+        rows = len(batch.decodes) + sum(len(c.token_ids) for c in batch.prefills)
+        seen.append((rows, torch.get_num_threads()))
         return original(batch)
 
     engine.runner.execute = execute  # type: ignore[method-assign]
     rid, ids = next(iter(prompts.items()))
     assert run(engine, {rid: ids}) == {rid: alone[rid]}
-    # The prefill step runs on the engine's threads, every decode step after it on one.
-    assert seen[0] == threads and set(seen[1:]) == {1}
+    # The prefill step runs on the engine's threads, every one-token decode step after it on one, and a
+    # decode with a draft (rows of its own) on the engine's threads again.
+    assert seen[0][1] == threads and any(rows == 1 for rows, _ in seen)
+    assert all(n == (1 if rows == 1 else threads) for rows, n in seen)
     torch.set_num_threads(threads)

@@ -460,11 +460,23 @@ class KVCacheManager:
             sliding_copy = (seq.sliding_copy_source, seq.sliding[seq.num_published])
         return Admission(seq, cached, n, copy, {tier: n for tier, n in hits.items() if n}, sliding_copy)
 
-    def grow(self, seq: SequenceBlocks, num_tokens: int) -> bool:
-        """Make `seq.blocks` cover `num_tokens` tokens; False, with nothing taken, if the pool cannot."""
-        return self._extend(seq, num_tokens)
+    def grow(self, seq: SequenceBlocks, num_tokens: int, speculative: bool = False) -> bool:
+        """Make `seq.blocks` cover `num_tokens` tokens; False, with nothing taken, if the pool cannot.
 
-    def _extend(self, seq: SequenceBlocks, num_tokens: int) -> bool:
+        A `speculative` growth is for draft rows (`roll_back` lets go of what their rejected tokens took,
+        after the step): it may evict cached blocks as any growth does, but retained blocks never give
+        way to it, since a draft is never the only way a request can run."""
+        return self._extend(seq, num_tokens, speculative)
+
+    def roll_back(self, seq: SequenceBlocks, num_tokens: int) -> None:
+        """Let go of `seq`'s blocks past the first `num_tokens` tokens (the slots of a rejected draft:
+        never a published block, since only computed tokens publish)."""
+        keep = _blocks_for(num_tokens, self.block_size)
+        assert keep >= seq.num_published, "a roll back would drop a published block"
+        if keep < len(seq.blocks):
+            self._truncate(seq, keep)
+
+    def _extend(self, seq: SequenceBlocks, num_tokens: int, speculative: bool = False) -> bool:
         need = _blocks_for(num_tokens, self.block_size) - len(seq.blocks)
         if need <= 0:
             return True
@@ -474,7 +486,12 @@ class KVCacheManager:
             # Retained blocks are given up only when nothing else could free a block: no other sequence
             # holds any (a waiting admission, or the running request that would preempt itself). Every
             # request that passed validation then fits, as it would without retention.
-            while need > self.pool.num_free and self._alone(seq) and self._retentions.give_way():
+            while (
+                need > self.pool.num_free
+                and not speculative
+                and self._alone(seq)
+                and self._retentions.give_way()
+            ):
                 self.prefix_cache.evict(need - self.pool.num_free)
         if need > self.pool.num_free:
             return False

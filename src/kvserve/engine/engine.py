@@ -16,9 +16,10 @@ from kvserve.engine.logprobs import TokenLogprob, token_logprobs
 from kvserve.engine.masks import MaskWorker, StepMasks
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.reply_memory import ReplyMemory
-from kvserve.engine.request import DEFAULT_TENANT, Appended, Request
+from kvserve.engine.request import DEFAULT_TENANT, Request
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import ScheduledStep
+from kvserve.engine.speculation import Taken, verify
 from kvserve.engine.text_stream import TextStream
 from kvserve.engine.validation import CheckedPrompt, validate_request, validate_token_ids
 from kvserve.errors import InvalidRequestError
@@ -171,6 +172,8 @@ class Engine:
             return False
         self.scheduler.finish(request)
         request.finish_reason = "abort"
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.finished(request_id, request.namespace, [])
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -187,12 +190,9 @@ class Engine:
         # The constrained rows' masks need only their tokens so far: computed while the forward pass runs.
         masks = self.masks.start(scheduled.sampled)
         logits = self._execute(scheduled)
-        tokens, chosen = self._sample(scheduled, logits.sampled, masks)
-        self.scheduler.after_step(scheduled)
-        return [
-            self._append(request, token, logprob)
-            for request, token, logprob in zip(scheduled.sampled, tokens, chosen, strict=True)
-        ]
+        taken = self._take(scheduled, logits.sampled, masks)
+        self.scheduler.after_step(scheduled, {r.request_id: len(t.appended) for r, t in taken})
+        return [self._deliver(request, t) for request, t in taken]
 
     def _schedule(self) -> ScheduledStep | None:
         """The scheduler's batch for this step; None when it has nothing to run."""
@@ -226,12 +226,32 @@ class Engine:
             self._score_prompt(request, chunk.start, chunk_logits)
         return logits
 
-    def _sample(
+    def _take(
         self, scheduled: ScheduledStep, logits: torch.Tensor, masks: StepMasks | None
+    ) -> list[tuple[Request, Taken]]:
+        """Sample each request's rows in order and append what they give (`Request.append`): the first
+        row's token always; a draft's next row only while each token sampled equals the draft's token
+        at that row, and the request goes on (see `verify` in engine/speculation.py)."""
+        requests = scheduled.sampled
+        taken = verify(
+            logits,
+            requests,
+            [scheduled.draft(r) for r in requests],
+            lambda rows, chosen, first: self._sample(rows, chosen, masks if first else None),
+        )
+        drafter = self.scheduler.drafter
+        if drafter is not None:
+            for request, t in zip(requests, taken, strict=True):
+                if draft := scheduled.draft(request):
+                    drafter.verified(request.request_id, len(draft), len(t.appended) - 1)
+        return list(zip(requests, taken, strict=True))
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], masks: StepMasks | None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """A token for each sampling row, and its logprob for the rows that asked."""
-        tokens = sampler.sample(logits, scheduled.sampled, self.tokenizer.eos_token_ids, masks)
-        return tokens, self._token_logprobs(logits, scheduled.sampled, tokens)
+        """A token for each row, and its logprob for the rows whose request asked."""
+        tokens = sampler.sample(logits, requests, self.tokenizer.eos_token_ids, masks)
+        return tokens, self._token_logprobs(logits, requests, tokens)
 
     def _score_prompt(self, request: Request, start: int, logits: torch.Tensor) -> None:
         """Logits at prompt positions start, start+1, ... score the prompt tokens after them; positions
@@ -265,35 +285,24 @@ class Engine:
             out[i] = TokenLogprob(logprob.token_id, logprob.logprob, logprob.rank, logprob.top[:k])
         return out
 
-    def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestDelta:
-        prompt_logprobs = None
-        if request.prompt_logprobs is not None and request.num_output_tokens == 0:
-            prompt_logprobs = list(request.prompt_logprobs)
-        appended = request.append(token)
-        self.generation_tokens += len(appended.token_ids)
-        if appended.finish_reason is not None:
-            self._finish(request, appended.finish_reason)
-        logprobs = [] if logprob is None or not appended.token_ids else [logprob]
-        return self._delta(request, appended, logprobs, prompt_logprobs)
-
-    @staticmethod
-    def _delta(
-        request: Request,
-        appended: Appended,
-        logprobs: list[TokenLogprob],
-        prompt_logprobs: list[TokenLogprob | None] | None,
-    ) -> RequestDelta:
+    def _deliver(self, request: Request, taken: Taken) -> RequestDelta:
+        """The request's delta for this step's tokens; ends it if they did."""
+        token_ids = [t for a in taken.appended for t in a.token_ids]
+        self.generation_tokens += len(token_ids)
+        reason = taken.appended[-1].finish_reason
+        if reason is not None:
+            self._finish(request, reason)
         return RequestDelta(
             request_id=request.request_id,
-            token_ids=appended.token_ids,
-            text=appended.text,
-            finished=appended.finish_reason is not None,
-            finish_reason=appended.finish_reason,
+            token_ids=token_ids,
+            text="".join(a.text for a in taken.appended),
+            finished=reason is not None,
+            finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=request.num_output_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            logprobs=[lp for a, lp in zip(taken.appended, taken.logprobs, strict=True) if lp and a.token_ids],
+            prompt_logprobs=taken.prompt_logprobs,
         )
 
     def _finish(self, request: Request, reason: str) -> None:
@@ -303,6 +312,8 @@ class Engine:
         # Unless a stop string cut it, the reply's text is its tokens (minus a stop token): remember them,
         # so that the next turn of the chat finds this reply in the cache token for token.
         reply = request.reply_token_ids
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.finished(request.request_id, request.namespace, reply)
         if (
             reply
             and not request.text_stream.stopped
@@ -361,4 +372,7 @@ class Engine:
             prefill_tokens_computed=c.prefill_tokens_computed,
             preemptions=c.preemptions,
             cache=self.kv.usage(),
+            spec_drafts=c.drafts,
+            spec_draft_tokens=c.draft_tokens,
+            spec_accepted_tokens=c.accepted_tokens,
         )

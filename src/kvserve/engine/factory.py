@@ -18,6 +18,7 @@ from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import LowerTier
 from kvserve.config import EngineConfig, format_bytes
+from kvserve.engine.drafting import Drafter
 from kvserve.engine.grammar import GrammarCompiler, GrammarLimits
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.validation import RequestLimits
@@ -139,12 +140,13 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         config.kv_disk or "off",
         "on" if config.kv_remote else "off",
     )
+    drafter = Drafter(config.speculative_tokens) if config.speculative == "suffix" else None
     return EngineParts(
         config=config,
         model=model,
         runner=runner,
         kv=kv,
-        scheduler=Scheduler(config, kv),
+        scheduler=Scheduler(config, kv, drafter),
         limits=limits,
         grammars=grammars,
         max_model_len=max_model_len,

@@ -281,6 +281,17 @@ class GrammarState:
             self.check_failure()
         return accepted
 
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the grammar would take one after another from here, its state unchanged:
+        a draft is cut there, since the rows after a token the mask forbids could never be kept."""
+        if not tokens or self.failure is not None or self.finished:
+            return 0
+        try:
+            n = int(self._matcher.validate_tokens(list(tokens)))
+        except (ValueError, RuntimeError, OverflowError, TypeError):
+            return 0
+        return max(0, min(n, len(tokens)))
+
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Replay the request's output from the start if this state has not seen exactly those tokens."""
         if self.num_tokens == len(output_token_ids):

@@ -27,6 +27,12 @@ its place, while the loader reads them off the engine thread; the step goes on f
 step admits it, in its turn, once its blocks have arrived or its load's budget is over, with what
 arrived. Its turn still counts for its tenant only when it is admitted.
 
+Speculation: once the step's decodes, prefill chunks and admissions are placed, what is left of the
+budget goes to drafts (a `DraftSource`, engine/drafting.py's Drafter), oldest decode first: a draft is
+extra rows of its sequence's decode, at the positions after it, verified by the engine in the same step.
+A draft takes blocks only where the pool has them without preempting anyone or taking a retained block,
+and the blocks its rejected tokens took are let go of after the step (`after_step`).
+
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
 request still prefilling waits for that prefill, then finds the shared part in the cache instead of
 computing it a second time; likewise with a request loading it, instead of reading it a second time.
@@ -34,7 +40,9 @@ computing it a second time; likewise with a request loading it, instead of readi
 
 import itertools
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from kvserve.cache.manager import KVCacheManager
 from kvserve.config import EngineConfig
@@ -46,20 +54,46 @@ _ORDERED_WINDOW = 128
 _MIN_TENANT_WINDOW = 8
 
 
+class DraftSource(Protocol):
+    """Where decodes' drafts come from (engine/drafting.py, or a test's own)."""
+
+    def propose(self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int) -> list[int]:
+        """At most `limit` tokens that may follow `tokens` (sequence `key`'s prompt and output so far) in
+        cache namespace `namespace`, for a step of `load` rows so far; [] when a draft would not pay."""
+        ...
+
+    def verified(self, key: str, drafted: int, accepted: int) -> None:
+        """The step verified `drafted` tokens of `key`'s last draft and accepted the first `accepted`."""
+        ...
+
+    def finished(self, key: str, namespace: str, output: Sequence[int]) -> None:
+        """Sequence `key` ended with `output` (its reply's tokens, empty when aborted)."""
+        ...
+
+
 @dataclass
 class ScheduledStep:
-    """One step's work. Each chunk's own `sample` flag is the one record of whether it samples."""
+    """One step's work. Each chunk's own `sample` flag is the one record of whether it samples.
+
+    `drafts` maps a decoding request's id to the draft its decode verifies: one more decode row per
+    draft token, at the positions after the decode's, each sampled (`batch` lays them out)."""
 
     decodes: list[tuple[Request, SequenceChunk]] = field(default_factory=list)
     prefills: list[tuple[Request, SequenceChunk]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     sliding_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def batch(self) -> ForwardBatch:
+        decodes: list[SequenceChunk] = []
+        for request, chunk in self.decodes:
+            decodes.append(chunk)
+            for j, token in enumerate(self.drafts.get(request.request_id, ()), 1):
+                decodes.append(replace(chunk, token_ids=[token], start=chunk.start + j))
         return ForwardBatch(
-            decodes=[c for _, c in self.decodes],
+            decodes=decodes,
             prefills=[c for _, c in self.prefills],
             block_copies=list(self.block_copies),
             sliding_copies=list(self.sliding_copies),
@@ -67,12 +101,17 @@ class ScheduledStep:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for _, c in (*self.decodes, *self.prefills))
+        drafted = sum(len(d) for d in self.drafts.values())
+        return drafted + sum(len(c.token_ids) for _, c in (*self.decodes, *self.prefills))
 
     @property
     def sampled(self) -> list[Request]:
-        """Requests whose next token this step samples, in the order of the runner's logits rows."""
+        """Requests whose next token this step samples, in the order of their logits rows: a request
+        with a draft has 1 + len(draft) rows, one after another."""
         return [r for r, c in (*self.decodes, *self.prefills) if c.sample]
+
+    def draft(self, request: Request) -> list[int]:
+        return self.drafts.get(request.request_id, [])
 
     @property
     def empty(self) -> bool:
@@ -89,6 +128,10 @@ class SchedulerCounters:
     preemptions: int = 0
     # Admissions that waited for blocks read from a lower tier.
     loads: int = 0
+    # Speculation: decodes that verified a draft, the draft tokens verified, and those accepted.
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
@@ -112,9 +155,11 @@ def _cache_limit(request: Request) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, drafter: DraftSource | None = None) -> None:
+        """`drafter`: where the decodes' drafts come from (None: no speculation)."""
         self.config = config
         self.kv = kv
+        self.drafter = drafter
         self.block_size = kv.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -161,7 +206,40 @@ class Scheduler:
         # Admitting now would hand the blocks just freed to a newcomer instead of the preempted request.
         if not step.preempted:
             self._admit(step, budget)
+            self._draft(step)
         return step
+
+    def _draft(self, step: ScheduledStep) -> None:
+        """Give the step's decodes their drafts, oldest first, within what is left of the budget."""
+        drafter = self.drafter
+        budget = self.config.max_num_batched_tokens - step.num_tokens
+        if drafter is None or budget <= 0:
+            return
+        load = step.num_tokens
+        for request, chunk in step.decodes:
+            # The draft and the token sampled after it stay within max_tokens and the context.
+            limit = min(
+                self.config.speculative_tokens, budget, request.max_tokens - request.num_output_tokens - 1
+            )
+            if request.max_model_len is not None:
+                limit = min(limit, request.max_model_len - request.num_tokens - 1)
+            if limit <= 0:
+                continue
+            draft = drafter.propose(request.request_id, request.namespace, request.token_ids, limit, load)[
+                :limit
+            ]
+            if request.grammar is not None:
+                draft = draft[: request.grammar.allowed_prefix(draft)]
+            assert request.kv is not None
+            if not draft or not self.kv.grow(request.kv, chunk.start + 1 + len(draft), speculative=True):
+                continue
+            # The draft rows share the decode's tables, which must cover their positions too.
+            chunk.block_table = request.kv.blocks
+            chunk.sliding_table = self.kv.sliding_table(request.kv)
+            step.drafts[request.request_id] = draft
+            budget -= len(draft)
+            if budget == 0:
+                break
 
     def _add_chunk(self, step: ScheduledStep, request: Request, n: int) -> None:
         assert request.kv is not None
@@ -342,12 +420,24 @@ class Scheduler:
                 return True
         return False
 
-    def after_step(self, step: ScheduledStep) -> None:
-        """The step's KV is computed: advance progress and publish every newly full block to the cache."""
+    def after_step(self, step: ScheduledStep, kept: dict[str, int] | None = None) -> None:
+        """The step's KV is computed: advance progress and publish every newly full block to the cache.
+
+        A decode that verified a draft advances by the rows it kept (`kept`: its accepted draft tokens
+        and the decode's own), and the blocks only its rejected rows reached are let go of: nothing
+        past the accepted tokens is ever published."""
+        kept = kept or {}
         for request, chunk in (*step.decodes, *step.prefills):
             assert request.kv is not None
-            request.num_computed += len(chunk.token_ids)
+            draft = step.draft(request)
+            rows = kept.get(request.request_id, 1) if draft else len(chunk.token_ids)
+            request.num_computed += rows
             self.kv.publish(request.kv, request.token_ids, request.num_computed)
+            if draft:
+                self.kv.roll_back(request.kv, request.num_computed + 1)
+                self.counters.drafts += 1
+                self.counters.draft_tokens += len(draft)
+                self.counters.accepted_tokens += rows - 1
         self.counters.prefill_tokens_computed += sum(len(c.token_ids) for _, c in step.prefills)
 
     def _release(self, request: Request) -> None:
