@@ -97,13 +97,14 @@ def _keys(mixed: Keys, first: int, stop: int, shift: int) -> list[Keys]:
     """Per order, the sorted keys of the n-grams of `mixed` ending at positions first..stop-1 that lie
     wholly in `mixed`; positions are stored plus `shift`."""
     out: list[Keys] = []
+    # hashes[j] is the n-gram ending at position j + n - 1; an n-gram of 2n tokens is two of n:
+    # H_2n(i) = H_n(i) + BASE**n * H_n(i - n), so each order is one vector operation.
     hashes = mixed
     n = 1
     for order in ORDERS:
-        while n < order and len(hashes) > 1:
-            hashes = hashes[1:] + mixed[: len(mixed) - n] * np.uint64(_POWERS[n])
-            n += 1
-        # hashes[j] is the n-gram ending at position j + n - 1.
+        while n < order and len(hashes) > n:
+            hashes = hashes[n:] + hashes[: len(hashes) - n] * np.uint64(_POWERS[n])
+            n *= 2
         start = max(first, n - 1)
         if n < order or start >= stop:
             out.append(_EMPTY)
@@ -116,14 +117,16 @@ def _keys(mixed: Keys, first: int, stop: int, shift: int) -> list[Keys]:
 def _suffix_hashes(tokens: Sequence[int], end: int) -> list[int]:
     """The high 32 bits of the hashes of the n-grams ending at `end` (one per order that fits), the same
     values `_keys` stores."""
+    mixed = [(int(t) & _MASK) * _MIX & _MASK for t in tokens[max(end - MAX_MATCH + 1, 0) : end + 1]]
+    mixed.reverse()  # mixed[k] is the token at end - k
     out: list[int] = []
     total = 0
     k = 0
     for order in ORDERS:
-        if end - order + 1 < 0:
+        if order > len(mixed):
             break
         while k < order:
-            total = (total + ((int(tokens[end - k]) & _MASK) * _MIX & _MASK) * _POWERS[k]) & _MASK
+            total = (total + mixed[k] * _POWERS[k]) & _MASK
             k += 1
         out.append(total >> 32)
     return out
@@ -131,7 +134,8 @@ def _suffix_hashes(tokens: Sequence[int], end: int) -> list[int]:
 
 def _latest(keys: Keys, hashed: int) -> int:
     """The latest position stored with this hash, or -1."""
-    i = int(np.searchsorted(keys, np.uint64((hashed << 32) | _LOW), side="right")) - 1
+    # A uint64 scalar: a Python int below 2**63 would compare as int64 and convert the whole array.
+    i = int(keys.searchsorted(np.uint64((hashed << 32) | _LOW), side="right")) - 1
     if i >= 0:
         key = int(keys[i])
         if key >> 32 == hashed:
@@ -139,9 +143,9 @@ def _latest(keys: Keys, hashed: int) -> int:
     return -1
 
 
-def _extend(left: Sequence[int], right: Sequence[int], i: int, j: int) -> int:
-    """How many tokens left[..i] and right[..j] share backwards, up to MAX_MATCH."""
-    m = 0
+def _extend(left: Sequence[int], right: Sequence[int], i: int, j: int, m: int) -> int:
+    """How many tokens left[..i] and right[..j] share backwards, up to MAX_MATCH, given that they share
+    the last m."""
     while m < MAX_MATCH and i - m >= 0 and j - m >= 0 and left[i - m] == right[j - m]:
         m += 1
     return m
@@ -157,12 +161,15 @@ class _SequenceIndex:
         self._bulk: list[Keys] = [_EMPTY] * len(ORDERS)
         self._bulk_positions = 0
         self._recent: list[dict[int, int]] = [{} for _ in ORDERS]
+        # The hashes of the n-grams ending at the last token seen: the next update's first position's.
+        self._tail_end = -1
+        self._tail: list[int] = []
 
-    def update(self, tokens: Sequence[int]) -> None:
+    def update(self, tokens: Sequence[int]) -> list[int]:
+        """Index the positions that gained a follower; return the hashes of the n-grams ending at the
+        last token."""
         followed = max(len(tokens) - 1, 0)
         added = followed - self.indexed
-        if added <= 0:
-            return
         recent = self.indexed - self._bulk_positions
         if added > _BULK_MIN or recent + added > max(_BULK_MIN, self._bulk_positions):
             self._bulk = _keys(_mixed(tokens[: followed + 1]), 0, followed, 0)
@@ -170,9 +177,14 @@ class _SequenceIndex:
             self._recent = [{} for _ in ORDERS]
         else:
             for end in range(self.indexed, followed):
-                for order, hashed in enumerate(_suffix_hashes(tokens, end)):
+                hashes = self._tail if end == self._tail_end else _suffix_hashes(tokens, end)
+                for order, hashed in enumerate(hashes):
                     self._recent[order][hashed] = end
-        self.indexed = followed
+        self.indexed = max(followed, self.indexed)
+        if self._tail_end != len(tokens) - 1:
+            self._tail_end = len(tokens) - 1
+            self._tail = _suffix_hashes(tokens, self._tail_end)
+        return self._tail
 
     def latest(self, order: int, hashed: int) -> int:
         position = self._recent[order].get(hashed)
@@ -304,12 +316,11 @@ class Drafter:
             counts[:] = [count * DECAY for count in counts]
         if len(tokens) - 1 < sequence.index.indexed:  # shorter than before: not the text indexed
             sequence.index = _SequenceIndex()
-        sequence.index.update(tokens)
+        hashes = sequence.index.update(tokens)
         sequence.last_length = 0
         cap = min(limit, self.max_tokens)
         if cap <= 0 or len(tokens) < ORDERS[0] + 1:
             return []
-        hashes = _suffix_hashes(tokens, len(tokens) - 1)
         match = self._own_match(sequence.index, tokens, hashes)
         if match is None or match.length < MAX_MATCH:
             found = self._namespace_match(namespace, tokens, hashes)
@@ -367,30 +378,40 @@ class Drafter:
 
     @staticmethod
     def _own_match(index: _SequenceIndex, tokens: Sequence[int], hashes: list[int]) -> _Match | None:
+        # An n-gram found implies its own suffixes were found, so orders are tried upwards and the walk
+        # stops at the first miss: one lookup when nothing matches (the common case).
         end = len(tokens) - 1
-        for order in reversed(range(len(hashes))):
-            position = index.latest(order, hashes[order])
-            if position >= 0:
-                length = _extend(tokens, tokens, position, end)
-                if length >= ORDERS[order]:
-                    return _Match(length, position, None)
-        return None
+        found = -1
+        for order, hashed in enumerate(hashes):
+            position = index.latest(order, hashed)
+            n = ORDERS[order]
+            if position < 0 or tokens[position - n + 1 : position + 1] != tokens[end - n + 1 :]:
+                break
+            found = order
+            latest = position
+        if found < 0:
+            return None
+        return _Match(_extend(tokens, tokens, latest, end, ORDERS[found]), latest, None)
 
     def _namespace_match(self, namespace: str, tokens: Sequence[int], hashes: list[int]) -> _Match | None:
         index = self._namespaces.get(namespace)
         if index is None:
             return None
         end = len(tokens) - 1
-        for order in reversed(range(len(hashes))):
-            found = index.find(order, hashes[order])
-            if found is not None:
-                reply, position = found
-                low = max(position - MAX_MATCH + 1, 0)
-                window = reply.tokens[low : position + 1].tolist()
-                length = _extend(window, tokens, len(window) - 1, end)
-                if length >= ORDERS[order]:
-                    return _Match(length, position, reply)
-        return None
+        best: tuple[int, _Reply, int] | None = None
+        for order, hashed in enumerate(hashes):
+            found = index.find(order, hashed)
+            n = ORDERS[order]
+            if found is None or found[0].tokens[found[1] - n + 1 : found[1] + 1].tolist() != list(
+                tokens[end - n + 1 :]
+            ):
+                break
+            best = (n, *found)
+        if best is None:
+            return None
+        n, reply, position = best
+        window = reply.tokens[max(position - MAX_MATCH + 1, 0) : position + 1].tolist()
+        return _Match(_extend(window, tokens, len(window) - 1, end, n), position, reply)
 
     def _touch(self, namespace: str, reply: _Reply) -> None:
         self._namespaces.move_to_end(namespace)
