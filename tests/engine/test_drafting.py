@@ -241,3 +241,54 @@ def test_namespace_bounds_hold(
         assert len(retained) <= namespaces
         assert all(0 < count <= capacity for count in retained.values())
     assert not drafter._sequences
+
+
+def test_replies_drafted_from_are_kept_longest() -> None:
+    drafter = Drafter(8, namespace_tokens=80)
+    first, second, third = (list(range(base, base + 40)) for base in (100, 200, 300))
+    drafter.finished("1", "ns", first)
+    drafter.finished("2", "ns", second)
+    assert drafter.propose("r", "ns", first[:20], 8, 1)  # drafting from the first reply uses it
+    drafter.finished("3", "ns", third)  # the second goes, least recently used
+    assert drafter.propose("s", "ns", first[:20], 8, 1)
+    assert drafter.propose("t", "ns", second[:20], 8, 1) == []
+    assert drafter.retained() == {"ns": 80}
+
+
+def test_namespaces_go_least_recently_used_first() -> None:
+    drafter = Drafter(8, max_namespaces=2)
+    reply = list(range(100, 140))
+    for namespace in ("a", "b", "c"):
+        drafter.finished(namespace, namespace, reply)
+    assert set(drafter.retained()) == {"b", "c"}
+    assert drafter.propose("r", "a", reply[:20], 8, 1) == []
+
+
+def test_a_reply_longer_than_the_namespace_keeps_its_start() -> None:
+    drafter = Drafter(8, namespace_tokens=30)
+    reply = list(range(100, 140))
+    drafter.finished("1", "ns", reply)
+    assert drafter.retained() == {"ns": 30}
+    draft = drafter.propose("r", "ns", reply[:20], 8, 1)
+    assert draft and draft == reply[20 : 20 + len(draft)] and 20 + len(draft) <= 30
+
+
+def test_positions_renumbered_after_four_billion_tokens_still_draft() -> None:
+    drafter = Drafter(8)
+    first, second = list(range(100, 140)), list(range(200, 240))
+    drafter.finished("1", "ns", first)
+    index = drafter._namespaces["ns"]
+    index._next_base = 2**32 - 20  # as after 4e9 tokens of replies: the next one does not fit
+    drafter.finished("2", "ns", second)
+    assert index._next_base == 80
+    for reply in (first, second):
+        draft = drafter.propose(f"r{reply[0]}", "ns", reply[:20], 8, 1)
+        assert draft and draft == reply[20 : 20 + len(draft)]
+
+
+def test_a_key_given_another_text_starts_again() -> None:
+    drafter = Drafter(8)
+    loop = [4, 5, 6] * 20
+    assert drafter.propose("r", "ns", loop, 8, 1)
+    assert drafter.propose("r", "ns", list(range(10)), 8, 1) == []  # shorter: not the text indexed
+    assert drafter.propose("r", "other", loop, 8, 1)  # another namespace: a new sequence
