@@ -30,7 +30,8 @@ import numpy.typing as npt
 Keys = npt.NDArray[np.uint64]
 
 # The n-gram lengths indexed; a match is then extended backwards up to MAX_MATCH tokens. Powers of two
-# keep ingest to five sorts while a match of any length from 2 to 32 is still found (by a shorter order).
+# (which `_keys` builds by doubling) keep ingest to five sorts while a match of any length from 2 to 32
+# is still found (by a shorter order).
 ORDERS = (2, 4, 8, 16, 32)
 MAX_MATCH = ORDERS[-1]
 
@@ -47,6 +48,8 @@ PRIOR_WEIGHT = 4.0
 # Evidence is kept per class of match length (below 4 tokens, below 16, longer): short matches failing
 # says little about a long copy or a loop.
 CLASS_BOUNDS = (4, 16)
+# The longest match of each class: the estimate grows with the match within a class.
+_CLASS_TOPS = (*(bound - 1 for bound in CLASS_BOUNDS), MAX_MATCH)
 # Each propose call multiplies the evidence by DECAY: it reflects about the last 50 steps, and a sequence
 # that stopped drafting tries again once its failures have faded.
 DECAY = 0.98
@@ -319,8 +322,11 @@ class Drafter:
         hashes = sequence.index.update(tokens)
         sequence.last_length = 0
         cap = min(limit, self.max_tokens)
+        share = row_share(load)
         if cap <= 0 or len(tokens) < ORDERS[0] + 1:
             return []
+        if all(sequence.acceptance(top) <= share for top in _CLASS_TOPS):
+            return []  # no match could pay in this step: spare the lookups
         match = self._own_match(sequence.index, tokens, hashes)
         if match is None or match.length < MAX_MATCH:
             found = self._namespace_match(namespace, tokens, hashes)
@@ -328,7 +334,7 @@ class Drafter:
                 match = found
         if match is None:
             return []
-        length = _draft_length(sequence.acceptance(match.length), load, cap)
+        length = _draft_length(sequence.acceptance(match.length), share, cap)
         if length == 0:
             return []
         if match.reply is None:
@@ -418,9 +424,8 @@ class Drafter:
         self._namespaces[namespace].touch(reply)
 
 
-def _draft_length(acceptance: float, load: int, cap: int) -> int:
+def _draft_length(acceptance: float, share: float, cap: int) -> int:
     """The most tokens j <= cap with acceptance**j above the row's share of the step."""
-    share = row_share(load)
     chance = acceptance
     length = 0
     while length < cap and chance > share:
