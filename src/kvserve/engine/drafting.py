@@ -68,6 +68,8 @@ _BASE = 0xC2B2AE3D27D4EB4F
 _POWERS = [pow(_BASE, k, 1 << 64) for k in range(MAX_MATCH)]
 # Appends of more positions than this (a prompt) are indexed by numpy in one pass, fewer one by one.
 _BULK_MIN = 256
+# The tail's hashes are rolled on over at most this many new tokens, computed afresh beyond.
+_ROLL_MAX = 8
 _EMPTY: Keys = np.zeros(0, dtype=np.uint64)
 
 
@@ -118,8 +120,8 @@ def _keys(mixed: Keys, first: int, stop: int, shift: int) -> list[Keys]:
 
 
 def _suffix_hashes(tokens: Sequence[int], end: int) -> list[int]:
-    """The high 32 bits of the hashes of the n-grams ending at `end` (one per order that fits), the same
-    values `_keys` stores."""
+    """The hashes of the n-grams ending at `end`, one per order that fits (`_keys` stores their high 32
+    bits)."""
     mixed = [(int(t) & _MASK) * _MIX & _MASK for t in tokens[max(end - MAX_MATCH + 1, 0) : end + 1]]
     mixed.reverse()  # mixed[k] is the token at end - k
     out: list[int] = []
@@ -131,8 +133,18 @@ def _suffix_hashes(tokens: Sequence[int], end: int) -> list[int]:
         while k < order:
             total = (total + mixed[k] * _POWERS[k]) & _MASK
             k += 1
-        out.append(total >> 32)
+        out.append(total)
     return out
+
+
+def _rolled(hashes: list[int], tokens: Sequence[int], end: int) -> list[int]:
+    """The hashes of the n-grams ending at `end` from those ending at end - 1 (every order):
+    H_n(end) = mixed(end) + BASE * (H_n(end - 1) - mixed(end - n) * BASE**(n - 1))."""
+    new = (int(tokens[end]) & _MASK) * _MIX
+    return [
+        (new + _BASE * (hashed - ((int(tokens[end - n]) & _MASK) * _MIX & _MASK) * _POWERS[n - 1])) & _MASK
+        for n, hashed in zip(ORDERS, hashes, strict=True)
+    ]
 
 
 def _latest(keys: Keys, hashed: int) -> int:
@@ -164,7 +176,8 @@ class _SequenceIndex:
         self._bulk: list[Keys] = [_EMPTY] * len(ORDERS)
         self._bulk_positions = 0
         self._recent: list[dict[int, int]] = [{} for _ in ORDERS]
-        # The hashes of the n-grams ending at the last token seen: the next update's first position's.
+        # The hashes of the n-grams ending at position _tail_end (the last token seen), rolled on to the
+        # next positions (a few operations per order instead of a sum over 32 tokens).
         self._tail_end = -1
         self._tail: list[int] = []
 
@@ -180,13 +193,19 @@ class _SequenceIndex:
             self._recent = [{} for _ in ORDERS]
         else:
             for end in range(self.indexed, followed):
-                hashes = self._tail if end == self._tail_end else _suffix_hashes(tokens, end)
-                for order, hashed in enumerate(hashes):
-                    self._recent[order][hashed] = end
+                for order, hashed in enumerate(self._hashes(tokens, end)):
+                    self._recent[order][hashed >> 32] = end
         self.indexed = max(followed, self.indexed)
-        if self._tail_end != len(tokens) - 1:
-            self._tail_end = len(tokens) - 1
-            self._tail = _suffix_hashes(tokens, self._tail_end)
+        return [hashed >> 32 for hashed in self._hashes(tokens, len(tokens) - 1)]
+
+    def _hashes(self, tokens: Sequence[int], end: int) -> list[int]:
+        if end != self._tail_end:
+            if len(self._tail) == len(ORDERS) and self._tail_end < end <= self._tail_end + _ROLL_MAX:
+                for position in range(self._tail_end + 1, end + 1):
+                    self._tail = _rolled(self._tail, tokens, position)
+            else:
+                self._tail = _suffix_hashes(tokens, end)
+            self._tail_end = end
         return self._tail
 
     def latest(self, order: int, hashed: int) -> int:
