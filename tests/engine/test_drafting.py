@@ -4,7 +4,9 @@ acceptance estimate and the step's load."""
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -107,6 +109,11 @@ def test_hostile_ids_and_arguments_never_raise() -> None:
             assert len(draft) <= max(min(limit, 8), 0)
     # The text ends as it began (2**70, -(2**70), -1): what followed is drafted, huge ids and all.
     assert drafter.propose("h2", "ns", huge, 8, 1)[:1] == [2**63]
+    loop = [4, 5, 6] * 20
+    # Any sequence of ids: a tuple, numpy arrays.
+    inputs: list[Any] = [tuple(loop), np.array(loop), np.array(loop, dtype=np.uint64)]
+    for i, ids in enumerate(inputs):
+        assert drafter.propose(f"k{i}", "ns", ids, 8, 1) == [4, 5, 6, 4, 5, 6, 4, 5]
     drafter.verified("h", 10**30, -(10**30))
     drafter.verified("unknown", 3, 1)
     drafter.finished("h", "ns", huge)  # ids no model generates are not kept

@@ -410,7 +410,7 @@ class Drafter:
         for order, hashed in enumerate(hashes):
             position = index.latest(order, hashed)
             n = ORDERS[order]
-            if position < 0 or tokens[position - n + 1 : position + 1] != tokens[end - n + 1 :]:
+            if position < 0 or list(tokens[position - n + 1 : position + 1]) != list(tokens[end - n + 1 :]):
                 break
             found = order
             latest = position
