@@ -98,9 +98,9 @@ def _mixed(tokens: Sequence[int] | npt.NDArray[np.int64]) -> Keys:
     return mixed
 
 
-def _keys(mixed: Keys, first: int, stop: int, shift: int) -> list[Keys]:
-    """Per order, the sorted keys of the n-grams of `mixed` ending at positions first..stop-1 that lie
-    wholly in `mixed`; positions are stored plus `shift`."""
+def _keys(mixed: Keys, stop: int, shift: int) -> list[Keys]:
+    """Per order, the sorted keys of the n-grams of `mixed` ending before position `stop`; positions are
+    stored plus `shift`."""
     out: list[Keys] = []
     # hashes[j] is the n-gram ending at position j + n - 1; an n-gram of 2n tokens is two of n:
     # H_2n(i) = H_n(i) + BASE**n * H_n(i - n), so each order is one vector operation.
@@ -110,12 +110,11 @@ def _keys(mixed: Keys, first: int, stop: int, shift: int) -> list[Keys]:
         while n < order and len(hashes) > n:
             hashes = hashes[n:] + hashes[: len(hashes) - n] * np.uint64(_POWERS[n])
             n *= 2
-        start = max(first, n - 1)
-        if n < order or start >= stop:
+        if n < order or n - 1 >= stop:
             out.append(_EMPTY)
             continue
-        high = hashes[start - n + 1 : stop - n + 1] & np.uint64(_HIGH)
-        out.append(np.sort(high | np.arange(start + shift, stop + shift, dtype=np.uint64)))
+        high = hashes[: stop - n + 1] & np.uint64(_HIGH)
+        out.append(np.sort(high | np.arange(n - 1 + shift, stop + shift, dtype=np.uint64)))
     return out
 
 
@@ -188,7 +187,7 @@ class _SequenceIndex:
         added = followed - self.indexed
         recent = self.indexed - self._bulk_positions
         if added > _BULK_MIN or recent + added > max(_BULK_MIN, self._bulk_positions):
-            self._bulk = _keys(_mixed(tokens[: followed + 1]), 0, followed, 0)
+            self._bulk = _keys(_mixed(tokens[: followed + 1]), followed, 0)
             self._bulk_positions = followed
             self._recent = [{} for _ in ORDERS]
         else:
@@ -268,7 +267,7 @@ class _NamespaceIndex:
 
     @staticmethod
     def _reply_keys(reply: _Reply) -> list[Keys]:
-        return _keys(_mixed(reply.tokens), 0, len(reply.tokens) - 1, reply.base)
+        return _keys(_mixed(reply.tokens), len(reply.tokens) - 1, reply.base)
 
     def _remove(self, reply: _Reply) -> None:
         i = bisect.bisect_left(self._bases, reply.base)
