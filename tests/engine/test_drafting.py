@@ -299,3 +299,32 @@ def test_a_key_given_another_text_starts_again() -> None:
     assert drafter.propose("r", "ns", loop, 8, 1)
     assert drafter.propose("r", "ns", list(range(10)), 8, 1) == []  # shorter: not the text indexed
     assert drafter.propose("r", "other", loop, 8, 1)  # another namespace: a new sequence
+
+
+hostile_ids = st.sampled_from(
+    [0, 1, -1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**64), 2**100]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(hostile_ids, max_size=60),
+    replies=st.lists(st.lists(hostile_ids, max_size=30), max_size=4),
+    limit=st.integers(-(2**70), 2**70),
+    load=st.integers(-(2**70), 2**70),
+    verdict=st.tuples(st.integers(-(2**70), 2**70), st.integers(-(2**70), 2**70)),
+)
+def test_any_ids_and_arguments_never_raise(
+    tokens: list[int], replies: list[list[int]], limit: int, load: int, verdict: tuple[int, int]
+) -> None:
+    drafter = Drafter(8, namespace_tokens=50)
+    for i, reply in enumerate(replies):
+        drafter.finished(f"done-{i}", "ns", reply)
+    draft = drafter.propose("r", "ns", tokens, limit, load)
+    assert len(draft) <= max(min(limit, 8), 0)
+    if draft:
+        assert is_real_continuation(tokens, draft, replies)
+    drafter.verified("r", *verdict)
+    drafter.propose("r", "ns", tokens, 8, 1)
+    drafter.finished("r", "ns", tokens)
+    assert not drafter._sequences
