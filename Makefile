@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-prefill bench-structured bench-redis bench-cluster bench-peer agents cluster test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-prefill bench-structured bench-drafting bench-redis bench-cluster bench-peer agents cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,11 @@ bench-prefill: install
 
 bench-structured: install
 	$(BIN)/python -m benchmarks.bench_structured
+
+# The drafter of speculative decoding on its own: indexing and propose times, its length policy on known
+# text under the step cost model. Seconds, no model.
+bench-drafting: install
+	$(BIN)/python -m benchmarks.bench_drafting
 
 # Builds llama.cpp's llama-server once (about 8 minutes) and benchmarks kvserve against it; never in CI.
 bench-peer: install

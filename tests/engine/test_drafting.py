@@ -1,0 +1,330 @@
+"""The drafter of speculative decoding: drafts are real continuations of the sequence's own text or of its
+own namespace's retained replies, incremental indexing changes nothing, and the length follows the
+acceptance estimate and the step's load."""
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.engine.drafting import ORDERS, Drafter, row_share
+
+
+def occurs_followed_by(source: Sequence[int], suffix: Sequence[int], draft: Sequence[int], end: int) -> bool:
+    """Whether `suffix` ends at some position p < end of `source` with `draft` following it, reading
+    `source` extended by the draft itself (what a periodic continuation reads)."""
+    text = list(source) + list(draft)
+    n = len(suffix)
+    for p in range(n - 1, end):
+        if text[p - n + 1 : p + 1] == list(suffix) and text[p + 1 : p + 1 + len(draft)] == list(draft):
+            return True
+    return False
+
+
+def is_real_continuation(
+    tokens: Sequence[int], draft: Sequence[int], replies: Sequence[Sequence[int]]
+) -> bool:
+    """A draft continues an earlier occurrence of the text's last ORDERS[0] tokens (at least): in the text
+    itself (before its end) or within one of the replies."""
+    suffix = list(tokens[-ORDERS[0] :])
+    if occurs_followed_by(tokens, suffix, draft, len(tokens) - 1):
+        return True
+    n = len(suffix)
+    return any(
+        list(reply[p - n + 1 : p + 1]) == suffix and list(reply[p + 1 : p + 1 + len(draft)]) == list(draft)
+        for reply in replies
+        for p in range(n - 1, len(reply) - len(draft))
+    )
+
+
+# A list the prompt holds, which the output copies.
+LISTING = list(range(500, 560))
+PROMPT = [7, 8, 9, *LISTING, 10, 11, 12]
+
+
+def test_copying_a_list_from_the_prompt_drafts_its_next_items() -> None:
+    drafter = Drafter(8)
+    tokens = PROMPT + LISTING[:20]
+    draft = drafter.propose("r", "ns", tokens, 8, 1)
+    assert draft and draft == LISTING[20 : 20 + len(draft)]
+
+
+def test_a_greedy_loop_drafts_its_continuation() -> None:
+    drafter = Drafter(8)
+    assert drafter.propose("r", "ns", [1, 2, 3, 1, 2, 3, 1, 2], 8, 1)[:2] == [3, 1]
+    # A long loop is a long match: the whole draft, read through the current end.
+    loop = [4, 5, 6] * 20 + [4]
+    assert drafter.propose("s", "ns", loop, 8, 1) == [5, 6, 4, 5, 6, 4, 5, 6]
+
+
+def test_nothing_matches_no_draft() -> None:
+    drafter = Drafter(8)
+    assert drafter.propose("r", "ns", list(range(100)), 8, 1) == []
+    assert drafter.propose("e", "ns", [], 8, 1) == []
+    assert drafter.propose("o", "ns", [3], 8, 1) == []
+
+
+def test_limit_and_max_tokens_bound_the_draft() -> None:
+    loop = [4, 5, 6] * 20
+    assert len(Drafter(8).propose("r", "ns", loop, 3, 1)) == 3
+    assert len(Drafter(2).propose("r", "ns", loop, 8, 1)) == 2
+    assert Drafter(8).propose("r", "ns", loop, 0, 1) == []
+    assert Drafter(8).propose("r", "ns", loop, -5, 1) == []
+
+
+def test_drafts_from_the_namespace_replies_and_stops_at_a_reply_boundary() -> None:
+    drafter = Drafter(8)
+    first = list(range(100, 140))
+    second = list(range(200, 240))
+    drafter.finished("old", "ns", first)
+    drafter.finished("older", "ns", second)
+    assert drafter.propose("r", "ns", [1, 2, *first[:20]], 8, 1) == first[20:28]
+    # The first reply's last three tokens: only what is left of it, never the next reply's start.
+    assert drafter.propose("s", "ns", [1, 2, *first[-12:-2]], 8, 1) == first[-2:]
+    # The key is forgotten once finished, and its stats with it.
+    drafter.finished("r", "ns", [])
+    assert "r" not in drafter._sequences
+
+
+def test_namespaces_are_isolated() -> None:
+    drafter = Drafter(8)
+    secret = list(range(9000, 9040))  # tokens that appear nowhere else
+    drafter.finished("a-1", "a", secret)
+    tokens = [1, 2, 3, *secret[:16]]
+    other = drafter.propose("b-1", "b", tokens, 8, 1)
+    assert not set(other) & set(secret)
+    own = drafter.propose("a-2", "a", tokens, 8, 1)
+    assert own and own == secret[16 : 16 + len(own)]
+
+
+def test_hostile_ids_and_arguments_never_raise() -> None:
+    drafter = Drafter(8)
+    huge = [2**70, -(2**70), -1, 2**63, 2**64 - 1, 0, 2**70, -(2**70), -1]
+    for load in (0, -3, 1, 10**400):
+        for limit in (-(10**30), 0, 1, 10**30):
+            draft = drafter.propose("h", "ns", huge, limit, load)
+            assert len(draft) <= max(min(limit, 8), 0)
+    # The text ends as it began (2**70, -(2**70), -1): what followed is drafted, huge ids and all.
+    assert drafter.propose("h2", "ns", huge, 8, 1)[:1] == [2**63]
+    loop = [4, 5, 6] * 20
+    # Any sequence of ids: a tuple, numpy arrays.
+    inputs: list[Any] = [tuple(loop), np.array(loop), np.array(loop, dtype=np.uint64)]
+    for i, ids in enumerate(inputs):
+        assert drafter.propose(f"k{i}", "ns", ids, 8, 1) == [4, 5, 6, 4, 5, 6, 4, 5]
+    drafter.verified("h", 10**30, -(10**30))
+    drafter.verified("unknown", 3, 1)
+    drafter.finished("h", "ns", huge)  # ids no model generates are not kept
+    drafter.finished("never-proposed", "ns", [])
+    assert drafter.retained() == {}
+
+
+def test_a_busy_step_drafts_less_and_a_very_busy_one_nothing() -> None:
+    loop = [4, 5, 6] * 5 + [4]  # a 15-token match
+    lengths = [len(Drafter(16).propose("r", "ns", loop, 16, load)) for load in (1, 2, 4, 8, 16, 64, 10**6)]
+    assert lengths == sorted(lengths, reverse=True)
+    assert lengths[0] > lengths[3] > 0 and lengths[-1] == 0
+    assert row_share(1) < 0.25 and 0.5 < row_share(4) < 0.6 and 0.65 < row_share(8) < 0.75
+
+
+def test_rejected_drafts_stop_short_matches_but_not_a_loop() -> None:
+    drafter = Drafter(8)
+    text = [*range(40), 1, 2]  # a 2-token match
+    rounds = []
+    for _ in range(10):
+        draft = drafter.propose("r", "ns", text, 8, 1)
+        rounds.append(len(draft))
+        drafter.verified("r", len(draft), 0)
+    assert rounds[0] > 0 and rounds[-1] == 0
+    # The same sequence falls into a loop: a long match is evidence of its own.
+    looping = text + [50, 51, 52] * 12
+    assert len(drafter.propose("r", "ns", looping, 8, 1)) == 8
+
+
+def test_failures_fade_and_the_sequence_tries_again() -> None:
+    drafter = Drafter(8)
+    text = [*range(40), 1, 2]
+    for _ in range(10):
+        drafter.verified("r", len(drafter.propose("r", "ns", text, 8, 1)), 0)
+    assert drafter.propose("r", "ns", text, 8, 1) == []
+    assert any(drafter.propose("r", "ns", text, 8, 1) for _ in range(200))
+
+
+def test_accepted_drafts_grow_to_max_tokens() -> None:
+    drafter = Drafter(8)
+    text = list(range(40)) + list(range(20, 28))  # an 8-token match: a few tokens at first
+    first = drafter.propose("r", "ns", text, 8, 1)
+    assert 0 < len(first) < 8
+    draft = first
+    for _ in range(10):
+        drafter.verified("r", len(draft), len(draft))
+        draft = drafter.propose("r", "ns", text, 8, 1)
+    assert draft == list(range(28, 36))
+
+
+texts = st.lists(st.integers(0, 3), min_size=0, max_size=120)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=texts, limit=st.integers(-2, 12), load=st.integers(1, 6))
+def test_every_draft_continues_an_earlier_occurrence(tokens: list[int], limit: int, load: int) -> None:
+    draft = Drafter(8).propose("r", "ns", tokens, limit, load)
+    assert len(draft) <= max(min(limit, 8), 0)
+    if draft:
+        assert is_real_continuation(tokens, draft, [])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    replies=st.lists(
+        st.tuples(st.sampled_from("ab"), st.lists(st.integers(0, 3), min_size=3, max_size=40)),
+        min_size=1,
+        max_size=12,
+    ),
+    tokens=st.lists(st.integers(0, 3), max_size=40),
+    namespace=st.sampled_from("ab"),
+    copied=st.tuples(st.integers(0, 11), st.integers(0, 39), st.integers(2, 20)),
+)
+def test_namespace_drafts_come_from_that_namespace_only(
+    replies: list[tuple[str, list[int]]], tokens: list[int], namespace: str, copied: tuple[int, int, int]
+) -> None:
+    """Namespace a's replies use ids 0-3 shifted by 10, b's by 20. A sequence's text ends with a piece of
+    any reply (either namespace's): a draft may continue it only from its own namespace's replies."""
+    shift = {"a": 10, "b": 20}
+    drafter = Drafter(8, namespace_tokens=100)
+    kept: dict[str, list[list[int]]] = {"a": [], "b": []}
+    for i, (ns, reply) in enumerate(replies):
+        shifted = [t + shift[ns] for t in reply]
+        drafter.finished(f"done-{i}", ns, shifted)
+        kept[ns].append(shifted)
+    which, start, length = copied
+    source_namespace, source = replies[which % len(replies)]
+    piece = [t + shift[source_namespace] for t in source[start % len(source) :][:length]]
+    text = [t + shift[namespace] for t in tokens] + piece
+    draft = drafter.propose("r", namespace, text, 8, 1)
+    if draft:
+        assert is_real_continuation(text, draft, kept[namespace])
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32), length=st.integers(0, 900), alphabet=st.integers(2, 6))
+def test_incremental_indexing_proposes_what_a_fresh_drafter_does(
+    seed: int, length: int, alphabet: int
+) -> None:
+    rng = random.Random(seed)
+    tokens = [rng.randrange(alphabet) for _ in range(length)]
+    incremental = Drafter(16)
+    fed = 0
+    while fed < length:
+        # Mostly small steps (decoding), sometimes a big chunk (a prompt): both ways of indexing.
+        fed = min(length, fed + (rng.randrange(1, 400) if rng.random() < 0.1 else rng.randrange(1, 4)))
+        draft = incremental.propose("r", "ns", tokens[:fed], 16, 1)
+        assert draft == Drafter(16).propose("r", "ns", tokens[:fed], 16, 1)
+        if draft:
+            assert is_real_continuation(tokens[:fed], draft, [])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    operations=st.lists(
+        st.tuples(st.integers(0, 5), st.lists(st.integers(0, 3), max_size=60), st.booleans()), max_size=40
+    ),
+    capacity=st.integers(1, 150),
+    namespaces=st.integers(1, 4),
+)
+def test_namespace_bounds_hold(
+    operations: list[tuple[int, list[int], bool]], capacity: int, namespaces: int
+) -> None:
+    drafter = Drafter(8, namespace_tokens=capacity, max_namespaces=namespaces)
+    for i, (ns, tokens, finish) in enumerate(operations):
+        if finish:
+            drafter.finished(f"k{i}", str(ns), tokens)
+        else:
+            drafter.propose(f"k{i}", str(ns), tokens, 8, 1)
+            drafter.finished(f"k{i}", str(ns), [])
+        retained = drafter.retained()
+        assert len(retained) <= namespaces
+        assert all(0 < count <= capacity for count in retained.values())
+    assert not drafter._sequences
+
+
+def test_replies_drafted_from_are_kept_longest() -> None:
+    drafter = Drafter(8, namespace_tokens=80)
+    first, second, third = (list(range(base, base + 40)) for base in (100, 200, 300))
+    drafter.finished("1", "ns", first)
+    drafter.finished("2", "ns", second)
+    assert drafter.propose("r", "ns", first[:20], 8, 1)  # drafting from the first reply uses it
+    drafter.finished("3", "ns", third)  # the second goes, least recently used
+    assert drafter.propose("s", "ns", first[:20], 8, 1)
+    assert drafter.propose("t", "ns", second[:20], 8, 1) == []
+    assert drafter.retained() == {"ns": 80}
+
+
+def test_namespaces_go_least_recently_used_first() -> None:
+    drafter = Drafter(8, max_namespaces=2)
+    reply = list(range(100, 140))
+    for namespace in ("a", "b", "c"):
+        drafter.finished(namespace, namespace, reply)
+    assert set(drafter.retained()) == {"b", "c"}
+    assert drafter.propose("r", "a", reply[:20], 8, 1) == []
+
+
+def test_a_reply_longer_than_the_namespace_keeps_its_start() -> None:
+    drafter = Drafter(8, namespace_tokens=30)
+    reply = list(range(100, 140))
+    drafter.finished("1", "ns", reply)
+    assert drafter.retained() == {"ns": 30}
+    draft = drafter.propose("r", "ns", reply[:20], 8, 1)
+    assert draft and draft == reply[20 : 20 + len(draft)] and 20 + len(draft) <= 30
+
+
+def test_positions_renumbered_after_four_billion_tokens_still_draft() -> None:
+    drafter = Drafter(8)
+    first, second = list(range(100, 140)), list(range(200, 240))
+    drafter.finished("1", "ns", first)
+    index = drafter._namespaces["ns"]
+    index._next_base = 2**32 - 20  # as after 4e9 tokens of replies: the next one does not fit
+    drafter.finished("2", "ns", second)
+    assert index._next_base == 80
+    for reply in (first, second):
+        draft = drafter.propose(f"r{reply[0]}", "ns", reply[:20], 8, 1)
+        assert draft and draft == reply[20 : 20 + len(draft)]
+
+
+def test_a_key_given_another_text_starts_again() -> None:
+    drafter = Drafter(8)
+    loop = [4, 5, 6] * 20
+    assert drafter.propose("r", "ns", loop, 8, 1)
+    assert drafter.propose("r", "ns", list(range(10)), 8, 1) == []  # shorter: not the text indexed
+    assert drafter.propose("r", "other", loop, 8, 1)  # another namespace: a new sequence
+
+
+hostile_ids = st.sampled_from(
+    [0, 1, -1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**64), 2**100]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(hostile_ids, max_size=60),
+    replies=st.lists(st.lists(hostile_ids, max_size=30), max_size=4),
+    limit=st.integers(-(2**70), 2**70),
+    load=st.integers(-(2**70), 2**70),
+    verdict=st.tuples(st.integers(-(2**70), 2**70), st.integers(-(2**70), 2**70)),
+)
+def test_any_ids_and_arguments_never_raise(
+    tokens: list[int], replies: list[list[int]], limit: int, load: int, verdict: tuple[int, int]
+) -> None:
+    drafter = Drafter(8, namespace_tokens=50)
+    for i, reply in enumerate(replies):
+        drafter.finished(f"done-{i}", "ns", reply)
+    draft = drafter.propose("r", "ns", tokens, limit, load)
+    assert len(draft) <= max(min(limit, 8), 0)
+    if draft:
+        assert is_real_continuation(tokens, draft, replies)
+    drafter.verified("r", *verdict)
+    drafter.propose("r", "ns", tokens, 8, 1)
+    drafter.finished("r", "ns", tokens)
+    assert not drafter._sequences
