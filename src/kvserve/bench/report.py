@@ -201,6 +201,8 @@ def report_data(
             **workload.settings,
             "max_tokens": workload.max_tokens,
             "ignore_eos": workload.ignore_eos,
+            "figure": workload.figure,
+            "figure_turn": workload.figure_turn,
             "tokenizer": tokenizer,
         },
         "started_at": started_at,
