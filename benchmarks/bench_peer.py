@@ -7,8 +7,15 @@ default model's GGUF with 2 threads, 4 slots and no prompt cache in RAM (`--cach
 prompt, then 8 conversations at once), `shared-prefix` and `sharegpt` (8 real conversations, 4 in flight)
 against both. Both hold the same KV bytes: llama.cpp's `-c 16384` in float16 is 360 MiB, and kvserve
 gets `--kv-cache-memory 360MiB`. The resident memory (RSS) of both servers is read at idle (both started,
-before the load) and after the runs, and sampled throughout for its peak (peer-rss). Results and plots
-go to benchmarks/results/peer-*. Run: `make bench-peer`.
+before the load) and after the runs, and sampled throughout for its peak (peer-rss).
+
+Speculation: the copy-heavy workloads (`repeat`, `code-edit`, `agent-loop`) run on four servers side by
+side: kvserve with its default speculation, kvserve with `--speculative off`, llama-server with its own
+(`--spec-default`, n-gram drafting) and llama-server without. sharegpt runs on kvserve with speculation off
+as well, to check that speculation does not lose on ordinary chat. peer-speculation gathers the time per
+output token, the acceptance and the targets' ratios. Every llama-server runs with `--metrics`, so its
+acceptance is read from its counters. Results and plots go to benchmarks/results/peer-*. Run:
+`make bench-peer`.
 Never part of `make test` or CI. `--workloads` runs some of them; `--kvserve-args` adds serve flags (for
 example "--decode-activations int16") and `--results` sends that run's reports elsewhere.
 """
@@ -16,6 +23,7 @@ example "--decode-activations int16") and `--results` sends that run's reports e
 import argparse
 import glob
 import hashlib
+import json
 import os
 import shlex
 import subprocess
@@ -24,8 +32,10 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -52,6 +62,12 @@ PORT = 8191
 KV_MEMORY = "360MiB"
 MIB = 2**20
 KVSERVE, LLAMA = "kvserve", "llama.cpp"
+# The servers of the speculation comparison beside those two (speculation on in kvserve, off in llama.cpp).
+KVSERVE_SPEC_OFF, LLAMA_SPEC = "kvserve-spec-off", "llama.cpp-spec"
+# The targets of the speculation table: kvserve's TPOT at most this much of either reference's on repeat,
+# and its output on ShareGPT at least this much of its own without speculation.
+REPEAT_TPOT_MAX = 0.6
+SHAREGPT_OUTPUT_MIN = 0.97
 
 
 def cpu_flags() -> set[str]:
@@ -92,16 +108,24 @@ def build_llama_server(cache: str) -> str:
     return binary
 
 
+def llama_argv(binary: str, model: str, port: int, speculative: bool) -> list[str]:
+    """llama-server's command line: 2 threads, 4 slots, 16,384 tokens of KV; `speculative` adds its
+    default n-gram drafting (`--spec-default`)."""
+    argv = [binary, "-m", model, "--port", str(port), "-t", "2", "-tb", "2", "-c", "16384", "-np", "4"]
+    # --cache-ram 0: no prompt cache beside the KV, so that both servers hold only their pool. --metrics:
+    # its counters, speculation's among them, on /metrics.
+    argv += ["--cache-ram", "0", "--metrics"]
+    return [*argv, "--spec-default"] if speculative else argv
+
+
 @contextmanager
-def llama_server(binary: str) -> Iterator[str]:
-    argv = [binary, "-m", default_model_path(), "--port", str(PORT), "-t", "2", "-tb", "2"]
+def llama_server(binary: str, port: int = PORT, speculative: bool = False) -> Iterator[str]:
     process = subprocess.Popen(
-        # --cache-ram 0: no prompt cache beside the KV, so that both servers hold only their pool.
-        [*argv, "-c", "16384", "-np", "4", "--cache-ram", "0"],
+        llama_argv(binary, default_model_path(), port, speculative),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url = f"http://127.0.0.1:{PORT}"
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -184,20 +208,175 @@ def bench(workload: str, targets: list[str], out: str, *args: str) -> None:
     subprocess.run([*command, *args], check=True)
 
 
-# Each workload: the `kvserve bench` workload and its arguments.
-WORKLOADS: dict[str, list[str]] = {
-    "multiturn-1": [
-        "multiturn",
-        *("--conversations", "1", "--turns", "10", "--system-tokens", "1500", "--reply-tokens", "64"),
-    ],
-    "multiturn-8": [
-        "multiturn",
-        *("--conversations", "8", "--turns", "4", "--system-tokens", "1500", "--reply-tokens", "64"),
-        *("--max-in-flight", "8"),
-    ],
-    "shared-prefix": ["shared-prefix"],
-    "sharegpt": ["sharegpt", "--conversations", "8", "--max-in-flight", "4"],
+@dataclass(frozen=True)
+class PeerWorkload:
+    """A `kvserve bench` workload with its arguments, and the servers it runs on (ratios to the first)."""
+
+    bench: tuple[str, ...]
+    targets: tuple[str, ...] = (KVSERVE, LLAMA)
+
+
+COPY_TARGETS = (KVSERVE, KVSERVE_SPEC_OFF, LLAMA_SPEC, LLAMA)
+WORKLOADS: dict[str, PeerWorkload] = {
+    "multiturn-1": PeerWorkload(
+        (
+            "multiturn",
+            *("--conversations", "1", "--turns", "10", "--system-tokens", "1500", "--reply-tokens", "64"),
+        )
+    ),
+    "multiturn-8": PeerWorkload(
+        (
+            "multiturn",
+            *("--conversations", "8", "--turns", "4", "--system-tokens", "1500", "--reply-tokens", "64"),
+            *("--max-in-flight", "8"),
+        )
+    ),
+    "shared-prefix": PeerWorkload(("shared-prefix",)),
+    "sharegpt": PeerWorkload(
+        ("sharegpt", "--conversations", "8", "--max-in-flight", "4"), (KVSERVE, LLAMA, KVSERVE_SPEC_OFF)
+    ),
+    "repeat": PeerWorkload(("repeat", "--conversations", "4", "--reply-tokens", "300"), COPY_TARGETS),
+    "code-edit": PeerWorkload(("code-edit", "--conversations", "2", "--reply-tokens", "1000"), COPY_TARGETS),
+    "agent-loop": PeerWorkload(("agent-loop", "--conversations", "2", "--turns", "4"), COPY_TARGETS),
 }
+COPY_WORKLOADS = ("repeat", "code-edit", "agent-loop")
+
+
+def servers_needed(workloads: Sequence[str]) -> set[str]:
+    return {target for name in workloads for target in WORKLOADS[name].targets}
+
+
+def kvserve_flag_sets(flags: Sequence[str], needed: set[str]) -> list[list[str]]:
+    """kvserve's command lines: as asked, and with speculation off where a workload needs that one."""
+    sets = [list(flags)]
+    if KVSERVE_SPEC_OFF in needed:
+        sets.append([*flags, "--speculative", "off"])
+    return sets
+
+
+def target_args(workload: PeerWorkload, urls: dict[str, str]) -> list[str]:
+    return [f"{name}={urls[name]}" for name in workload.targets]
+
+
+def report_path(folder: str, name: str) -> str:
+    """Where `kvserve bench` writes a peer workload's JSON."""
+    return os.path.join(folder, f"peer-{name}", f"{WORKLOADS[name].bench[0]}.json")
+
+
+def tpot_figure(report: dict[str, Any], target: dict[str, Any]) -> float | None:
+    """A target's time per output token as the workload counts it: of its figure turn where it names one
+    (repeat: turn 2), else of every request (median)."""
+    turn = report["settings"].get("figure_turn")
+    if turn is None:
+        value: float | None = target["tpot_s"]["p50"]
+        return value
+    return next((t["tpot_p50_s"] for t in target["per_turn"] if t["turn"] == turn), None)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def speculation_summary(reports: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """From the peer workloads' JSON reports (by workload name): per copy workload and server, the time
+    per output token, output tokens/s, acceptance and loops; the targets' ratios; and a Markdown table."""
+    data: dict[str, Any] = {"workloads": {}, "targets": {}}
+    lines = [
+        "Speculation: time per output token (TPOT, median; repeat: turn 2's), output tokens/s, the share of "
+        "draft tokens accepted and the accepted tokens per draft (from each server's /metrics), and the "
+        "replies that end in a greedy loop.\n",
+        "| workload | server | TPOT (ms) | output tokens/s | draft tokens accepted | accepted per draft | "
+        "greedy loops |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in (*COPY_WORKLOADS, "sharegpt"):
+        report = reports.get(name)
+        if report is None:
+            continue
+        rows = {}
+        for target in report["targets"]:
+            row = {
+                "tpot_s": tpot_figure(report, target),
+                "output_tokens_per_s": target["output_tokens_per_s"],
+                "acceptance_rate": target["acceptance_rate"],
+                "mean_accepted_length": target["mean_accepted_length"],
+                "draft_tokens": target["spec_draft_tokens"],
+                "greedy_loops": target["greedy_loops"],
+                "loops_checked": target["loops_checked"],
+            }
+            rows[target["name"]] = row
+            lines.append(
+                f"| {name} | {target['name']} | {_ms(row['tpot_s'])} | {_num(row['output_tokens_per_s'])} | "
+                f"{_acceptance(row)} | {_num(row['mean_accepted_length'], 2)} | "
+                f"{row['greedy_loops']} of {row['loops_checked']} |"
+            )
+        data["workloads"][name] = rows
+    lines.append("")
+    for label, (value, limit, at_most) in _targets(data["workloads"]).items():
+        met = None if value is None else (value <= limit if at_most else value >= limit)
+        data["targets"][label] = {"value": value, "limit": limit, "met": met}
+        verdict = "not measured" if met is None else ("met" if met else "missed")
+        shown = "-" if value is None else f"{value:.2f}x"
+        bound = "at most" if at_most else "at least"
+        lines.append(f"- {label}: {shown} ({bound} {limit}x: {verdict})")
+    return data, "\n".join(lines) + "\n"
+
+
+def _targets(rows: dict[str, dict[str, dict[str, Any]]]) -> dict[str, tuple[float | None, float, bool]]:
+    """Each target: (measured ratio, limit, whether the ratio must stay at most the limit)."""
+    repeat = rows.get("repeat", {})
+    sharegpt = rows.get("sharegpt", {})
+
+    def tpot(name: str) -> float | None:
+        value: float | None = repeat.get(name, {}).get("tpot_s")
+        return value
+
+    def output(name: str) -> float | None:
+        value: float | None = sharegpt.get(name, {}).get("output_tokens_per_s")
+        return value
+
+    return {
+        "repeat, turn 2 TPOT, kvserve / kvserve --speculative off": (
+            ratio(tpot(KVSERVE), tpot(KVSERVE_SPEC_OFF)),
+            REPEAT_TPOT_MAX,
+            True,
+        ),
+        "repeat, turn 2 TPOT, kvserve / llama.cpp --spec-default": (
+            ratio(tpot(KVSERVE), tpot(LLAMA_SPEC)),
+            REPEAT_TPOT_MAX,
+            True,
+        ),
+        "sharegpt, output tokens/s, kvserve / kvserve --speculative off": (
+            ratio(output(KVSERVE), output(KVSERVE_SPEC_OFF)),
+            SHAREGPT_OUTPUT_MIN,
+            False,
+        ),
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _acceptance(row: dict[str, Any]) -> str:
+    if row["draft_tokens"] is None:
+        return "n/a"
+    return "none drafted" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.1%}"
+
+
+def write_speculation(workloads: Sequence[str], folder: str) -> None:
+    reports = {}
+    for name in workloads:
+        if name in (*COPY_WORKLOADS, "sharegpt"):
+            with open(report_path(folder, name)) as f:
+                reports[name] = json.load(f)
+    if reports:
+        data, table = speculation_summary(reports)
+        write_results("peer-speculation", data, table, folder)
 
 
 def main() -> None:
@@ -212,20 +391,28 @@ def main() -> None:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}; known: {', '.join(WORKLOADS)}")
     binary = build_llama_server(os.path.join(default_cache_dir(), "peer"))
     flags = ["--threads", "2", "--kv-cache-memory", KV_MEMORY, *shlex.split(args.kvserve_args)]
-    with (
-        llama_server(binary) as llama,
-        local_servers([flags], 300) as (kvserve,),
-        PeakRss({KVSERVE: listening_pid(kvserve), LLAMA: listening_pid(llama)}) as rss,
-    ):
+    needed = servers_needed(workloads)
+    with ExitStack() as stack:
+        urls = {LLAMA: stack.enter_context(llama_server(binary))}
+        if LLAMA_SPEC in needed:
+            urls[LLAMA_SPEC] = stack.enter_context(llama_server(binary, PORT + 1, speculative=True))
+        kvservers = stack.enter_context(local_servers(kvserve_flag_sets(flags, needed), 300))
+        urls[KVSERVE] = kvservers[0]
+        if KVSERVE_SPEC_OFF in needed:
+            urls[KVSERVE_SPEC_OFF] = kvservers[1]
+        rss = stack.enter_context(
+            PeakRss({KVSERVE: listening_pid(urls[KVSERVE]), LLAMA: listening_pid(urls[LLAMA])})
+        )
         idle = rss.now()
-        targets = [f"{KVSERVE}={kvserve}", f"{LLAMA}={llama}"]
         for name in workloads:
-            workload, *rest = WORKLOADS[name]
-            bench(workload, targets, os.path.join(args.results, f"peer-{name}"), *rest)
+            workload = WORKLOADS[name]
+            out = os.path.join(args.results, f"peer-{name}")
+            bench(workload.bench[0], target_args(workload, urls), out, *workload.bench[1:])
         after = rss.now()
     # A peak over part of the workloads is not the whole run's: only a full run reports one.
     if len(workloads) == len(WORKLOADS):
         write_rss({"idle": idle, "after the runs": after, "peak": rss.peak}, args.results)
+    write_speculation(workloads, args.results)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """kvserve bench: pure parts without a server, then every workload against real kvserve servers."""
 
-import argparse
 import io
 import json
 import socket
@@ -17,7 +16,6 @@ import pytest
 from PIL import Image
 
 from kvserve.bench import workloads
-from kvserve.bench.cli import add_bench_arguments, run_bench
 from kvserve.bench.client import parse_target
 from kvserve.bench.errors import BenchError
 from kvserve.bench.metrics_scrape import parse_samples, prefix_cache_delta
@@ -25,6 +23,7 @@ from kvserve.bench.report import Distribution, percentile
 from kvserve.bench.sharegpt import iter_dataset, iter_objects
 from kvserve.bench.tokens import text_of_tokens, text_only
 from kvserve.bench.workloads import MultiturnSpec, SharedPrefixSpec, SharegptSpec
+from tests.bench.cli_runs import bench, targets
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REQUEST_FIELDS = {
@@ -40,6 +39,10 @@ REQUEST_FIELDS = {
     "completion_tokens",
     "cached_tokens",
     "finish_reason",
+    "draft_tokens",
+    "accepted_tokens",
+    "reply",
+    "greedy_loop",
     "retries",
     "error",
 }
@@ -66,6 +69,15 @@ TARGET_FIELDS = {
     "requests_per_s",
     "output_tokens_per_s",
     "per_turn",
+    "tpot_s",
+    "speculation_source",
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "greedy_loops",
+    "loops_checked",
 }
 
 
@@ -248,16 +260,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 process.kill()
-
-
-def bench(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    add_bench_arguments(parser)
-    return run_bench(parser.parse_args([*argv, "--no-progress"]))
-
-
-def targets(servers: dict[str, str], *names: str) -> list[str]:
-    return [arg for name in names for arg in ("--target", f"{name}={servers[name]}")]
 
 
 def check_report(path: Path, requests: int, target_names: list[str]) -> dict[str, Any]:

@@ -103,6 +103,11 @@ def test_the_dashboard_shows_the_cache_at_work() -> None:
             _wait_for(nested, "the conversations nested under the system prompt")
             legend = driver.find_element(By.CSS_SELECTOR, "#pool-usage .legend").text
             assert "cached (evictable)" in legend and "free" in legend
+            # Speculation is on by default: its card shows an acceptance rate, or "—" before any draft.
+            assert driver.find_element(By.ID, "speculation").is_displayed()
+            assert "(suffix)" in driver.find_element(By.ID, "speculation-method").text
+            acceptance = driver.find_element(By.ID, "acceptance-value").text
+            assert acceptance == "—" or acceptance.endswith("%")
             time.sleep(2)  # one more poll, so the chart holds the traffic's points
             os.makedirs(OUTPUT, exist_ok=True)
             driver.save_screenshot(os.path.join(OUTPUT, "dashboard.png"))

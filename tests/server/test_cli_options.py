@@ -10,7 +10,14 @@ import pytest
 
 import kvserve.server.app
 from kvserve.bench.cli import add_bench_arguments
-from kvserve.bench.workloads import MultiturnSpec, SharedPrefixSpec, SharegptSpec
+from kvserve.bench.workloads import (
+    AgentLoopSpec,
+    CodeEditSpec,
+    MultiturnSpec,
+    RepeatSpec,
+    SharedPrefixSpec,
+    SharegptSpec,
+)
 from kvserve.cli import build_parser, engine_config, main
 from kvserve.cluster.launch import ClusterConfig
 from kvserve.config import EngineConfig
@@ -161,7 +168,14 @@ def _bench(argv: list[str]) -> argparse.Namespace:
 
 @pytest.mark.parametrize(
     ("workload", "spec"),
-    [("multiturn", MultiturnSpec), ("shared-prefix", SharedPrefixSpec), ("sharegpt", SharegptSpec)],
+    [
+        ("multiturn", MultiturnSpec),
+        ("shared-prefix", SharedPrefixSpec),
+        ("sharegpt", SharegptSpec),
+        ("repeat", RepeatSpec),
+        ("code-edit", CodeEditSpec),
+        ("agent-loop", AgentLoopSpec),
+    ],
 )
 def test_bench_workloads_parse_to_their_specs_defaults(workload: str, spec: Any) -> None:
     args = _bench([workload, "--target", "http://127.0.0.1:1"])

@@ -120,7 +120,7 @@ def test_running_and_waiting_requests_are_listed_running_first(tiny_model: Loade
     engine.add_request("second", [*SYSTEM, 7], params, namespace="tenant-b")
     for _ in range(3):
         engine.step()
-    body = render(take_snapshot(engine), "tiny", StatsHistory.empty(), None)
+    body = render(take_snapshot(engine), "tiny", StatsHistory.empty(), None, "off")
     first, second = body.requests
     assert (first.id, first.status, first.prompt_tokens, first.cached_tokens) == ("first", "running", 64, 0)
     assert first.generated_tokens == 3 and first.ttft_s is not None and first.ttft_s > 0

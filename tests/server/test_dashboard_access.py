@@ -55,3 +55,6 @@ def test_the_admin_sees_everything_and_a_tenant_only_its_own_namespace(
         assert alice["counters"]["cache_queries"] == 3 * 65 and alice["counters"]["cache_hits"] == 2 * 64
         assert alice["counters"]["prompt_tokens"] is None and alice["history"] == []
         assert bob["scope"] == "tenant" and bob["branches"] == [] and bob["counters"]["cache_hits"] == 0
+        # Acceptance comes from every tenant's traffic: the admin sees it, a tenant does not.
+        assert admin["speculation"]["method"] in ("suffix", "off")
+        assert alice["speculation"] is None and bob["speculation"] is None

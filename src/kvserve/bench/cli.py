@@ -3,6 +3,7 @@
 kvserve bench multiturn --target cache=http://127.0.0.1:8000 --target peer=http://127.0.0.1:8001
 kvserve bench shared-prefix --target http://127.0.0.1:8000 --request-rate 4
 kvserve bench sharegpt --target http://127.0.0.1:8000 --conversations 8
+kvserve bench repeat --target spec=http://127.0.0.1:8000 --target off=http://127.0.0.1:8001
 kvserve bench compare --out benchmarks/results
 """
 
@@ -25,13 +26,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvserve.bench import workloads
 from kvserve.bench.client import Target, connect, parse_target
 from kvserve.bench.errors import BenchError
+from kvserve.bench.loops import mark_greedy_loops
 from kvserve.bench.plots import is_multi_turn, plot_cached_fraction, plot_latency_per_turn, plot_ttft
 from kvserve.bench.report import TargetSummary, markdown, report_data, rich_table, summarize, write_json
 from kvserve.bench.runner import run_workload
 from kvserve.bench.servers import local_servers
 from kvserve.bench.sharegpt import iter_dataset
-from kvserve.bench.tokens import TokenCounter, choose_counter
-from kvserve.bench.workloads import MultiturnSpec, SharedPrefixSpec, SharegptSpec, Workload
+from kvserve.bench.tokens import TokenCounter, choose_tokenizer, text_only
+from kvserve.bench.workloads import (
+    AgentLoopSpec,
+    CodeEditSpec,
+    MultiturnSpec,
+    RepeatSpec,
+    SharedPrefixSpec,
+    SharegptSpec,
+    Workload,
+)
 from kvserve.config import EngineConfig
 from kvserve.flags import add_flags, from_flags, to_argv
 
@@ -66,6 +76,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(p, SharedPrefixSpec)
     g = _workload_parser(sub, "sharegpt", "real conversations from ShareGPT, replayed turn by turn")
     add_flags(g, SharegptSpec)
+    r = _workload_parser(
+        sub, "repeat", "a list, then the same answer again: turn 2 copies turn 1 (speculation's best case)"
+    )
+    add_flags(r, RepeatSpec)
+    e = _workload_parser(
+        sub, "code-edit", "a source file in the prompt, asked back with one function renamed"
+    )
+    add_flags(e, CodeEditSpec)
+    a = _workload_parser(sub, "agent-loop", "an agent's tool results in the history, each turn quoting one")
+    add_flags(a, AgentLoopSpec)
 
     c = sub.add_parser(
         "compare",
@@ -133,6 +153,15 @@ def _builder(args: argparse.Namespace) -> WorkloadBuilder:
     if name == "shared-prefix":
         prefix = from_flags(SharedPrefixSpec, args)
         return lambda count: workloads.shared_prefix(prefix, count)
+    if name == "repeat":
+        repeat = from_flags(RepeatSpec, args)
+        return lambda count: workloads.repeat(repeat)
+    if name == "code-edit":
+        edit = from_flags(CodeEditSpec, args)
+        return lambda count: workloads.code_edit(edit)
+    if name == "agent-loop":
+        agent = from_flags(AgentLoopSpec, args)
+        return lambda count: workloads.agent_loop(agent)
     sharegpt = from_flags(SharegptSpec, args)
     return lambda count: workloads.sharegpt(sharegpt, count, iter_dataset())
 
@@ -174,30 +203,32 @@ def _run(
 ) -> _Outcome:
     with httpx.Client(timeout=30.0) as client:
         targets = [connect(client, t, model) for t in unconnected]
-        count, tokenizer = choose_counter(client, targets)
-        workload = build(count)
-    started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    total = workload.num_requests * len(targets)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=args.no_progress,
-        transient=True,
-    ) as progress:
-        task = progress.add_task(f"{workload.name} requests", total=total)
-        runs = asyncio.run(
-            run_workload(
-                workload,
-                targets,
-                args.seed,
-                args.request_timeout,
-                lambda n: progress.advance(task, n),
-                retries=args.retries,
+        token_ids, tokenizer = choose_tokenizer(client, targets)
+        workload = build(text_only(lambda text: len(token_ids(text))))
+        started_at = datetime.now(UTC).isoformat(timespec="seconds")
+        total = workload.num_requests * len(targets)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            disable=args.no_progress,
+            transient=True,
+        ) as progress:
+            task = progress.add_task(f"{workload.name} requests", total=total)
+            runs = asyncio.run(
+                run_workload(
+                    workload,
+                    targets,
+                    args.seed,
+                    args.request_timeout,
+                    lambda n: progress.advance(task, n),
+                    retries=args.retries,
+                )
             )
-        )
+        # After the run, so that tokenizing the replies takes none of the servers' measured time.
+        mark_greedy_loops((r for run in runs for r in run.results), token_ids)
     summaries = [summarize(run) for run in runs]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,10 @@ class RequestResult:
     """One request's numbers. Times are seconds; `start_s` counts from the start of the run.
 
     Token counts are the server's own (its final usage chunk) and None when it did not report them.
-    `itl_s` holds the gaps between streamed chunks after the first one.
+    `itl_s` holds the gaps between streamed chunks after the first one (a chunk may carry several tokens
+    when the server speculates; `tpot_s` divides by tokens). `draft_tokens` and `accepted_tokens` are the
+    request's own speculation where the server reports it per request (llama-server's `timings`), and
+    `greedy_loop` says whether the reply ends in a loop (`bench/loops.py`), once checked.
     """
 
     target: str
@@ -39,9 +42,21 @@ class RequestResult:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     finish_reason: str | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    reply: str = ""
+    greedy_loop: bool | None = None
     error: str | None = None
     # Attempts beyond the first (`kvserve bench --retries`); the numbers above are the last attempt's.
     retries: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (end to end - TTFT) / (tokens - 1); None below 2."""
+        tokens = self.completion_tokens
+        if self.ttft_s is None or tokens is None or tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (tokens - 1)
 
 
 def parse_target(spec: str) -> Target:
@@ -79,13 +94,15 @@ def connect(client: httpx.Client, target: Target, model: str | None) -> Target:
 async def stream_chat(
     client: httpx.AsyncClient,
     target: Target,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     max_tokens: int,
     seed: int,
     result: RequestResult,
+    ignore_eos: bool = True,
 ) -> str:
     """Sends one streaming chat request, fills `result` with its numbers, returns the reply text.
 
+    `ignore_eos` asks for exactly `max_tokens`; without it the reply ends where the model ends it.
     Failures do not raise: they land in `result.error`, so that one bad request does not end a run.
     """
     body: dict[str, Any] = {
@@ -97,7 +114,7 @@ async def stream_chat(
         "stream": True,
         "stream_options": {"include_usage": True},
         # Fixed output lengths make the servers' numbers comparable; servers that stop early still work.
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
     }
     parts: list[str] = []
     start = time.perf_counter()
@@ -123,6 +140,8 @@ async def stream_chat(
                     break
                 if chunk.get("usage"):
                     _read_usage(chunk["usage"], result)
+                if chunk.get("timings"):
+                    _read_timings(chunk["timings"], result)
                 for choice in chunk.get("choices") or []:
                     text = (choice.get("delta") or {}).get("content") or ""
                     if choice.get("finish_reason"):
@@ -144,7 +163,8 @@ async def stream_chat(
         result.error = f"malformed stream: {e}"
     finally:
         result.e2e_s = time.perf_counter() - start
-    return "".join(parts)
+    result.reply = "".join(parts)
+    return result.reply
 
 
 def retryable(error: str) -> bool:
@@ -158,6 +178,13 @@ def _read_usage(usage: dict[str, Any], result: RequestResult) -> None:
     result.completion_tokens = usage.get("completion_tokens")
     details = usage.get("prompt_tokens_details") or {}
     result.cached_tokens = details.get("cached_tokens")
+
+
+def _read_timings(timings: dict[str, Any], result: RequestResult) -> None:
+    """llama-server's per-request speculation: present only when it drafted for this request."""
+    if "draft_n" in timings:
+        result.draft_tokens = int(timings["draft_n"])
+        result.accepted_tokens = int(timings.get("draft_n_accepted", 0))
 
 
 def _error_message(status: int, body: str) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 from rich.table import Table
 
 from kvserve.bench.client import RequestResult
+from kvserve.bench.metrics_scrape import SpeculationDelta
 from kvserve.bench.runner import TargetRun
 from kvserve.bench.workloads import Workload
 
@@ -43,8 +44,8 @@ class Distribution:
 
 @dataclass(frozen=True)
 class TurnSummary:
-    """One turn across a target's conversations: median TTFT, inter-token latency and end-to-end time,
-    and the share of prompt tokens cached."""
+    """One turn across a target's conversations: median TTFT, inter-token latency, time per output token
+    and end-to-end time, and the share of prompt tokens cached."""
 
     turn: int
     requests: int
@@ -52,11 +53,18 @@ class TurnSummary:
     cached_fraction: float | None
     itl_p50_s: float | None = None
     e2e_p50_s: float | None = None
+    tpot_p50_s: float | None = None
 
 
 @dataclass(frozen=True)
 class TargetSummary:
-    """A target's numbers for one run. Throughputs divide by `busy_s`, the time the target was driven."""
+    """A target's numbers for one run. Throughputs divide by `busy_s`, the time the target was driven.
+
+    `tpot_s` is per request: (end to end - TTFT) / (output tokens - 1). Speculation comes from the
+    server's counters over the run (`speculation_source` "/metrics") or, where it has none, from the
+    requests' own reports ("timings", llama-server's, which count no drafts); None: nothing reported.
+    `greedy_loops` counts the replies that end in a loop (bench/loops.py) of the `loops_checked` ones.
+    """
 
     name: str
     url: str
@@ -81,6 +89,15 @@ class TargetSummary:
     requests_per_s: float | None
     output_tokens_per_s: float | None
     per_turn: list[TurnSummary]
+    tpot_s: Distribution
+    speculation_source: str | None
+    spec_drafts: float | None
+    spec_draft_tokens: float | None
+    spec_accepted_tokens: float | None
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+    greedy_loops: int
+    loops_checked: int
 
 
 def summarize(run: TargetRun) -> TargetSummary:
@@ -88,6 +105,7 @@ def summarize(run: TargetRun) -> TargetSummary:
     errors = [r for r in run.results if r.error is not None]
     completion = sum(r.completion_tokens or 0 for r in done)
     cache = run.prefix_cache
+    speculation, source = speculation_of(run, done)
     return TargetSummary(
         name=run.target.name,
         url=run.target.url,
@@ -111,7 +129,33 @@ def summarize(run: TargetRun) -> TargetSummary:
         requests_per_s=len(done) / run.busy_s if run.busy_s else None,
         output_tokens_per_s=completion / run.busy_s if run.busy_s else None,
         per_turn=per_turn(done),
+        tpot_s=Distribution.of(tpots(done)),
+        speculation_source=source,
+        spec_drafts=None if speculation is None else speculation.drafts,
+        spec_draft_tokens=None if speculation is None else speculation.draft_tokens,
+        spec_accepted_tokens=None if speculation is None else speculation.accepted_tokens,
+        acceptance_rate=None if speculation is None else speculation.acceptance_rate,
+        mean_accepted_length=None if speculation is None else speculation.mean_accepted_length,
+        greedy_loops=sum(1 for r in done if r.greedy_loop),
+        loops_checked=sum(1 for r in done if r.greedy_loop is not None),
     )
+
+
+def speculation_of(
+    run: TargetRun, done: Sequence[RequestResult]
+) -> tuple[SpeculationDelta | None, str | None]:
+    """The server's speculation over the run and where it was read: its counters, else its requests'."""
+    if run.speculation is not None:
+        return run.speculation, "/metrics"
+    reported = [r for r in done if r.draft_tokens is not None]
+    if not reported:
+        return None, None
+    drafted = sum(r.draft_tokens or 0 for r in reported)
+    return SpeculationDelta(None, drafted, sum(r.accepted_tokens or 0 for r in reported)), "timings"
+
+
+def tpots(results: Sequence[RequestResult]) -> list[float]:
+    return [t for r in results if (t := r.tpot_s) is not None]
 
 
 def cached_fraction(results: Sequence[RequestResult]) -> float | None:
@@ -136,6 +180,7 @@ def per_turn(results: Sequence[RequestResult]) -> list[TurnSummary]:
                 cached_fraction(at_turn),
                 itl_p50_s=percentile([gap for r in at_turn for gap in r.itl_s], 50),
                 e2e_p50_s=percentile([r.e2e_s for r in at_turn], 50),
+                tpot_p50_s=percentile(tpots(at_turn), 50),
             )
         )
     return summaries
@@ -152,7 +197,14 @@ def report_data(
     return {
         "workload": workload.name,
         "description": workload.description,
-        "settings": {**workload.settings, "max_tokens": workload.max_tokens, "tokenizer": tokenizer},
+        "settings": {
+            **workload.settings,
+            "max_tokens": workload.max_tokens,
+            "ignore_eos": workload.ignore_eos,
+            "figure": workload.figure,
+            "figure_turn": workload.figure_turn,
+            "tokenizer": tokenizer,
+        },
         "started_at": started_at,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "targets": [dataclasses.asdict(s) for s in summaries],
@@ -169,36 +221,82 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def table_rows(summaries: Sequence[TargetSummary]) -> list[tuple[str, list[str]]]:
+def table_rows(workload: Workload, summaries: Sequence[TargetSummary]) -> list[tuple[str, list[str]]]:
     """The rows shared by the terminal and Markdown tables: one metric per row, one target per column."""
-    return [
+    rows = [
         ("requests (errors)", [f"{s.requests} ({s.errors})" for s in summaries]),
         ("retried (then succeeded)", [f"{s.retried} ({s.recovered})" for s in summaries]),
         ("TTFT p50 / p90 / p99 (ms)", [_ms(s.ttft_s) for s in summaries]),
         ("ITL p50 / p90 / p99 (ms)", [_ms(s.itl_s) for s in summaries]),
+        ("TPOT p50 / p90 / p99 (ms)", [_ms(s.tpot_s, 1) for s in summaries]),
+    ]
+    if workload.figure_turn is not None:
+        label = f"TPOT p50, turn {workload.figure_turn} (ms)"
+        rows.append((label, [_ms_value(figure_value(workload, s)) for s in summaries]))
+    return [
+        *rows,
         ("E2E p50 / p90 / p99 (s)", [_seconds(s.e2e_s) for s in summaries]),
         ("prompt / cached tokens", [f"{s.prompt_tokens} / {s.cached_tokens}" for s in summaries]),
         ("cached fraction (usage)", [_percent(s.cached_fraction) for s in summaries]),
         ("hit rate (/metrics)", [_percent(s.server_hit_rate) for s in summaries]),
         ("output tokens/s", [_number(s.output_tokens_per_s) for s in summaries]),
         ("requests/s", [_number(s.requests_per_s, 2) for s in summaries]),
+        ("draft tokens accepted", [acceptance_cell(s) for s in summaries]),
+        ("accepted tokens per draft", [accepted_length_cell(s) for s in summaries]),
+        ("replies ending in a loop", [loops_cell(s) for s in summaries]),
     ]
 
 
-def speedups(summaries: Sequence[TargetSummary]) -> list[str]:
-    """How the first target's median TTFT compares with each other target's, as sentences."""
-    base = summaries[0].ttft_s.p50 if summaries else None
+def figure_value(workload: Workload, summary: TargetSummary) -> float | None:
+    """The workload's figure for one target: median TTFT, or median time per output token (of
+    `figure_turn` only, where the workload names one)."""
+    if workload.figure == "ttft":
+        return summary.ttft_s.p50
+    if workload.figure_turn is None:
+        return summary.tpot_s.p50
+    return next((t.tpot_p50_s for t in summary.per_turn if t.turn == workload.figure_turn), None)
+
+
+def figure_name(workload: Workload) -> str:
+    if workload.figure == "ttft":
+        return "TTFT p50"
+    return "TPOT p50" + ("" if workload.figure_turn is None else f", turn {workload.figure_turn}")
+
+
+def speedups(workload: Workload, summaries: Sequence[TargetSummary]) -> list[str]:
+    """How the first target's figure (median TTFT, or time per output token) compares with each other
+    target's, as sentences."""
+    base = figure_value(workload, summaries[0]) if summaries else None
     if not base:
         return []
     lines = []
     for other in summaries[1:]:
-        if other.ttft_s.p50:
-            ratio = other.ttft_s.p50 / base
+        value = figure_value(workload, other)
+        if value:
+            ratio = value / base
             word = "faster" if ratio >= 1 else "slower"
             lines.append(
-                f"TTFT p50: {summaries[0].name} is {max(ratio, 1 / ratio):.2f}x {word} than {other.name}"
+                f"{figure_name(workload)}: {summaries[0].name} is {max(ratio, 1 / ratio):.2f}x {word} "
+                f"than {other.name}"
             )
     return lines
+
+
+def acceptance_cell(s: TargetSummary) -> str:
+    """ "n/a" where the server reports no speculation, "none drafted" where it drafted nothing."""
+    if s.spec_draft_tokens is None:
+        return "n/a"
+    if s.acceptance_rate is None:
+        return "none drafted"
+    return f"{s.acceptance_rate:.1%} ({s.spec_accepted_tokens:.0f} / {s.spec_draft_tokens:.0f})"
+
+
+def accepted_length_cell(s: TargetSummary) -> str:
+    return "n/a" if s.mean_accepted_length is None else f"{s.mean_accepted_length:.2f}"
+
+
+def loops_cell(s: TargetSummary) -> str:
+    return "-" if not s.loops_checked else f"{s.greedy_loops} of {s.loops_checked}"
 
 
 def rich_table(workload: Workload, summaries: Sequence[TargetSummary]) -> Table:
@@ -206,7 +304,7 @@ def rich_table(workload: Workload, summaries: Sequence[TargetSummary]) -> Table:
     table.add_column("")
     for s in summaries:
         table.add_column(s.name, justify="right")
-    for label, cells in table_rows(summaries):
+    for label, cells in table_rows(workload, summaries):
         table.add_row(label, *cells)
     return table
 
@@ -216,20 +314,24 @@ def markdown(workload: Workload, summaries: Sequence[TargetSummary], image_names
     lines = [f"### {workload.name}", "", f"{workload.description}.", ""]
     lines.append("| | " + " | ".join(s.name for s in summaries) + " |")
     lines.append("|---|" + "---:|" * len(summaries))
-    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in table_rows(summaries)]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in table_rows(workload, summaries)]
     lines.append("")
-    lines += [f"{line}." for line in speedups(summaries)]
+    lines += [f"{line}." for line in speedups(workload, summaries)]
     lines.append("")
     lines += [f"![{name}]({name})" for name in image_names]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _ms(d: Distribution) -> str:
-    return " / ".join("-" if v is None else f"{v * 1000:.0f}" for v in (d.p50, d.p90, d.p99))
+def _ms(d: Distribution, digits: int = 0) -> str:
+    return " / ".join("-" if v is None else f"{v * 1000:.{digits}f}" for v in (d.p50, d.p90, d.p99))
 
 
 def _seconds(d: Distribution) -> str:
     return " / ".join("-" if v is None else f"{v:.2f}" for v in (d.p50, d.p90, d.p99))
+
+
+def _ms_value(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
 
 
 def _percent(value: float | None) -> str:

@@ -17,8 +17,14 @@ import httpx
 
 from kvserve.bench.client import RequestResult, Target, retryable, stream_chat
 from kvserve.bench.errors import BenchError
-from kvserve.bench.metrics_scrape import PrefixCacheDelta, prefix_cache_delta, scrape
-from kvserve.bench.workloads import Conversation, Workload
+from kvserve.bench.metrics_scrape import (
+    PrefixCacheDelta,
+    SpeculationDelta,
+    prefix_cache_delta,
+    scrape,
+    speculation_delta,
+)
+from kvserve.bench.workloads import Conversation, Message, Workload
 
 # Text of the warm-up request, which no workload text starts with (those are lowercase words).
 _WARMUP_TEXT = "Say hello."
@@ -32,11 +38,12 @@ class TargetRun:
     results: list[RequestResult] = field(default_factory=list)
     busy_s: float = 0.0
     prefix_cache: PrefixCacheDelta | None = None
+    speculation: SpeculationDelta | None = None
 
 
 @dataclass
 class _History:
-    messages: list[dict[str, str]]
+    messages: list[Message]
     failed: bool = False
 
 
@@ -59,7 +66,9 @@ async def run_workload(
         before = [await scrape(client, run.target.url) for run in runs]
         await _Driver(client, workload, runs, seed, on_requests_done, retries).run_steps()
         for run, scraped in zip(runs, before, strict=True):
-            run.prefix_cache = prefix_cache_delta(scraped, await scrape(client, run.target.url))
+            after = await scrape(client, run.target.url)
+            run.prefix_cache = prefix_cache_delta(scraped, after)
+            run.speculation = speculation_delta(scraped, after)
     return runs
 
 
@@ -140,7 +149,13 @@ class _Driver:
                 retries=attempt,
             )
             reply = await stream_chat(
-                self.client, run.target, history.messages, self.workload.max_tokens, self.seed, result
+                self.client,
+                run.target,
+                history.messages,
+                self.workload.max_tokens,
+                self.seed,
+                result,
+                ignore_eos=self.workload.ignore_eos,
             )
             if result.error is None or attempt >= self.retries or not retryable(result.error):
                 break
@@ -155,5 +170,6 @@ class _Driver:
             self.on_requests_done(len(conversation.user_turns) - turn)
 
 
-def _opening(conversation: Conversation) -> list[dict[str, str]]:
-    return [] if conversation.system is None else [{"role": "system", "content": conversation.system}]
+def _opening(conversation: Conversation) -> list[Message]:
+    system = [] if conversation.system is None else [{"role": "system", "content": conversation.system}]
+    return [*system, *conversation.opening]

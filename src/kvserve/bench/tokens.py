@@ -13,6 +13,8 @@ from kvserve.bench.client import Target
 from kvserve.bench.errors import BenchError
 
 TokenCounter = Callable[[str], int]
+# A text's token ids (special tokens the tokenizer adds included).
+TokenIds = Callable[[str], list[int]]
 
 # Common English words that are one token each, with or without a leading space, in SmolLM2's tokenizer
 # and in the other BPE tokenizers we have looked at. Counting stays additive (n words -> n tokens), so a
@@ -77,12 +79,22 @@ def text_only(raw_count: TokenCounter) -> TokenCounter:
 
 def remote_counter(client: httpx.Client, base_url: str) -> TokenCounter | None:
     """Counts with the server's `POST /tokenize`; None when the server has no such route."""
+    ids = remote_token_ids(client, base_url)
+    return None if ids is None else lambda text: len(ids(text))
 
-    def count(text: str) -> int:
+
+def remote_token_ids(client: httpx.Client, base_url: str) -> TokenIds | None:
+    """Tokenizes with the server's `POST /tokenize` (vLLM's and kvserve's shape: {"prompt": text} in,
+    "tokens" out); None when the server has no such route."""
+
+    def ids(text: str) -> list[int]:
         response = client.post(f"{base_url}/tokenize", json={"prompt": text})
         if response.status_code != 200:
             raise BenchError(f"{base_url}/tokenize answered {response.status_code}: {response.text[:200]}")
-        return int(response.json()["count"])
+        try:
+            return [int(t) for t in response.json()["tokens"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise BenchError(f"{base_url}/tokenize answered without a list of tokens: {e}") from e
 
     try:
         probe = client.post(f"{base_url}/tokenize", json={"prompt": _PROBE})
@@ -90,22 +102,33 @@ def remote_counter(client: httpx.Client, base_url: str) -> TokenCounter | None:
         raise BenchError(f"cannot reach {base_url}/tokenize: {e}") from e
     if probe.status_code in (404, 405):
         return None
-    return count
+    return ids
 
 
 def local_counter() -> TokenCounter:
     """Counts with kvserve's default model tokenizer, for targets without /tokenize."""
+    ids = local_token_ids()
+    return lambda text: len(ids(text))
+
+
+def local_token_ids() -> TokenIds:
+    """kvserve's default model tokenizer, for targets without /tokenize."""
     # Imported here so that the bench layer stays HTTP-only unless a target cannot count tokens itself.
     from kvserve.model.loader import load_default_tokenizer
 
-    tokenizer = load_default_tokenizer()
-    return lambda text: len(tokenizer.encode(text))
+    return load_default_tokenizer().encode
+
+
+def choose_tokenizer(client: httpx.Client, targets: Sequence[Target]) -> tuple[TokenIds, str]:
+    """The first target's tokenizer that has /tokenize, else the local one; and a name for the report."""
+    for target in targets:
+        ids = remote_token_ids(client, target.url)
+        if ids is not None:
+            return ids, f"{target.name} /tokenize"
+    return local_token_ids(), "local kvserve tokenizer"
 
 
 def choose_counter(client: httpx.Client, targets: Sequence[Target]) -> tuple[TokenCounter, str]:
-    """The first target's tokenizer that has /tokenize, else the local one; and a name for the report."""
-    for target in targets:
-        counter = remote_counter(client, target.url)
-        if counter is not None:
-            return text_only(counter), f"{target.name} /tokenize"
-    return text_only(local_counter()), "local kvserve tokenizer"
+    """Counts text tokens (special tokens left out) with `choose_tokenizer`'s tokenizer."""
+    ids, name = choose_tokenizer(client, targets)
+    return text_only(lambda text: len(ids(text))), name

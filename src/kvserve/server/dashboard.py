@@ -66,6 +66,21 @@ class Counters(BaseModel):
     preemptions: int | None
 
 
+class SpeculationStats(BaseModel):
+    """Speculative decoding since start. `method` is the server's `--speculative` ("off": it never
+    drafts). `drafts` counts verified drafts (one per sequence per step that verified one), `draft_tokens`
+    the tokens they held and `accepted_tokens` those the model accepted. `acceptance_rate` (accepted /
+    draft tokens) and `mean_accepted_length` (accepted / drafts, in tokens) are null while nothing was
+    drafted."""
+
+    method: str
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+
+
 class HistoryPoint(BaseModel):
     time: float
     cache_queries: int
@@ -104,13 +119,15 @@ class RequestStats(BaseModel):
 
 class CacheStatsResponse(BaseModel):
     """`scope` is "all", or "tenant" when a tenant's key sees only its own namespace (its counters,
-    prefixes and requests; no server-wide history)."""
+    prefixes and requests; no server-wide history, and no `speculation`: the server's acceptance comes from
+    every tenant's traffic)."""
 
     scope: Literal["all", "tenant"]
     time: float
     model: str
     pool: PoolStats
     counters: Counters
+    speculation: SpeculationStats | None
     history: list[HistoryPoint]
     branches: list[BranchStats]
     requests: list[RequestStats]
@@ -177,6 +194,18 @@ def counters(stats: EngineStats) -> Counters:
     )
 
 
+def speculation_stats(stats: EngineStats, method: str) -> SpeculationStats:
+    drafts, drafted, accepted = stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens
+    return SpeculationStats(
+        method=method,
+        drafts=drafts,
+        draft_tokens=drafted,
+        accepted_tokens=accepted,
+        acceptance_rate=accepted / drafted if drafted else None,
+        mean_accepted_length=accepted / drafts if drafts else None,
+    )
+
+
 @dataclass
 class StatsHistory:
     """The engine's counters once a second for the last HISTORY_SECONDS, sampled by `run`."""
@@ -225,7 +254,7 @@ class Dashboard:
         with its own (queries, hits) totals."""
         snapshot = await async_engine.snapshot(namespace)
         tokenizer = async_engine.tokenizer if self.show_text else None
-        full = render(snapshot, model, self.history, tokenizer, label)
+        full = render(snapshot, model, self.history, tokenizer, async_engine.config.speculative, label)
         if namespace is None or snapshot.mine is None:
             return full
         return full.model_copy(
@@ -233,6 +262,7 @@ class Dashboard:
                 "scope": "tenant",
                 "pool": tenant_pool(full.pool, snapshot.mine),
                 "counters": tenant_counters(*tenant_totals),
+                "speculation": None,
                 "history": [],
             }
         )
@@ -243,16 +273,18 @@ def render(
     model: str,
     history: StatsHistory,
     tokenizer: Tokenizer | None,
+    speculative: str,
     label: Callable[[str], str] = short_label,
 ) -> CacheStatsResponse:
-    """The JSON for one snapshot; `tokenizer` set means branch heads are shown as text, `label` names
-    namespaces."""
+    """The JSON for one snapshot; `tokenizer` set means branch heads are shown as text, `speculative` is
+    the server's `--speculative`, `label` names namespaces."""
     return CacheStatsResponse(
         scope="all",
         time=snapshot.time,
         model=model,
         pool=pool_stats(snapshot.stats, snapshot.block_size),
         counters=counters(snapshot.stats),
+        speculation=speculation_stats(snapshot.stats, speculative),
         history=list(history.points),
         branches=[
             BranchStats(

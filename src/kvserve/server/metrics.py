@@ -3,7 +3,11 @@
 Each app has its own CollectorRegistry, so that several apps (tests, replicas in one process) never share
 or clash. Besides kvserve's own names, the vLLM names that dashboards and benchmark tools read are
 exposed with vLLM's types and units: `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`
-(counters, in tokens) and `vllm:kv_cache_usage_perc` (a gauge from 0 to 1).
+(counters, in tokens), `vllm:kv_cache_usage_perc` (a gauge from 0 to 1), and speculation's
+`vllm:spec_decode_num_drafts_total` (a sequence's verified drafts: one per sequence per step that
+verified one), `vllm:spec_decode_num_draft_tokens_total` and `vllm:spec_decode_num_accepted_tokens_total`
+(tokens). Their ratios are the acceptance rate (accepted / draft tokens) and the mean accepted length per
+draft (accepted / drafts; vLLM's logs print 1 + that, counting the token every verification yields).
 """
 
 import time
@@ -125,6 +129,24 @@ class EngineStatsCollector:
                 "vllm:kv_cache_usage_perc",
                 "KV-cache usage. 1 means 100 percent usage.",
                 c.usage,
+            ),
+            (
+                CounterMetricFamily,
+                "vllm:spec_decode_num_drafts",
+                "Number of spec decoding drafts.",
+                s.spec_drafts,
+            ),
+            (
+                CounterMetricFamily,
+                "vllm:spec_decode_num_draft_tokens",
+                "Number of draft tokens.",
+                s.spec_draft_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "vllm:spec_decode_num_accepted_tokens",
+                "Number of accepted tokens.",
+                s.spec_accepted_tokens,
             ),
         ]
         families.append(

@@ -102,6 +102,22 @@ function drawHitRate(counters, history) {
   }
 }
 
+// Acceptance since start: "off" when the server never drafts, "—" until something was drafted. A tenant's
+// view has no speculation (it comes from every tenant's traffic): the card stays hidden.
+function drawSpeculation(speculation) {
+  const card = $("#speculation");
+  card.hidden = speculation === null;
+  if (speculation === null) return;
+  const off = speculation.method === "off";
+  const rate = speculation.acceptance_rate;
+  const length = speculation.mean_accepted_length;
+  $("#speculation-method").textContent = off ? "(off)" : `(${speculation.method})`;
+  $("#acceptance-value").textContent = off ? "off" : rate === null ? "—" : (100 * rate).toFixed(1) + "%";
+  $("#accepted-length-value").textContent = off ? "off" : length === null ? "—" : length.toFixed(2);
+  $("#drafts-value").textContent = `${formatCount(speculation.drafts)} (${formatCount(speculation.draft_tokens)})`;
+  card.dataset.rate = rate === null ? "" : String(rate);
+}
+
 // The hot prefixes as an indented tree: each under the longest listed prefix it extends, so that a shared
 // system prompt is one trunk and the conversations over it its branches; siblings heaviest first.
 function drawBranches(branches, now) {
@@ -176,6 +192,7 @@ async function poll() {
     $("#key-form").hidden = true;
     drawPool(stats.pool);
     drawHitRate(stats.counters, stats.history);
+    drawSpeculation(stats.speculation);
     drawBranches(stats.branches, stats.time);
     drawRequests(stats.requests, stats.num_requests);
     setStatus(`${stats.model} · updated ${new Date(stats.time * 1000).toLocaleTimeString()}`);
