@@ -131,13 +131,50 @@ def load_weights(model_dir: str) -> LazyWeights:
 
 
 def load_tokenizer(model_dir: str, config: ModelConfig | None = None) -> Tokenizer:
-    from transformers import AutoTokenizer
-
     try:
-        hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        hf = _hf_tokenizer(model_dir)
     except Exception as e:
         raise ModelLoadError(model_dir, f"no usable tokenizer ({e})") from None
     return Tokenizer(hf, config.eos_token_ids if config else ())
+
+
+def _json_object(path: str) -> dict[str, object]:
+    """The JSON object a file holds; empty when it is missing or holds something else."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _hf_tokenizer(model_dir: str) -> object:
+    """The tokenizer transformers' AutoTokenizer loads from `model_dir`.
+
+    A folder whose tokenizer_config.json names the plain tokenizers backend (as kvserve's GGUF
+    conversion writes it) is loaded with that class directly: AutoTokenizer takes it there too,
+    unless the folder brings code of its own or the model type is one whose named class it overrides,
+    but first reads the model's config through its config class, whose imports (torch.distributed's
+    tensor stack, sympy) stay resident for the server's lifetime, about 60 MiB, used by nothing."""
+    from transformers.models.auto.tokenization_auto import (
+        MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+        TOKENIZER_MAPPING_NAMES,
+    )
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    tokenizer_config = _json_object(os.path.join(model_dir, "tokenizer_config.json"))
+    model_type = _json_object(os.path.join(model_dir, "config.json")).get("model_type")
+    if (
+        tokenizer_config.get("tokenizer_class") == TokenizersBackend.__name__
+        and "auto_map" not in tokenizer_config
+        and isinstance(model_type, str)
+        and model_type not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+        and TOKENIZER_MAPPING_NAMES.get(model_type) != "MistralCommonBackend"
+    ):
+        return TokenizersBackend.from_pretrained(model_dir, local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
 def load_model(path: str | None, cache_dir: str) -> LoadedModel:
