@@ -4,6 +4,7 @@ from collections.abc import Callable
 
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.model.loader import LoadedModel
 from kvserve.model.tokenizer import MessageDict
 from tests.engine.steps import run
 from tests.harness import assert_no_leak
@@ -95,9 +96,11 @@ def test_shared_system_prompt_arriving_together_is_computed_once(
 
 
 def test_caching_stays_transparent_when_a_small_pool_forces_eviction(
-    make_engine: Callable[..., Engine],
+    make_tiny_engine: Callable[..., Engine], tiny_full_vocab_model: LoadedModel
 ) -> None:
-    tok = make_engine().tokenizer
+    # The tiny model: eviction and transparency do not depend on the model, and on the default model the
+    # 16 prompts alone, in a batch and without the cache cost a minute or more.
+    tok = make_tiny_engine().tokenizer
     prompts = {
         f"c{i}": tok.encode_chat(
             [
@@ -108,8 +111,10 @@ def test_caching_stays_transparent_when_a_small_pool_forces_eviction(
         for i, q in enumerate(USER_TURNS * 2)
     }
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    expected = run(make_engine(enable_prefix_caching=False), prompts, params)
-    engine = make_engine(kv_cache_memory=40 * 16 * 23040, block_size=16, max_num_seqs=2)
+    expected = run(make_tiny_engine(enable_prefix_caching=False), prompts, params)
+    # 40 blocks of 16 tokens in the float16 KV cache.
+    block_bytes = 16 * tiny_full_vocab_model.config.kv_bytes_per_token(2)
+    engine = make_tiny_engine(kv_cache_memory=40 * block_bytes, block_size=16, max_num_seqs=2)
     for rid, ids in prompts.items():
         assert run(engine, {rid: ids}, params)[rid] == expected[rid]
     assert run(engine, prompts, params) == expected
@@ -117,15 +122,15 @@ def test_caching_stays_transparent_when_a_small_pool_forces_eviction(
     assert_no_leak(engine)
 
 
-def test_disabled_cache_and_reset(make_engine: Callable[..., Engine]) -> None:
-    tok = make_engine().tokenizer
+def test_disabled_cache_and_reset(make_tiny_engine: Callable[..., Engine]) -> None:
+    tok = make_tiny_engine().tokenizer
     ids = tok.encode(SYSTEM)
     params = SamplingParams(max_tokens=2, temperature=0)
-    off = make_engine(enable_prefix_caching=False)
+    off = make_tiny_engine(enable_prefix_caching=False)
     run(off, {"a": ids}, params)
     run(off, {"b": ids}, params)
     assert off.stats().cache_hits == 0 and off.stats().cache.num_cached == 0
-    on = make_engine()
+    on = make_tiny_engine()
     run(on, {"a": ids}, params)
     on.add_request("b", ids, params)
     deltas = [d for _ in range(3) for d in on.step()]
