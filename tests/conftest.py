@@ -78,6 +78,29 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_full_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """`tiny_model` on the default tokenizer's whole vocabulary (49,152 tokens) and a 2,048-token context,
+    so that any text the default model takes encodes to ids it accepts; built once per session."""
+    from tests.helpers import save_tiny_model
+
+    folder = str(tmp_path_factory.mktemp("tiny-full-vocab") / "llama")
+    path = save_tiny_model(folder, "llama", max_position_embeddings=2048)
+    return load_model(path, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def make_tiny_engine(tiny_full_vocab_model: LoadedModel) -> Callable[..., Engine]:
+    """`make_engine` on `tiny_full_vocab_model`: for engine behaviour that does not depend on the
+    model's size, at a fraction of the default model's compute."""
+
+    def make(**overrides: Any) -> Engine:
+        overrides.setdefault("kv_cache_memory", 2**24)
+        return Engine.from_config(EngineConfig(**overrides), model=tiny_full_vocab_model)
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_q8_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """`tiny_model` with heads of 32 (a q8_0 KV cache quantizes blocks of 32 values along a head)."""
     from tests.helpers import save_tiny_model

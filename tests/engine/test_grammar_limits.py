@@ -14,14 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.config import EngineConfig, default_cache_dir
+from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.grammar import ConstraintRejected, GrammarCompiler, GrammarLimits, StructuredOutputs
 from kvserve.engine.request import GRAMMAR_LIMIT
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import ConfigError, InvalidRequestError
-from kvserve.model.loader import LoadedModel, load_model
-from tests.helpers import save_tiny_model
+from kvserve.model.loader import LoadedModel
 from tests.hostile_grammars import deep_nesting, huge_alternation, overlapping_terminals
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,9 +35,8 @@ MAX_RSS_GROWTH = 300 * 2**20
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = save_tiny_model(str(tmp_path_factory.mktemp("tiny-full-vocab") / "llama"), "llama")
-    return load_model(path, default_cache_dir())
+def model(tiny_full_vocab_model: LoadedModel) -> LoadedModel:
+    return tiny_full_vocab_model
 
 
 def _engine(model: LoadedModel, **config: Any) -> Engine:

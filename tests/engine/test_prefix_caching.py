@@ -2,16 +2,12 @@
 
 from collections.abc import Callable
 
-import pytest
-
-from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.model.loader import load_model
+from kvserve.model.loader import LoadedModel
 from kvserve.model.tokenizer import MessageDict
 from tests.engine.steps import run
 from tests.harness import assert_no_leak
-from tests.helpers import save_tiny_model
 
 SYSTEM = (
     "You are a meticulous assistant for a small bakery. You answer questions about opening hours, "
@@ -76,8 +72,12 @@ def test_replies_are_reused_as_their_generated_token_ids(make_engine: Callable[.
     assert engine.replies.lookup("other-namespace", text) is None
 
 
-def test_shared_system_prompt_arriving_together_is_computed_once(make_engine: Callable[..., Engine]) -> None:
-    engine = make_engine(max_num_batched_tokens=256, block_size=16)
+def test_shared_system_prompt_arriving_together_is_computed_once(
+    make_tiny_engine: Callable[..., Engine],
+) -> None:
+    # The tiny model: what is computed once does not depend on the model, and the reference run without
+    # the cache prefills every prompt in full (about 11,000 tokens).
+    engine = make_tiny_engine(max_num_batched_tokens=256, block_size=16)
     tok = engine.tokenizer
     system = tok.encode(SYSTEM * 2)
     questions = [tok.encode(f" Question {i}: what about item number {i * 7}?") for i in range(16)]
@@ -89,14 +89,18 @@ def test_shared_system_prompt_arriving_together_is_computed_once(make_engine: Ca
     # Every prompt's last token is recomputed (its logits are needed), hence the 16 x block size slack.
     assert stats.prefill_tokens_computed <= len(system) + unique + 16 * engine.config.block_size
     assert stats.cache_hits >= 15 * (len(system) - engine.config.block_size)
-    assert out == run(make_engine(enable_prefix_caching=False, max_num_batched_tokens=256), prompts, params)
+    assert out == run(
+        make_tiny_engine(enable_prefix_caching=False, max_num_batched_tokens=256), prompts, params
+    )
     assert_no_leak(engine)
 
 
 def test_caching_stays_transparent_when_a_small_pool_forces_eviction(
-    make_engine: Callable[..., Engine],
+    make_tiny_engine: Callable[..., Engine], tiny_full_vocab_model: LoadedModel
 ) -> None:
-    tok = make_engine().tokenizer
+    # The tiny model: eviction and transparency do not depend on the model, and on the default model the
+    # 16 prompts alone, in a batch and without the cache cost a minute or more.
+    tok = make_tiny_engine().tokenizer
     prompts = {
         f"c{i}": tok.encode_chat(
             [
@@ -107,8 +111,10 @@ def test_caching_stays_transparent_when_a_small_pool_forces_eviction(
         for i, q in enumerate(USER_TURNS * 2)
     }
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    expected = run(make_engine(enable_prefix_caching=False), prompts, params)
-    engine = make_engine(kv_cache_memory=40 * 16 * 23040, block_size=16, max_num_seqs=2)
+    expected = run(make_tiny_engine(enable_prefix_caching=False), prompts, params)
+    # 40 blocks of 16 tokens in the float16 KV cache.
+    block_bytes = 16 * tiny_full_vocab_model.config.kv_bytes_per_token(2)
+    engine = make_tiny_engine(kv_cache_memory=40 * block_bytes, block_size=16, max_num_seqs=2)
     for rid, ids in prompts.items():
         assert run(engine, {rid: ids}, params)[rid] == expected[rid]
     assert run(engine, prompts, params) == expected
@@ -116,15 +122,15 @@ def test_caching_stays_transparent_when_a_small_pool_forces_eviction(
     assert_no_leak(engine)
 
 
-def test_disabled_cache_and_reset(make_engine: Callable[..., Engine]) -> None:
-    tok = make_engine().tokenizer
+def test_disabled_cache_and_reset(make_tiny_engine: Callable[..., Engine]) -> None:
+    tok = make_tiny_engine().tokenizer
     ids = tok.encode(SYSTEM)
     params = SamplingParams(max_tokens=2, temperature=0)
-    off = make_engine(enable_prefix_caching=False)
+    off = make_tiny_engine(enable_prefix_caching=False)
     run(off, {"a": ids}, params)
     run(off, {"b": ids}, params)
     assert off.stats().cache_hits == 0 and off.stats().cache.num_cached == 0
-    on = make_engine()
+    on = make_tiny_engine()
     run(on, {"a": ids}, params)
     on.add_request("b", ids, params)
     deltas = [d for _ in range(3) for d in on.step()]
@@ -132,16 +138,6 @@ def test_disabled_cache_and_reset(make_engine: Callable[..., Engine]) -> None:
     assert on.reset_prefix_cache() > 0
     assert on.stats().cache.num_cached == 0
     assert on.stats().hit_rate > 0
-
-
-@pytest.fixture(scope="module")
-def tiny_engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Engine]:
-    model = load_model(save_tiny_model(str(tmp_path_factory.mktemp("tiny")), "llama"), default_cache_dir())
-
-    def make(**overrides: object) -> Engine:
-        return Engine.from_config(EngineConfig(kv_cache_memory=2**24, **overrides), model=model)  # type: ignore[arg-type]
-
-    return make
 
 
 def _admission_order(engine: Engine, prompts: dict[str, list[int]]) -> list[str]:
@@ -154,16 +150,16 @@ def _admission_order(engine: Engine, prompts: dict[str, list[int]]) -> list[str]
 
 
 def test_waiting_queue_favours_the_longest_cached_prefix_within_a_bound(
-    tiny_engine_factory: Callable[..., Engine],
+    make_tiny_engine: Callable[..., Engine],
 ) -> None:
     shared = list(range(1000, 1100))
     cold = [list(range(2000 + 100 * i, 2100 + 100 * i)) for i in range(4)]
-    engine = tiny_engine_factory(max_num_seqs=1, cache_aware_scheduling_bound=100)
+    engine = make_tiny_engine(max_num_seqs=1, cache_aware_scheduling_bound=100)
     _admission_order(engine, {"warmup": [*shared, 1]})
     prompts = {"cold0": cold[0], "cold1": cold[1], "hot": [*shared, 5], "cold2": cold[2]}
     order = _admission_order(engine, prompts)
     assert order.index("hot") < order.index("cold1")
-    bounded = tiny_engine_factory(max_num_seqs=1, cache_aware_scheduling_bound=0)
+    bounded = make_tiny_engine(max_num_seqs=1, cache_aware_scheduling_bound=0)
     _admission_order(bounded, {"warmup": [*shared, 1]})
     assert _admission_order(bounded, prompts) == list(prompts)
 

@@ -15,15 +15,13 @@ import jsonschema
 import pytest
 import torch
 
-from kvserve.config import default_cache_dir
 from kvserve.engine.engine import Engine
 from kvserve.engine.grammar import GrammarCompiler, StructuredOutputs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.llm import LLM
-from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.loader import LoadedModel
 from tests.harness import engine_with_blocks
-from tests.helpers import save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,9 +118,8 @@ def _greedy(max_tokens: int = 8, so: StructuredOutputs | None = None) -> Samplin
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = save_tiny_model(str(tmp_path_factory.mktemp("tiny-full-vocab") / "llama"), "llama")
-    return load_model(path, default_cache_dir())
+def model(tiny_full_vocab_model: LoadedModel) -> LoadedModel:
+    return tiny_full_vocab_model
 
 
 @pytest.fixture(scope="module")
