@@ -296,7 +296,6 @@ def test_code_edit_and_agent_loop_run_and_report_acceptance(servers: dict[str, s
     assert agent[0]["prompt_tokens"] > 500 and agent[1]["cached_tokens"] >= agent[0]["prompt_tokens"] - 16
 
 
-@pytest.mark.xfail(strict=False, reason="drafting and verification land on the engine side separately")
 def test_a_repeated_answer_is_drafted_and_accepted(servers: dict[str, str], tmp_path: Path) -> None:
     rc = bench(
         "repeat",
