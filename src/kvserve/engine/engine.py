@@ -301,7 +301,11 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=request.num_output_tokens,
-            logprobs=[lp for a, lp in zip(taken.appended, taken.logprobs, strict=True) if lp and a.token_ids],
+            logprobs=[
+                lp
+                for a, lp in zip(taken.appended, taken.logprobs, strict=True)
+                if lp is not None and a.token_ids
+            ],
             prompt_logprobs=taken.prompt_logprobs,
         )
 

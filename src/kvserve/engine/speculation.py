@@ -49,11 +49,11 @@ def verify(
     and the request goes on. Rows are sampled a row index at a time across requests (one `sample` call
     each), so the rows of a step without drafts are sampled in one call."""
     starts = []
-    row = 0
+    total = 0
     for draft in drafts:
-        starts.append(row)
-        row += 1 + len(draft)
-    assert row == logits.shape[0], "the logits rows are not the requests' rows"
+        starts.append(total)
+        total += 1 + len(draft)
+    assert total == logits.shape[0], "the logits rows are not the requests' rows"
     taken = [
         Taken(
             [],
@@ -67,7 +67,7 @@ def verify(
     while live:
         rows = [starts[i] + j for i in live]
         chosen = [requests[i] for i in live]
-        tokens, logprobs = sample(logits if len(rows) == row else logits[rows], chosen, j == 0)
+        tokens, logprobs = sample(logits if len(rows) == total else logits[rows], chosen, j == 0)
         going = []
         for i, request, token, logprob in zip(live, chosen, tokens, logprobs, strict=True):
             appended = request.append(token)
