@@ -69,7 +69,8 @@ _HEAD_TOKENS = 12
 
 def cache_stats_text(engine: "Engine") -> str:
     """The engine's snapshot (engine/snapshot.py) for the terminal: the pool by state, the prefix
-    cache's hit rate and its heaviest hit prefixes, as text (it is the user's own chat)."""
+    cache's hit rate, speculation's acceptance once something was drafted, and the heaviest hit
+    prefixes, as text (it is the user's own chat)."""
     from kvserve.engine.snapshot import take_snapshot
 
     snapshot = take_snapshot(engine, max_branches=5)
@@ -80,6 +81,12 @@ def cache_stats_text(engine: "Engine") -> str:
         f"prefix cache: {100 * stats.hit_rate:.1f}% of {stats.cache_queries} prompt tokens hit, "
         f"{stats.cache_hits} prefill tokens saved, {stats.prefill_tokens_computed} computed",
     ]
+    rate, length = stats.spec_acceptance_rate, stats.spec_mean_accepted_length
+    if rate is not None and length is not None:
+        lines.append(
+            f"speculation: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} draft tokens accepted "
+            f"({100 * rate:.1f}%), {length:.2f} per draft over {stats.spec_drafts} drafts"
+        )
     for b in snapshot.branches:
         head = engine.tokenizer.decode(list(b.head[:_HEAD_TOKENS]))
         lines.append(f"  {b.num_tokens:6d} tokens x {b.hits:4d} hits  {head!r}")

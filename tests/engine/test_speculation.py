@@ -12,7 +12,7 @@
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -237,3 +237,56 @@ def test_a_constraint_cuts_a_draft_at_the_first_token_it_forbids(tiny_model: Loa
     # Nothing was consumed: the grammar still starts at "a".
     assert state.accept(a) and not state.matcher.is_error()
     assert state.allowed_prefix([a]) == 0 and state.allowed_prefix([b, b]) == 2
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"temperature_in_celsius": {"type": "integer"}, "conditions_described": {"type": "string"}},
+    "required": ["temperature_in_celsius", "conditions_described"],
+    "additionalProperties": False,
+}
+
+
+def test_tokens_a_grammar_forces_are_drafted_and_kept(make_engine: Callable[..., Engine]) -> None:
+    """A JSON schema's keys are forced: they are drafted from the grammar alone (the drafter proposes
+    nothing), the model keeps them, and the output is the one without speculation."""
+    params = SamplingParams(
+        max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=WEATHER), logprobs=2
+    )
+    prompt = make_engine().tokenizer.encode("The weather in Paris as JSON:")
+
+    def run(engine: Engine) -> tuple[list[int], list[Any]]:
+        engine.add_request("0", prompt, params)
+        tokens: list[int] = []
+        logprobs: list[Any] = []
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.token_ids
+                logprobs += [(lp.logprob, lp.rank, lp.top) for lp in delta.logprobs]
+        assert_no_leak(engine)
+        return tokens, logprobs
+
+    plain = run(make_engine(speculative="off"))
+    engine = make_engine()
+    engine.scheduler.drafter = _FixedDrafter(-1, [])
+    assert run(engine) == plain
+    stats = engine.stats()
+    # At least `{"temperature_in_celsius` and `","conditions_described` came as drafts, and were kept.
+    assert stats.spec_drafts >= 2 and stats.spec_accepted_tokens >= 8
+    assert stats.spec_accepted_tokens >= 0.8 * stats.spec_draft_tokens
+
+
+def test_forced_tokens_leave_the_grammar_where_it_was(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(speculative="off")
+    answer = StructuredOutputs(regex="The answer is: [0-9]+ exactly")
+    (checked,) = engine.validate_request([[100, 101]], SamplingParams(structured_outputs=answer))
+    assert checked.grammar is not None
+    state = checked.grammar.start()
+    forced = state.forced(64)
+    assert engine.tokenizer.decode(forced) == "The answer is: "
+    assert state.forced(2) == forced[:2] and state.forced(0) == []
+    for token in forced:
+        assert state.accept(token)
+    # A digit comes next, of the model's choosing: nothing is forced.
+    assert state.forced(64) == []
+    assert state.accept(engine.tokenizer.encode("4")[0]) and state.forced(64) == []

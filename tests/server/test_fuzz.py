@@ -167,16 +167,17 @@ def keyed_target(
         yield target
 
 
-def _bound_generation(body: Any) -> None:
+def _bound_generation(body: Any, path: str) -> None:
     if not isinstance(body, dict):
         return
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
             body[name] = MAX_TOKENS
-    # Left out or null, a completion may run to the end of the context: bounded too.
-    if body.get("max_tokens") is None:
-        body["max_tokens"] = MAX_TOKENS
+    # Left out or null, a reply may run to the end of the context: bounded too, by the route's own field.
+    limit = "max_output_tokens" if path.startswith("/v1/responses") else "max_tokens"
+    if body.get(limit) is None:
+        body[limit] = MAX_TOKENS
 
 
 def assert_answered_cleanly(status: int, text: str, path: str = "") -> None:
@@ -226,7 +227,7 @@ def fuzz_every_operation(api: Any, fuzz_target: Target, mode: GenerationMode) ->
             derandomize=True,
         )
         def run(case: Any) -> None:
-            _bound_generation(case.body)
+            _bound_generation(case.body, case.operation.path)
             response = case.call(base_url=fuzz_target.url, timeout=120)
             assert_answered_cleanly(response.status_code, response.text, case.operation.path)
 

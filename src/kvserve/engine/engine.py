@@ -52,6 +52,16 @@ class EngineStats:
     def hit_rate(self) -> float:
         return self.cache_hits / self.cache_queries if self.cache_queries else 0.0
 
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / draft tokens; None while nothing was drafted."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Accepted tokens per draft (vLLM's mean acceptance length is 1 + this); None without drafts."""
+        return self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else None
+
 
 class Engine:
     """The synchronous engine: requests in (`add_request`), one batch per `step`, RequestDeltas out.

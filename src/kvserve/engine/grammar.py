@@ -292,6 +292,26 @@ class GrammarState:
             return 0
         return max(0, min(n, len(tokens)))
 
+    def forced(self, limit: int) -> list[int]:
+        """At most `limit` tokens the grammar forces from here (the library's tokenization of the only
+        bytes it allows next), its state unchanged; [] where it allows a choice. A draft that costs
+        nothing to find and that greedy and sampled rows alike keep, unless the model spells the same
+        bytes with other tokens."""
+        if limit <= 0 or self.failure is not None or self.finished:
+            return []
+        try:
+            tokens = [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
+        except (ValueError, RuntimeError, OverflowError, TypeError):
+            return []
+        if self._matcher.is_error():
+            self.check_failure()
+            return []
+        # The tokenizer may name ids past the model's vocabulary; a draft holds model tokens only.
+        for i, token in enumerate(tokens):
+            if not 0 <= token < self.vocab_size:
+                return tokens[:i]
+        return tokens
+
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Replay the request's output from the start if this state has not seen exactly those tokens."""
         if self.num_tokens == len(output_token_ids):

@@ -28,8 +28,9 @@ step admits it, in its turn, once its blocks have arrived or its load's budget i
 arrived. Its turn still counts for its tenant only when it is admitted.
 
 Speculation: once the step's decodes, prefill chunks and admissions are placed, what is left of the
-budget goes to drafts (a `DraftSource`, engine/drafting.py's Drafter), oldest decode first: a draft is
-extra rows of its sequence's decode, at the positions after it, verified by the engine in the same step.
+budget goes to drafts, oldest decode first: the tokens a request's grammar forces where it has some,
+else a `DraftSource`'s (engine/drafting.py's Drafter). A draft is extra rows of its sequence's decode,
+at the positions after it, verified by the engine in the same step.
 A draft takes blocks only where the pool has them without preempting anyone or taking a retained block,
 and the blocks its rejected tokens took are let go of after the step (`after_step`).
 
@@ -225,11 +226,13 @@ class Scheduler:
                 limit = min(limit, request.max_model_len - request.num_tokens - 1)
             if limit <= 0:
                 continue
-            draft = drafter.propose(request.request_id, request.namespace, request.token_ids, limit, load)[
-                :limit
-            ]
-            if request.grammar is not None:
-                draft = draft[: request.grammar.allowed_prefix(draft)]
+            # Tokens the grammar forces are drafted first: they are all but certain to be kept.
+            draft = request.grammar.forced(limit) if request.grammar is not None else []
+            if not draft:
+                draft = drafter.propose(request.request_id, request.namespace, request.token_ids, limit, load)
+                draft = draft[:limit]
+                if request.grammar is not None:
+                    draft = draft[: request.grammar.allowed_prefix(draft)]
             assert request.kv is not None
             if not draft or not self.kv.grow(request.kv, chunk.start + 1 + len(draft), speculative=True):
                 continue

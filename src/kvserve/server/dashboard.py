@@ -195,14 +195,13 @@ def counters(stats: EngineStats) -> Counters:
 
 
 def speculation_stats(stats: EngineStats, method: str) -> SpeculationStats:
-    drafts, drafted, accepted = stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens
     return SpeculationStats(
         method=method,
-        drafts=drafts,
-        draft_tokens=drafted,
-        accepted_tokens=accepted,
-        acceptance_rate=accepted / drafted if drafted else None,
-        mean_accepted_length=accepted / drafts if drafts else None,
+        drafts=stats.spec_drafts,
+        draft_tokens=stats.spec_draft_tokens,
+        accepted_tokens=stats.spec_accepted_tokens,
+        acceptance_rate=stats.spec_acceptance_rate,
+        mean_accepted_length=stats.spec_mean_accepted_length,
     )
 
 
