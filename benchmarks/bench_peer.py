@@ -12,10 +12,11 @@ before the load) and after the runs, and sampled throughout for its peak (peer-r
 Speculation: the copy-heavy workloads (`repeat`, `code-edit`, `agent-loop`) run on four servers side by
 side: kvserve with its default speculation, kvserve with `--speculative off`, llama-server with its own
 (`--spec-default`, n-gram drafting) and llama-server without. sharegpt runs on kvserve with speculation off
-as well, to check that speculation does not lose on ordinary chat. peer-speculation gathers the time per
-output token, the acceptance and the targets' ratios. Every llama-server runs with `--metrics`, so its
-acceptance is read from its counters. Results and plots go to benchmarks/results/peer-*. Run:
-`make bench-peer`.
+as well, to check that speculation does not lose on ordinary chat, and so does the one-conversation
+multiturn run, whose replies (ignore_eos past the end of turn) copy the conversation.
+peer-speculation gathers the time per output token, the acceptance and the targets' ratios. Every
+llama-server runs with `--metrics`, so its acceptance is read from its counters. Results and plots go to
+benchmarks/results/peer-*. Run: `make bench-peer`.
 Never part of `make test` or CI. `--workloads` runs some of them; `--kvserve-args` adds serve flags (for
 example "--decode-activations int16") and `--results` sends that run's reports elsewhere.
 """
@@ -222,7 +223,8 @@ WORKLOADS: dict[str, PeerWorkload] = {
         (
             "multiturn",
             *("--conversations", "1", "--turns", "10", "--system-tokens", "1500", "--reply-tokens", "64"),
-        )
+        ),
+        (KVSERVE, LLAMA, KVSERVE_SPEC_OFF),
     ),
     "multiturn-8": PeerWorkload(
         (

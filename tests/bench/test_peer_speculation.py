@@ -31,8 +31,8 @@ def test_copy_workloads_run_on_kvserve_and_llama_cpp_with_and_without_speculatio
         assert set(WORKLOADS[name].targets) == {KVSERVE, KVSERVE_SPEC_OFF, LLAMA_SPEC, LLAMA}
         assert WORKLOADS[name].targets[0] == KVSERVE
     assert WORKLOADS["sharegpt"].targets == (KVSERVE, LLAMA, KVSERVE_SPEC_OFF)
-    assert WORKLOADS["multiturn-1"].targets == (KVSERVE, LLAMA)
-    assert servers_needed(["multiturn-1", "shared-prefix"]) == {KVSERVE, LLAMA}
+    assert WORKLOADS["multiturn-1"].targets == (KVSERVE, LLAMA, KVSERVE_SPEC_OFF)
+    assert servers_needed(["multiturn-8", "shared-prefix"]) == {KVSERVE, LLAMA}
     assert servers_needed(["sharegpt"]) == {KVSERVE, LLAMA, KVSERVE_SPEC_OFF}
     urls = {KVSERVE: "http://a", LLAMA: "http://b", KVSERVE_SPEC_OFF: "http://c", LLAMA_SPEC: "http://d"}
     assert target_args(WORKLOADS["sharegpt"], urls) == [
