@@ -54,10 +54,11 @@ def test_copying_a_list_from_the_prompt_drafts_its_next_items() -> None:
 
 def test_a_greedy_loop_drafts_its_continuation() -> None:
     drafter = Drafter(8)
-    assert drafter.propose("r", "ns", [1, 2, 3] * 3 + [1, 2], 8, 1)[:2] == [3, 1]
+    assert drafter.propose("r", "ns", [1, 2, 3] * 5 + [1, 2], 8, 1)[:2] == [3, 1]
     # A long loop is a long match: the whole draft, read through the current end.
     loop = [4, 5, 6] * 20 + [4]
-    assert drafter.propose("s", "ns", loop, 8, 1) == [5, 6, 4, 5, 6, 4, 5, 6]
+    draft = drafter.propose("s", "ns", loop, 8, 1)
+    assert len(draft) >= 5 and draft == [5, 6, 4, 5, 6, 4, 5, 6][: len(draft)]
 
 
 def test_nothing_matches_no_draft() -> None:
@@ -81,7 +82,8 @@ def test_drafts_from_the_namespace_replies_and_stops_at_a_reply_boundary() -> No
     second = list(range(200, 240))
     drafter.finished("old", "ns", first)
     drafter.finished("older", "ns", second)
-    assert drafter.propose("r", "ns", [1, 2, *first[:32]], 8, 1) == first[32:40]
+    draft = drafter.propose("r", "ns", [1, 2, *first[:32]], 8, 1)
+    assert len(draft) >= 4 and draft == first[32 : 32 + len(draft)]
     # The first reply's last three tokens: only what is left of it, never the next reply's start.
     assert drafter.propose("s", "ns", [1, 2, *first[-12:-2]], 8, 1) == first[-2:]
     # The key is forgotten once finished, and its stats with it.
@@ -102,18 +104,20 @@ def test_namespaces_are_isolated() -> None:
 
 def test_hostile_ids_and_arguments_never_raise() -> None:
     drafter = Drafter(8)
-    huge = [2**70, -(2**70), -1, 2**63, 2**64 - 1, 0, 2**70, -(2**70), -1]
+    opening = [2**70, -(2**71) + 3, -1, 2**63 - 1, 12_345, 2**65 + 9, -5]
+    huge = [*opening, 2**63, 2**64 - 1, 0, *opening]
     for load in (0, -3, 1, 10**400):
         for limit in (-(10**30), 0, 1, 10**30):
             draft = drafter.propose("h", "ns", huge, limit, load)
             assert len(draft) <= max(min(limit, 8), 0)
-    # The text ends as it began (2**70, -(2**70), -1): what followed is drafted, huge ids and all.
+    # The text ends as it began: what followed is drafted, huge ids and all.
     assert drafter.propose("h2", "ns", huge, 8, 1)[:1] == [2**63]
     loop = [4, 5, 6] * 20
     # Any sequence of ids: a tuple, numpy arrays.
     inputs: list[Any] = [tuple(loop), np.array(loop), np.array(loop, dtype=np.uint64)]
     for i, ids in enumerate(inputs):
-        assert drafter.propose(f"k{i}", "ns", ids, 8, 1) == [4, 5, 6, 4, 5, 6, 4, 5]
+        draft = drafter.propose(f"k{i}", "ns", ids, 8, 1)
+        assert len(draft) >= 5 and draft == [4, 5, 6, 4, 5, 6, 4, 5][: len(draft)]
     drafter.verified("h", 10**30, -(10**30))
     drafter.verified("unknown", 3, 1)
     drafter.finished("h", "ns", huge)  # ids no model generates are not kept
@@ -125,13 +129,13 @@ def test_a_busy_step_drafts_less_and_a_very_busy_one_nothing() -> None:
     loop = [4, 5, 6] * 11 + [4]  # a 32-token match
     lengths = [len(Drafter(16).propose("r", "ns", loop, 16, load)) for load in (1, 2, 4, 8, 16, 64, 10**6)]
     assert lengths == sorted(lengths, reverse=True)
-    assert lengths[0] > lengths[3] > 0 and lengths[-1] == 0
-    assert 0.35 < row_share(1) < 0.4 and 0.68 < row_share(4) < 0.72 and 0.8 < row_share(8) < 0.85
+    assert lengths[0] > lengths[2] > 0 and lengths[-1] == 0
+    assert row_share(1) == 0.5 and row_share(4) == 0.8 and 0.88 < row_share(8) < 0.9
 
 
 def test_rejected_drafts_stop_short_matches_but_not_a_loop() -> None:
     drafter = Drafter(8)
-    text = [*range(40), 1, 2, 3, 4]  # a 4-token match
+    text = [*range(40), 1, 2, 3, 4, 5, 6]  # a 6-token match
     rounds = []
     for _ in range(10):
         draft = drafter.propose("r", "ns", text, 8, 1)
@@ -140,12 +144,12 @@ def test_rejected_drafts_stop_short_matches_but_not_a_loop() -> None:
     assert rounds[0] > 0 and rounds[-1] == 0
     # The same sequence falls into a loop: a long match is evidence of its own.
     looping = text + [50, 51, 52] * 12
-    assert len(drafter.propose("r", "ns", looping, 8, 1)) == 8
+    assert len(drafter.propose("r", "ns", looping, 8, 1)) >= 5
 
 
 def test_failures_fade_and_the_sequence_tries_again() -> None:
     drafter = Drafter(8)
-    text = [*range(40), 1, 2, 3, 4]
+    text = [*range(40), 1, 2, 3, 4, 5, 6]
     for _ in range(10):
         drafter.verified("r", len(drafter.propose("r", "ns", text, 8, 1)), 0)
     assert drafter.propose("r", "ns", text, 8, 1) == []

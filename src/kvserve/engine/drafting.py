@@ -40,9 +40,12 @@ DEFAULT_MAX_NAMESPACES = 64
 
 # The cost model of a step of R rows: T0 + R * c, with c / T0 = ROW_COST. Measured with the default model
 # on 2 cores, steps of 4 decodes with 0-8 draft rows each: c/T0 0.72, 0.45 and 0.60 at contexts of 100,
-# 1,000 and 3,000 tokens (3.4-6.8 ms a row). On this CPU a row's products are compute-bound, not
-# memory-bound: a draft row costs nearly what a decode row does.
-ROW_COST = 0.6
+# 1,000 and 3,000 tokens (3.4-6.8 ms a row); beside a lone decode the first draft row costs 0.7 of its
+# step. On this CPU a row's products are compute-bound: a draft row costs nearly what a decode row does.
+# 1.0 rather than the fit, because replies in flight together wait on each other's rows: side by side on
+# ShareGPT (4 in flight), 1.0 gave 1.00x and 1.03x the output of speculation off where 0.6 gave 0.99x and
+# 0.97x, with the repeat workload alike (0.53x and 0.51x of speculation off's time per token).
+ROW_COST = 1.0
 # The prior per-token acceptance after an m-token match is m / (m + PRIOR_HALF): 0.33 after 2 tokens,
 # 0.67 after 8, 0.89 after 32. It weighs as much as PRIOR_WEIGHT verified tokens.
 PRIOR_HALF = 4.0
