@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-prefill bench-structured bench-drafting bench-redis bench-cluster bench-peer agents cluster test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-family-decoder bench-prefill bench-structured bench-drafting bench-redis bench-cluster bench-peer agents cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,9 @@ bench-decode: install
 
 bench-moe: install
 	$(BIN)/python -m benchmarks.bench_moe
+
+bench-family-decoder: install
+	$(BIN)/python -m benchmarks.bench_family_decoder
 
 bench-prefill: install
 	$(BIN)/python -m benchmarks.bench_prefill

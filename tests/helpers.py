@@ -110,6 +110,9 @@ class AllDecodes(Linear):
     def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         return self.inner.silu(x, x.shape[0])
 
+    def gelu_tanh(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        return self.inner.gelu_tanh(x, x.shape[0])
+
     def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         return self.inner.add(x, other, x.shape[0])
 

@@ -65,14 +65,16 @@ def test_phi3_takes_the_long_factors_past_its_pretraining_length(tmp_path: Any) 
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_layers_the_native_decoder_lacks_take_the_per_op_path(tmp_path: Any, case: str) -> None:
-    """With native products and attention, a family with layers the native decoder does not implement
-    (q/k norms, NoPE, partial rotary, post norms, GeGLU) gets no native decoder; its decodes run per op
-    and give a prefill's logits at the same position."""
+def test_every_layer_kind_decodes_through_the_native_decoder_as_a_prefill_would(
+    tmp_path: Any, case: str
+) -> None:
+    """With native products and attention, every case (q/k norms, NoPE, partial rotary, post norms,
+    GeGLU, local rope) decodes through the native decoder and gives a prefill's logits at the same
+    position (tests/model/test_native_decoder_every_family.py checks the per-op path's bits)."""
     family, overrides = CASES[case]
     ours = load_model(save_tiny_model(str(tmp_path / case), family, **overrides), default_cache_dir())
     runner = ModelRunner(ours, 32, 4, 64, "cpu", "float32", "q8_0", "native")
-    assert runner.transformer.decoder is None
+    assert runner.transformer.decoder is not None
     prompt = random_prompt(21, seed=4)
     table = list(range(8))
     runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt[:-1], 0, table, False)]))

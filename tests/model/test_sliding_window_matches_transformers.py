@@ -121,11 +121,32 @@ def test_batched_greedy_decodes_match_transformers(pair: tuple[LoadedModel, Any]
         assert seq[len(prompt) :] == expected.argmax(-1).tolist()
 
 
-def test_a_sliding_model_decodes_op_by_op(pair: tuple[LoadedModel, Any]) -> None:
-    """The one-call native decoder attends globally: it is not attached to a model with windows."""
+def test_a_sliding_model_decodes_through_the_native_decoder_with_the_per_op_bits(
+    pair: tuple[LoadedModel, Any],
+) -> None:
+    """The one-call native decoder passes each layer's window: decodes far past it give the per-op
+    path's logits and K/V bit for bit."""
     ours, _ = pair
-    runner = ModelRunner(ours, 16, BLOCK, 64, "cpu", "float32", "q8_0", "native")
-    assert runner.transformer.decoder is None
+    runner = ModelRunner(ours, 32, BLOCK, 64, "cpu", "float32", "q8_0", "native")
+    decoder = runner.transformer.decoder
+    assert decoder is not None
+    prompts = [_prompt(n, 20 + n) for n in (3, 27, 40)]
+    tables = [list(range(10 * i, 10 * (i + 1))) for i in range(len(prompts))]
+    for prompt, table in zip(prompts, tables, strict=True):
+        runner.execute(ForwardBatch(prefills=[SequenceChunk(prompt[:-1], 0, table, False)]))
+    step = ForwardBatch(
+        decodes=[SequenceChunk(p[-1:], len(p) - 1, t, True) for p, t in zip(prompts, tables, strict=True)]
+    )
+    kv = runner.kv_cache
+    before = [c.clone() for c in (kv.k, kv.v, kv.sliding_k, kv.sliding_v)]
+    fused = runner.execute(step).sampled
+    written = [c.clone() for c in (kv.k, kv.v, kv.sliding_k, kv.sliding_v)]
+    for cache, old in zip((kv.k, kv.v, kv.sliding_k, kv.sliding_v), before, strict=True):
+        cache.copy_(old)
+    runner.transformer.decoder = None
+    assert torch.equal(runner.execute(step).sampled, fused)
+    for cache, expected in zip((kv.k, kv.v, kv.sliding_k, kv.sliding_v), written, strict=True):
+        assert torch.equal(cache, expected)
 
 
 def test_a_tokens_logits_are_bitwise_the_same_from_a_prefill_a_chunk_or_a_decode(

@@ -17,7 +17,7 @@ import torch
 
 from kvserve.errors import KernelAbiError
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -25,6 +25,8 @@ _C = ctypes.c_int
 
 # The op quant_linear applies to each output after the bias (OP_* in kvserve.h).
 OP_NONE, OP_SILU, OP_ADD, OP_MUL = 0, 1, 2, 3
+# The gated MLP's activation (ACT_* in kvserve.h), by its config name.
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 # Outputs per column group of the weight layout quant_linear reads (COL_TILE in kvserve.h).
 COL_TILE = 4
 
@@ -36,21 +38,37 @@ class QLinearStruct(ctypes.Structure):
 
 
 class DecoderLayerStruct(ctypes.Structure):
-    """struct decoder_layer: a layer's two norms' weights and its five products."""
+    """struct decoder_layer: a layer's norms (NULL where it has none), rope tables (NULL: NoPE), caches,
+    window, activation, products, and experts."""
 
     _fields_ = [
         ("attn_norm", _P),
         ("mlp_norm", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("post_attn_norm", _P),
+        ("post_mlp_norm", _P),
+        ("cos", _P),
+        ("sin", _P),
+        ("k_cache", _P),
+        ("v_cache", _P),
+        ("window", _I),
+        ("act", _I),
         ("qkv", QLinearStruct),
         ("o", QLinearStruct),
         ("gate", QLinearStruct),
         ("up", QLinearStruct),
         ("down", QLinearStruct),
+        ("experts", _I),
+        ("top_k", _I),
+        ("norm_topk", _I),
+        ("router", _P),
+        ("expert_products", ctypes.POINTER(QLinearStruct)),
     ]
 
 
 class DecoderStruct(ctypes.Structure):
-    """struct decoder: the model's shape, its layers, the rope tables and the cache's layout."""
+    """struct decoder: the model's shape, its layers and the cache's format."""
 
     _fields_ = [
         ("num_layers", _I),
@@ -58,16 +76,13 @@ class DecoderStruct(ctypes.Structure):
         ("heads", _I),
         ("kv_heads", _I),
         ("head_dim", _I),
-        ("intermediate", _I),
+        ("rotary_dim", _I),
         ("block_size", _I),
-        ("layer_slots", _I),
         ("kv_type", _I),
         ("q16", _I),
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
         ("layers", ctypes.POINTER(DecoderLayerStruct)),
-        ("cos", _P),
-        ("sin", _P),
     ]
 
 
@@ -132,7 +147,9 @@ LINEAR = KernelLibrary(
         "quant_linear": Function(_C, [_C, _P, _P, _P, _P, _P, _I, _I, _I, _C, _C, _C, _I]),
         "quant_linear_vectorized": Function(_C, []),
         "rms_norm_rows": Function(None, [_P, _P, _P, _I, _I, ctypes.c_float]),
-        "decoder_layers": Function(_C, [_P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _C]),
+        "gelu_tanh_rows": Function(None, [_P, _P, _I]),
+        "moe_route": Function(_C, [_P, _P, _I, _I, _I, _I, _C, _P, _P]),
+        "decoder_layers": Function(_C, [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _C]),
         "decoder_layers_kv16": Function(_C, []),
     },
 )

@@ -91,6 +91,10 @@ class Linear(ABC):
         """silu(linear(x))"""
         return F.silu(self(x, decodes), inplace=True)
 
+    def gelu_tanh(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        """gelu(linear(x)) with the tanh approximation"""
+        return F.gelu(self(x, decodes), approximate="tanh")
+
     def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         """linear(x) + other"""
         return self(x, decodes).add_(other)

@@ -4,7 +4,6 @@ mixture-of-experts block both implement."""
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.model.linear import Linear
 
@@ -44,10 +43,8 @@ class GatedMlp(Mlp):
         self.activation = activation
 
     def _hidden(self, x: torch.Tensor, decodes: int) -> torch.Tensor:
-        if self.activation == "silu":
-            gated = self.gate.silu(x, decodes)
-        else:
-            gated = F.gelu(self.gate(x, decodes), approximate="tanh")
+        silu = self.activation == "silu"
+        gated = self.gate.silu(x, decodes) if silu else self.gate.gelu_tanh(x, decodes)
         return self.up.mul(x, gated, decodes)
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:

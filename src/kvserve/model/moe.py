@@ -13,9 +13,13 @@ bitwise the same alone or in any batch.
 - An expert's products are the model's Linear products on the rows gathered for it; the native block
   products (and the float16 and int8 ones) give a row the same bits in any batch. The gathered rows keep
   their step order, so the step's decode rows stay in front and each expert is told how many it got.
+- Where the experts' products are the native block products, the routing is native too (`moe_route` in
+  kernels/decoder.c, the function the one-call decoder calls): both paths route with the same bits.
 - A row's top_k outputs are added in the order of their rank (highest probability first), never in the
   order the experts happen to run in the step, and then added to the residual.
 """
+
+import ctypes
 
 import torch
 
@@ -52,13 +56,46 @@ def route(
     return chosen, top.to(x.dtype)
 
 
+def native_route(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` through the native kernel (x and weight float32 on the CPU): the same choices and order,
+    the logits summed and the softmax taken in the kernel's own fixed order."""
+    x = x.contiguous()
+    rows, hidden = x.shape
+    chosen = torch.empty((rows, top_k), dtype=torch.int64)
+    weights = torch.empty((rows, top_k), dtype=torch.float32)
+    status = lib.moe_route(
+        x.data_ptr(),
+        weight.data_ptr(),
+        rows,
+        hidden,
+        weight.shape[0],
+        top_k,
+        int(norm_topk_prob),
+        chosen.data_ptr(),
+        weights.data_ptr(),
+    )
+    if status == -2:
+        raise MemoryError("the native router could not allocate its scratch memory")
+    if status != 0:
+        raise ValueError(f"the native router refused top_k {top_k} of {weight.shape[0]} experts")
+    return chosen, weights
+
+
 class SparseMoe(Mlp):
     """The MoE MLP of one layer. `router` [experts, hidden] in the compute dtype (kept exact: routing
     choices are discrete, and llama.cpp keeps it unquantized too); `experts` (each a dense gated MLP) in
-    expert id order."""
+    expert id order. `native_router`: the kernel library whose `moe_route` routes float32 rows (where the
+    experts' products are native), else None."""
 
     def __init__(
-        self, router: torch.Tensor, experts: list[GatedMlp], top_k: int, norm_topk_prob: bool
+        self,
+        router: torch.Tensor,
+        experts: list[GatedMlp],
+        top_k: int,
+        norm_topk_prob: bool,
+        native_router: ctypes.CDLL | None = None,
     ) -> None:
         if router.dim() != 2 or router.shape[0] != len(experts):
             raise ValueError(f"a router of shape {tuple(router.shape)} for {len(experts)} experts")
@@ -68,12 +105,19 @@ class SparseMoe(Mlp):
         self.experts = experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self._lib = native_router
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's chosen experts and their weights (`route`, or `native_route`)."""
+        if self._lib is not None and x.dtype == torch.float32:
+            return native_route(self._lib, x, self.router, self.top_k, self.norm_topk_prob)
+        return route(x, self.router, self.top_k, self.norm_topk_prob)
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         """The MLP output [T, hidden] of x [T, hidden], whose first `decodes` rows are one-token rows."""
         rows, hidden = x.shape
         k = self.top_k
-        chosen, weights = route(x, self.router, k, self.norm_topk_prob)
+        chosen, weights = self.route(x)
         if rows == 1:
             return self._one_row(x, chosen, weights, decodes)
         # Pair p = token * k + rank. A stable sort by expert keeps each expert's pairs in token order, so

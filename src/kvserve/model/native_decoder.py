@@ -5,31 +5,75 @@ The per-op path runs about ninety torch ops and ctypes calls per layer and token
 eight ops, two K/V writes with their casts, views); on a small model they cost as much as the products.
 This path runs the same operations in the same order inside one C function, so its bits are the per-op
 path's (tests/model/test_native_decoder_matches_per_op.py compares them) and a decode stays
-batch-invariant. It serves steps of decodes only, on the CPU in float32 with gguf or q8_0 weights and the
-native attention kernel; every other step, and every other setting, takes the per-op path, which stays
-the reference.
+batch-invariant. Every layer kind the families load runs here: q/k norms, post norms, GeGLU or SwiGLU,
+biases, partial rotary, NoPE layers and per-layer rope tables, sliding-window layers over their own
+group of the cache, and mixtures of experts. It serves steps of decodes only, on the CPU in float32 with
+gguf or q8_0 weights and the native attention kernel; every other step, and every other setting, takes
+the per-op path, which stays the reference.
 """
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from kvserve.model.attention import KVCache
-from kvserve.model.kernel_abi import KV_TYPES, DecoderLayerStruct, DecoderStruct, QLinearStruct
+from kvserve.model.kernel_abi import ACTIVATIONS, KV_TYPES, DecoderLayerStruct, DecoderStruct, QLinearStruct
+from kvserve.model.linear import Linear
+from kvserve.model.mlp import GatedMlp, Mlp
+from kvserve.model.moe import SparseMoe
 from kvserve.model.native_attention import PagedAttentionKernel
 from kvserve.model.native_build import KernelUnavailableError
 from kvserve.model.quant_linear import QuantLinear, load_library
 
-# A layer's attention norm, MLP norm, and its qkv, o, gate, up and down products.
-DecoderLayer = tuple[
-    torch.Tensor, torch.Tensor, QuantLinear, QuantLinear, QuantLinear, QuantLinear, QuantLinear
-]
+
+@dataclass
+class DecoderLayer:
+    """What the decoder reads of one layer: its norms (None where it has none), its products and MLP, its
+    rope tables (None: a NoPE layer), its caches in its group, and its window (None: global)."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    mlp: Mlp
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    window: int | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
 
 
-def _qlinear(linear: QuantLinear) -> QLinearStruct:
-    w = linear.weight
-    bias = None if linear.bias is None else linear.bias.data_ptr()
-    return QLinearStruct(w.qtype, linear.data_ptr, bias, w.in_features, w.out_features)
+def _native(linear: Linear) -> QuantLinear:
+    if not isinstance(linear, QuantLinear):
+        raise KernelUnavailableError("the native decoder runs the native quantized products only")
+    return linear
+
+
+def _qlinear(linear: Linear) -> QLinearStruct:
+    q = _native(linear)
+    w = q.weight
+    bias = None if q.bias is None else q.bias.data_ptr()
+    return QLinearStruct(w.qtype, q.data_ptr, bias, w.in_features, w.out_features)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise KernelUnavailableError(
+            "the native decoder reads contiguous float32 norms, rope tables and routers"
+        )
+    return int(t.data_ptr())
+
+
+def _activation(mlp: GatedMlp) -> int:
+    if mlp.activation not in ACTIVATIONS:
+        raise KernelUnavailableError(f"the native decoder has no {mlp.activation} activation")
+    return ACTIVATIONS[mlp.activation]
 
 
 class NativeDecoder:
@@ -44,57 +88,87 @@ class NativeDecoder:
         dims: tuple[int, int, int, int, int, int],
         eps: float,
         scale: float,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
         kv: KVCache,
         cache_dir: str,
     ) -> None:
+        """`dims`: hidden, heads, kv_heads, head_dim, rotary_dim, block_size."""
         self.lib = load_library(cache_dir)
-        if len({p.int16_decodes for layer in layers for p in layer[2:]}) > 1:
-            raise KernelUnavailableError("the native decoder runs every product with one activation mode")
-        hidden, heads, kv_heads, head_dim, intermediate, block_size = dims
-        k_cache, v_cache = kv.k, kv.v
-        if k_cache.dtype not in KV_TYPES or not k_cache.is_contiguous():
+        hidden, heads, kv_heads, head_dim, rotary_dim, block_size = dims
+        k_dtype = kv.k.dtype
+        if k_dtype not in KV_TYPES:
             raise KernelUnavailableError(
-                f"the native decoder takes a float32, float16 or q8_0 cache, not {k_cache.dtype}"
+                f"the native decoder takes a float32, float16 or q8_0 cache, not {k_dtype}"
             )
-        if k_cache.dtype != torch.float32 and not self.lib.decoder_layers_kv16():
+        if k_dtype != torch.float32 and not self.lib.decoder_layers_kv16():
             raise KernelUnavailableError("this C compiler has no _Float16: no float16 or q8_0 cache writes")
-        assert v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
         self.kv = kv
-        self._keep = (cos, sin)
-        self._layers = (DecoderLayerStruct * len(layers))(
-            *(
-                DecoderLayerStruct(
-                    attn.data_ptr(),
-                    mlp.data_ptr(),
-                    _qlinear(qkv),
-                    _qlinear(o),
-                    _qlinear(g),
-                    _qlinear(u),
-                    _qlinear(d),
-                )
-                for attn, mlp, qkv, o, g, u, d in layers
-            )
-        )
+        # The experts' product arrays, which the layer structs point into.
+        self._expert_arrays: list[ctypes.Array[QLinearStruct]] = []
+        structs = [self._layer(layer) for layer in layers]
+        modes = {p.int16_decodes for layer in layers for p in self._products(layer)}
+        if len(modes) > 1:
+            raise KernelUnavailableError("the native decoder runs every product with one activation mode")
+        self._layers = (DecoderLayerStruct * len(structs))(*structs)
+        self._keep = layers
         self._decoder = DecoderStruct(
             len(layers),
             hidden,
             heads,
             kv_heads,
             head_dim,
-            intermediate,
+            rotary_dim,
             block_size,
-            k_cache.shape[1],
-            KV_TYPES[k_cache.dtype],
-            int(layers[0][2].int16_decodes) if layers else 0,
+            KV_TYPES[k_dtype],
+            int(modes.pop()) if modes else 0,
             eps,
             scale,
             self._layers,
-            cos.data_ptr(),
-            sin.data_ptr(),
         )
-        self._k, self._v = k_cache.data_ptr(), v_cache.data_ptr()
+
+    @staticmethod
+    def _products(layer: DecoderLayer) -> list[QuantLinear]:
+        mlp = layer.mlp
+        experts = mlp.experts if isinstance(mlp, SparseMoe) else [mlp] if isinstance(mlp, GatedMlp) else []
+        linears = [layer.qkv, layer.o, *(p for e in experts for p in (e.gate, e.up, e.down))]
+        return [_native(p) for p in linears]
+
+    def _layer(self, layer: DecoderLayer) -> DecoderLayerStruct:
+        for cache in (layer.k_cache, layer.v_cache):
+            if not cache.is_contiguous() or cache.dtype != self.kv.k.dtype:
+                raise KernelUnavailableError("the native decoder writes contiguous caches of one format")
+        cos, sin = layer.rope if layer.rope is not None else (None, None)
+        mlp = layer.mlp
+        struct = DecoderLayerStruct(
+            attn_norm=_ptr(layer.attn_norm),
+            mlp_norm=_ptr(layer.mlp_norm),
+            q_norm=_ptr(layer.q_norm),
+            k_norm=_ptr(layer.k_norm),
+            post_attn_norm=_ptr(layer.post_attn_norm),
+            post_mlp_norm=_ptr(layer.post_mlp_norm),
+            cos=_ptr(cos),
+            sin=_ptr(sin),
+            k_cache=layer.k_cache.data_ptr(),
+            v_cache=layer.v_cache.data_ptr(),
+            window=layer.window or 0,
+            qkv=_qlinear(layer.qkv),
+            o=_qlinear(layer.o),
+        )
+        if isinstance(mlp, GatedMlp):
+            struct.act = _activation(mlp)
+            struct.gate, struct.up, struct.down = _qlinear(mlp.gate), _qlinear(mlp.up), _qlinear(mlp.down)
+        elif isinstance(mlp, SparseMoe):
+            struct.act = _activation(mlp.experts[0])
+            if any(_activation(e) != struct.act for e in mlp.experts):
+                raise KernelUnavailableError("the native decoder runs one activation for every expert")
+            products = [_qlinear(p) for e in mlp.experts for p in (e.gate, e.up, e.down)]
+            array = (QLinearStruct * len(products))(*products)
+            self._expert_arrays.append(array)
+            struct.experts, struct.top_k = len(mlp.experts), mlp.top_k
+            struct.norm_topk, struct.router = int(mlp.norm_topk_prob), _ptr(mlp.router)
+            struct.expert_products = array
+        else:
+            raise KernelUnavailableError(f"the native decoder has no {type(mlp).__name__} block")
+        return struct
 
     def __call__(
         self,
@@ -102,11 +176,14 @@ class NativeDecoder:
         positions: torch.Tensor,
         slots: torch.Tensor,
         tables: torch.Tensor,
+        sliding_slots: torch.Tensor,
+        sliding_tables: torch.Tensor,
         lens: torch.Tensor,
         attention: PagedAttentionKernel,
     ) -> torch.Tensor:
         """h [rows, hidden] float32 (updated in place and returned); positions, slots, lens [rows] and
-        tables [rows, width] int64, contiguous."""
+        tables [rows, width] int64, contiguous; sliding_slots and sliding_tables the same rows in the
+        sliding layers' group (the global ones where the groups share their ids)."""
         assert h.is_contiguous() and h.dtype == torch.float32
         status = self.lib.decoder_layers(
             ctypes.byref(self._decoder),
@@ -114,10 +191,11 @@ class NativeDecoder:
             h.shape[0],
             positions.data_ptr(),
             slots.data_ptr(),
-            self._k,
-            self._v,
             tables.data_ptr(),
             tables.shape[1],
+            sliding_slots.data_ptr(),
+            sliding_tables.data_ptr(),
+            sliding_tables.shape[1],
             lens.data_ptr(),
             attention.address,
             torch.get_num_threads(),

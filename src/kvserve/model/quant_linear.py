@@ -202,6 +202,13 @@ class QuantLinear(Linear):
     def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         return self._run(x, OP_SILU, None, decodes)
 
+    def gelu_tanh(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        """The product, then the native decoder's own gelu (`gelu_tanh_rows`), so that both paths'
+        activation is one function."""
+        out = self._run(x, OP_NONE, None, decodes)
+        self.lib.gelu_tanh_rows(out.data_ptr(), out.data_ptr(), out.numel())
+        return out
+
     def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         return self._run(x, OP_ADD, other, decodes)
 

@@ -191,49 +191,41 @@ class Transformer:
 
     def attach_native_decoder(self, kv: KVCache) -> None:
         """Run steps of decodes only through one native call for every layer, over `kv`, where the
-        products and the attention are native (gguf or q8_0 weights on the CPU in float32). Raises
-        KernelUnavailableError when the decoder cannot serve this cache; the per-op path then serves every
-        step."""
+        products, the norms and the attention are native (gguf or q8_0 weights on the CPU in float32).
+        Raises KernelUnavailableError when the decoder cannot serve this cache; the per-op path then
+        serves every step."""
         if not isinstance(self.attention, NativeAttention):
             raise KernelUnavailableError("the native decoder calls the native attention kernel")
+        if not isinstance(self.rms_norm, NativeRmsNorm):
+            raise KernelUnavailableError("the native decoder runs where the norms are native")
         c = self.config
-        lacking = self._native_decoder_lacks()
-        if lacking:
-            raise KernelUnavailableError(f"the native decoder runs Llama-shaped layers only, not {lacking}")
         layers: list[DecoderLayer] = []
-        for layer in self.layers:
-            mlp = layer.mlp
-            assert isinstance(mlp, GatedMlp)
-            products = (layer.qkv, layer.o, mlp.gate, mlp.up, mlp.down)
-            if not all(isinstance(p, QuantLinear) for p in products):
-                raise KernelUnavailableError("the native decoder runs the native quantized products only")
-            qkv, o, gate, up, down = products
-            assert isinstance(qkv, QuantLinear) and isinstance(o, QuantLinear)
-            assert isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)
-            assert isinstance(down, QuantLinear)
-            layers.append((layer.attn_norm, layer.mlp_norm, qkv, o, gate, up, down))
-        dims = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, kv.block_size)
-        self.decoder = NativeDecoder(
-            layers, dims, c.rms_norm_eps, self.scale, self.rotary.cos, self.rotary.sin, kv, self.cache_dir
-        )
-
-    def _native_decoder_lacks(self) -> str:
-        """The first feature of this model the native decoder does not implement ('' for none)."""
-        c = self.config
-        if c.scale_embeddings:
-            return "a scaled embedding"
-        if c.rotary_dim != c.head_dim:
-            return "partial rotary"
-        for layer in self.layers:
-            if layer.rope != 0:
-                return "NoPE or local-rope layers"
-            if layer.q_norm is not None or layer.k_norm is not None:
-                return "q/k norms"
-            if layer.post_attn_norm is not None or layer.post_mlp_norm is not None:
-                return "post norms"
-            if not isinstance(layer.mlp, GatedMlp) or layer.mlp.activation != "silu":
-                return "an MLP other than SwiGLU"
-        return ""
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(i)
+            rope = None if layer.rope is None else self.ropes[layer.rope]
+            layers.append(
+                DecoderLayer(
+                    attn_norm=layer.attn_norm,
+                    mlp_norm=layer.mlp_norm,
+                    qkv=layer.qkv,
+                    o=layer.o,
+                    mlp=layer.mlp,
+                    rope=None if rope is None else (rope.cos, rope.sin),
+                    k_cache=k_cache,
+                    v_cache=v_cache,
+                    window=layer.window,
+                    q_norm=layer.q_norm if layer.k_norm is not None else None,
+                    k_norm=layer.k_norm if layer.q_norm is not None else None,
+                    post_attn_norm=layer.post_attn_norm,
+                    post_mlp_norm=layer.post_mlp_norm,
+                )
+            )
+        # The rotated dimensions as apply_rotary takes them: twice the tables' width.
+        rotary_dim = 2 * self.rotary.cos.shape[-1]
+        if rotary_dim > c.head_dim:
+            raise KernelUnavailableError(f"a rotary dim of {rotary_dim} past the head's {c.head_dim}")
+        dims = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary_dim, kv.block_size)
+        self.decoder = NativeDecoder(layers, dims, c.rms_norm_eps, self.scale, kv, self.cache_dir)
 
     def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows of `input_ids` [T] in the compute dtype, [T, hidden]."""
@@ -259,8 +251,21 @@ class Transformer:
             attention = self.attention
             assert isinstance(attention, NativeAttention) and isinstance(meta, NativeAttentionMetadata)
             rows = meta.decode_rows
-            assert rows is not None
-            return decoder(h, positions, meta.slot_mapping, rows.tables, rows.lens, attention.kernel)
+            # The sliding layers' group: its own tables and slots, or the global ones where ids are shared.
+            sliding = meta.sliding or meta
+            assert rows is not None and isinstance(sliding, NativeAttentionMetadata)
+            srows = sliding.decode_rows
+            assert srows is not None
+            return decoder(
+                h,
+                positions,
+                meta.slot_mapping,
+                rows.tables,
+                sliding.slot_mapping,
+                srows.tables,
+                rows.lens,
+                attention.kernel,
+            )
         tables = [rope.tables(positions) for rope in self.ropes]
         eps = c.rms_norm_eps
         for i, layer in enumerate(self.layers):

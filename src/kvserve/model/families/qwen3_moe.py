@@ -11,12 +11,15 @@ names as the file is read.
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from kvserve.errors import ModelLoadError
 from kvserve.model.families.base import Family, GgufMetadata, LayerTensors, gated_mlp, gguf_common_config
 from kvserve.model.families.qwen3 import GGUF_LAYER as QWEN3_GGUF_LAYER
 from kvserve.model.families.qwen3 import TENSORS
 from kvserve.model.mlp import GatedMlp, Mlp
 from kvserve.model.moe import SparseMoe
+from kvserve.model.quant_linear import QuantLinear
 from kvserve.model.spec import ModelConfig, MoeConfig, decoder_config, sliding_window, windows
 from kvserve.model.weights import ModelWeights, Rows
 
@@ -111,7 +114,12 @@ def _mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix
         up = weights.linear([Rows(p + "up_proj.weight", inter)], hidden)
         down = weights.linear([Rows(p + "down_proj.weight", hidden)], inter)
         experts.append(GatedMlp(gate, up, down, config.hidden_act))
-    return SparseMoe(router, experts, moe.top_k, moe.norm_topk_prob)
+    # Where every expert's products are native, so is the routing (the one-call decoder's own function).
+    products = [p for e in experts for p in (e.gate, e.up, e.down)]
+    native = [p for p in products if isinstance(p, QuantLinear)]
+    cpu32 = router.dtype == torch.float32 and router.device.type == "cpu"
+    lib = native[0].lib if cpu32 and len(native) == len(products) else None
+    return SparseMoe(router, experts, moe.top_k, moe.norm_topk_prob, lib)
 
 
 QWEN3_MOE = Family(

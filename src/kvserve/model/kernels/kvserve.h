@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define KVSERVE_ABI_VERSION 3
+#define KVSERVE_ABI_VERSION 4
 
 /* Block types: ggml's type ids, and K8, kvserve's own (see quants.h for the layouts). */
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_K8 = 100 };
@@ -72,34 +72,67 @@ struct qlinear {
     int64_t n_in, n_out;
 };
 
+/* The gated MLP's activation (`act`): silu, or gelu with the tanh approximation (gelu_tanh_rows). */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 struct decoder_layer {
     const float *attn_norm, *mlp_norm;
-    struct qlinear qkv, o, gate, up, down;
+    /* NULL where the layer has none: RMSNorms over each q and k head (head_dim wide, before rope), and the
+     * norms of the attention's and the MLP's outputs before their residual adds (Gemma 3). */
+    const float *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
+    /* The layer's rope tables [positions, rotary_dim / 2]; NULL: a NoPE layer. */
+    const float *cos, *sin;
+    /* The layer's K and V caches [slots, kv_heads, head_dim] (the cache's kv_type), in its group. */
+    void *k_cache, *v_cache;
+    /* 0: a global layer; else its sliding window, over the sliding group's slots and tables. */
+    int64_t window;
+    /* ACT_*: the dense MLP's or the experts' activation. */
+    int64_t act;
+    struct qlinear qkv, o;
+    /* The dense MLP's products (unused where experts > 0). */
+    struct qlinear gate, up, down;
+    /* A mixture of experts where experts > 0 (moe_route, then each chosen expert's gated MLP): router
+     * [experts, hidden] float32; expert_products [experts * 3]: each expert's gate, up and down. */
+    int64_t experts, top_k, norm_topk;
+    const float *router;
+    const struct qlinear *expert_products;
 };
 
 /* The decoder layers' KV cache formats (`kv_type`). */
 enum { KV_TYPE_F32 = 0, KV_TYPE_F16 = 1, KV_TYPE_Q8_0 = 2 };
 
 struct decoder {
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
-    /* Slots per layer in the caches ([layers, slots, kv_heads, head_dim]); the caches' KV_TYPE_*. */
-    int64_t layer_slots, kv_type;
+    /* rotary_dim: the dimensions of a head that rotate (the first ones; the rest pass through). */
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, rotary_dim, block_size;
+    /* The caches' KV_TYPE_*. */
+    int64_t kv_type;
     /* 1: the products take the rows with int16 activations (they are all decodes). */
     int64_t q16;
     double eps, scale;
     const struct decoder_layer *layers;
-    /* cos and sin tables [positions, head_dim / 2]. */
-    const float *cos, *sin;
 };
 
 /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, row by row. */
 void rms_norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps);
+/* out[i] = 0.5 * x[i] * (1 + tanh(sqrt(2 / pi) * (x[i] + 0.044715 * x[i]^3))), torch's gelu(tanh) formula
+ * (out may be x). The per-op path calls it too, so both paths' activation is this one function. */
+void gelu_tanh_rows(const float *x, float *out, int64_t n);
+/* A mixture of experts' routing of rows x [rows, hidden]: logits x . router[e] (router [experts, hidden]),
+ * each summed over its own row in a fixed order; their softmax; the top_k experts, highest probability
+ * first and the lower id on ties, into chosen [rows, top_k]; their probabilities into weights [rows,
+ * top_k], divided by their sum where norm_topk. The per-op path (moe.py) calls it too. Returns 0, -1 for a
+ * top_k not in [1, experts], -2 when out of memory. */
+int moe_route(const float *x, const float *router, int64_t rows, int64_t hidden, int64_t experts, int64_t top_k,
+              int norm_topk, int64_t *chosen, float *weights);
 /* h: [rows, hidden] hidden states of decode rows, updated in place through every layer. positions, slots:
- * [rows]; tables [rows, table_width] and lens [rows] as `attention` takes them; k_cache, v_cache: the
- * caches of every layer. Returns 0, -1 for a refused shape or type, -2 when out of memory. */
+ * [rows]; tables [rows, table_width] and lens [rows] as `attention` takes them, for the global layers;
+ * sliding_slots and sliding_tables [rows, sliding_width] the same rows in the sliding layers' group
+ * (the global ones where both groups share their ids). Returns 0, -1 for a refused shape or type, -2
+ * when out of memory. */
 int decoder_layers(const struct decoder *m, float *h, int64_t rows, const int64_t *positions,
-                   const int64_t *slots, void *k_cache, void *v_cache, const int64_t *tables,
-                   int64_t table_width, const int64_t *lens, attention_kernel *attention, int threads);
+                   const int64_t *slots, const int64_t *tables, int64_t table_width, const int64_t *sliding_slots,
+                   const int64_t *sliding_tables, int64_t sliding_width, const int64_t *lens,
+                   attention_kernel *attention, int threads);
 /* 1 when this build can write a float16 or q8_0 cache (both need the compiler's _Float16). */
 int decoder_layers_kv16(void);
 
