@@ -1,10 +1,11 @@
 """Time per token of one decode stream with the one-call native decoder against the per-op path, on
-random Gemma 3 and Qwen3 shaped models (transformers builds them; hidden 640, 18 layers, Gemma 3's 4
-query heads and 1 KV head of 256 with its sliding layers, GeGLU and post norms; Qwen3's 8 query and 2 KV
-heads of 128 with q/k norms), Q8_0 blocks made at load (`weight_dtype="q8_0"`), a float16 KV cache. The
-runner is driven directly: a 32-token prompt, then `--tokens` greedy decodes; the two paths alternate
-run by run in one process (the per-op path by detaching the decoder), so a shared machine's load hits
-both alike. Reported: the median run's ms per token and the best run's.
+random models that transformers builds, hidden 640 and 18 layers: Gemma 3 (4 query heads and 1 KV head
+of 256, its sliding layers, GeGLU, post norms), Qwen3 (8 query and 2 KV heads of 128, q/k norms) and a
+Qwen3-MoE of Qwen3's attention with 8 experts of 512, top-2. Q8_0 blocks made at load
+(`weight_dtype="q8_0"`), a float16 KV cache. The runner is driven directly: a 32-token prompt, then
+`--tokens` greedy decodes; the two paths alternate run by run in one process (the per-op path by
+detaching the decoder), so a shared machine's load hits both alike. Reported: the median run's ms per
+token and the best run's.
 
 Run: `make bench-family-decoder` (writes benchmarks/results/family_decoder.{json,md}).
 """
@@ -43,6 +44,20 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Qwen3Config",
         "Qwen3ForCausalLM",
         {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "tie_word_embeddings": True},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "tie_word_embeddings": True,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 512,
+            "norm_topk_prob": True,
+        },
     ),
 }
 PROMPT = 32
@@ -108,7 +123,8 @@ def main() -> None:
                     times[name].append(ms_per_token(runner, args.tokens, seed=run))
             results[family] = times
     lines = [
-        "One decode stream, ms per token, random models of hidden 640 and 18 layers, Q8_0 products, "
+        "One decode stream, ms per token, random models of hidden 640 and 18 layers (the MoE: 8 experts "
+        "of 512, top-2), Q8_0 products, "
         f"float16 KV, {threads} thread(s), {args.runs} alternating runs of {args.tokens} tokens after a "
         f"{PROMPT}-token prompt: the median run (the best run).",
         "",
