@@ -70,7 +70,7 @@ def test_every_layer_kind_decodes_through_the_native_decoder_as_a_prefill_would(
 ) -> None:
     """With native products and attention, every case (q/k norms, NoPE, partial rotary, post norms,
     GeGLU, local rope) decodes through the native decoder and gives a prefill's logits at the same
-    position (tests/model/test_native_decoder_every_family.py checks the per-op path's bits)."""
+    position (tests/model/test_native_decoder_matches_per_op.py checks the per-op path's bits)."""
     family, overrides = CASES[case]
     ours = load_model(save_tiny_model(str(tmp_path / case), family, **overrides), default_cache_dir())
     runner = ModelRunner(ours, 32, 4, 64, "cpu", "float32", "q8_0", "native")
