@@ -175,9 +175,11 @@ class Transformer:
             # The tied head's interleaved copy holds the same bytes: the lookup reads its rows, and the
             # blocks as loaded are not kept (the vocabulary is resident once).
             self.embed_blocks = self.lm_head
-        # Where the products run natively, so do the norms: one call each instead of five torch ops.
+        # Where the products run natively, so do the norms: one call each instead of five torch ops (the
+        # layers' products decide, not only the head's: a file's head may be of a type the kernel lacks).
+        native = [self.lm_head, *(layer.qkv for layer in self.layers[:1])]
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
-            NativeRmsNorm(cache_dir) if isinstance(self.lm_head, QuantLinear) else rms_norm
+            NativeRmsNorm(cache_dir) if any(isinstance(p, QuantLinear) for p in native) else rms_norm
         )
         self.scale = c.attention_scale
         self.cache_dir = cache_dir
