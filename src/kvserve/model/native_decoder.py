@@ -27,9 +27,7 @@ DecoderLayer = tuple[
 
 
 def _qlinear(linear: QuantLinear) -> QLinearStruct:
-    w = linear.weight
-    bias = None if linear.bias is None else linear.bias.data_ptr()
-    return QLinearStruct(w.qtype, linear.data_ptr, bias, w.in_features, w.out_features)
+    return linear.struct
 
 
 class NativeDecoder:
