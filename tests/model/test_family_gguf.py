@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.model.loader import load_model
-from kvserve.model.quant_blocks import K8, Q8_0
+from kvserve.model.quant_blocks import Q6_K, Q8_0
 from kvserve.model.quant_linear import QuantLinear
 from tests.helpers import save_tiny_model
 from tests.model.family_cases import (
@@ -46,7 +46,7 @@ def test_a_gguf_of_each_family_matches_transformers(tmp_path: Any, case: str, qu
         for layer in transformer.layers:
             for product in (layer.qkv, layer.o, layer.gate, layer.up, layer.down):
                 assert isinstance(product, QuantLinear)
-            assert isinstance(layer.down, QuantLinear) and layer.down.weight.qtype == K8
+            assert isinstance(layer.down, QuantLinear) and layer.down.weight.qtype == Q6_K
         assert isinstance(transformer.lm_head, QuantLinear) and transformer.lm_head.weight.qtype == Q8_0
     prompt = random_prompt(37, seed=3, vocab=overrides["vocab_size"])
     logits, tokens = prompt_and_greedy(runner, prompt, 6)

@@ -1,4 +1,4 @@
-"""Huge pages for the KV pool and the weight blocks (kvserve.model.huge_pages, quant_linear.BlockArena)."""
+"""Huge pages for the KV pool (kvserve.model.huge_pages)."""
 
 import ctypes
 import mmap
@@ -8,11 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.config import default_cache_dir
 from kvserve.model import huge_pages
 from kvserve.model.attention import KVCache
-from kvserve.model.quant_blocks import quantize_q8_0
-from kvserve.model.quant_linear import BlockArena, QuantLinear
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -88,30 +85,3 @@ def test_the_kv_pool_is_zeroed_on_huge_pages() -> None:
     if min(_huge_kib(cache.k), _huge_kib(cache.v)) < 2048:
         _require_free_huge_pages()
     assert _huge_kib(cache.k) >= 2048 and _huge_kib(cache.v) >= 2048
-
-
-def test_an_arena_lays_products_out_aligned_and_computes_the_same() -> None:
-    blocks = [quantize_q8_0(torch.randn(n_out, 64) * 0.05) for n_out in (3, 8, 40)]
-    arena = BlockArena()
-    x = torch.randn(5, 64)
-    alone = [QuantLinear(b, None, default_cache_dir()) for b in blocks]
-    packed = [QuantLinear(b, None, default_cache_dir(), arena=arena) for b in blocks]
-    for a, p in zip(alone, packed, strict=True):
-        assert torch.equal(a(x), p(x))
-        assert p.data_ptr % BlockArena.ALIGN == 0
-    # Side by side in one chunk, in the order they were built.
-    assert packed[0].data_ptr < packed[1].data_ptr < packed[2].data_ptr
-    assert packed[2].data_ptr - packed[0].data_ptr < 2 * BlockArena.CHUNK
-
-
-def test_an_arena_starts_a_chunk_when_one_is_full_and_gives_big_products_their_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(BlockArena, "CHUNK", 256)
-    arena = BlockArena()
-    first, second = arena.take(200), arena.take(100)
-    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
-    big = arena.take(1000)
-    assert big.numel() == 1000 and big.untyped_storage().nbytes() >= 1000
-    third = arena.take(10)
-    assert third.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()

@@ -1,12 +1,10 @@
-"""Under gguf weights the model is resident once: the products keep only their interleaved copy of the
-blocks, so the blocks as loaded are freed once the runner is built, and a tied embedding's lookup reads
-the head's copy with the same values bit for bit."""
+"""Under gguf weights the model is resident once: the products read the blocks as loaded, in place (no
+copy of them is made), and a tied embedding's lookup reads the head's rows with the same values bit for
+bit."""
 
 import dataclasses
-import gc
 import subprocess
 import sys
-import weakref
 
 import pytest
 import torch
@@ -26,15 +24,16 @@ def _own_copy(model: LoadedModel) -> LoadedModel:
     return dataclasses.replace(model, quantized=blocks)
 
 
-def test_no_block_as_loaded_stays_referenced_once_the_runner_is_built(default_model: LoadedModel) -> None:
+def test_the_products_read_the_blocks_as_loaded_in_place(default_model: LoadedModel) -> None:
     model = _own_copy(default_model)
-    loaded = [weakref.ref(q.data) for q in model.quantized.values()]
+    loaded = {q.data.data_ptr() for q in model.quantized.values()}
     runner = ModelRunner(model, 8, 16, 64, "cpu", "float32", "gguf", "auto")
     assert runner.transformer.decoder is not None, "the default model runs the native decoder"
-    del model
-    gc.collect()
-    alive = sum(ref() is not None for ref in loaded)
-    assert alive == 0, f"{alive} of {len(loaded)} loaded block tensors are still referenced"
+    layer = runner.transformer.layers[0]
+    products = [runner.transformer.lm_head, layer.qkv, layer.o, layer.gate, layer.up, layer.down]
+    for product in products:
+        assert isinstance(product, QuantLinear)
+        assert all(p.data.data_ptr() in loaded for p in product.weight.parts)
 
 
 def test_the_tied_embedding_reads_the_heads_copy_with_the_loaded_rows_values(
@@ -50,8 +49,7 @@ def test_the_tied_embedding_reads_the_heads_copy_with_the_loaded_rows_values(
 
 @pytest.mark.parametrize("qtype", [Q8_0, Q4_0, Q4_1], ids=["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("n_out", [1, 4, 7, 66])
-def test_rows_of_the_interleaved_copy_are_the_loaded_rows(qtype: int, n_out: int) -> None:
-    """Outputs in whole groups and the rows after the last group alike (COL_TILE is 4)."""
+def test_a_products_rows_are_the_loaded_rows(qtype: int, n_out: int) -> None:
     blocks = gguf_blocks(random_weight(n_out, 96, seed=n_out), qtype)
     linear = QuantLinear(blocks, None, default_cache_dir())
     index = torch.tensor([n_out - 1, 0, n_out // 2, n_out - 1, 0])
@@ -61,7 +59,7 @@ def test_rows_of_the_interleaved_copy_are_the_loaded_rows(qtype: int, n_out: int
 
 
 def test_an_engine_that_loads_its_model_keeps_no_block_as_loaded() -> None:
-    """The runner's copy is all that serving needs: the loaded model the engine keeps holds no blocks."""
+    """The runner's products hold the blocks they read: the loaded model the engine keeps holds none."""
     parts = build_parts(EngineConfig(kv_cache_memory=16 * 2**20))
     assert parts.model.quantized == {}
     assert isinstance(parts.runner.transformer.lm_head, QuantLinear)

@@ -83,7 +83,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         num_sliding_blocks or None,
     )
     if loaded_here:
-        # The runner holds the products' interleaved copy; the blocks as loaded are needed no more.
+        # The runner's products hold the blocks they read; the loaded model needs them no more.
         model = replace(model, quantized={})
     max_pinned_blocks = config.max_pinned_tokens // config.block_size
     if max_pinned_blocks >= num_blocks:

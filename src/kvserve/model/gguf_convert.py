@@ -18,7 +18,7 @@ import torch
 from kvserve.errors import ModelLoadError
 from kvserve.model.families import family_for_gguf
 from kvserve.model.families.base import Family, GgufMetadata
-from kvserve.model.quant_blocks import BLOCK_BYTES, K_QUANTS, QK, QK_K, QuantizedWeight, from_k_quant
+from kvserve.model.quant_blocks import BLOCK_SIZES, QuantizedWeight, row_unit
 
 # The converted folder's content; a new version converts every file again. 2: the families beyond
 # Llama and Qwen2, with their tensors in Hugging Face's conventions.
@@ -111,8 +111,7 @@ def _convert(gguf_path: str, out_dir: str) -> None:
 
 def quantized_tensors(gguf_path: str) -> dict[str, QuantizedWeight]:
     """The file's weight matrices in block types the native kernel reads, by Hugging Face name, as the
-    file's own bytes (q and k rows put back in Hugging Face order, as the conversion does); K-quants
-    converted to K8 blocks of the same values."""
+    file's own bytes (q and k rows put back in Hugging Face order, as the conversion does)."""
     import gguf
 
     try:
@@ -133,13 +132,13 @@ def quantized_tensors(gguf_path: str) -> dict[str, QuantizedWeight]:
     for t in reader.tensors:
         name = _hf_name(family, t.name)
         qtype = int(t.tensor_type)
-        if name is None or qtype not in (*BLOCK_BYTES, *K_QUANTS):
+        if name is None or qtype not in BLOCK_SIZES:
             continue
         # A matrix, or one per expert ([experts, rows, in]: the conversion refuses other shapes).
         if len(t.shape) != (3 if "{expert}" in name else 2):
             continue
         n_in, n_out = int(t.shape[0]), int(t.shape[1])
-        if n_in % (QK_K if qtype in K_QUANTS else QK):
+        if n_in % row_unit(qtype):
             continue
         raw = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.uint8)
         rows = raw.reshape(n_out, -1) if len(t.shape) == 2 else raw.reshape(int(t.shape[2]), n_out, -1)
@@ -147,10 +146,7 @@ def quantized_tensors(gguf_path: str) -> dict[str, QuantizedWeight]:
             n_head = heads.get("head_count", 0)
             rows = _unpermute(rows, n_head if "attn_q" in t.name else heads.get("head_count_kv", n_head))
         for part_name, part in _per_expert(name, rows):
-            if qtype in K_QUANTS:
-                out[part_name] = from_k_quant(part, qtype, n_in)
-            else:
-                out[part_name] = QuantizedWeight(qtype, torch.from_numpy(np.array(part)), n_in)
+            out[part_name] = QuantizedWeight(qtype, torch.from_numpy(np.array(part)), n_in)
     return out
 
 

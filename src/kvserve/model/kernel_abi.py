@@ -17,7 +17,7 @@ import torch
 
 from kvserve.errors import KernelAbiError
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -27,14 +27,20 @@ _C = ctypes.c_int
 OP_NONE, OP_SILU, OP_ADD, OP_MUL = 0, 1, 2, 3
 # The gated MLP's activation (ACT_* in kvserve.h), by its config name.
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
-# Outputs per column group of the weight layout quant_linear reads (COL_TILE in kvserve.h).
-COL_TILE = 4
+# The most parts one product holds (QLINEAR_PARTS in kvserve.h).
+QLINEAR_PARTS = 4
+
+
+class QPartStruct(ctypes.Structure):
+    """struct qpart: one part of a product, its rows in place."""
+
+    _fields_ = [("type", _I), ("w", _P), ("bias", _P), ("n_out", _I)]
 
 
 class QLinearStruct(ctypes.Structure):
-    """struct qlinear: one product of the decoder layers."""
+    """struct qlinear: one product of one or more parts, their outputs side by side."""
 
-    _fields_ = [("type", _I), ("w", _P), ("bias", _P), ("n_in", _I), ("n_out", _I)]
+    _fields_ = [("n_parts", _I), ("n_in", _I), ("n_out", _I), ("parts", QPartStruct * QLINEAR_PARTS)]
 
 
 class DecoderLayerStruct(ctypes.Structure):
@@ -144,8 +150,10 @@ LINEAR = KernelLibrary(
     ("abi.c", "quants.c", "arch/x86/quants.c", "matmul.c", "decoder.c"),
     ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11"),
     {
-        "quant_linear": Function(_C, [_C, _P, _P, _P, _P, _P, _I, _I, _I, _C, _C, _C, _I]),
+        "quant_linear": Function(_C, [_P, _P, _P, _P, _I, _C, _C, _C, _I]),
         "quant_linear_vectorized": Function(_C, []),
+        "dequantize_rows": Function(_C, [_C, _P, _I, _I, _P, _I, _P, _C]),
+        "quant_type_supported": Function(_C, [_C]),
         "rms_norm_rows": Function(None, [_P, _P, _P, _I, _I, ctypes.c_float]),
         "gelu_tanh_rows": Function(None, [_P, _P, _I]),
         "moe_route": Function(_C, [_P, _P, _I, _I, _I, _I, _C, _P, _P]),

@@ -54,10 +54,7 @@ def _native(linear: Linear) -> QuantLinear:
 
 
 def _qlinear(linear: Linear) -> QLinearStruct:
-    q = _native(linear)
-    w = q.weight
-    bias = None if q.bias is None else q.bias.data_ptr()
-    return QLinearStruct(w.qtype, q.data_ptr, bias, w.in_features, w.out_features)
+    return _native(linear).struct
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

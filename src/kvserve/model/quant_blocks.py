@@ -1,13 +1,15 @@
-"""Weights kept as quantized blocks of 32 (GGUF's Q8_0, Q4_0 and Q4_1), as the native kernel reads them.
+"""Weights kept as the GGUF file's blocks, in the types the native kernels read in place.
 
-The K-quants (Q4_K, Q5_K and Q6_K: super-blocks of 256 with 6- or 8-bit sub-block scales) are converted
-once at load to K8, kvserve's own block of 32: float32 scales for each half, a float32 offset, and the
-quants as int8. The scales are computed from the file's fields exactly as ggml computes them, so a K8
-block holds the same weights to the bit (11 bits a weight instead of 4.5 to 6.6, still under float16's).
+A `QuantizedWeight` is a matrix [out, in] stored as `out` rows of `row_bytes` bytes, byte for byte as in
+the file (kernels/decode.h reads each type's fields): the quantized types of llama.cpp's standard presets
+(blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; super-blocks of 256: Q2_K .. Q6_K, IQ4_XS) and the
+float matrices (F32, F16, BF16). The rows are never written: they may be a view into the file's mapping.
+Weights from a GGUF keep the file's blocks; `quantize_q8_0` makes Q8_0 blocks from float weights (for
+`weight_dtype="q8_0"`). Any other type (IQ1/IQ2/IQ3, TQ, MXFP4, ...) is refused where a QuantizedWeight is
+made, naming the type.
 
-A `QuantizedWeight` is a matrix [out, in] stored as `out` rows of `in / 32` blocks, byte for byte as in
-the GGUF file (see kernels/quants.h for the block layouts). Weights from a GGUF keep the file's
-blocks; `quantize_q8_0` makes Q8_0 blocks from float weights (for `weight_dtype="q8_0"`).
+`QuantizedParts` is several such matrices over the same inputs, their outputs side by side (q, k and v of
+different types in one product): nothing is copied.
 """
 
 from dataclasses import dataclass
@@ -15,43 +17,118 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# ggml's type ids, and the bytes of one block of 32 weights.
+# ggml's type ids of the types the kernels read.
+F32 = 0
+F16 = 1
 Q4_0 = 2
 Q4_1 = 3
+Q5_0 = 6
+Q5_1 = 7
 Q8_0 = 8
+Q2_K = 10
+Q3_K = 11
 Q4_K = 12
 Q5_K = 13
 Q6_K = 14
-# kvserve's own type id for converted K-quants (see kernels/quants.h).
-K8 = 100
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, K8: 44}
-K_QUANTS = (Q4_K, Q5_K, Q6_K)
+IQ4_NL = 20
+IQ4_XS = 23
+BF16 = 30
 QK = 32
 QK_K = 256
+
+# Per type: (weights per block, bytes per block), as ggml lays them out.
+BLOCK_SIZES: dict[int, tuple[int, int]] = {
+    F32: (1, 4),
+    F16: (1, 2),
+    BF16: (1, 2),
+    Q4_0: (QK, 18),
+    Q4_1: (QK, 20),
+    Q5_0: (QK, 22),
+    Q5_1: (QK, 24),
+    Q8_0: (QK, 34),
+    IQ4_NL: (QK, 18),
+    Q2_K: (QK_K, 84),
+    Q3_K: (QK_K, 110),
+    Q4_K: (QK_K, 144),
+    Q5_K: (QK_K, 176),
+    Q6_K: (QK_K, 210),
+    IQ4_XS: (QK_K, 136),
+}
+TYPE_NAMES = {
+    F32: "F32",
+    F16: "F16",
+    BF16: "BF16",
+    Q4_0: "Q4_0",
+    Q4_1: "Q4_1",
+    Q5_0: "Q5_0",
+    Q5_1: "Q5_1",
+    Q8_0: "Q8_0",
+    IQ4_NL: "IQ4_NL",
+    Q2_K: "Q2_K",
+    Q3_K: "Q3_K",
+    Q4_K: "Q4_K",
+    Q5_K: "Q5_K",
+    Q6_K: "Q6_K",
+    IQ4_XS: "IQ4_XS",
+}
+
+
+def type_name(qtype: int) -> str:
+    """The ggml name of a type id (the gguf package's, for the types the kernels do not read)."""
+    if qtype in TYPE_NAMES:
+        return TYPE_NAMES[qtype]
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"unknown type {qtype}"
+
+
+def row_unit(qtype: int) -> int:
+    """The row lengths a type allows are multiples of this (the kernels read 32 weights at a time)."""
+    return max(BLOCK_SIZES[qtype][0], QK)
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    elems, nbytes = BLOCK_SIZES[qtype]
+    return in_features // elems * nbytes
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """`data` uint8 [out, in / 32 * block bytes] of blocks of ggml type `qtype`."""
+    """`data` uint8 [out, row_bytes] of ggml type `qtype` (read only)."""
 
     qtype: int
     data: torch.Tensor
     in_features: int
 
     def __post_init__(self) -> None:
-        if self.qtype not in BLOCK_BYTES:
-            raise ValueError(f"unsupported block type {self.qtype}")
-        if self.in_features % QK or self.data.dtype != torch.uint8 or self.data.dim() != 2:
-            raise ValueError("quantized weights need uint8 rows of whole blocks of 32")
-        if self.data.shape[1] != self.in_features // QK * BLOCK_BYTES[self.qtype]:
+        if self.qtype not in BLOCK_SIZES:
+            raise ValueError(f"weights of type {type_name(self.qtype)} are not read by kvserve's kernels")
+        unit = row_unit(self.qtype)
+        if self.in_features <= 0 or self.in_features % unit:
+            raise ValueError(
+                f"{type_name(self.qtype)} rows need a multiple of {unit} weights, not {self.in_features}"
+            )
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError("quantized weights need uint8 rows [out, row bytes]")
+        if self.data.shape[1] != row_bytes(self.qtype, self.in_features) or self.data.stride(1) != 1:
             raise ValueError(f"rows of {self.data.shape[1]} bytes do not hold {self.in_features} weights")
+        if self.data.shape[0] > 1 and self.data.stride(0) != self.data.shape[1]:
+            raise ValueError("quantized weights need their rows contiguous")
 
     @property
     def out_features(self) -> int:
         return int(self.data.shape[0])
 
+    @property
+    def parts(self) -> tuple["QuantizedWeight", ...]:
+        return (self,)
+
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows `index` dequantized to float32 [*index.shape, in] (embedding lookups)."""
+        """Rows `index` dequantized to float32 [*index.shape, in], by the gguf package (the reference:
+        QuantLinear.rows reads them natively)."""
         picked = self.data.index_select(0, index.reshape(-1))
         return dequantize_rows(picked, self.qtype, self.in_features).reshape(*index.shape, self.in_features)
 
@@ -59,36 +136,56 @@ class QuantizedWeight:
         return self.rows(torch.arange(self.out_features))
 
 
+@dataclass(frozen=True)
+class QuantizedParts:
+    """Matrices over the same inputs whose outputs are concatenated, each of its own type."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts or any(p.in_features != self.parts[0].in_features for p in self.parts):
+            raise ValueError("the parts of a product need the same inputs")
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def qtype(self) -> int | None:
+        """The parts' type where they share one."""
+        types = {p.qtype for p in self.parts}
+        return types.pop() if len(types) == 1 else None
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.dequantize()[index]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+Blocks = QuantizedWeight | QuantizedParts
+
+
 def dequantize_rows(data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """uint8 rows of blocks [n, in / 32 * block bytes] of `qtype` as float32 [n, in]."""
-    blocks = data.reshape(-1, in_features // QK, BLOCK_BYTES[qtype])
-    if qtype == K8:
-        scales = blocks[..., :12].contiguous().view(torch.float32)
-        q = blocks[..., 12:].contiguous().view(torch.int8).float().view(*blocks.shape[:-1], 2, 16)
-        w = q * scales[..., :2].unsqueeze(-1) + scales[..., 2:3].unsqueeze(-1)
-        return w.reshape(-1, in_features)
-    d = blocks[..., :2].contiguous().view(torch.float16).float()
-    if qtype == Q8_0:
-        w = blocks[..., 2:].contiguous().view(torch.int8).float() * d
-    else:
-        qs = blocks[..., 4:] if qtype == Q4_1 else blocks[..., 2:]
-        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
-        if qtype == Q4_0:
-            w = (q - 8) * d
-        else:
-            w = q * d + blocks[..., 2:4].contiguous().view(torch.float16).float()
-    return w.reshape(-1, in_features)
+    """uint8 rows [n, row bytes] of `qtype` as float32 [n, in], by the gguf package's dequantization."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = data.contiguous().numpy().reshape(-1, row_bytes(qtype, in_features))
+    values = np.asarray(dequantize(raw, GGMLQuantizationType(qtype)), dtype=np.float32)
+    return torch.from_numpy(values.reshape(-1, in_features).copy())
 
 
-def concat(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
-    """The row-wise concatenation (q, k and v into one product), or None when the types differ."""
-    first = weights[0]
-    if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
+def concat(weights: list[QuantizedWeight]) -> Blocks | None:
+    """The product of the weights' outputs side by side (q, k and v as one call), without a copy; None
+    where their inputs differ."""
+    if any(w.in_features != weights[0].in_features for w in weights):
         return None
-    if len(weights) == 1:
-        # No copy: the model's products hold their blocks as loaded.
-        return first
-    return QuantizedWeight(first.qtype, torch.cat([w.data for w in weights]), first.in_features)
+    return weights[0] if len(weights) == 1 else QuantizedParts(tuple(weights))
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantizedWeight:
@@ -103,53 +200,3 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantizedWeight:
     q = (w * inv).round().clamp(-127, 127).to(torch.int8)
     blocks = torch.cat((d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)), dim=-1)
     return QuantizedWeight(Q8_0, blocks.reshape(out, -1).contiguous(), n_in)
-
-
-def from_k_quant(raw: np.ndarray, qtype: int, in_features: int) -> QuantizedWeight:
-    """K8 blocks holding the same weights as `raw` ([out, bytes] of Q4_K, Q5_K or Q6_K super-blocks).
-
-    The scales and offsets are ggml's own products (float16 field times integer scale, in float32); the
-    quants are the gguf package's dequantization of the same super-blocks with unit scales.
-    """
-    from gguf import GGMLQuantizationType
-    from gguf.quants import Q4_K as GgufQ4K
-    from gguf.quants import dequantize
-
-    out = raw.shape[0]
-    supers = raw.reshape(out * (in_features // QK_K), -1)
-    n = supers.shape[0]
-    if qtype == Q6_K:
-        # ql[128], qh[64], int8 scales[16] (one per 16 weights), float16 d.
-        d = supers[:, 208:210].copy().view(np.float16).astype(np.float32)
-        scale16 = d * supers[:, 192:208].copy().view(np.int8).astype(np.float32)
-        scale = scale16.reshape(n, 8, 2)
-        offset = np.zeros((n, 8, 1), dtype=np.float32)
-    elif qtype in (Q4_K, Q5_K):
-        # float16 d and dmin, then 12 bytes of eight 6-bit scales and mins (one each per 32 weights).
-        d = supers[:, 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = supers[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, mn = GgufQ4K.get_scale_min(supers[:, 4:16].copy())
-        scale32 = d * sc.astype(np.float32)
-        scale = np.repeat(scale32[:, :, None], 2, axis=2)
-        offset = -(dmin * mn.astype(np.float32))[:, :, None]
-    else:
-        raise ValueError(f"not a K-quant type: {qtype}")
-    # The quants themselves: the same super-blocks with unit scales and no offsets dequantize to them.
-    unit = supers.copy()
-    if qtype == Q6_K:
-        unit[:, 192:208] = 1
-        unit[:, 208:210] = np.array([1.0], dtype=np.float16).view(np.uint8)
-    else:
-        unit[:, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
-        unit[:, 2:4] = 0
-        unit[:, 4:8], unit[:, 8:12], unit[:, 12:16] = 1, 0, 1
-    q = np.asarray(dequantize(unit, GGMLQuantizationType(qtype)), dtype=np.float32).reshape(n, 8, 32)
-    blocks = np.concatenate(
-        [
-            scale.astype(np.float32).view(np.uint8),
-            offset.astype(np.float32).view(np.uint8),
-            q.astype(np.int8).view(np.uint8),
-        ],
-        axis=-1,
-    )
-    return QuantizedWeight(K8, torch.from_numpy(np.ascontiguousarray(blocks.reshape(out, -1))), in_features)

@@ -1,5 +1,5 @@
-"""Products on quantized weight blocks through the native kernel (kernels/matmul.c and the block code
-beside it, kernels/quants.h).
+"""Products on the GGUF file's weight rows, read in place by the native kernel (kernels/matmul.c and the
+code beside it, kernels/quants.h).
 
 One native call per product, the op that follows it (silu, add, mul) and the bias included. The kernel
 sums every output in one fixed order, so a row's output is bitwise the same alone or in any batch, and
@@ -10,15 +10,22 @@ the kernel's float operations exactly as written.
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from kvserve.model import huge_pages
-from kvserve.model.kernel_abi import COL_TILE, LINEAR, OP_ADD, OP_MUL, OP_NONE, OP_SILU
+from kvserve.model.kernel_abi import (
+    LINEAR,
+    OP_ADD,
+    OP_MUL,
+    OP_NONE,
+    OP_SILU,
+    QLINEAR_PARTS,
+    QLinearStruct,
+    QPartStruct,
+)
 from kvserve.model.linear import Linear, make_linear
 from kvserve.model.native_build import KernelUnavailableError, load_kernel
-from kvserve.model.quant_blocks import QK, QuantizedWeight, dequantize_rows, quantize_q8_0
+from kvserve.model.quant_blocks import Blocks, quantize_q8_0, type_name
 
 log = logging.getLogger(__name__)
 
@@ -45,120 +52,82 @@ class NativeRmsNorm:
         return out.view(x.shape)
 
 
-class BlockArena:
-    """Lays a model's products out side by side in large buffers on huge pages (`huge_pages.empty`), in
-    the order they are built, so that a decode streams its weights from 2 MiB pages rather than from
-    4 KiB pages scattered through the heap (docs/design.md, Forward pass, measures the gain). Memory that
-    no product takes is never touched, so it costs no resident memory; a product larger than a chunk gets
-    a buffer of its own."""
-
-    CHUNK = 64 << 20
-    # Each product starts on a cache line.
-    ALIGN = 64
-
-    def __init__(self) -> None:
-        self._chunk: torch.Tensor | None = None
-        self._used = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A fresh uint8 buffer of `nbytes`, a view into the current chunk where it fits."""
-        span = -(-nbytes // self.ALIGN) * self.ALIGN
-        if span > self.CHUNK:
-            return huge_pages.empty((nbytes,), torch.uint8)
-        if self._chunk is None or self._used + span > self.CHUNK:
-            self._chunk = huge_pages.empty((self.CHUNK,), torch.uint8)
-            self._used = 0
-        view = self._chunk[self._used : self._used + nbytes]
-        self._used += span
-        return view
-
-
-def interleave(weight: QuantizedWeight, arena: BlockArena | None = None) -> torch.Tensor:
-    """The kernel's layout of the blocks (unchanged bytes, reordered): outputs in groups of COL_TILE with
-    their blocks side by side (block b of each, then block b + 1), so that a decode, which computes a
-    group's outputs together, reads one contiguous stream; the last outputs that fill no group as rows.
-    Written into `arena` when one is given."""
-    data = weight.data
-    grouped = weight.out_features // COL_TILE * COL_TILE
-    nb = weight.in_features // QK
-    # Spelled out, not -1: a product of fewer than COL_TILE outputs has no group to infer it from.
-    block = data.shape[1] // nb
-    # Copied straight into one buffer: a temporary as large as the weight would stay in the heap.
-    out = huge_pages.empty((data.numel(),), torch.uint8) if arena is None else arena.take(data.numel())
-    head = data[:grouped].reshape(grouped // COL_TILE, COL_TILE, nb, block).transpose(1, 2)
-    out[: head.numel()].view(grouped // COL_TILE, nb, COL_TILE, block).copy_(head)
-    out[head.numel() :].copy_(data[grouped:].reshape(-1))
-    return out
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    """What a product keeps of its loaded blocks once they are interleaved: their type and shape."""
-
-    qtype: int
-    in_features: int
-    out_features: int
-
-
 class QuantLinear(Linear):
-    """y = op(x @ dequantize(weight).T + bias) on the weight's blocks, x float32 on the CPU.
+    """y = op(x @ dequantize(weight).T + bias) on the weight's rows in place, x float32 on the CPU.
 
-    `int16_decodes`: the decode rows (`decodes`, see Linear) run with int16 activations, about twice as
-    fast as widening every quant to float32 (kernels/quants.c says how, docs/design.md what it
-    costs in accuracy); False computes every row in float32. `portable` forces the kernel's portable path
-    (tests compare it with the vector path); `wide` False keeps a batch on the AVX2 tiles where the build
-    also has AVX-512 ones (the same bits; for tests and benchmarks). `arena` holds the kernel's layout of
-    the blocks where given (a model's products share one, see BlockArena).
-
-    Only the interleaved copy is kept: the blocks as loaded are not referenced once it is made, so the
-    model's weights are resident once (`weight` is their type and shape; `rows` reads the interleaved
-    copy for a tied embedding's lookups).
+    `weight` is one matrix or several parts of any types over the same inputs (QuantizedParts: q, k and v
+    of different types), run in one native call with their outputs side by side. The product keeps a
+    reference to the caller's tensors and reads them where they are (never writing them: they may be the
+    file's mapping). `int16_decodes`: the decode rows (`decodes`, see Linear) run with int16 activations,
+    about twice as fast as widening every quant to float32 (kernels/quants.c says how, docs/design.md what
+    it costs in accuracy); False computes every row in float32. `portable` forces the kernel's portable
+    path (tests compare it with the vector path); `wide` False keeps a batch on the AVX2 tiles where the
+    build also has AVX-512 ones (the same bits; for tests and benchmarks).
     """
 
     def __init__(
         self,
-        weight: QuantizedWeight,
+        weight: Blocks,
         bias: torch.Tensor | None,
         cache_dir: str,
         int16_decodes: bool = False,
         portable: bool = False,
         wide: bool = True,
-        arena: BlockArena | None = None,
     ) -> None:
-        if weight.data.device.type != "cpu":
+        if any(p.data.device.type != "cpu" for p in weight.parts):
             raise KernelUnavailableError("quantized weights run on the CPU")
+        if len(weight.parts) > QLINEAR_PARTS:
+            raise ValueError(f"a product holds at most {QLINEAR_PARTS} parts, not {len(weight.parts)}")
         self.lib = load_library(cache_dir)
-        self.weight = BlockShape(weight.qtype, weight.in_features, weight.out_features)
-        self._data = interleave(weight, arena)
+        for p in weight.parts:
+            if not self.lib.quant_type_supported(p.qtype):
+                raise ValueError(f"weights of type {type_name(p.qtype)} are not read by this kernel build")
+        self.weight = weight
         self.bias = None if bias is None else bias.detach().float().contiguous()
         if self.bias is not None and self.bias.shape != (weight.out_features,):
             raise ValueError(f"bias of shape {tuple(self.bias.shape)} for {weight.out_features} outputs")
         self.int16_decodes = int16_decodes
         self.portable = portable
         self.wide = wide
+        self.struct = self._struct()
 
-    @property
-    def data_ptr(self) -> int:
-        """The address of the kernel's layout of the blocks."""
-        return int(self._data.data_ptr())
+    def _struct(self) -> QLinearStruct:
+        """The kernel's description of the product: each part's type, rows and bias in place."""
+        s = QLinearStruct(len(self.weight.parts), self.weight.in_features, self.weight.out_features)
+        column = 0
+        for i, p in enumerate(self.weight.parts):
+            bias = None if self.bias is None else self.bias.data_ptr() + 4 * column
+            s.parts[i] = QPartStruct(p.qtype, p.data.data_ptr(), bias, p.out_features)
+            column += p.out_features
+        return s
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows `index` of the weight dequantized to float32 [*index.shape, in], read from the
-        interleaved copy: the same bytes as the loaded blocks' rows, so the same values bit for bit."""
-        w = self.weight
-        flat = index.reshape(-1)
-        row_bytes = self._data.numel() // w.out_features
-        grouped = w.out_features // COL_TILE * COL_TILE
-        nb = w.in_features // QK
-        block = row_bytes // nb
-        head = self._data[: grouped * row_bytes].view(grouped // COL_TILE, nb, COL_TILE, block)
-        tail = self._data[grouped * row_bytes :].view(-1, row_bytes)
-        picked = torch.empty((flat.numel(), row_bytes), dtype=torch.uint8)
-        in_head = flat < grouped
-        h = flat[in_head]
-        picked[in_head] = head[h // COL_TILE, :, h % COL_TILE].reshape(-1, row_bytes)
-        picked[~in_head] = tail[flat[~in_head] - grouped]
-        return dequantize_rows(picked, w.qtype, w.in_features).reshape(*index.shape, w.in_features)
+        """Rows `index` of the weight dequantized to float32 [*index.shape, in] by the kernel (bit for
+        bit the gguf package's values): the embedding lookup of a tied head."""
+        flat = index.reshape(-1).to(torch.int64).contiguous()
+        n_in = self.weight.in_features
+        out = torch.empty((flat.numel(), n_in), dtype=torch.float32)
+        start = 0
+        for p in self.weight.parts:
+            mine = (flat >= start) & (flat < start + p.out_features)
+            local = (flat[mine] - start).contiguous() if len(self.weight.parts) > 1 else flat
+            part_out = out if len(self.weight.parts) == 1 else torch.empty((local.numel(), n_in))
+            status = self.lib.dequantize_rows(
+                p.qtype,
+                p.data.data_ptr(),
+                p.out_features,
+                n_in,
+                local.data_ptr(),
+                local.numel(),
+                part_out.data_ptr(),
+                torch.get_num_threads(),
+            )
+            if status != 0:
+                raise IndexError(f"row index out of range for {self.weight.out_features} rows")
+            if len(self.weight.parts) > 1:
+                out[mine] = part_out
+            start += p.out_features
+        return out.reshape(*index.shape, n_in)
 
     @property
     def vectorized(self) -> bool:
@@ -174,15 +143,11 @@ class QuantLinear(Linear):
         if other is not None:
             other = other.reshape(rows.shape[0], n_out).float().contiguous()
         status = self.lib.quant_linear(
-            self.weight.qtype,
-            self._data.data_ptr(),
+            ctypes.byref(self.struct),
             rows.data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(),
             None if other is None else other.data_ptr(),
             out.data_ptr(),
             rows.shape[0],
-            n_in,
-            n_out,
             op,
             torch.get_num_threads(),
             1 if self.portable else 0 if self.wide else 2,
@@ -191,9 +156,8 @@ class QuantLinear(Linear):
         if status == -2:
             raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
         if status != 0:
-            raise ValueError(
-                f"the quantized linear kernel refused type {self.weight.qtype} with {n_in} inputs"
-            )
+            types = ", ".join(type_name(p.qtype) for p in self.weight.parts)
+            raise ValueError(f"the quantized linear kernel refused {types} with {n_in} inputs")
         return out.view(*x.shape[:-1], n_out)
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
@@ -219,11 +183,10 @@ class QuantLinear(Linear):
 def make_block_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    blocks: QuantizedWeight | None,
+    blocks: Blocks | None,
     weight_dtype: str,
     cache_dir: str,
     int16_decodes: bool = False,
-    arena: BlockArena | None = None,
 ) -> Linear:
     """The Linear of a block mode: "gguf" (the file's own `blocks`) or "q8_0" (`weight` quantized now).
 
@@ -241,7 +204,7 @@ def make_block_linear(
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return make_linear(blocks.dequantize().to(weight.device, weight.dtype), bias, "float32")
     try:
-        return QuantLinear(blocks, bias, cache_dir, int16_decodes, arena=arena)
+        return QuantLinear(blocks, bias, cache_dir, int16_decodes)
     except KernelUnavailableError as e:
         log.warning("quantized weights fall back to float16: %s", e)
         return make_linear(weight, bias, "float16")

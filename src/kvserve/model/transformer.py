@@ -7,6 +7,7 @@ matmuls that precede them where the layer has no post norm. Every linear, the ti
 stored in `weight_dtype` (see kvserve.model.linear); the embedding lookup and the norms stay in `dtype`.
 """
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -114,6 +115,10 @@ class Transformer:
         self.embed_blocks: QuantizedWeight | QuantLinear | None = blocks.get("model.embed_tokens.weight")
         if weight_dtype != "gguf" or device.type != "cpu":
             self.embed_blocks = None
+        elif self.embed_blocks is not None and dtype == torch.float32:
+            # The kernel dequantizes the looked-up rows in place (a prefill's thousands of them).
+            with contextlib.suppress(KernelUnavailableError):
+                self.embed_blocks = QuantLinear(self.embed_blocks, None, cache_dir)
         self.embed = None if self.embed_blocks is not None else w.tensor("model.embed_tokens.weight")
         # Gemma scales the embedding rows by sqrt(hidden), the factor rounded to the compute dtype.
         self.embed_scale = torch.tensor(hidden**0.5).to(dtype) if c.scale_embeddings else None
@@ -162,8 +167,10 @@ class Transformer:
                 )
             )
         expected = (c.vocab_size, hidden)
-        if isinstance(self.embed_blocks, QuantizedWeight):
-            shape: tuple[int, ...] = (self.embed_blocks.out_features, self.embed_blocks.in_features)
+        if self.embed_blocks is not None:
+            eb = self.embed_blocks
+            blocks_of = eb.weight if isinstance(eb, QuantLinear) else eb
+            shape: tuple[int, ...] = (blocks_of.out_features, blocks_of.in_features)
         else:
             assert self.embed is not None
             shape = tuple(self.embed.shape)
@@ -172,8 +179,7 @@ class Transformer:
                 "model.embed_tokens.weight", f"shape {shape} does not match config {expected}"
             )
         if self.embed_blocks is not None and c.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
-            # The tied head's interleaved copy holds the same bytes: the lookup reads its rows, and the
-            # blocks as loaded are not kept (the vocabulary is resident once).
+            # The tied head reads the same rows: the lookup goes through it.
             self.embed_blocks = self.lm_head
         # Where the products run natively, so do the norms: one call each instead of five torch ops (the
         # layers' products decide, not only the head's: a file's head may be of a type the kernel lacks).

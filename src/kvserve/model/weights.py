@@ -10,7 +10,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.model.linear import Linear, make_linear
 from kvserve.model.native_build import KernelUnavailableError
 from kvserve.model.quant_blocks import QuantizedWeight, concat
-from kvserve.model.quant_linear import BlockArena, QuantLinear, make_block_linear
+from kvserve.model.quant_linear import QuantLinear, make_block_linear
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,6 @@ class ModelWeights:
         self.cache_dir = cache_dir
         self.int16_decodes = int16_decodes
         self.norm_offset = norm_offset
-        self.arena = BlockArena()
 
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self.tensors:
@@ -90,20 +89,19 @@ class ModelWeights:
         return weight if part.whole else weight[part.start : part.end]
 
     def linear(self, parts: list[Rows], in_features: int, bias: torch.Tensor | None = None) -> Linear:
-        """One product over the rows of `parts` stacked (q, k and v as one matmul)."""
+        """One product over the rows of `parts` stacked (q, k and v as one matmul: parts of different
+        types run side by side in one native call, none copied)."""
         found = [self._blocks(p, in_features) for p in parts]
         joined = concat([b for b in found if b is not None]) if all(found) else None
         native = self.weight_dtype == "gguf" and self.device.type == "cpu" and self.dtype == torch.float32
         if native and joined is not None:
             # The float weights are read only for a fallback: not at all where the kernel runs.
             try:
-                return QuantLinear(joined, bias, self.cache_dir, self.int16_decodes, arena=self.arena)
+                return QuantLinear(joined, bias, self.cache_dir, self.int16_decodes)
             except KernelUnavailableError:
                 pass
         floats = [self._float(p, in_features) for p in parts]
         weight = torch.cat(floats) if len(floats) > 1 else floats[0]
         if self.weight_dtype not in ("gguf", "q8_0"):
             return make_linear(weight, bias, self.weight_dtype)
-        return make_block_linear(
-            weight, bias, joined, self.weight_dtype, self.cache_dir, self.int16_decodes, self.arena
-        )
+        return make_block_linear(weight, bias, joined, self.weight_dtype, self.cache_dir, self.int16_decodes)

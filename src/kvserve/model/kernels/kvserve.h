@@ -12,14 +12,33 @@
 
 #include <stdint.h>
 
-#define KVSERVE_ABI_VERSION 4
+#define KVSERVE_ABI_VERSION 5
 
-/* Block types: ggml's type ids, and K8, kvserve's own (see quants.h for the layouts). */
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_K8 = 100 };
+/* The weight types the products read: ggml's type ids (quants.h and decode.h hold the layouts). */
+enum {
+    TYPE_F32 = 0,
+    TYPE_F16 = 1,
+    TYPE_Q4_0 = 2,
+    TYPE_Q4_1 = 3,
+    TYPE_Q5_0 = 6,
+    TYPE_Q5_1 = 7,
+    TYPE_Q8_0 = 8,
+    TYPE_Q2_K = 10,
+    TYPE_Q3_K = 11,
+    TYPE_Q4_K = 12,
+    TYPE_Q5_K = 13,
+    TYPE_Q6_K = 14,
+    TYPE_IQ4_NL = 20,
+    TYPE_IQ4_XS = 23,
+    TYPE_BF16 = 30,
+    TYPE_COUNT = 31
+};
 /* The op quant_linear applies to each output after the bias. */
 enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
-/* Outputs per column group of the weight layout quant_linear reads (quant_linear.py's `interleave`). */
+/* Outputs a column tile computes together, reading their rows side by side. */
 #define COL_TILE 4
+/* The most parts one product holds (q, k and v of three types). */
+#define QLINEAR_PARTS 4
 
 /* ---- Both libraries ---- */
 
@@ -53,24 +72,40 @@ attention_kernel paged_attention_f64_q8;
 
 /* ---- Products on quantized blocks (matmul.c) ---- */
 
-/* x: [rows, n_in] float32, contiguous; w: n_out * n_in / 32 blocks of `type`, in the column-group layout
- * (quants.h, `column`); bias: [n_out] or NULL; other: [rows, n_out] for OP_ADD and OP_MUL, else NULL;
- * out: [rows, n_out]. The first `q16_rows` rows (decodes) run with int16 activations. `portable` 1
- * forces the portable path, 2 the AVX2 tiles without the AVX-512 ones (for tests). Returns 0, -1 for an
- * unknown type or shape, -2 when out of memory. */
-int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, const float *other, float *out,
-                 int64_t rows, int64_t n_in, int64_t n_out, int op, int threads, int portable, int64_t q16_rows);
-/* 1 when this build has the AVX2 path. */
-int quant_linear_vectorized(void);
-
-/* ---- Decoder layers (decoder.c) ---- */
-
-struct qlinear {
+/* One part of a product: n_out rows of n_in weights of `type`, row o at w + o * row bytes (row bytes =
+ * n_in / elements per block * block bytes: the file's own layout, read in place and never written);
+ * bias: [n_out] or NULL. */
+struct qpart {
     int64_t type;
     const uint8_t *w;
     const float *bias;
-    int64_t n_in, n_out;
+    int64_t n_out;
 };
+
+/* A product of up to QLINEAR_PARTS parts over the same inputs, their outputs side by side (q, k and v of
+ * different types in one call); n_out is the parts' total. */
+struct qlinear {
+    int64_t n_parts, n_in, n_out;
+    struct qpart parts[QLINEAR_PARTS];
+};
+
+/* x: [rows, n_in] float32, contiguous; other: [rows, l->n_out] for OP_ADD and OP_MUL, else NULL; out:
+ * [rows, l->n_out]. The first `q16_rows` rows (decodes) run with int16 activations (float types: float
+ * rows always). `portable` 1 forces the portable path, 2 the AVX2 tiles without the AVX-512 ones (for
+ * tests). Returns 0, -1 for an unknown type or shape, -2 when out of memory. */
+int quant_linear(const struct qlinear *l, const float *x, const float *other, float *out, int64_t rows, int op,
+                 int threads, int portable, int64_t q16_rows);
+/* 1 when this build has the AVX2 path. */
+int quant_linear_vectorized(void);
+/* Rows index[0, n) of a [n_rows, n_in] matrix of `type` (layout as struct qpart's) dequantized into out
+ * [n, n_in] as float32, bit for bit the values of ggml's dequantization. Returns 0, or -1 for an unknown
+ * type, a shape or an index out of range. */
+int dequantize_rows(int type, const uint8_t *w, int64_t n_rows, int64_t n_in, const int64_t *index, int64_t n,
+                    float *out, int threads);
+/* 1 when the products read `type`. */
+int quant_type_supported(int type);
+
+/* ---- Decoder layers (decoder.c) ---- */
 
 /* The gated MLP's activation (`act`): silu, or gelu with the tanh approximation (gelu_tanh_rows). */
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };

@@ -1,5 +1,7 @@
-/* The products' entry point: one call per product, its outputs split between OpenMP threads, each output
- * summed by one thread by the portable reference (quants.c) or the x86 tiles (arch/x86/quants.c). */
+/* The products' entry point: one call per product of one or more parts (q, k and v of different types),
+ * the activations' int16 quants and sums per 16 computed once for every part, the outputs split between
+ * OpenMP threads, each output summed by one thread by the portable reference (quants.c) or the x86 tiles
+ * (arch/x86/quants.c). Also the rows' dequantization (embedding lookups). */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -7,57 +9,111 @@
 
 int quant_linear_vectorized(void) { return HAVE_AVX2; }
 
-int quant_linear(int type, const uint8_t *w, const float *x, const float *bias, const float *other, float *out,
-                 int64_t rows, int64_t n_in, int64_t n_out, int op, int threads, int portable, int64_t q16_rows)
+int quant_type_supported(int type) { return type_known(type); }
+
+int quant_linear(const struct qlinear *l, const float *x, const float *other, float *out, int64_t rows, int op,
+                 int threads, int portable, int64_t q16_rows)
 {
-    const int bb = block_bytes(type);
-    if (bb == 0 || n_in % QK != 0 || q16_rows < 0 || q16_rows > rows)
+    const int64_t n_in = l->n_in, ns = n_in / QK;
+    if (l->n_parts < 1 || l->n_parts > QLINEAR_PARTS || q16_rows < 0 || q16_rows > rows || rows < 0)
         return -1;
-    const int64_t nb = n_in / QK;
-    /* One allocation: the rows' block sums of x (Q4_1, K8), then the int16 rows' scales and quants. */
-    const size_t sx_n = has_offset(type) ? (size_t)(rows * nb) : 0;
-    const size_t dx_n = (size_t)(q16_rows * nb);
-    float *scratch = malloc(sizeof(float) * (sx_n + dx_n) + sizeof(int16_t) * (size_t)(q16_rows * n_in) + 1);
+    int offsets16 = 0, offsets32 = 0, integer = 0;
+    int64_t total = 0;
+    for (int64_t i = 0; i < l->n_parts; i++) {
+        const struct qpart *q = &l->parts[i];
+        if (!type_known(q->type) || row_bytes((int)q->type, n_in) == 0 || q->n_out < 0)
+            return -1;
+        offsets16 |= has_offset((int)q->type) && split_scales((int)q->type);
+        offsets32 |= has_offset((int)q->type) && !split_scales((int)q->type);
+        integer |= !is_float_type((int)q->type);
+        total += q->n_out;
+    }
+    if (total != l->n_out)
+        return -1;
+    if (!integer)
+        q16_rows = 0;
+    /* One allocation: the rows' sums per 32 and per 16 (where a part has offsets), then the int16 rows'
+     * scales and quants. */
+    const size_t sx32_n = offsets32 ? (size_t)(rows * ns) : 0, sx16_n = offsets16 ? (size_t)(rows * 2 * ns) : 0;
+    const size_t dx_n = (size_t)(q16_rows * ns);
+    float *scratch =
+        malloc(sizeof(float) * (sx32_n + sx16_n + dx_n) + sizeof(int16_t) * (size_t)(q16_rows * n_in) + 1);
     if (!scratch)
         return -2;
-    float *sx = sx_n ? scratch : NULL, *dx = scratch + sx_n;
+    float *sx32 = scratch, *sx16 = sx32 + sx32_n, *dx = sx16 + sx16_n;
     int16_t *xq = (int16_t *)(dx + dx_n);
-    for (int64_t t = 0; sx && t < rows; t++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + t * n_in + b * QK;
-            float s = 0;
-            for (int j = 0; j < QK; j++)
-                s += xb[j];
-            sx[b * rows + t] = s;
-        }
+    for (int size = QK; size >= QK / 2; size /= 2) {
+        float *sx = size == QK ? (sx32_n ? sx32 : NULL) : (sx16_n ? sx16 : NULL);
+        for (int64_t t = 0; sx && t < rows; t++)
+            for (int64_t u = 0; u < n_in / size; u++) {
+                const float *xb = x + t * n_in + u * size;
+                float s = 0;
+                for (int j = 0; j < size; j++)
+                    s += xb[j];
+                sx[u * rows + t] = s;
+            }
+    }
     for (int64_t t = 0; t < q16_rows; t++)
-        quantize_q16(x + t * n_in, nb, xq + t * n_in, dx + t * nb);
-    const struct product p = {.type = type, .w = w, .bb = (size_t)bb, .nb = nb, .n_in = n_in, .n_out = n_out,
-                              .grouped = n_out / COL_TILE * COL_TILE, .rows = rows, .x = x, .sx = sx,
-                              .bias = bias, .other = other, .out = out, .op = op, .q16_rows = q16_rows,
-                              .xq = xq, .dx = dx};
-    /* Threads take runs of CHUNK_TILES column tiles as they come free, not a fixed share: a thread the OS
-     * preempts (the server's event loop shares the cores) then delays the product by one run, not by its
-     * whole share. Each output is still summed by one thread in one order, so the bits never change. */
-    const int64_t tiles = (n_out + COL_TILE - 1) / COL_TILE;
-    const int64_t runs = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
+        quantize_q16(x + t * n_in, ns, xq + t * n_in, dx + t * ns);
+    struct product p[QLINEAR_PARTS];
+    /* Runs of CHUNK_TILES column tiles of one part: runs_before[i] is the runs of the parts before i. */
+    int64_t runs_before[QLINEAR_PARTS + 1] = {0}, column = 0;
+    for (int64_t i = 0; i < l->n_parts; i++) {
+        const struct qpart *q = &l->parts[i];
+        const int type = (int)q->type;
+        p[i] = (struct product){.type = type, .w = q->w, .row_bytes = (size_t)row_bytes(type, n_in), .ns = ns,
+                                .n_in = n_in, .n_out = q->n_out, .rows = rows, .x = x,
+                                .sx = split_scales(type) ? sx16 : sx32,
+                                .bias = q->bias, .other = other ? other + column : NULL, .out = out + column,
+                                .out_stride = l->n_out, .op = op,
+                                .q16_rows = is_float_type(type) ? 0 : q16_rows, .xq = xq, .dx = dx};
+        const int64_t tiles = (q->n_out + COL_TILE - 1) / COL_TILE;
+        runs_before[i + 1] = runs_before[i] + (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
+        column += q->n_out;
+    }
+    /* Threads take runs as they come free, not a fixed share: a thread the OS preempts (the server's event
+     * loop shares the cores) then delays the product by one run, not by its whole share. Each output is
+     * still summed by one thread in one order, so the bits never change. */
+    const int64_t runs = runs_before[l->n_parts];
     int nt = threads < 1 ? 1 : threads;
     if (nt > runs)
-        nt = (int)runs;
+        nt = runs < 1 ? 1 : (int)runs;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t r = 0; r < runs; r++) {
-        const int64_t o0 = r * CHUNK_TILES * COL_TILE, o1e = (r + 1) * CHUNK_TILES * COL_TILE;
-        const int64_t o1 = o1e < n_out ? o1e : n_out;
+        int64_t i = 0;
+        while (r >= runs_before[i + 1])
+            i++;
+        const struct product *pp = &p[i];
+        const int64_t o0 = (r - runs_before[i]) * CHUNK_TILES * COL_TILE, o1e = o0 + CHUNK_TILES * COL_TILE;
+        const int64_t o1 = o1e < pp->n_out ? o1e : pp->n_out;
 #if HAVE_AVX2
         if (portable != 1) {
-            if (q16_rows > 0)
-                q16_range(&p, o0, o1);
-            if (rows > q16_rows)
-                vector_range(&p, rows, o0, o1, portable != 2);
+            if (pp->q16_rows > 0)
+                q16_range(pp, o0, o1);
+            if (rows > pp->q16_rows)
+                vector_range(pp, rows, o0, o1, portable != 2);
         } else
 #endif
-            scalar_range(&p, rows, o0, o1);
+            scalar_range(pp, rows, o0, o1);
     }
     free(scratch);
+    return 0;
+}
+
+int dequantize_rows(int type, const uint8_t *w, int64_t n_rows, int64_t n_in, const int64_t *index, int64_t n,
+                    float *out, int threads)
+{
+    if (!type_known(type) || row_bytes(type, n_in) == 0 || n < 0)
+        return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (index[i] < 0 || index[i] >= n_rows)
+            return -1;
+    const size_t rb = (size_t)row_bytes(type, n_in);
+    int nt = threads < 1 ? 1 : threads;
+    if (nt > n)
+        nt = n < 1 ? 1 : (int)n;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t i = 0; i < n; i++)
+        dequantize_row(type, w + (size_t)index[i] * rb, n_in, out + i * n_in);
     return 0;
 }

@@ -1,26 +1,27 @@
-/* Linear products on GGUF's quantized weight blocks: the block formats, the summation order that every
- * path keeps, and what the portable reference (quants.c), the x86 tiles (arch/x86/quants.c) and the
- * threaded entry point (matmul.c) share.
+/* Linear products on GGUF's weight types, read in place: the summation order that every path keeps, and
+ * what the portable reference (quants.c), the x86 tiles (arch/x86/quants.c) and the threaded entry point
+ * (matmul.c) share.
  *
- * out[t, o] = op(sum_i x[t, i] * w[o, i] + bias[o]) with w kept as the file's blocks of 32 weights:
- *   Q8_0 (34 bytes): float16 d, int8 q[32];            w = d * q
- *   Q4_0 (18 bytes): float16 d, 4-bit q[32];           w = d * (q - 8)
- *   Q4_1 (20 bytes): float16 d, float16 m, 4-bit q[32]; w = d * q + m
- *   K8   (44 bytes): float32 d0, d1, m, int8 q[32];    w = d0 * q + m (elements 0..15), d1 * q + m (16..31)
- * K8 is kvserve's own: the K-quants (Q4_K, Q5_K, Q6_K) convert to it exactly at load (quant_blocks.py).
- * (4-bit: byte j holds element j in its low nibble and element j + 16 in its high nibble.)
+ * out[t, o] = op(sum_i x[t, i] * w[o, i] + bias[o]). Row o of a matrix is where the file stores it, at
+ * w + o * row_bytes; the kernels never copy nor write it. Every type is read as sub-blocks of 32 weights
+ * (decode.h decodes one, per type, exactly as ggml's dequantization reads its fields): integer quants
+ * q[32] (int8) with a float32 scale d and offset m per half (elements 0..15 and 16..31), the weight being
+ * d * q + m; a type without offsets has m = 0. Q2_K, Q3_K and Q6_K have a scale per 16 (`split_scales`:
+ * two halves); the others one per 32 (equal halves). The float types (F32, F16, BF16) decode to their
+ * float values with d = 1 and m = 0.
  *
  * The weights are never requantized. For float rows the quants are widened to float32 in registers and
- * every product and sum is in float32 (int16 rows: see quants.c). Per block, eight lanes l each sum
- * q * x over the block's elements 8k + l (k = 0..3: one multiply, then three fused multiply-adds), and a
- * lane's running total takes d times that block sum by a fused multiply-add (K8: each half's two-term sum
- * times its own scale, low half first). The offset term of Q4_1 and K8, m times the block's sum of x, is
- * summed apart in block order.
- * At the end the lanes are added in one fixed tree. That order is the same for every output of every row,
- * whatever the batch, the tile it falls in, the thread count or the instruction set: a row's output is
- * bitwise independent of the rest of its batch, and the AVX2 path and the portable one give the same
- * bits (tests/model/test_quantized_blocks.py checks both). The library is compiled without -ffast-math and
- * with -ffp-contract=off so that the compiler keeps exactly these operations.
+ * every product and sum is in float32 (int16 rows: see quants.c). Per sub-block, eight lanes l each sum
+ * q * x over elements 8k + l (k = 0..3: one multiply, then three fused multiply-adds) and a lane's running
+ * total takes d times that sum by a fused multiply-add; with a scale per 16 each half is summed apart
+ * (k = 0, 1 and k = 2, 3) and the total takes d0 times the low sum, then d1 times the high one. The offset
+ * term, m times the sum of x over the 32 (or over each half, low first, for Q2_K's offsets per 16), is
+ * summed apart in sub-block order; the activations' sums per 32 and per 16 are computed once per product.
+ * At the end the lanes are added in one fixed tree, then the offset term. That order is the same for every
+ * output of every row, whatever the batch, the tile it falls in, the thread count or the instruction set:
+ * a row's output is bitwise independent of the rest of its batch, and the AVX2, AVX-512 and portable paths
+ * give the same bits (tests/model/test_quantized_blocks.py checks them). The library is compiled without
+ * -ffast-math and with -ffp-contract=off so that the compiler keeps exactly these operations.
  */
 #ifndef KVSERVE_QUANTS_H
 #define KVSERVE_QUANTS_H
@@ -33,6 +34,7 @@
 #include "kvserve.h"
 
 #define QK 32
+#define QK_K 256
 /* Rows per tile of one output: the int16 tiles and the float tiles' second size take ROW_TILE, the
  * float tiles FLOAT_ROW_TILE first (a vector of eight rows' offset terms). */
 #define ROW_TILE 4
@@ -43,28 +45,36 @@
 /* Activation bytes a row chunk of the AVX2 tiles may take: they are read again for every output, so they
  * should stay in the L1 data cache (32-48 KiB) beside the blocks. */
 #define L1_ROWS_BYTES 24576
-#define PREFETCH_BLOCKS 32
 /* int16 activations keep 15 bits of each block's largest value. */
 #define Q16_MAX 32767.0f
 
-static inline int block_bytes(int type)
-{
-    switch (type) {
-    case TYPE_Q8_0:
-        return 34;
-    case TYPE_Q4_0:
-        return 18;
-    case TYPE_Q4_1:
-        return 20;
-    case TYPE_K8:
-        return 44;
-    default:
-        return 0;
-    }
-}
+/* A type's block: its bytes and the weights it holds (1 for the float types). */
+struct type_info {
+    int bytes, elems;
+    /* Whether its weights carry offsets (their term is summed apart, in sub-block order). */
+    int offset;
+};
 
-/* Whether the type's weights carry an offset m (its term is summed apart, in block order). */
-static inline int has_offset(int type) { return type == TYPE_Q4_1 || type == TYPE_K8; }
+static const struct type_info TYPE_INFO[TYPE_COUNT] = {
+    [TYPE_F32] = {4, 1, 0},       [TYPE_F16] = {2, 1, 0},       [TYPE_BF16] = {2, 1, 0},
+    [TYPE_Q4_0] = {18, 32, 0},    [TYPE_Q4_1] = {20, 32, 1},    [TYPE_Q5_0] = {22, 32, 0},
+    [TYPE_Q5_1] = {24, 32, 1},    [TYPE_Q8_0] = {34, 32, 0},    [TYPE_Q2_K] = {84, 256, 1},
+    [TYPE_Q3_K] = {110, 256, 0},  [TYPE_Q4_K] = {144, 256, 1},  [TYPE_Q5_K] = {176, 256, 1},
+    [TYPE_Q6_K] = {210, 256, 0},  [TYPE_IQ4_NL] = {18, 32, 0},  [TYPE_IQ4_XS] = {136, 256, 0},
+};
+
+static inline int type_known(int64_t type) { return type >= 0 && type < TYPE_COUNT && TYPE_INFO[type].bytes; }
+static inline int has_offset(int type) { return TYPE_INFO[type].offset; }
+/* Types with a scale (and offset) per 16 weights: their sub-blocks' halves are summed apart. */
+static inline int split_scales(int type) { return type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q6_K; }
+/* The float types: no integer quants, so their rows never take the int16 path. */
+static inline int is_float_type(int type) { return type == TYPE_F32 || type == TYPE_F16 || type == TYPE_BF16; }
+/* Bytes of a row of n_in weights, 0 where n_in is no whole number of blocks of 32 weights or more. */
+static inline int64_t row_bytes(int type, int64_t n_in)
+{
+    const int64_t unit = TYPE_INFO[type].elems < QK ? QK : TYPE_INFO[type].elems;
+    return n_in > 0 && n_in % unit == 0 ? n_in / TYPE_INFO[type].elems * TYPE_INFO[type].bytes : 0;
+}
 
 /* The lanes' fixed addition tree, shared by every path. */
 static inline float lane_sum(const float *a)
@@ -86,17 +96,22 @@ static inline float apply_op(float v, int op, float other)
     }
 }
 
-/* One product as the paths see it. */
+/* One part of a product as the paths see it. */
 struct product {
     int type;
     const uint8_t *w;
-    size_t bb;
-    int64_t nb, n_in, n_out, grouped, rows;
-    /* sx: the rows' block sums of x, row t's block b at sx[b * rows + t] (a row tile's side by side). */
-    const float *x, *sx, *bias, *other;
+    size_t row_bytes;
+    /* ns: sub-blocks of 32 per row. */
+    int64_t ns, n_in, n_out, rows;
+    /* sx: the rows' sums of x per 32 (per 16 for split_scales types), row t's sum u at sx[u * rows + t]
+     * (a row tile's side by side). */
+    const float *x, *sx, *bias;
+    /* other and out: row t's output o at [t * out_stride + o] (the part's columns of the whole product). */
+    const float *other;
     float *out;
+    int64_t out_stride;
     int op;
-    /* Rows [0, q16_rows) run with int16 activations: xq [q16_rows, n_in] and dx [q16_rows, nb]. */
+    /* Rows [0, q16_rows) run with int16 activations: xq [q16_rows, n_in] and dx [q16_rows, ns]. */
     int64_t q16_rows;
     const int16_t *xq;
     const float *dx;
@@ -106,29 +121,18 @@ static inline void store(const struct product *p, int64_t t, int64_t o, float v)
 {
     if (p->bias)
         v += p->bias[o];
-    const int64_t i = t * p->n_out + o;
+    const int64_t i = t * p->out_stride + o;
     p->out[i] = apply_op(v, p->op, p->other ? p->other[i] : 0.0f);
 }
 
-/* The first block of output o. The outputs below `grouped` (a multiple of COL_TILE) are stored in groups
- * of COL_TILE with their blocks interleaved (block b of the group's outputs side by side, then block
- * b + 1), so that a column tile reads one contiguous stream; the rest follow as plain rows. */
-static inline const uint8_t *column(const struct product *p, int64_t o)
-{
-    if (o < p->grouped)
-        return p->w + ((o / COL_TILE) * p->nb * COL_TILE + o % COL_TILE) * p->bb;
-    return p->w + (p->grouped * p->nb + (o - p->grouped) * p->nb) * p->bb;
-}
+static inline const uint8_t *row_of(const struct product *p, int64_t o) { return p->w + (size_t)o * p->row_bytes; }
 
-static inline size_t block_stride(const struct product *p, int64_t o)
-{
-    return o < p->grouped ? COL_TILE * p->bb : p->bb;
-}
-
-/* quants.c: row x's nb blocks quantized to int16, q [nb * 32] and dx [nb]. */
-INTERNAL void quantize_q16(const float *x, int64_t nb, int16_t *q, float *dx);
+/* quants.c: row x's ns sub-blocks quantized to int16, q [ns * 32] and dx [ns]. */
+INTERNAL void quantize_q16(const float *x, int64_t ns, int16_t *q, float *dx);
 /* quants.c: outputs [o0, o1) of every row, by the portable path. */
 INTERNAL void scalar_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1);
+/* quants.c: row `row` of the type dequantized into out [n_in]. */
+INTERNAL void dequantize_row(int type, const uint8_t *row, int64_t n_in, float *out);
 #if HAVE_AVX2
 /* arch/x86/quants.c: outputs [o0, o1) of the int16 rows, then of the float rows [q16_rows, rows) (`wide`:
  * whether to take the AVX-512 tiles where the build has them; the AVX2 tiles give the same bits). */

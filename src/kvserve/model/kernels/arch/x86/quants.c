@@ -1,62 +1,26 @@
 /* The products' x86 tiles: AVX2 (with FMA and F16C), and AVX-512 where the build has it.
  *
  * Each tile computes every output it holds in the order quants.h fixes, lane for lane as the portable
- * reference (quants.c) does, so every tile gives the same bits. Rows are taken eight (then four) at a time
- * where the batch has them (each block is widened once for the tile's rows, and their offset terms are
- * summed side by side in one vector), and one at a time across four outputs otherwise (decodes). Where the
- * build has AVX-512, batches of WIDE_MIN rows or more take a column group's four outputs up to six rows at
- * a time instead, its blocks widened once per row chunk into a float32 buffer, two outputs' lanes side by
- * side in each 16-lane register: the same operations per lane, so the same bits.
+ * reference (quants.c) does, so every tile gives the same bits. A tile of several outputs reads their rows
+ * side by side, where the file has them (the tiles ahead prefetched as one ordered stream). Rows
+ * are taken eight (then four) at a time where the batch has them (each sub-block is decoded once for the
+ * tile's rows, and their offset terms are summed side by side in one vector), and one at a time across
+ * COL_TILE outputs otherwise (decodes). Where the build has AVX-512, batches of WIDE_MIN rows or more take
+ * COL_TILE outputs up to six rows at a time instead, their sub-blocks decoded once per row chunk into a
+ * float32 buffer, two outputs' lanes side by side in each 16-lane register: the same operations per lane,
+ * so the same bits.
  *
- * A tile takes its block type, rows and outputs as constants (DEFINE_TILES instantiates each per type), so
- * that its loops unroll into registers; `TILES`, indexed by block type, holds every type's tiles.
+ * The only per-type code is the decoding of a sub-block (decode.h beside this file). A tile takes its type,
+ * rows and outputs as constants (DEFINE_TILES instantiates each per type), so that its loops unroll into
+ * registers and the decoding inlines; `TILES`, indexed by type, holds every type's tiles.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "quants.h"
+#include "../../quants.h"
+#include "decode.h"
 
 #if HAVE_AVX2
-/* The four vectors of block `blk`'s quants as floats, elements 8k..8k+7 in vector k. */
-static ALWAYS_INLINE void vector_quants(int type, const uint8_t *blk, __m256 v[4])
-{
-    if (type == TYPE_Q8_0 || type == TYPE_K8) {
-        const int at = type == TYPE_K8 ? 12 : 2;
-        for (int k = 0; k < 4; k++)
-            v[k] = _mm256_cvtepi32_ps(
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + at + 8 * k))));
-        return;
-    }
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (type == TYPE_Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    if (type == TYPE_Q4_0) {
-        const __m128i eight = _mm_set1_epi8(8);
-        lo = _mm_sub_epi8(lo, eight);
-        hi = _mm_sub_epi8(hi, eight);
-        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-        v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-        v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    } else {
-        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    }
-}
-
-/* `scales` with the CPU's float16 conversion (the same values). */
-static inline void vector_scales(int type, const uint8_t *blk, float *d0, float *d1, float *m)
-{
-    if (type == TYPE_K8) {
-        *d0 = read_f32(blk), *d1 = read_f32(blk + 4), *m = read_f32(blk + 8);
-        return;
-    }
-    *d0 = *d1 = _cvtsh_ss(read_u16(blk));
-    *m = type == TYPE_Q4_1 ? _cvtsh_ss(read_u16(blk + 2)) : 0.0f;
-}
-
 static inline float vector_total(__m256 acc, float offset)
 {
     float lanes[8];
@@ -64,15 +28,28 @@ static inline float vector_total(__m256 acc, float offset)
     return lane_sum(lanes) + offset;
 }
 
-/* ROWS rows x COLS outputs; res[r * COLS + c]. Called with constant ROWS and COLS so that it unrolls. */
-static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_t *w, size_t block_stride,
-                                      int64_t nb, const float *x, int64_t x_stride, const float *sx, int64_t ss,
-                                      float *res)
+/* A tile's rows are one stretch of memory (consecutive rows); the next tile's stretch is prefetched in
+ * order, `step` bytes of it per sub-block, so that it is all fetched by the time this tile ends. One
+ * ordered stream, not one per row: four rows read side by side defeat the hardware prefetchers (one row
+ * of [1536 x 576] Q8_0 products out of cache took 4x as long without software prefetch, twice as long
+ * with a prefetch per row stream; fetching two to four tiles ahead was no faster than one). */
+static ALWAYS_INLINE void prefetch_tile(const uint8_t *tile, int64_t s, size_t step)
 {
-    const int bb = block_bytes(type);
+    const char *at = (const char *)tile + (size_t)s * step;
+    for (size_t line = 0; line < step; line += 64)
+        _mm_prefetch(at + line, _MM_HINT_T0);
+}
+
+/* ROWS rows x COLS outputs (rows `rs` bytes apart); res[r * COLS + c]. Called with constant ROWS and COLS
+ * so that it unrolls. */
+static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
+                                      const float *x, int64_t x_stride, const float *sx, int64_t ss, float *res)
+{
+    const uint8_t *next = w + cols * rs;
+    const size_t step = (cols * rs + (size_t)ns - 1) / (size_t)ns;
     __m256 acc[FLOAT_ROW_TILE * COL_TILE];
     float offset[FLOAT_ROW_TILE * COL_TILE];
-    /* A row tile's offsets side by side: one fused multiply-add per block, the same as each row's own. */
+    /* A row tile's offsets side by side: one fused multiply-add per half, the same as each row's own. */
     const int row_offsets = cols == 1 && (rows == FLOAT_ROW_TILE || rows == ROW_TILE);
     __m256 offsets = _mm256_setzero_ps();
     __m128 offsets4 = _mm_setzero_ps();
@@ -80,39 +57,48 @@ static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_
         acc[i] = _mm256_setzero_ps();
         offset[i] = 0;
     }
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t s = 0; s < ns; s++) {
+        prefetch_tile(next, s, step);
         for (int c = 0; c < cols; c++) {
-            /* A column tile's blocks are interleaved (see `column`): consecutive in memory. */
-            const uint8_t *blk = w + c * bb + b * block_stride;
-            _mm_prefetch((const char *)blk + PREFETCH_BLOCKS * block_stride, _MM_HINT_T0);
+            const uint8_t *row = w + c * rs;
             __m256 v[4];
-            vector_quants(type, blk, v);
-            float d0, d1, m;
-            vector_scales(type, blk, &d0, &d1, &m);
-            const __m256 d = _mm256_set1_ps(d0);
+            x86_values(type, row, s, v);
+            float d[2], m[2];
+            sub_scales(type, row, s, d, m);
+            const __m256 d0 = _mm256_set1_ps(d[0]), d1 = _mm256_set1_ps(d[1]);
             for (int r = 0; r < rows; r++) {
-                const float *xb = x + r * x_stride + b * QK;
-                if (type == TYPE_K8) {
+                const float *xb = x + r * x_stride + s * QK;
+                __m256 *a = &acc[r * cols + c];
+                if (split_scales(type)) {
                     __m256 lo = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
                     lo = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), lo);
                     __m256 hi = _mm256_mul_ps(v[2], _mm256_loadu_ps(xb + 16));
                     hi = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), hi);
-                    acc[r * cols + c] =
-                        _mm256_fmadd_ps(_mm256_set1_ps(d1), hi, _mm256_fmadd_ps(d, lo, acc[r * cols + c]));
+                    *a = _mm256_fmadd_ps(d1, hi, _mm256_fmadd_ps(d0, lo, *a));
                 } else {
                     __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
                     t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
                     t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
                     t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
-                    acc[r * cols + c] = _mm256_fmadd_ps(d, t, acc[r * cols + c]);
+                    *a = _mm256_fmadd_ps(d0, t, *a);
                 }
-                if (has_offset(type) && !row_offsets)
-                    offset[r * cols + c] = fmaf(m, sx[b * ss + r], offset[r * cols + c]);
+                if (has_offset(type) && !row_offsets) {
+                    float *o = &offset[r * cols + c];
+                    if (split_scales(type))
+                        *o = fmaf(m[1], sx[(2 * s + 1) * ss + r], fmaf(m[0], sx[2 * s * ss + r], *o));
+                    else
+                        *o = fmaf(m[0], sx[s * ss + r], *o);
+                }
             }
-            if (has_offset(type) && rows == FLOAT_ROW_TILE && row_offsets)
-                offsets = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx + b * ss), offsets);
-            if (has_offset(type) && rows == ROW_TILE && row_offsets)
-                offsets4 = _mm_fmadd_ps(_mm_set1_ps(m), _mm_loadu_ps(sx + b * ss), offsets4);
+            /* The sums of x for this sub-block's offsets: one per 32, or the two halves'. */
+            const int units = split_scales(type) ? 2 : 1;
+            for (int h = 0; h < units; h++) {
+                const float *sxu = sx + (units * s + h) * ss;
+                if (has_offset(type) && rows == FLOAT_ROW_TILE && row_offsets)
+                    offsets = _mm256_fmadd_ps(_mm256_set1_ps(m[h]), _mm256_loadu_ps(sxu), offsets);
+                if (has_offset(type) && rows == ROW_TILE && row_offsets)
+                    offsets4 = _mm_fmadd_ps(_mm_set1_ps(m[h]), _mm_loadu_ps(sxu), offsets4);
+            }
         }
     }
     if (row_offsets && rows == FLOAT_ROW_TILE)
@@ -123,61 +109,48 @@ static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_
         res[i] = vector_total(acc[i], offset[i]);
 }
 
-/* The block's quants as int16: elements 0..15 in lo, 16..31 in hi. */
-static ALWAYS_INLINE void q16_quants(int type, const uint8_t *blk, __m256i *lo, __m256i *hi)
-{
-    if (type == TYPE_Q8_0 || type == TYPE_K8) {
-        const uint8_t *qs = blk + (type == TYPE_K8 ? 12 : 2);
-        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
-        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
-        return;
-    }
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (type == TYPE_Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
-    if (type == TYPE_Q4_0) {
-        const __m256i eight = _mm256_set1_epi16(8);
-        *lo = _mm256_sub_epi16(*lo, eight);
-        *hi = _mm256_sub_epi16(*hi, eight);
-    }
-}
-
 /* ROWS int16 rows x COLS outputs, as `scalar_dot_q16` computes each; res[r * COLS + c]. */
-static ALWAYS_INLINE void q16_tile(int type, int rows, int cols, const uint8_t *w, size_t block_stride,
-                                   int64_t nb, const int16_t *xq, int64_t x_stride, const float *dx,
-                                   const float *sx, int64_t ss, float *res)
+static ALWAYS_INLINE void q16_tile(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
+                                   const int16_t *xq, int64_t x_stride, const float *dx, const float *sx,
+                                   int64_t ss, float *res)
 {
-    const int bb = block_bytes(type);
+    const uint8_t *next = w + cols * rs;
+    const size_t step = (cols * rs + (size_t)ns - 1) / (size_t)ns;
     __m256 acc[ROW_TILE * COL_TILE];
     float offset[ROW_TILE * COL_TILE];
     for (int i = 0; i < rows * cols; i++) {
         acc[i] = _mm256_setzero_ps();
         offset[i] = 0;
     }
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t s = 0; s < ns; s++) {
+        prefetch_tile(next, s, step);
         for (int c = 0; c < cols; c++) {
-            const uint8_t *blk = w + c * bb + b * block_stride;
-            _mm_prefetch((const char *)blk + PREFETCH_BLOCKS * block_stride, _MM_HINT_T0);
-            __m256i lo, hi;
-            q16_quants(type, blk, &lo, &hi);
-            float d0, d1, m;
-            vector_scales(type, blk, &d0, &d1, &m);
+            const uint8_t *row = w + c * rs;
+            __m128i q_lo, q_hi;
+            x86_quants(type, row, s, &q_lo, &q_hi);
+            const __m256i lo = _mm256_cvtepi8_epi16(q_lo), hi = _mm256_cvtepi8_epi16(q_hi);
+            float d[2], m[2];
+            sub_scales(type, row, s, d, m);
             for (int r = 0; r < rows; r++) {
-                const int16_t *xb = xq + r * x_stride + b * QK;
-                const float x_scale = dx[r * nb + b];
+                const int16_t *xb = xq + r * x_stride + s * QK;
+                const float x_scale = dx[r * ns + s];
                 const __m256i plo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb));
                 const __m256i phi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16)));
                 __m256 *a = &acc[r * cols + c];
-                if (type == TYPE_K8) {
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(d0 * x_scale), *a);
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(d1 * x_scale), *a);
+                if (split_scales(type)) {
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(d[0] * x_scale), *a);
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(d[1] * x_scale), *a);
                 } else {
                     *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)),
-                                         _mm256_set1_ps(d0 * x_scale), *a);
+                                         _mm256_set1_ps(d[0] * x_scale), *a);
                 }
-                if (has_offset(type))
-                    offset[r * cols + c] = fmaf(m, sx[b * ss + r], offset[r * cols + c]);
+                if (has_offset(type)) {
+                    float *o = &offset[r * cols + c];
+                    if (split_scales(type))
+                        *o = fmaf(m[1], sx[(2 * s + 1) * ss + r], fmaf(m[0], sx[2 * s * ss + r], *o));
+                    else
+                        *o = fmaf(m[0], sx[s * ss + r], *o);
+                }
             }
         }
     }
@@ -186,68 +159,69 @@ static ALWAYS_INLINE void q16_tile(int type, int rows, int cols, const uint8_t *
 }
 
 
-/* The AVX-512 tile: up to WR rows x WP pairs of outputs (2 * WP of them, a column group). Its WR * WP
- * 16-lane block sums and running totals stay in registers (24 of the 32); the widened blocks are read from
- * a buffer. */
+/* The AVX-512 tile: up to WR rows x WP pairs of outputs (2 * WP of them: COL_TILE). Its WR * WP 16-lane
+ * half sums and running totals stay in registers (24 of the 32); the decoded sub-blocks are read from a
+ * buffer. */
 #define WR 6 /* at most res's eight rows in vector_range */
 #define WP (COL_TILE / 2)
-/* Below two full tiles' rows, widening into the buffer costs more than the AVX2 tiles lose. */
+/* Below two full tiles' rows, decoding into the buffer costs more than the AVX2 tiles lose. */
 #define WIDE_MIN (2 * WR)
-/* Floats per block in the widened buffer: per pair four quant vectors and two scale vectors, then the
- * four outputs' offsets (padded to a vector). */
+/* Floats per sub-block in the buffer: per pair four value vectors and two scale vectors, then the four
+ * outputs' low-half offsets and their high-half offsets (padded to a vector). */
 #define WIDE_BLOCK ((WP * 6 + 1) * 16)
 
 #if HAVE_AVX512
 /* Two 8-lane vectors side by side: a in the low half, b in the high half. */
 static inline __m512 pair(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
-/* A column group's nb blocks (interleaved, see `column`) widened once into `buf` (64-byte aligned, nb *
- * WIDE_BLOCK floats) for every row tile of a row chunk: per pair, vector k holds the two outputs' quants
+/* COL_TILE rows' ns sub-blocks (rows `rs` bytes apart) decoded once into `buf` (64-byte aligned, ns *
+ * WIDE_BLOCK floats) for every row tile of a row chunk: per pair, vector k holds the two outputs' values
  * 8k..8k+7 side by side, and the scales likewise. The values are exact, so reading them back is the same
- * as widening in registers. */
-static ALWAYS_INLINE void widen(int type, const uint8_t *w, size_t block_stride, int64_t nb, float *buf)
+ * as decoding in registers. */
+static ALWAYS_INLINE void widen(int type, const uint8_t *w, size_t rs, int64_t ns, float *buf)
 {
-    const int bb = block_bytes(type);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * block_stride;
-        for (int line = 0; line < 2 * WP * bb; line += 64)
-            _mm_prefetch((const char *)blk + PREFETCH_BLOCKS * block_stride + line, _MM_HINT_T0);
-        float *fb = buf + b * WIDE_BLOCK, *m = fb + WP * 6 * 16;
+    const uint8_t *next = w + COL_TILE * rs;
+    const size_t step = (COL_TILE * rs + (size_t)ns - 1) / (size_t)ns;
+    for (int64_t s = 0; s < ns; s++) {
+        prefetch_tile(next, s, step);
+        float *fb = buf + s * WIDE_BLOCK, *m = fb + WP * 6 * 16;
         for (int h = 0; h < WP; h++) {
-            const uint8_t *lo_blk = blk + 2 * h * bb, *hi_blk = lo_blk + bb;
+            const uint8_t *lo_row = w + 2 * h * rs, *hi_row = lo_row + rs;
             __m256 a[4], c[4];
-            vector_quants(type, lo_blk, a);
-            vector_quants(type, hi_blk, c);
+            x86_values(type, lo_row, s, a);
+            x86_values(type, hi_row, s, c);
             for (int k = 0; k < 4; k++)
                 _mm512_store_ps(fb + (h * 6 + k) * 16, pair(a[k], c[k]));
-            float d0[2], d1[2];
+            float d[2][2], mm[2][2];
+            sub_scales(type, lo_row, s, d[0], mm[0]);
+            sub_scales(type, hi_row, s, d[1], mm[1]);
             for (int i = 0; i < 2; i++) {
-                const uint8_t *one = i ? hi_blk : lo_blk;
-                vector_scales(type, one, &d0[i], &d1[i], &m[2 * h + i]);
+                m[2 * h + i] = mm[i][0];
+                m[COL_TILE + 2 * h + i] = mm[i][1];
             }
-            _mm512_store_ps(fb + (h * 6 + 4) * 16, pair(_mm256_set1_ps(d0[0]), _mm256_set1_ps(d0[1])));
-            _mm512_store_ps(fb + (h * 6 + 5) * 16, pair(_mm256_set1_ps(d1[0]), _mm256_set1_ps(d1[1])));
+            _mm512_store_ps(fb + (h * 6 + 4) * 16, pair(_mm256_set1_ps(d[0][0]), _mm256_set1_ps(d[1][0])));
+            _mm512_store_ps(fb + (h * 6 + 5) * 16, pair(_mm256_set1_ps(d[0][1]), _mm256_set1_ps(d[1][1])));
         }
     }
 }
 
-/* WR rows x 2 * WP outputs of a column group widened by `widen`. Each 16-lane accumulator holds two
- * outputs' eight lanes side by side, so every lane takes exactly the operations of `vector_tile` (the same
- * products, fused multiply-adds and scales, in the same order): the same bits. Within a block the quant
- * vectors are the outer loop, so that each widened vector is loaded once for WR rows and each row's
- * activations once for 2 * WP outputs; the WR * WP block sums and running totals stay in registers. */
-static ALWAYS_INLINE void wide_tile(int type, int rows, const float *buf, int64_t nb, const float *x,
+/* WR rows x 2 * WP outputs decoded by `widen`. Each 16-lane accumulator holds two outputs' eight lanes
+ * side by side, so every lane takes exactly the operations of `vector_tile` (the same products, fused
+ * multiply-adds and scales, in the same order): the same bits. Within a sub-block the value vectors are
+ * the outer loop, so that each is loaded once for WR rows and each row's activations once for 2 * WP
+ * outputs; the WR * WP half sums and running totals stay in registers. */
+static ALWAYS_INLINE void wide_tile(int type, int rows, const float *buf, int64_t ns, const float *x,
                                     int64_t x_stride, const float *sx, int64_t ss, float *res)
 {
     __m512 acc[WR][WP], t[WR][WP];
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < WP; h++)
             acc[r][h] = t[r][h] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const float *fb = buf + b * WIDE_BLOCK, *xb = x + b * QK;
+    for (int64_t s = 0; s < ns; s++) {
+        const float *fb = buf + s * WIDE_BLOCK, *xb = x + s * QK;
         for (int k = 0; k < 4; k++) {
-            /* K8 sums each half apart: a fresh block sum at k = 2. */
-            const int fresh = k == 0 || (type == TYPE_K8 && k == 2);
+            /* A fresh sum per sub-block, or per half with a scale per 16. */
+            const int fresh = k == 0 || (split_scales(type) && k == 2);
             __m512 w[WP];
             for (int h = 0; h < WP; h++)
                 w[h] = _mm512_load_ps(fb + (h * 6 + k) * 16);
@@ -256,9 +230,9 @@ static ALWAYS_INLINE void wide_tile(int type, int rows, const float *buf, int64_
                 for (int h = 0; h < WP; h++)
                     t[r][h] = fresh ? _mm512_mul_ps(w[h], xv) : _mm512_fmadd_ps(w[h], xv, t[r][h]);
             }
-            /* The half or block is whole: its sum times its scale (K8: d0 for the low half, d1 high). */
-            if (k == 3 || (type == TYPE_K8 && k == 1)) {
-                const int scale = type == TYPE_K8 && k == 3 ? 5 : 4;
+            /* The sum is whole: times its scale (with a scale per 16, d0 for the low half, d1 high). */
+            if (k == 3 || (split_scales(type) && k == 1)) {
+                const int scale = split_scales(type) && k == 3 ? 5 : 4;
                 for (int h = 0; h < WP; h++) {
                     const __m512 d = _mm512_load_ps(fb + (h * 6 + scale) * 16);
                     for (int r = 0; r < rows; r++)
@@ -267,15 +241,22 @@ static ALWAYS_INLINE void wide_tile(int type, int rows, const float *buf, int64_
             }
         }
     }
-    /* The offset term in block order, as `vector_tile` sums it (the rows' chains side by side). */
+    /* The offset term in sub-block order, as `vector_tile` sums it (the rows' chains side by side). */
     __m128 offset[WR];
     for (int r = 0; r < rows; r++)
         offset[r] = _mm_setzero_ps();
     if (has_offset(type))
-        for (int64_t b = 0; b < nb; b++) {
-            const __m128 m = _mm_load_ps(buf + b * WIDE_BLOCK + WP * 6 * 16);
-            for (int r = 0; r < rows; r++)
-                offset[r] = _mm_fmadd_ps(m, _mm_set1_ps(sx[b * ss + r]), offset[r]);
+        for (int64_t s = 0; s < ns; s++) {
+            const float *m = buf + s * WIDE_BLOCK + WP * 6 * 16;
+            const __m128 m0 = _mm_load_ps(m), m1 = _mm_load_ps(m + COL_TILE);
+            for (int r = 0; r < rows; r++) {
+                if (split_scales(type)) {
+                    offset[r] = _mm_fmadd_ps(m0, _mm_set1_ps(sx[2 * s * ss + r]), offset[r]);
+                    offset[r] = _mm_fmadd_ps(m1, _mm_set1_ps(sx[(2 * s + 1) * ss + r]), offset[r]);
+                } else {
+                    offset[r] = _mm_fmadd_ps(m0, _mm_set1_ps(sx[s * ss + r]), offset[r]);
+                }
+            }
         }
     for (int r = 0; r < rows; r++) {
         float lanes[16], off[4];
@@ -290,27 +271,27 @@ static ALWAYS_INLINE void wide_tile(int type, int rows, const float *buf, int64_
 
 
 /* `wide_tile` with its row count as a constant. */
-static ALWAYS_INLINE void wide_rows(int type, int rows, const float *buf, int64_t nb, const float *x,
+static ALWAYS_INLINE void wide_rows(int type, int rows, const float *buf, int64_t ns, const float *x,
                                     int64_t x_stride, const float *sx, int64_t ss, float *res)
 {
     switch (rows) {
     case 1:
-        wide_tile(type, 1, buf, nb, x, x_stride, sx, ss, res);
+        wide_tile(type, 1, buf, ns, x, x_stride, sx, ss, res);
         break;
     case 2:
-        wide_tile(type, 2, buf, nb, x, x_stride, sx, ss, res);
+        wide_tile(type, 2, buf, ns, x, x_stride, sx, ss, res);
         break;
     case 3:
-        wide_tile(type, 3, buf, nb, x, x_stride, sx, ss, res);
+        wide_tile(type, 3, buf, ns, x, x_stride, sx, ss, res);
         break;
     case 4:
-        wide_tile(type, 4, buf, nb, x, x_stride, sx, ss, res);
+        wide_tile(type, 4, buf, ns, x, x_stride, sx, ss, res);
         break;
     case 5:
-        wide_tile(type, 5, buf, nb, x, x_stride, sx, ss, res);
+        wide_tile(type, 5, buf, ns, x, x_stride, sx, ss, res);
         break;
     default:
-        wide_tile(type, WR, buf, nb, x, x_stride, sx, ss, res);
+        wide_tile(type, WR, buf, ns, x, x_stride, sx, ss, res);
         break;
     }
 }
@@ -329,7 +310,7 @@ struct tiles {
     tile_fn rows8, rows4, cols, one;
     /* int16 rows: ROW_TILE rows of one output, one row of COL_TILE outputs, one of one. */
     q16_fn q16_rows, q16_cols, q16_one;
-    /* AVX-512: a column group's blocks widened into the buffer, then 1..WR rows of the group's outputs
+    /* AVX-512: COL_TILE outputs' sub-blocks decoded into the buffer, then 1..WR rows of them
      * from it. NULL where the build has no AVX-512. */
     widen_fn widen;
     wide_fn wide;
@@ -355,7 +336,8 @@ struct tiles {
                            const float *sx, int64_t ss, float *res)                                      \
     {                                                                                                    \
         vector_tile(TYPE, 1, 1, w, rb, nb, x, xs, sx, ss, res);                                          \
-    }                                                                                                    \
+    }
+#define DEFINE_Q16_TILES(NAME, TYPE)                                                                      \
     static void NAME##_q16_rows(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,   \
                                 const float *dx, const float *sx, int64_t ss, float *res)                \
     {                                                                                                    \
@@ -371,10 +353,27 @@ struct tiles {
     {                                                                                                    \
         q16_tile(TYPE, 1, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                         \
     }
-DEFINE_TILES(q8_0, TYPE_Q8_0)
-DEFINE_TILES(q4_0, TYPE_Q4_0)
-DEFINE_TILES(q4_1, TYPE_Q4_1)
-DEFINE_TILES(k8, TYPE_K8)
+/* Every type's float tiles; the integer types' int16 tiles. */
+#define FOR_INTEGER_TYPES(X)                                                                              \
+    X(q4_0, TYPE_Q4_0)                                                                                   \
+    X(q4_1, TYPE_Q4_1)                                                                                   \
+    X(q5_0, TYPE_Q5_0)                                                                                   \
+    X(q5_1, TYPE_Q5_1)                                                                                   \
+    X(q8_0, TYPE_Q8_0)                                                                                   \
+    X(q2_k, TYPE_Q2_K)                                                                                   \
+    X(q3_k, TYPE_Q3_K)                                                                                   \
+    X(q4_k, TYPE_Q4_K)                                                                                   \
+    X(q5_k, TYPE_Q5_K)                                                                                   \
+    X(q6_k, TYPE_Q6_K)                                                                                   \
+    X(iq4_nl, TYPE_IQ4_NL)                                                                               \
+    X(iq4_xs, TYPE_IQ4_XS)
+#define FOR_FLOAT_TYPES(X)                                                                                \
+    X(f32, TYPE_F32)                                                                                     \
+    X(f16, TYPE_F16)                                                                                     \
+    X(bf16, TYPE_BF16)
+FOR_INTEGER_TYPES(DEFINE_TILES)
+FOR_FLOAT_TYPES(DEFINE_TILES)
+FOR_INTEGER_TYPES(DEFINE_Q16_TILES)
 
 #if HAVE_AVX512
 #define DEFINE_WIDE_TILES(NAME, TYPE)                                                                     \
@@ -387,50 +386,45 @@ DEFINE_TILES(k8, TYPE_K8)
     {                                                                                                    \
         wide_rows(TYPE, rows, buf, nb, x, xs, sx, ss, res);                                              \
     }
-DEFINE_WIDE_TILES(q8_0, TYPE_Q8_0)
-DEFINE_WIDE_TILES(q4_0, TYPE_Q4_0)
-DEFINE_WIDE_TILES(q4_1, TYPE_Q4_1)
-DEFINE_WIDE_TILES(k8, TYPE_K8)
+FOR_INTEGER_TYPES(DEFINE_WIDE_TILES)
+FOR_FLOAT_TYPES(DEFINE_WIDE_TILES)
 #define WIDE_TILES_OF(NAME) NAME##_widen, NAME##_wide
 #else
 #define WIDE_TILES_OF(NAME) NULL, NULL
 #endif
 
-/* Every block type's tiles, indexed by the type's id. */
-static const struct tiles TILES[TYPE_K8 + 1] = {
-    [TYPE_Q8_0] = {q8_0_rows8, q8_0_rows4, q8_0_cols, q8_0_one, q8_0_q16_rows, q8_0_q16_cols, q8_0_q16_one,
-                   WIDE_TILES_OF(q8_0)},
-    [TYPE_Q4_0] = {q4_0_rows8, q4_0_rows4, q4_0_cols, q4_0_one, q4_0_q16_rows, q4_0_q16_cols, q4_0_q16_one,
-                   WIDE_TILES_OF(q4_0)},
-    [TYPE_Q4_1] = {q4_1_rows8, q4_1_rows4, q4_1_cols, q4_1_one, q4_1_q16_rows, q4_1_q16_cols, q4_1_q16_one,
-                   WIDE_TILES_OF(q4_1)},
-    [TYPE_K8] = {k8_rows8, k8_rows4, k8_cols, k8_one, k8_q16_rows, k8_q16_cols, k8_q16_one, WIDE_TILES_OF(k8)},
-};
+/* Every type's tiles, indexed by the type's id (the float types have no int16 tiles). */
+#define INTEGER_TILES(NAME, TYPE)                                                                         \
+    [TYPE] = {NAME##_rows8, NAME##_rows4,    NAME##_cols,    NAME##_one,                                 \
+              NAME##_q16_rows, NAME##_q16_cols, NAME##_q16_one, WIDE_TILES_OF(NAME)},
+#define FLOAT_TILES(NAME, TYPE)                                                                           \
+    [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, WIDE_TILES_OF(NAME)},
+static const struct tiles TILES[TYPE_COUNT] = {FOR_INTEGER_TYPES(INTEGER_TILES) FOR_FLOAT_TYPES(FLOAT_TILES)};
 
 /* Four rows per output, the rest one at a time across four outputs. */
 void q16_range(const struct product *p, int64_t o0, int64_t o1)
 {
     const struct tiles *k = &TILES[p->type];
-    const int64_t rows = p->q16_rows, nb = p->nb, n = p->n_in;
+    const int64_t rows = p->q16_rows, ns = p->ns, n = p->n_in;
     float res[ROW_TILE * COL_TILE];
     for (int64_t o = o0; o < o1;) {
-        const uint8_t *w = column(p, o);
-        const size_t bs = block_stride(p, o);
+        const uint8_t *w = row_of(p, o);
+        const size_t rs = p->row_bytes;
         int64_t t = 0;
-        if (o1 - o < COL_TILE || o >= p->grouped || rows >= ROW_TILE) {
+        if (o1 - o < COL_TILE || rows >= ROW_TILE) {
             for (; t + ROW_TILE <= rows; t += ROW_TILE) {
-                k->q16_rows(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t, p->rows, res);
+                k->q16_rows(w, rs, ns, p->xq + t * n, n, p->dx + t * ns, p->sx + t, p->rows, res);
                 for (int r = 0; r < ROW_TILE; r++)
                     store(p, t + r, o, res[r]);
             }
             for (; t < rows; t++) {
-                k->q16_one(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t, p->rows, res);
+                k->q16_one(w, rs, ns, p->xq + t * n, n, p->dx + t * ns, p->sx + t, p->rows, res);
                 store(p, t, o, res[0]);
             }
             o += 1;
         } else {
             for (; t < rows; t++) {
-                k->q16_cols(w, bs, nb, p->xq + t * n, n, p->dx + t * nb, p->sx + t, p->rows, res);
+                k->q16_cols(w, rs, ns, p->xq + t * n, n, p->dx + t * ns, p->sx + t, p->rows, res);
                 for (int c = 0; c < COL_TILE; c++)
                     store(p, t, o + c, res[c]);
             }
@@ -442,8 +436,8 @@ void q16_range(const struct product *p, int64_t o0, int64_t o1)
 void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
 {
     const struct tiles *k = &TILES[p->type];
-    /* The widened blocks of one column group; without it (no AVX-512, or not `wide`), the AVX2 tiles. */
-    const size_t buf_bytes = ((size_t)p->nb * WIDE_BLOCK * sizeof(float) + 63) / 64 * 64;
+    /* The decoded sub-blocks of COL_TILE outputs; without it (no AVX-512, or not `wide`), the AVX2 tiles. */
+    const size_t buf_bytes = ((size_t)p->ns * WIDE_BLOCK * sizeof(float) + 63) / 64 * 64;
     float *buf = wide && k->wide && rows - p->q16_rows >= WIDE_MIN ? aligned_alloc(64, buf_bytes) : NULL;
     /* Up to eight rows (the AVX-512 tile) x COL_TILE outputs. */
     float res[8 * COL_TILE];
@@ -455,14 +449,14 @@ void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1,
         const int64_t t1 = t0 + chunk < rows ? t0 + chunk : rows;
         for (int64_t o = o0; o < o1;) {
             int64_t t = t0;
-            const uint8_t *w = column(p, o);
-            const size_t bs = block_stride(p, o);
-            if (buf && t1 - t0 >= WIDE_MIN && o + COL_TILE <= o1 && o < p->grouped) {
-                /* A column group WR rows at a time, the last tile taking the rows that are left. */
-                k->widen(w, bs, p->nb, buf);
+            const uint8_t *w = row_of(p, o);
+            const size_t rs = p->row_bytes;
+            if (buf && t1 - t0 >= WIDE_MIN && o + COL_TILE <= o1) {
+                /* COL_TILE outputs WR rows at a time, the last tile taking the rows that are left. */
+                k->widen(w, rs, p->ns, buf);
                 for (; t < t1;) {
                     const int n = t1 - t < WR ? (int)(t1 - t) : WR;
-                    k->wide(n, buf, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    k->wide(n, buf, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
                     for (int r = 0; r < n; r++)
                         for (int c = 0; c < COL_TILE; c++)
                             store(p, t + r, o + c, res[r * COL_TILE + c]);
@@ -475,20 +469,20 @@ void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1,
                 /* One output at a time: eight rows per tile, then four, then the rest one by one. */
                 for (; t + ROW_TILE <= t1;) {
                     const int n = t + FLOAT_ROW_TILE <= t1 ? FLOAT_ROW_TILE : ROW_TILE;
-                    (n == FLOAT_ROW_TILE ? k->rows8 : k->rows4)(w, bs, p->nb, p->x + t * p->n_in, p->n_in,
+                    (n == FLOAT_ROW_TILE ? k->rows8 : k->rows4)(w, rs, p->ns, p->x + t * p->n_in, p->n_in,
                                                                 p->sx + t, p->rows, res);
                     for (int r = 0; r < n; r++)
                         store(p, t + r, o, res[r]);
                     t += n;
                 }
                 for (; t < t1; t++) {
-                    k->one(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    k->one(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
                     store(p, t, o, res[0]);
                 }
                 o += 1;
             } else {
                 for (; t < t1; t++) {
-                    k->cols(w, bs, p->nb, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    k->cols(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
                     for (int c = 0; c < COL_TILE; c++)
                         store(p, t, o + c, res[c]);
                 }
