@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.model.gguf_file import block_geometry as ggml_geometry
+from kvserve.model.gguf_file import dequantize as ggml_dequantize
+
 # ggml's type ids, and the bytes of one block of 32 weights.
 Q4_0 = 2
 Q4_1 = 3
@@ -30,20 +33,30 @@ QK = 32
 QK_K = 256
 
 
+def block_geometry(qtype: int) -> tuple[int, int]:
+    """(weights per block, bytes per block) of kvserve's K8 or any ggml type."""
+    if qtype in BLOCK_BYTES:
+        return QK, BLOCK_BYTES[qtype]
+    geometry = ggml_geometry(qtype)
+    if geometry is None:
+        raise ValueError(f"unsupported block type {qtype}")
+    return geometry
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """`data` uint8 [out, in / 32 * block bytes] of blocks of ggml type `qtype`."""
+    """`data` uint8 [out, in / block weights * block bytes] of blocks of ggml type `qtype`: any ggml type
+    a GGUF holds (the native kernel reads those of BLOCK_BYTES)."""
 
     qtype: int
     data: torch.Tensor
     in_features: int
 
     def __post_init__(self) -> None:
-        if self.qtype not in BLOCK_BYTES:
-            raise ValueError(f"unsupported block type {self.qtype}")
-        if self.in_features % QK or self.data.dtype != torch.uint8 or self.data.dim() != 2:
-            raise ValueError("quantized weights need uint8 rows of whole blocks of 32")
-        if self.data.shape[1] != self.in_features // QK * BLOCK_BYTES[self.qtype]:
+        block, block_bytes = block_geometry(self.qtype)
+        if self.in_features % block or self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError(f"quantized weights need uint8 rows of whole blocks of {block}")
+        if self.data.shape[1] != self.in_features // block * block_bytes:
             raise ValueError(f"rows of {self.data.shape[1]} bytes do not hold {self.in_features} weights")
 
     @property
@@ -60,7 +73,10 @@ class QuantizedWeight:
 
 
 def dequantize_rows(data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """uint8 rows of blocks [n, in / 32 * block bytes] of `qtype` as float32 [n, in]."""
+    """uint8 rows of blocks [n, in / 32 * block bytes] of `qtype` as float32 [n, in]; the types the
+    kernel does not read through the gguf package's dequantizer."""
+    if qtype not in BLOCK_BYTES:
+        return torch.from_numpy(ggml_dequantize(data.numpy(), qtype)).reshape(-1, in_features)
     blocks = data.reshape(-1, in_features // QK, BLOCK_BYTES[qtype])
     if qtype == K8:
         scales = blocks[..., :12].contiguous().view(torch.float32)

@@ -9,7 +9,7 @@ import torch
 from kvserve.errors import ModelLoadError
 from kvserve.model.linear import Linear, make_linear
 from kvserve.model.native_build import KernelUnavailableError
-from kvserve.model.quant_blocks import QuantizedWeight, concat
+from kvserve.model.quant_blocks import BLOCK_BYTES, K_QUANTS, QuantizedWeight, concat, from_k_quant
 from kvserve.model.quant_linear import BlockArena, QuantLinear, make_block_linear
 
 
@@ -74,6 +74,8 @@ class ModelWeights:
         return weight + self.norm_offset if self.norm_offset else weight
 
     def _blocks(self, part: Rows, in_features: int) -> QuantizedWeight | None:
+        """The rows of `part` as blocks the kernel reads: the file's own, K-quants converted to K8;
+        None for a type it does not read (the product runs on the float weights)."""
         q = self.blocks.get(part.name)
         if q is None:
             return None
@@ -83,7 +85,12 @@ class ModelWeights:
                 f"shape {(q.out_features, q.in_features)} does not match the config's "
                 f"{(part.rows, in_features)}",
             )
-        return q if part.whole else QuantizedWeight(q.qtype, q.data[part.start : part.end], q.in_features)
+        rows = q if part.whole else QuantizedWeight(q.qtype, q.data[part.start : part.end], q.in_features)
+        if rows.qtype in BLOCK_BYTES:
+            return rows
+        if rows.qtype in K_QUANTS:
+            return from_k_quant(rows.data.numpy(), rows.qtype, rows.in_features)
+        return None
 
     def _float(self, part: Rows, in_features: int) -> torch.Tensor:
         weight = self.tensor(part.name, (part.rows, in_features))
