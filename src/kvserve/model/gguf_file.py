@@ -62,6 +62,7 @@ UINT32 = 4
 _MIN_FIELD_BYTES = 8 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 
+_CUT = ": the file is truncated or corrupt"
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
@@ -175,8 +176,7 @@ class _Cursor:
         at = self.pos
         if n > self.size - at:
             raise _Bad(
-                f"{what} at byte {at} ({n} bytes) runs past the end of the file ({self.size} bytes): "
-                "the file is truncated or corrupt"
+                f"{what} at byte {at} ({n} bytes) runs past the end of the file ({self.size} bytes){_CUT}"
             )
         self.pos = at + n
         return at
@@ -203,10 +203,10 @@ class _Cursor:
         unpack = _U64.unpack_from
         for i in range(count):
             if pos + 8 > size:
-                raise _Bad(f"{what}: string {i} at byte {pos} runs past the end of the file")
+                raise _Bad(f"{what}: string {i} at byte {pos} runs past the end of the file{_CUT}")
             pos += 8 + unpack(buf, pos)[0]
             if pos > size:
-                raise _Bad(f"{what}: string {i} runs past the end of the file ({size} bytes)")
+                raise _Bad(f"{what}: string {i} runs past the end of the file ({size} bytes){_CUT}")
         self.pos = pos
 
 
@@ -316,9 +316,11 @@ def _parse(buf: mmap.mmap, size: int) -> tuple[dict[str, Field], dict[str, Tenso
     n_fields = c.u64("the metadata count")
     left = size - c.pos
     if n_fields > left // _MIN_FIELD_BYTES:
-        raise _Bad(f"the header claims {n_fields} metadata entries, more than the file's {size} bytes hold")
+        raise _Bad(
+            f"the header claims {n_fields} metadata entries, more than the file's {size} bytes hold{_CUT}"
+        )
     if n_tensors > left // _MIN_TENSOR_INFO_BYTES:
-        raise _Bad(f"the header claims {n_tensors} tensors, more than the file's {size} bytes hold")
+        raise _Bad(f"the header claims {n_tensors} tensors, more than the file's {size} bytes hold{_CUT}")
     fields: dict[str, Field] = {}
     for i in range(n_fields):
         f = _field(c, i)
@@ -361,7 +363,9 @@ def _field(c: _Cursor, i: int) -> Field:
     left = c.size - at
     if item == STRING:
         if count > left // 8:
-            raise _Bad(f"the metadata {key} claims {count} strings, more than the file's {c.size} bytes hold")
+            raise _Bad(
+                f"the metadata {key} claims {count} strings, more than the file's {c.size} bytes hold{_CUT}"
+            )
         if kind == ARRAY:
             c.skip_strings(count, f"the metadata {key}")
         else:
@@ -371,7 +375,7 @@ def _field(c: _Cursor, i: int) -> Field:
         if count > left // itemsize:
             raise _Bad(
                 f"the metadata {key} claims {count} values of {itemsize} bytes, more than the file's "
-                f"{c.size} bytes hold"
+                f"{c.size} bytes hold{_CUT}"
             )
         c.take(count * itemsize, f"the metadata {key}")
     else:
@@ -414,7 +418,7 @@ def _place(
     start = data_start + offset
     if start + nbytes > size:
         raise _Bad(
-            f"tensor {name}'s {nbytes} bytes at byte {start} run past the end of the file ({size} bytes): "
-            "the file is truncated or corrupt"
+            f"tensor {name}'s {nbytes} bytes at byte {start} run past the end of the file ({size} bytes)"
+            + _CUT
         )
     return TensorInfo(name, qtype, dims, start, nbytes)

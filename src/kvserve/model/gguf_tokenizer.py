@@ -60,9 +60,11 @@ def _build(file: GgufFile, fields: list[str], architecture: str, tmp: str) -> No
         writer.write_tensors_to_file()
         writer.close()
         tok = AutoTokenizer.from_pretrained(tmp, gguf_file="tokenizer.gguf")
-    except ModelLoadError:
+    except (ModelLoadError, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as e:
+    except BaseException as e:
+        # Whatever the metadata makes the builders raise, the tokenizers library's panics included
+        # (BaseExceptions).
         raise ModelLoadError(file.path, f"the tokenizer in the GGUF metadata cannot be read ({e})") from None
     template = file.value(TEMPLATE_KEY)
     if isinstance(template, str) and not tok.chat_template:

@@ -162,10 +162,12 @@ def load_tokenizer(
         found = _json_object(os.path.join(model_dir, "config.json")).get("model_type")
         model_type = found if isinstance(found, str) else None
     try:
-        hf = _hf_tokenizer(model_dir, model_type)
-    except Exception as e:
+        return Tokenizer(_hf_tokenizer(model_dir, model_type), config.eos_token_ids if config else ())
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        # The tokenizers library's panics are BaseExceptions.
         raise ModelLoadError(model_dir, f"no usable tokenizer ({e})") from None
-    return Tokenizer(hf, config.eos_token_ids if config else ())
 
 
 def _json_object(path: str) -> dict[str, object]:
@@ -247,7 +249,8 @@ def _gguf_head(path: str, cache_dir: str) -> _GgufHead:
     try:
         raw = family.gguf_config(meta)
         config = config_from_hf(raw)
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        # A value of another type or range than the key's (a string, a list, an infinite float).
         raise ModelLoadError(path, f"the GGUF metadata does not make a model config ({e})") from None
     check_against_config(file, meta, config)
     folder = gguf_tokenizer_dir(file, family.gguf_tokenizer_as or meta.arch, cache_dir)
