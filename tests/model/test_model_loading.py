@@ -1,14 +1,17 @@
 """Loading models: clear errors for missing, unknown and corrupt files; a GGUF is read in place, and
 only its tokenizer is written to the cache."""
 
+import hashlib
 import json
 import os
+import time
 from typing import Any
 
 import pytest
 
 from kvserve.cli import main
 from kvserve.errors import ModelLoadError
+from kvserve.model.fingerprint import file_digest
 from kvserve.model.gguf_weights import GgufWeights
 from kvserve.model.loader import default_model_path, load_model, tokenizer_dir
 from tests.helpers import save_tiny_model
@@ -128,3 +131,27 @@ def test_config_fields_that_change_the_math_are_refused(
         json.dump(raw, f)
     with pytest.raises(ModelLoadError, match=message):
         load_model(path, str(tmp_path))
+
+
+def test_a_gguf_digest_is_recorded_until_the_file_changes(tmp_path: Any) -> None:
+    """The fingerprint hashes a GGUF's bytes, recorded under the file's identity: a changed file (same
+    size, its modification time set back) is hashed again, because its change time moved."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    cache = str(tmp_path / "cache")
+    first = file_digest(str(path), cache)
+    assert first == hashlib.blake2b(path.read_bytes(), digest_size=32).digest()
+    records = os.listdir(os.path.join(cache, "fingerprints"))
+    assert len(records) == 1
+    # A later start reads the record (a record that says otherwise is believed while the file is unchanged).
+    with open(os.path.join(cache, "fingerprints", records[0]), "w") as f:
+        f.write("ab" * 32)
+    assert file_digest(str(path), cache) == bytes.fromhex("ab" * 32)
+    before = os.stat(path)
+    time.sleep(0.01)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == before.st_mtime_ns and os.stat(path).st_size == before.st_size
+    assert file_digest(str(path), cache) == hashlib.blake2b(bytes(data), digest_size=32).digest()

@@ -19,6 +19,7 @@ file, and never fault.
 
 import functools
 import itertools
+import math
 import mmap
 import os
 import struct
@@ -108,14 +109,7 @@ class TensorInfo:
 
     @property
     def elements(self) -> int:
-        return _product(self.dims)
-
-
-def _product(dims: tuple[int, ...]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
+        return math.prod(self.dims)
 
 
 def type_name(qtype: int) -> str:
@@ -287,6 +281,8 @@ def _string_at(buf: mmap.mmap, at: int) -> tuple[str, int]:
 
 def open_gguf(path: str) -> GgufFile:
     """Map and check the GGUF file at `path`; raises ModelLoadError naming it and what is wrong."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(path, "not a regular file")
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -404,7 +400,7 @@ def _place(
     block, block_bytes = geometry
     if 0 in dims:
         raise _Bad(f"tensor {name} has a dimension of 0 ({list(dims)})")
-    elements = _product(dims)
+    elements = math.prod(dims)
     if elements > MAX_ELEMENTS:
         raise _Bad(f"tensor {name}'s dimensions {list(dims)} overflow: {elements} elements")
     if dims[0] % block:

@@ -4,12 +4,12 @@ against the metadata.
 `GgufWeights` answers every name with float32 values; `GgufBlocks` answers the weight matrices' names
 with the file's own blocks (`QuantizedWeight`, of whatever ggml type the file holds: the model layer
 decides which it runs natively). Both are views into the mapping: nothing is dequantized or copied at
-load, with one exception. The llama-rope architectures' q and k rows (and biases), which llama.cpp stores
-interleaved for its rotary kernel (`Family.gguf_permuted_qk`), are copied once into Hugging Face's row
-order; whole rows of blocks move, so the copy is exact, and those matrices' mapped pages are not read
-again. A name's float values are read when asked for: a view for F32, dequantized (by the gguf
-package) on each request otherwise, and not kept. llama.cpp's 3-D expert tensors ([experts, rows, in])
-answer the checkpoint's per-expert names.
+load. One exception when read: the llama-rope architectures' q and k rows (and biases), which llama.cpp
+stores interleaved for its rotary kernel (`Family.gguf_permuted_qk`), are copied into Hugging Face's
+row order; whole rows of blocks move, so the copy is exact, and it is not kept (the product built from
+it keeps its own). A name's float values are read when asked for: a view for
+F32, dequantized (by the gguf package) on each request otherwise, and not kept. llama.cpp's 3-D expert
+tensors ([experts, rows, in]) answer the checkpoint's per-expert names.
 """
 
 import re
@@ -32,11 +32,23 @@ _PERMUTED = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")
 
 @dataclass(frozen=True)
 class Entry:
-    """A tensor and its data: float32 values for F32, uint8 rows of blocks [..., rows, row bytes]
-    otherwise; a view into the mapping, or q/k's copy in Hugging Face order."""
+    """A tensor and its data, a view into the mapping: float32 values for F32, uint8 rows of blocks
+    [..., rows, row bytes] otherwise. `heads`: the rows are llama.cpp's interleaving of q or k rows for
+    that many heads, read in Hugging Face's order (0: as stored)."""
 
     tensor: TensorInfo
     data: np.ndarray
+    heads: int = 0
+
+    def rows(self, expert: int | None) -> np.ndarray:
+        """The data in Hugging Face's row order (an expert's slice of a 3-D tensor): a view, or for
+        interleaved q/k rows a copy (not kept: the one product that reads it keeps its own)."""
+        data = self.data if expert is None else self.data[expert]
+        if not self.heads:
+            return data
+        n = data.shape[0]
+        per_head = data.reshape(self.heads, n // self.heads // 2, 2, *data.shape[1:])
+        return np.ascontiguousarray(per_head.swapaxes(1, 2).reshape(data.shape))
 
 
 class GgufTensors:
@@ -57,9 +69,14 @@ class GgufTensors:
                     f"tensor {t.name} is of {type_name(t.qtype)}, which neither kvserve's kernels nor its "
                     "float path reads",
                 )
-            data = file.array(t)
+            data, n_heads = file.array(t), 0
             if family.gguf_permuted_qk and t.name.endswith(_PERMUTED):
-                data = _unpermute(file.path, t.name, data, heads[0] if "attn_q" in t.name else heads[1])
+                n_heads = heads[0] if "attn_q" in t.name else heads[1]
+                if n_heads < 1 or data.shape[0] % (2 * n_heads):
+                    raise ModelLoadError(
+                        file.path,
+                        f"tensor {t.name}'s {data.shape[0]} rows are not two halves of {n_heads} heads",
+                    )
             if "{expert}" in name:
                 if len(t.dims) != 3:
                     raise ModelLoadError(
@@ -67,9 +84,9 @@ class GgufTensors:
                         f"tensor {t.name} holds experts, so needs 3 dimensions [experts, rows, in], "
                         f"not {len(t.dims)}",
                     )
-                self._experts[name] = Entry(t, data)
+                self._experts[name] = Entry(t, data, n_heads)
             else:
-                self._plain[name] = Entry(t, data)
+                self._plain[name] = Entry(t, data, n_heads)
 
     def find(self, name: str) -> tuple[Entry, int | None] | None:
         """The entry holding `name` and, for an expert's matrix, the expert's index."""
@@ -95,11 +112,6 @@ class GgufTensors:
         return len(self._plain) + sum(e.tensor.dims[2] for e in self._experts.values())
 
 
-def _data(found: tuple[Entry, int | None]) -> np.ndarray:
-    entry, expert = found
-    return entry.data if expert is None else entry.data[expert]
-
-
 class GgufWeights(Mapping[str, torch.Tensor]):
     """Every tensor's float32 values by Hugging Face name, read when asked for (see the module)."""
 
@@ -111,7 +123,7 @@ class GgufWeights(Mapping[str, torch.Tensor]):
         found = self.tensors.find(name)
         if found is None:
             raise KeyError(name)
-        data, qtype = _data(found), found[0].tensor.qtype
+        data, qtype = found[0].rows(found[1]), found[0].tensor.qtype
         return torch.from_numpy(data if qtype == F32 else dequantize(data, qtype))
 
     def __contains__(self, name: object) -> bool:
@@ -144,7 +156,7 @@ class GgufBlocks(Mapping[str, QuantizedWeight]):
         if found is None:
             raise KeyError(name)
         t = found[0].tensor
-        return QuantizedWeight(t.qtype, torch.from_numpy(_data(found)), t.dims[0])
+        return QuantizedWeight(t.qtype, torch.from_numpy(found[0].rows(found[1])), t.dims[0])
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._matrix(name) is not None
@@ -163,16 +175,6 @@ def hf_name(family: Family, gguf_name: str) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in family.gguf_layer:
         return f"model.layers.{parts[1]}.{family.gguf_layer[parts[2]]}"
     return None
-
-
-def _unpermute(path: str, name: str, rows: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k rows, interleaved per head for its rotary kernel, in Hugging Face's order (a
-    copy); whole rows move, so rows of blocks come back exact."""
-    n = rows.shape[0]
-    if n_head < 1 or n % (2 * n_head):
-        raise ModelLoadError(path, f"tensor {name}'s {n} rows are not two halves of {n_head} heads")
-    per_head = rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:])
-    return np.ascontiguousarray(per_head.swapaxes(1, 2).reshape(rows.shape))
 
 
 def check_layers(file: GgufFile, meta: GgufMetadata) -> None:
