@@ -41,7 +41,7 @@ import torch
 from benchmarks.agent_clients import CLAUDE_CODE_MODELS, CODEX_MODELS, Agent, claude_code, codex, install
 from benchmarks.agent_proxy import REDACTED, Exchange, RecordingProxy, running_proxy
 from kvserve.config import default_cache_dir
-from kvserve.model.loader import resolve_model_dir
+from kvserve.model.loader import load_model_tokenizer, tokenizer_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDER = os.path.join(ROOT, ".agents")
@@ -87,13 +87,13 @@ def build_model(folder: str) -> str:
     path = os.path.join(folder, f"model-llama-{CONTEXT}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    default_dir = resolve_model_dir(None, default_cache_dir())
-    with open(os.path.join(default_dir, "config.json")) as f:
-        default = json.load(f)
+    default_dir = tokenizer_dir(None, default_cache_dir())
+    tokenizer = load_model_tokenizer(None, default_cache_dir())
+    vocab, eos = tokenizer.vocab_size, tokenizer.eos_token_ids[0]
     config = transformers.LlamaConfig(
-        vocab_size=default["vocab_size"],
-        bos_token_id=default["bos_token_id"],
-        eos_token_id=default["eos_token_id"],
+        vocab_size=vocab,
+        bos_token_id=tokenizer.hf_tokenizer.bos_token_id,
+        eos_token_id=eos,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -104,7 +104,7 @@ def build_model(folder: str) -> str:
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    _end_replies_early(model, default["eos_token_id"], default["vocab_size"])
+    _end_replies_early(model, eos, vocab)
     staging = tempfile.mkdtemp(dir=folder)
     model.save_pretrained(staging, safe_serialization=True)
     for name in os.listdir(default_dir):

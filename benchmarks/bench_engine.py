@@ -9,6 +9,7 @@ Run: `make bench-engine` (writes benchmarks/results/engine.{json,md}).
 """
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -148,7 +149,8 @@ def main() -> None:
         ours_prefill(warm, 64, 0)
     # Against transformers, which runs float32 weights: kvserve's float32 weights too.
     engine = engines["float32"]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+    folder, name = os.path.split(model.path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     hf_generate_time(hf, random_prompt(64, 0), 2)
 
     results: dict[str, Any] = {"threads": threads, "model": model.name, "repeats": args.repeats}

@@ -25,7 +25,7 @@ import torch
 from benchmarks.common import setup_threads, write_results
 from kvserve import LLM, SamplingParams
 from kvserve.config import default_cache_dir
-from kvserve.model.loader import resolve_model_dir
+from kvserve.model.loader import tokenizer_dir
 
 SHAPE: dict[str, Any] = {
     "vocab_size": 49152,
@@ -63,7 +63,7 @@ def save_model(path: str, moe: bool) -> str:
         for p in model.parameters():
             p.normal_(0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
-    default_dir = resolve_model_dir(None, default_cache_dir())
+    default_dir = tokenizer_dir(None, default_cache_dir())
     for name in os.listdir(default_dir):
         if name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(os.path.join(default_dir, name), path)

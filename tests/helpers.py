@@ -15,7 +15,7 @@ import torch
 
 from kvserve.config import default_cache_dir
 from kvserve.model.linear import Linear
-from kvserve.model.loader import resolve_model_dir
+from kvserve.model.loader import tokenizer_dir
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 
 _TINY: dict[str, Any] = {
@@ -49,7 +49,7 @@ def save_tiny_model(path: str, architecture: str, **overrides: Any) -> str:
     config_name, model_name = TINY_CLASSES[architecture]
     config_class = getattr(transformers, config_name)
     model_class = getattr(transformers, model_name)
-    default_dir = resolve_model_dir(None, default_cache_dir())
+    default_dir = tokenizer_dir(None, default_cache_dir())
     fields = {**_TINY, "vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
     config = config_class(**{**fields, **overrides})
     torch.manual_seed(0)

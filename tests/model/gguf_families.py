@@ -154,11 +154,17 @@ Tamper = Callable[[str, np.ndarray], np.ndarray | None]
 
 
 def write_family_gguf(
-    hf_dir: str, path: str, family: str, quantized: bool, tamper: Tamper | None = None
+    hf_dir: str,
+    path: str,
+    family: str,
+    quantized: bool,
+    tamper: Tamper | None = None,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write `hf_dir`'s model as a GGUF at `path`; returns the Hugging Face weights whose values the file
     holds (the dequantized ones where quantized), for a reference model. `tamper` sees each weight by its
-    Hugging Face name and returns what to write instead (None: leave the tensor out), for bad files."""
+    Hugging Face name and returns what to write instead (None: leave the tensor out), and `extra` adds
+    metadata of its own, for bad files."""
     from safetensors.numpy import load_file
 
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -216,6 +222,8 @@ def write_family_gguf(
         writer.add_unk_token_id(vocabulary.unk)
     if vocabulary.pad is not None:
         writer.add_pad_token_id(vocabulary.pad)
+    if extra is not None:
+        extra(writer)
     reference: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         if tamper is not None:
@@ -227,7 +235,9 @@ def write_family_gguf(
         assert gguf_name is not None, name
         stored = w + 1 if family == "gemma3" and name.endswith("norm.weight") else w
         data, kind, values = _encode(name, stored, quantized)
-        if family in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if family in PERMUTED and name.endswith(
+            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+        ):
             data = _permute(data, n_head if "q_proj" in name else n_kv)
         writer.add_tensor(gguf_name, data, raw_dtype=kind)
         reference[name] = torch.from_numpy(values - 1 if stored is not w else values)

@@ -49,19 +49,27 @@ def test_a_gguf_missing_a_tensor_is_refused_naming_it(
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["F32", "Q8_0"])
 @pytest.mark.parametrize(
-    ("case", "tensor"),
+    ("case", "tensor", "gguf_name"),
     [
-        ("qwen3", "model.layers.0.self_attn.q_proj.weight"),
-        ("smollm3-nope", "model.layers.1.mlp.up_proj.weight"),
-        ("phi3-longrope", "model.layers.0.self_attn.qkv_proj.weight"),
-        ("gemma3", "model.layers.1.self_attn.q_norm.weight"),
+        ("qwen3", "model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight"),
+        ("smollm3-nope", "model.layers.1.mlp.up_proj.weight", None),
+        ("phi3-longrope", "model.layers.0.self_attn.qkv_proj.weight", "blk.0.attn_qkv.weight"),
+        ("gemma3", "model.layers.1.self_attn.q_norm.weight", None),
     ],
 )
 def test_a_gguf_with_a_mismatched_tensor_is_refused_naming_it(
-    tmp_path: Any, case: str, tensor: str, quantized: bool
+    tmp_path: Any, case: str, tensor: str, gguf_name: str | None, quantized: bool
 ) -> None:
-    """A tensor whose shape is not the config's (32 rows short) is refused at load, not at the first step."""
-    path = _gguf(tmp_path, case, quantized, lambda name, w: w[:-32] if name == tensor else w)
+    """A tensor whose shape is not the config's (rows short) is refused at load, not at the first step:
+    the attention products by the metadata's head counts as the file is read (naming the file and the
+    tensor), every other tensor as the model is built (naming the tensor)."""
+    cut = 8 if "norm" in tensor else 32
+    path = _gguf(tmp_path, case, quantized, lambda name, w: w[:-cut] if name == tensor else w)
+    if gguf_name is not None:
+        with pytest.raises(ModelLoadError, match=rf"tensor {gguf_name} is \[.*\] but head_count") as e:
+            load_model(path, str(tmp_path / "cache"))
+        assert e.value.path == path
+        return
     with pytest.raises(ModelLoadError, match="does not match the config") as e:
         _runner(path, str(tmp_path / "cache"), "gguf" if quantized else "float32")
     assert e.value.path == tensor

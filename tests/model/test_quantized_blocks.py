@@ -314,16 +314,18 @@ def test_the_native_rms_norm_is_torchs_and_row_invariant() -> None:
 
 
 def test_a_gguf_files_k_quant_and_q4_1_tensors_load_as_the_files_blocks(tmp_path: Any) -> None:
-    """A tiny GGUF written with the gguf package: q rows are put back in Hugging Face order (as the float
-    conversion does), a Q4_K matrix and a Q4_1 one stay as the file's bytes."""
+    """A tiny GGUF written with the gguf package: the loader hands each matrix over as the file's blocks
+    with its own type (q rows put back in Hugging Face order, the other matrices the mapped bytes
+    themselves), and the model layer runs both natively as they are."""
     from gguf import GGUFWriter
 
-    from kvserve.model.gguf_convert import _unpermute, quantized_tensors
+    from kvserve.model.families.llama import LLAMA
+    from kvserve.model.gguf_file import open_gguf
+    from kvserve.model.gguf_weights import GgufBlocks, GgufTensors
+    from kvserve.model.weights import ModelWeights, Rows
 
     path = str(tmp_path / "tiny.gguf")
     writer = GGUFWriter(path, "llama")
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
     q_raw = random_blocks(Q4_K, 64, 256).data.numpy()
     down = gguf_blocks(random_weight(16, 64), Q4_1)
     writer.add_tensor("blk.0.attn_q.weight", q_raw, raw_dtype=GGMLQuantizationType.Q4_K)
@@ -332,12 +334,23 @@ def test_a_gguf_files_k_quant_and_q4_1_tensors_load_as_the_files_blocks(tmp_path
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    loaded = quantized_tensors(path)
-    q = loaded["model.layers.0.self_attn.q_proj.weight"]
-    expected = _unpermute(np.asarray(dequantize(q_raw, GGMLQuantizationType.Q4_K), dtype=np.float32), 4)
-    assert q.qtype == Q4_K and q.in_features == 256
-    assert torch.equal(q.dequantize(), torch.from_numpy(np.ascontiguousarray(expected)))
-    assert torch.equal(loaded["model.layers.0.mlp.down_proj.weight"].data, down.data)
+    file = open_gguf(path)
+    blocks = GgufBlocks(GgufTensors(file, LLAMA, (4, 2)))
+    q = blocks["model.layers.0.self_attn.q_proj.weight"]
+    # llama.cpp's rows per head are (first half, second half) interleaved pairwise; Hugging Face's are not.
+    stored = np.asarray(dequantize(q_raw, GGMLQuantizationType.Q4_K), dtype=np.float32)
+    expected = torch.from_numpy(stored.reshape(4, 8, 2, 256).swapaxes(1, 2).reshape(64, 256).copy())
+    assert q.qtype == Q4_K and q.in_features == 256 and torch.equal(q.dequantize(), expected)
+    loaded_down = blocks["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(loaded_down.data, down.data)
+    in_place = file.array(file.tensors["blk.0.ffn_down.weight"])
+    assert loaded_down.data.data_ptr() == in_place.ctypes.data, "the blocks are the mapped bytes"
+    weights = ModelWeights({}, blocks, torch.device("cpu"), torch.float32, "gguf", default_cache_dir(), False)
+    q_linear = weights.linear([Rows("model.layers.0.self_attn.q_proj.weight", 64)], 256)
+    assert isinstance(q_linear, QuantLinear) and q_linear.weight.qtype == Q4_K
+    assert torch.equal(q_linear.rows(torch.arange(64)), expected)
+    down_linear = weights.linear([Rows("model.layers.0.mlp.down_proj.weight", 16)], 64)
+    assert isinstance(down_linear, QuantLinear) and down_linear.weight.qtype == Q4_1
 
 
 # ---- Decode rows with int16 activations -------------------------------------------------------------

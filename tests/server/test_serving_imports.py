@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from kvserve.cli import build_parser, named_command
 from kvserve.config import default_cache_dir
-from kvserve.model.loader import load_tokenizer, resolve_model_dir
+from kvserve.model.loader import load_tokenizer, tokenizer_dir
 
 # Imported by nothing that serves: about 30 MiB (the plotting library) and 60 MiB (the config stack).
 UNUSED_AT_SERVING = ("matplotlib", "sympy", "torch.distributed.tensor", "transformers.activations")
@@ -60,8 +60,8 @@ def test_the_command_is_argvs_first_word_after_the_top_level_option(
 
 
 def test_the_default_models_tokenizer_is_the_one_autotokenizer_loads() -> None:
-    model_dir = resolve_model_dir(None, default_cache_dir())
-    ours = load_tokenizer(model_dir).hf_tokenizer
+    model_dir = tokenizer_dir(None, default_cache_dir())
+    ours = load_tokenizer(model_dir, model_type="llama").hf_tokenizer
     auto = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     assert type(ours) is type(auto)
     assert ours.get_vocab() == auto.get_vocab()

@@ -24,6 +24,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.validation import RequestLimits
 from kvserve.errors import ConfigError
 from kvserve.model.fingerprint import model_fingerprint
+from kvserve.model.gguf_weights import GgufWeights
 from kvserve.model.heap import release_free_heap
 from kvserve.model.kv_quant import kv_bytes_per_token
 from kvserve.model.loader import LoadedModel, load_model
@@ -83,8 +84,12 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         num_sliding_blocks or None,
     )
     if loaded_here:
-        # The runner's products hold the blocks they read; the loaded model needs them no more.
+        # The runner's products hold the blocks they read (views of the mapped file); the loaded model
+        # needs them no more, and the file pages that building them read leave the resident set (a page
+        # read again comes back from the page cache).
         model = replace(model, quantized={})
+        if isinstance(model.weights, GgufWeights):
+            model.weights.file.drop_resident_pages()
     max_pinned_blocks = config.max_pinned_tokens // config.block_size
     if max_pinned_blocks >= num_blocks:
         raise ConfigError(
@@ -194,7 +199,12 @@ def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) 
     if config.kv_disk is None and config.kv_remote is None:
         return None
     fingerprint = model_fingerprint(
-        model, config.weight_dtype, config.decode_activations, config.block_size, config.kv_cache_dtype
+        model,
+        config.weight_dtype,
+        config.decode_activations,
+        config.block_size,
+        config.kv_cache_dtype,
+        config.cache_dir,
     )
     secret = config.secret if config.secret is not None else load_or_create_secret(config.cache_dir)
     tiers: list[LowerTier] = []

@@ -1,7 +1,9 @@
 """Find and load a model: the embedded default GGUF, any GGUF file, or a Hugging Face folder.
 
-Weights are read with safetensors only (never pickle); every failure is a ModelLoadError naming the
-file and the reason.
+A GGUF is the weights: mapped in place and read as it is (gguf_file.py checks it, gguf_weights.py names
+its tensors, gguf_tokenizer.py builds its tokenizer from the metadata); nothing of it is converted or
+written. A folder's weights are read with safetensors only (never pickle). Every failure is a
+ModelLoadError naming the file and the reason.
 """
 
 import importlib.util
@@ -13,8 +15,17 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.families import config_from_hf
-from kvserve.model.gguf_convert import converted_dir, quantized_tensors
+from kvserve.model.families import config_from_hf, family_for_gguf
+from kvserve.model.families.base import Family, GgufMetadata
+from kvserve.model.gguf_file import GgufFile, open_gguf
+from kvserve.model.gguf_tokenizer import tokenizer_dir as gguf_tokenizer_dir
+from kvserve.model.gguf_weights import (
+    GgufBlocks,
+    GgufTensors,
+    GgufWeights,
+    check_against_config,
+    check_layers,
+)
 from kvserve.model.quant_blocks import QuantizedWeight
 from kvserve.model.spec import ModelConfig
 from kvserve.model.tokenizer import Tokenizer
@@ -31,9 +42,11 @@ class LoadedModel:
     config: ModelConfig
     weights: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
-    # A GGUF's quantized weight matrices as its own blocks, by the names of `weights` (whose float32
-    # tensors are the same values dequantized); empty for safetensors models.
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # A GGUF's weight matrices that are not F32 as its own blocks (of any ggml type), by the names of
+    # `weights` (whose float32 tensors are the same values dequantized); empty for safetensors models.
+    quantized: Mapping[str, QuantizedWeight] = field(default_factory=dict)
+    # The norm weights already hold the family's norm_offset (a GGUF stores Gemma's 1 + w).
+    norms_hold_offset: bool = False
 
 
 def default_model_path() -> str:
@@ -54,16 +67,27 @@ def model_name(path: str | None) -> str:
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
 
-def resolve_model_dir(path: str | None, cache_dir: str) -> str:
-    """A Hugging Face style folder for `path`; GGUF files are converted once into the cache."""
+def tokenizer_dir(path: str | None, cache_dir: str) -> str:
+    """The folder of `path`'s tokenizer files: a folder's own, or the one a GGUF's metadata makes."""
+    source = _source(path)
+    if os.path.isdir(source):
+        return source
+    file = open_gguf(source)
+    meta = GgufMetadata(file)
+    family = _gguf_family(file, meta)
+    return gguf_tokenizer_dir(file, family.gguf_tokenizer_as or meta.arch, cache_dir)
+
+
+def _source(path: str | None) -> str:
+    """`path` (the default model where None), refused unless it is a folder or a .gguf file."""
     source = path or default_model_path()
     if os.path.isdir(source):
         return source
     if not os.path.exists(source):
         raise ModelLoadError(source, "no such file or folder")
-    if source.endswith(".gguf"):
-        return converted_dir(source, cache_dir)
-    raise ModelLoadError(source, "expected a .gguf file or a folder with config.json and *.safetensors")
+    if not source.endswith(".gguf"):
+        raise ModelLoadError(source, "expected a .gguf file or a folder with config.json and *.safetensors")
+    return source
 
 
 def load_config(model_dir: str) -> ModelConfig:
@@ -130,12 +154,20 @@ def load_weights(model_dir: str) -> LazyWeights:
     return LazyWeights(where)
 
 
-def load_tokenizer(model_dir: str, config: ModelConfig | None = None) -> Tokenizer:
+def load_tokenizer(
+    model_dir: str, config: ModelConfig | None = None, model_type: str | None = None
+) -> Tokenizer:
+    """The tokenizer of a folder; `model_type` is the model's (read from its config.json if not given)."""
+    if model_type is None:
+        found = _json_object(os.path.join(model_dir, "config.json")).get("model_type")
+        model_type = found if isinstance(found, str) else None
     try:
-        hf = _hf_tokenizer(model_dir)
-    except Exception as e:
+        return Tokenizer(_hf_tokenizer(model_dir, model_type), config.eos_token_ids if config else ())
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        # The tokenizers library's panics are BaseExceptions.
         raise ModelLoadError(model_dir, f"no usable tokenizer ({e})") from None
-    return Tokenizer(hf, config.eos_token_ids if config else ())
 
 
 def _json_object(path: str) -> dict[str, object]:
@@ -148,11 +180,11 @@ def _json_object(path: str) -> dict[str, object]:
     return raw if isinstance(raw, dict) else {}
 
 
-def _hf_tokenizer(model_dir: str) -> object:
-    """The tokenizer transformers' AutoTokenizer loads from `model_dir`.
+def _hf_tokenizer(model_dir: str, model_type: str | None) -> object:
+    """The tokenizer transformers' AutoTokenizer loads from `model_dir`, of a model of `model_type`.
 
     A folder whose tokenizer_config.json names the plain tokenizers backend (as kvserve's GGUF
-    conversion writes it) is loaded with that class directly: AutoTokenizer takes it there too,
+    tokenizer folders have it) is loaded with that class directly: AutoTokenizer takes it there too,
     unless the folder brings code of its own or the model type is one whose named class it overrides,
     but first reads the model's config through its config class, whose imports (torch.distributed's
     tensor stack, sympy) stay resident for the server's lifetime, about 60 MiB, used by nothing."""
@@ -163,7 +195,6 @@ def _hf_tokenizer(model_dir: str) -> object:
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     tokenizer_config = _json_object(os.path.join(model_dir, "tokenizer_config.json"))
-    model_type = _json_object(os.path.join(model_dir, "config.json")).get("model_type")
     if (
         tokenizer_config.get("tokenizer_class") == TokenizersBackend.__name__
         and "auto_map" not in tokenizer_config
@@ -178,21 +209,80 @@ def _hf_tokenizer(model_dir: str) -> object:
 
 
 def load_model(path: str | None, cache_dir: str) -> LoadedModel:
-    source = path or default_model_path()
-    model_dir = resolve_model_dir(source, cache_dir)
-    config = load_config(model_dir)
+    source = _source(path)
+    if not os.path.isdir(source):
+        return _load_gguf(source, model_name(path), cache_dir)
+    config = load_config(source)
     return LoadedModel(
         name=model_name(path),
-        path=model_dir,
+        path=source,
         config=config,
-        weights=load_weights(model_dir),
-        tokenizer=load_tokenizer(model_dir, config),
-        quantized=quantized_tensors(source) if source.endswith(".gguf") else {},
+        weights=load_weights(source),
+        tokenizer=load_tokenizer(source, config),
     )
+
+
+def _gguf_family(file: GgufFile, meta: GgufMetadata) -> Family:
+    try:
+        return family_for_gguf(meta.arch)
+    except ValueError as e:
+        raise ModelLoadError(file.path, str(e)) from None
+
+
+@dataclass(frozen=True)
+class _GgufHead:
+    """What a GGUF's metadata makes, checked against its tensors: the config, and the tokenizer."""
+
+    file: GgufFile
+    family: Family
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+def _gguf_head(path: str, cache_dir: str) -> _GgufHead:
+    """Every count the metadata gives is checked against the tensors before it is used."""
+    file = open_gguf(path)
+    meta = GgufMetadata(file)
+    family = _gguf_family(file, meta)
+    assert family.gguf_config is not None
+    check_layers(file, meta)
+    try:
+        raw = family.gguf_config(meta)
+        config = config_from_hf(raw)
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        # A value of another type or range than the key's (a string, a list, an infinite float).
+        raise ModelLoadError(path, f"the GGUF metadata does not make a model config ({e})") from None
+    check_against_config(file, meta, config)
+    folder = gguf_tokenizer_dir(file, family.gguf_tokenizer_as or meta.arch, cache_dir)
+    return _GgufHead(file, family, config, load_tokenizer(folder, config, str(raw["model_type"])))
+
+
+def _load_gguf(path: str, name: str, cache_dir: str) -> LoadedModel:
+    """A GGUF model read in place: the config and tokenizer from the metadata, the tensors as views of
+    the mapped file."""
+    head = _gguf_head(path, cache_dir)
+    c = head.config
+    tensors = GgufTensors(head.file, head.family, (c.num_heads, c.num_kv_heads))
+    return LoadedModel(
+        name=name,
+        path=path,
+        config=c,
+        weights=GgufWeights(tensors),
+        tokenizer=head.tokenizer,
+        quantized=GgufBlocks(tensors),
+        norms_hold_offset=bool(head.family.norm_offset),
+    )
+
+
+def load_model_tokenizer(path: str | None, cache_dir: str) -> Tokenizer:
+    """`path`'s tokenizer alone (the default model where None), without its weights."""
+    source = _source(path)
+    if os.path.isdir(source):
+        return load_tokenizer(source, load_config(source))
+    return _gguf_head(source, cache_dir).tokenizer
 
 
 def load_default_tokenizer(cache_dir: str | None = None) -> Tokenizer:
     from kvserve.config import default_cache_dir
 
-    model_dir = resolve_model_dir(None, cache_dir or default_cache_dir())
-    return load_tokenizer(model_dir, load_config(model_dir))
+    return load_model_tokenizer(None, cache_dir or default_cache_dir())

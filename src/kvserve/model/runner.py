@@ -136,6 +136,7 @@ class ModelRunner:
             model.quantized,
             cache_dir,
             int16_decodes,
+            model.norms_hold_offset,
         )
         self.kv_cache = KVCache(
             c.num_layers,

@@ -91,20 +91,21 @@ class Transformer:
         dtype: torch.dtype,
         weight_dtype: str,
         attention: AttentionBackend,
-        quantized: dict[str, QuantizedWeight] | None = None,
+        quantized: Mapping[str, QuantizedWeight] | None = None,
         cache_dir: str = "",
         int16_decodes: bool = False,
+        norms_hold_offset: bool = False,
     ) -> None:
         """`attention`: the backend every layer attends through; `quantized`: the file's blocks by weight
         name, for weight_dtype "gguf"; `cache_dir` holds the native kernels; `int16_decodes`: the native
-        products take decode and logits rows with int16 activations (EngineConfig.decode_activations)."""
+        products take decode and logits rows with int16 activations (EngineConfig.decode_activations);
+        `norms_hold_offset`: the norm weights hold the family's norm_offset already (a GGUF's do)."""
         self.config = config
         self.attention = attention
         family = family_named(config.architecture)
-        blocks = quantized or {}
-        w = ModelWeights(
-            weights, blocks, device, dtype, weight_dtype, cache_dir, int16_decodes, family.norm_offset
-        )
+        blocks: Mapping[str, QuantizedWeight] = quantized if quantized is not None else {}
+        norm_offset = 0.0 if norms_hold_offset else family.norm_offset
+        w = ModelWeights(weights, blocks, device, dtype, weight_dtype, cache_dir, int16_decodes, norm_offset)
         c = config
         hidden, head_dim = c.hidden_size, c.head_dim
         self.q_size = c.num_heads * head_dim

@@ -73,6 +73,8 @@ class ModelWeights:
         return weight + self.norm_offset if self.norm_offset else weight
 
     def _blocks(self, part: Rows, in_features: int) -> QuantizedWeight | None:
+        """The rows of `part` as the file's own blocks; None where there are none (safetensors, or a type
+        the kernels do not read: the product runs on the float weights)."""
         q = self.blocks.get(part.name)
         if q is None:
             return None

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.model.gguf_file import ARRAY, GgufFile
 from kvserve.model.mlp import GatedMlp, Mlp
 from kvserve.model.spec import ModelConfig
 from kvserve.model.weights import ModelWeights, Rows
@@ -61,15 +62,15 @@ MlpBuilder = Callable[[ModelWeights, ModelConfig, LayerTensors, str], Mlp]
 class GgufMetadata:
     """A GGUF file's metadata and small tensors, read by the families' `gguf_config`."""
 
-    def __init__(self, reader: Any) -> None:
-        self._reader = reader
-        f = reader.fields.get("general.architecture")
-        self.arch = "" if f is None else str(f.contents())
+    def __init__(self, file: GgufFile) -> None:
+        self.file = file
+        arch = file.value("general.architecture")
+        self.arch = arch if isinstance(arch, str) else ""
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of `key`, where `{arch}` stands for the file's architecture."""
-        f = self._reader.fields.get(key.replace("{arch}", self.arch))
-        return default if f is None else f.contents()
+        value = self.file.value(key.replace("{arch}", self.arch))
+        return default if value is None else value
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -77,24 +78,26 @@ class GgufMetadata:
             raise ValueError(f"the GGUF metadata lacks {key.replace('{arch}', self.arch)}")
         return value
 
+    def count(self, key: str) -> int | None:
+        """The length of the array `key` (not read); None where the file has no such array."""
+        f = self.file.fields.get(key.replace("{arch}", self.arch))
+        return None if f is None or f.type != ARRAY else f.count
+
     def tensor(self, name: str) -> np.ndarray | None:
-        for t in self._reader.tensors:
-            if t.name == name:
-                return np.asarray(t.data, dtype=np.float32).reshape(-1)
-        return None
+        t = self.file.tensors.get(name)
+        return None if t is None else self.file.floats(t).reshape(-1)
 
     def has_tensor(self, name: str) -> bool:
-        return any(t.name == name for t in self._reader.tensors)
+        return name in self.file.tensors
 
 
 def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str) -> dict[str, Any]:
     """config.json fields every family reads the same way from llama.cpp's keys."""
-    tokens = meta.get("tokenizer.ggml.tokens") or []
     n_head = int(meta.require("{arch}.attention.head_count"))
     config: dict[str, Any] = {
         "architectures": [hf_architecture],
         "model_type": model_type,
-        "vocab_size": int(meta.get("{arch}.vocab_size", len(tokens))),
+        "vocab_size": int(meta.get("{arch}.vocab_size", meta.count("tokenizer.ggml.tokens") or 0)),
         "hidden_size": int(meta.require("{arch}.embedding_length")),
         "intermediate_size": int(meta.require("{arch}.feed_forward_length")),
         "num_hidden_layers": int(meta.require("{arch}.block_count")),
@@ -152,7 +155,7 @@ GGUF_GLOBAL = {
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: everything the loader, the GGUF conversion and the forward pass need to know
+    """One model family: everything the loader, the GGUF reader and the forward pass need to know
     about it. `name` is ModelConfig.architecture."""
 
     name: str
@@ -161,7 +164,8 @@ class Family:
     config: Callable[[Mapping[str, Any]], ModelConfig]
     tensors: LayerTensors = LayerTensors()
     mlp: MlpBuilder = gated_mlp
-    # Norm weights are stored as w and multiply by (norm_offset + w) (Gemma: 1).
+    # Norm weights are stored as w and multiply by (norm_offset + w) (Gemma: 1). A GGUF stores
+    # norm_offset + w (llama.cpp adds it when it converts), read as it is.
     norm_offset: float = 0.0
     # llama.cpp's `general.architecture` names this family reads, and its config.json from the metadata.
     gguf_architectures: tuple[str, ...] = ()

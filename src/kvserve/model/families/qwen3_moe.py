@@ -23,7 +23,7 @@ from kvserve.model.quant_linear import QuantLinear
 from kvserve.model.spec import ModelConfig, MoeConfig, decoder_config, sliding_window, windows
 from kvserve.model.weights import ModelWeights, Rows
 
-# `{expert}` stands for the expert's index: gguf_convert cuts each 3-D tensor into one per expert.
+# `{expert}` stands for the expert's index: each 3-D tensor is read as one matrix per expert.
 GGUF_LAYER = {
     **QWEN3_GGUF_LAYER,
     "ffn_gate_inp.weight": "mlp.gate.weight",
