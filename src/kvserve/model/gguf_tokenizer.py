@@ -11,12 +11,15 @@ tokenizer gets its own, and later starts load the folder.
 import hashlib
 import os
 import tempfile
+from typing import Any
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.gguf_file import ARRAY, GgufFile
 
 # The folder's content; a new version builds every tokenizer again.
 _FORMAT_VERSION = "1"
+# transformers' model types of the GGUF architectures whose names differ (its load_gguf_checkpoint).
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 TEMPLATE_KEY = "tokenizer.chat_template"
 
 
@@ -44,10 +47,20 @@ def tokenizer_dir(file: GgufFile, architecture: str, cache_dir: str) -> str:
     return target
 
 
+def tokenizer_class(architecture: str) -> Any:
+    """The tokenizer class transformers' AutoTokenizer takes for a GGUF of `architecture`: the class of the
+    model type transformers names the architecture by, or the plain tokenizers backend. Named here
+    because AutoTokenizer first reads the whole file again into a model config to find it (through the
+    gguf package's reader: 10 of the 12 s a first start took for the default model's tokenizer)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    model_type = _MODEL_TYPES.get(architecture, architecture)
+    return tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
+
+
 def _build(file: GgufFile, fields: list[str], architecture: str, tmp: str) -> None:
     """Write the tokenizer folder of `fields` into `tmp`/tokenizer."""
     import gguf
-    from transformers import AutoTokenizer
 
     try:
         writer = gguf.GGUFWriter(os.path.join(tmp, "tokenizer.gguf"), architecture)
@@ -59,7 +72,7 @@ def _build(file: GgufFile, fields: list[str], architecture: str, tmp: str) -> No
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        tok = AutoTokenizer.from_pretrained(tmp, gguf_file="tokenizer.gguf")
+        tok = tokenizer_class(architecture).from_pretrained(tmp, gguf_file="tokenizer.gguf")
     except (ModelLoadError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
