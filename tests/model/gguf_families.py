@@ -23,6 +23,7 @@ ARCHES = {
     "smollm3": MODEL_ARCH.SMOLLM3,
     "phi3": MODEL_ARCH.PHI3,
     "gemma3": MODEL_ARCH.GEMMA3,
+    "qwen3_moe": MODEL_ARCH.QWEN3MOE,
 }
 # Tiny tokenizers of a few hundred tokens, so that the files and their conversion stay small and fast:
 # a byte-level BPE (Qwen, SmolLM and Phi-4's kind) and, for Gemma, a sentencepiece vocabulary with byte
@@ -150,27 +151,13 @@ def _encode(
     return data, kind, values
 
 
-Tamper = Callable[[str, np.ndarray], np.ndarray | None]
-
-
-def write_family_gguf(
-    hf_dir: str, path: str, family: str, quantized: bool, tamper: Tamper | None = None
-) -> dict[str, torch.Tensor]:
-    """Write `hf_dir`'s model as a GGUF at `path`; returns the Hugging Face weights whose values the file
-    holds (the dequantized ones where quantized), for a reference model. `tamper` sees each weight by its
-    Hugging Face name and returns what to write instead (None: leave the tensor out), for bad files."""
-    from safetensors.numpy import load_file
-
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config: dict[str, Any] = json.load(f)
-    weights = load_file(os.path.join(hf_dir, "model.safetensors"))
-    arch = ARCHES[family]
-    n_layers = int(config["num_hidden_layers"])
-    names = gguf.get_tensor_name_map(arch, n_layers)
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+def write_hparams(writer: gguf.GGUFWriter, family: str, config: dict[str, Any]) -> None:
+    """The model's hyperparameters under llama.cpp's keys, from its Hugging Face config.json fields (as
+    transformers 5 writes them: rope under `rope_parameters`, Gemma 3's by layer type)."""
     hidden, n_head = int(config["hidden_size"]), int(config["num_attention_heads"])
     n_kv = int(config["num_key_value_heads"])
     head_dim = int(config.get("head_dim") or hidden // n_head)
+    n_layers = int(config["num_hidden_layers"])
     writer.add_context_length(int(config["max_position_embeddings"]))
     writer.add_embedding_length(hidden)
     writer.add_block_count(n_layers)
@@ -192,6 +179,10 @@ def write_family_gguf(
     if "head_dim" in config:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if config.get("num_experts"):
+        writer.add_expert_count(int(config["num_experts"]))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
     if family == "phi3":
         original = int(config["original_max_position_embeddings"])
         writer.add_rope_dimension_count(int(config["partial_rotary_factor"] * hidden) // n_head)
@@ -203,6 +194,28 @@ def write_family_gguf(
             writer.add_tensor(
                 f"rope_factors_{length}.weight", np.array(rope[f"{length}_factor"], dtype=np.float32)
             )
+
+
+Tamper = Callable[[str, np.ndarray], np.ndarray | None]
+
+
+def write_family_gguf(
+    hf_dir: str, path: str, family: str, quantized: bool, tamper: Tamper | None = None
+) -> dict[str, torch.Tensor]:
+    """Write `hf_dir`'s model as a GGUF at `path`; returns the Hugging Face weights whose values the file
+    holds (the dequantized ones where quantized), for a reference model. `tamper` sees each weight by its
+    Hugging Face name and returns what to write instead (None: leave the tensor out), for bad files."""
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config: dict[str, Any] = json.load(f)
+    weights = load_file(os.path.join(hf_dir, "model.safetensors"))
+    arch = ARCHES[family]
+    n_layers = int(config["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(arch, n_layers)
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    write_hparams(writer, family, config)
+    n_head, n_kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     vocabulary = tiny_vocabulary(family)
     writer.add_tokenizer_model(vocabulary.model)
     writer.add_token_list(vocabulary.tokens)
