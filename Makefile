@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-family-decoder bench-prefill bench-structured bench-drafting bench-redis bench-cluster bench-peer agents cluster test-browser clean
+.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-family-decoder bench-prefill bench-structured bench-drafting bench-redis bench-cluster bench-peer bench-peer-shapes agents cluster test-browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -97,8 +97,21 @@ bench-drafting: install
 	$(BIN)/python -m benchmarks.bench_drafting
 
 # Builds llama.cpp's llama-server once (about 8 minutes) and benchmarks kvserve against it; never in CI.
+# MODEL=path.gguf measures both on that file instead (prefill, TPOT, multi-turn TTFT, load, RSS, quality).
 bench-peer: install
-	$(BIN)/python -m benchmarks.bench_peer
+	$(if $(MODEL),$(BIN)/python -m benchmarks.bench_peer_model $(MODEL),$(BIN)/python -m benchmarks.bench_peer)
+
+# Random-weight Q4_K_M GGUFs at the shapes of checkpoints people run (benchmarks/peer_models.py), written to
+# SHAPES_DIR, and bench-peer MODEL=... on each. Hours on 2 cores and several GB of disk (the files, and
+# kvserve's float32 conversions in ~/.cache/kvserve/gguf while it converts GGUFs); never in CI.
+SHAPES_DIR ?= $(HOME)/.cache/kvserve/peer-shapes
+PEER_SHAPES := gemma3-270m qwen2.5-0.5b qwen3-0.6b gemma3-1b llama3.2-1b qwen2.5-1.5b qwen3-1.7b qwen3-moe-small
+bench-peer-shapes: install
+	mkdir -p $(SHAPES_DIR)
+	for shape in $(PEER_SHAPES); do \
+		$(BIN)/python -m benchmarks.peer_models $$shape $(SHAPES_DIR)/$$shape.gguf && \
+		$(BIN)/python -m benchmarks.bench_peer_model $(SHAPES_DIR)/$$shape.gguf || exit 1; \
+	done
 
 # Claude Code and Codex CLI (pinned, from npm into .agents/) run one task each, twice, against kvserve on
 # a long-context tiny model; reports every request's status and cached fraction. Needs node and npm.

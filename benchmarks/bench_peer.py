@@ -120,28 +120,36 @@ def llama_argv(binary: str, model: str, port: int, speculative: bool) -> list[st
 
 
 @contextmanager
-def llama_server(binary: str, port: int = PORT, speculative: bool = False) -> Iterator[str]:
-    process = subprocess.Popen(
-        llama_argv(binary, default_model_path(), port, speculative),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not start")
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait()
+def llama_server(
+    binary: str,
+    port: int = PORT,
+    speculative: bool = False,
+    model: str | None = None,
+    log: str | None = None,
+    extra: Sequence[str] = (),
+) -> Iterator[str]:
+    """llama-server on `model` (default: the default model's GGUF), healthy; its output goes to `log`
+    where given; `extra` adds arguments."""
+    argv = [*llama_argv(binary, model or default_model_path(), port, speculative), *extra]
+    with ExitStack() as stack:
+        out = stack.enter_context(open(log, "wb")) if log else subprocess.DEVNULL
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("llama-server did not start")
+                time.sleep(0.1)
+            yield url
+        finally:
+            process.terminate()
+            process.wait()
 
 
 def listening_pid(url: str) -> int:

@@ -23,6 +23,7 @@ ARCHES = {
     "smollm3": MODEL_ARCH.SMOLLM3,
     "phi3": MODEL_ARCH.PHI3,
     "gemma3": MODEL_ARCH.GEMMA3,
+    "qwen3_moe": MODEL_ARCH.QWEN3MOE,
 }
 # Tiny tokenizers of a few hundred tokens, so that the files and their conversion stay small and fast:
 # a byte-level BPE (Qwen, SmolLM and Phi-4's kind) and, for Gemma, a sentencepiece vocabulary with byte
@@ -150,6 +151,51 @@ def _encode(
     return data, kind, values
 
 
+def write_hparams(writer: gguf.GGUFWriter, family: str, config: dict[str, Any]) -> None:
+    """The model's hyperparameters under llama.cpp's keys, from its Hugging Face config.json fields (as
+    transformers 5 writes them: rope under `rope_parameters`, Gemma 3's by layer type)."""
+    hidden, n_head = int(config["hidden_size"]), int(config["num_attention_heads"])
+    n_kv = int(config["num_key_value_heads"])
+    head_dim = int(config.get("head_dim") or hidden // n_head)
+    n_layers = int(config["num_hidden_layers"])
+    writer.add_context_length(int(config["max_position_embeddings"]))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    rope = config.get("rope_parameters") or {}
+    if family == "gemma3":
+        writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+        writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+        writer.add_sliding_window(int(config["sliding_window"]))
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+        if rope["full_attention"].get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["full_attention"]["factor"]))
+    else:
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if "head_dim" in config:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if config.get("num_experts"):
+        writer.add_expert_count(int(config["num_experts"]))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    if family == "phi3":
+        original = int(config["original_max_position_embeddings"])
+        writer.add_rope_dimension_count(int(config["partial_rotary_factor"] * hidden) // n_head)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_sliding_window(int(config.get("sliding_window") or 0))
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for length in ("long", "short"):
+            writer.add_tensor(
+                f"rope_factors_{length}.weight", np.array(rope[f"{length}_factor"], dtype=np.float32)
+            )
+
+
 Tamper = Callable[[str, np.ndarray], np.ndarray | None]
 
 
@@ -174,41 +220,8 @@ def write_family_gguf(
     n_layers = int(config["num_hidden_layers"])
     names = gguf.get_tensor_name_map(arch, n_layers)
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    hidden, n_head = int(config["hidden_size"]), int(config["num_attention_heads"])
-    n_kv = int(config["num_key_value_heads"])
-    head_dim = int(config.get("head_dim") or hidden // n_head)
-    writer.add_context_length(int(config["max_position_embeddings"]))
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(n_layers)
-    writer.add_feed_forward_length(int(config["intermediate_size"]))
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
-    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    rope = config.get("rope_parameters") or {}
-    if family == "gemma3":
-        writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
-        writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
-        writer.add_sliding_window(int(config["sliding_window"]))
-        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
-        if rope["full_attention"].get("rope_type") == "linear":
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(float(rope["full_attention"]["factor"]))
-    else:
-        writer.add_rope_freq_base(float(rope["rope_theta"]))
-    if "head_dim" in config:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    if family == "phi3":
-        original = int(config["original_max_position_embeddings"])
-        writer.add_rope_dimension_count(int(config["partial_rotary_factor"] * hidden) // n_head)
-        writer.add_rope_scaling_orig_ctx_len(original)
-        writer.add_sliding_window(int(config.get("sliding_window") or 0))
-        scale = config["max_position_embeddings"] / original
-        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
-        for length in ("long", "short"):
-            writer.add_tensor(
-                f"rope_factors_{length}.weight", np.array(rope[f"{length}_factor"], dtype=np.float32)
-            )
+    write_hparams(writer, family, config)
+    n_head, n_kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     vocabulary = tiny_vocabulary(family)
     writer.add_tokenizer_model(vocabulary.model)
     writer.add_token_list(vocabulary.tokens)

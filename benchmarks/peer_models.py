@@ -1,0 +1,505 @@
+"""Random-weight GGUFs at the shapes of checkpoints people run, quantized as llama.cpp's `quantize` writes
+Q4_K_M, for measuring kvserve beside llama-server on real shapes without downloading weights.
+
+Each shape is the checkpoint's own config.json fields (hidden, intermediate, layers, heads, KV heads,
+head_dim, vocabulary, tied head, rope bases, sliding windows); the hyperparameters go under llama.cpp's
+keys as tests/model/gguf_families.py writes them. The type of each matrix follows Q4_K_M's rules
+(`q4_k_m_type`): Q6_K for the output head (the token embedding when tied), and for the down projections
+and V projections of the layers llama.cpp's `use_more_bits` picks (the first and last eighth, every third
+between: about half); Q4_K elsewhere; where a matrix's rows (its input length) are not a multiple of 256,
+Q4_K falls back to Q5_0, Q5_K to Q5_1 and Q6_K to Q8_0, as llama.cpp does. In an 8-expert model the K and
+V projections are Q8_0 and the attention output Q5_K (llama.cpp's rule for Mixtral-like models). Norms
+and the router are F32.
+
+Weights are random blocks: random bytes with each block's float16 scale (and min) fixed so that the
+weights have a standard deviation of about 0.02 and a mean of about 0, which keeps activations finite
+through every layer. Norms are 1 + N(0, 0.02) as stored. Since the rows are random, the q/k rows are not
+interleaved (llama.cpp's permutation of random rows is random rows).
+
+The tokenizer is the default model's (a GPT-2 BPE of 49,152 tokens) with the family's special tokens
+and unused tokens appended up to the real vocabulary size, and the family's chat template.
+
+    python -m benchmarks.peer_models NAME OUT.gguf        (NAME: one of SHAPES; --tiny for the test size)
+"""
+
+import argparse
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import MODEL_TENSOR, GGMLQuantizationType, GGUFReader, GGUFWriter, TokenType
+from tests.model.gguf_families import ARCHES, write_hparams
+from tests.server.chat_templates import LLAMA3, QWEN3
+
+from kvserve.model.loader import default_model_path
+
+Q = GGMLQuantizationType
+QK_K = 256
+WEIGHT_STD = 0.02
+# Offsets of the float16 fields of each block type: the scale d first, then the min where there is one.
+_HALF_FIELDS = {
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q8_0: (0,),
+}
+# What a Q4_K_M choice becomes where the rows are not a multiple of 256 (llama.cpp's fallback).
+_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+_GEMMA3 = r"""{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set first = messages[0]['content'] + '\n\n' %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set first = '' %}
+{%- endif %}
+{%- for message in messages %}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}
+    {{- '<start_of_turn>' + role + '\n' + (first if loop.first else '') + message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}
+"""
+_QWEN25 = r"""{%- if messages[0]['role'] != 'system' %}
+    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+
+@dataclass(frozen=True)
+class Specials:
+    """A family's special tokens: those the chat template writes (control tokens, appended after the
+    default model's vocabulary unless already there), the BOS and EOS among them, and whether a BOS is
+    added to every text."""
+
+    tokens: tuple[str, ...]
+    bos: str
+    eos: str
+    add_bos: bool
+    template: str
+
+
+_CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+SPECIALS = {
+    "gemma3": Specials(
+        ("<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<end_of_turn>", True, _GEMMA3
+    ),
+    "qwen2": Specials(_CHATML, "<|endoftext|>", "<|im_end|>", False, _QWEN25),
+    "qwen3": Specials(_CHATML, "<|endoftext|>", "<|im_end|>", False, QWEN3),
+    "qwen3_moe": Specials(_CHATML, "<|endoftext|>", "<|im_end|>", False, QWEN3),
+    "llama": Specials(
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        True,
+        LLAMA3,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A checkpoint's family and config.json fields (transformers 5's: rope under `rope_parameters`)."""
+
+    family: str
+    config: dict[str, Any]
+
+    def tiny(self) -> "Shape":
+        """The same family, tying and type mix at small sizes: each matrix's input length keeps whether it
+        is a multiple of 256, 8 layers (so that `use_more_bits` picks some layers and not others), the
+        default model's vocabulary with the specials."""
+        c = self.config
+        head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+        hidden = 256 if c["hidden_size"] % QK_K == 0 else 384
+        q_dim = 256 if c["num_attention_heads"] * head_dim % QK_K == 0 else 384
+        heads = max(1, q_dim // head_dim)
+        tiny = {
+            **c,
+            "hidden_size": hidden,
+            "intermediate_size": 512,
+            "num_hidden_layers": 8,
+            "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads * c["num_key_value_heads"] // c["num_attention_heads"]),
+            "vocab_size": 0,
+            "max_position_embeddings": 4096,
+        }
+        if "head_dim" in c:
+            tiny["head_dim"] = head_dim
+        if "moe_intermediate_size" in c:
+            tiny["moe_intermediate_size"] = 256
+        if "layer_types" in c:
+            tiny["layer_types"] = _gemma_layers(8)
+            tiny["sliding_window"] = 32
+        return replace(self, config=tiny)
+
+
+def _gemma_layers(n: int) -> list[str]:
+    """Gemma 3's pattern: five sliding-window layers, then a global one."""
+    return ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n)]
+
+
+def _gemma3(hidden: int, intermediate: int, layers: int) -> Shape:
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    rope["sliding_attention"] = {"rope_type": "default", "rope_theta": 1e4}
+    config: dict[str, Any] = {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+    }
+    config |= {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144}
+    config |= {"tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
+    config |= {"sliding_window": 512, "layer_types": _gemma_layers(layers), "rope_parameters": rope}
+    return Shape("gemma3", config)
+
+
+def _qwen(
+    family: str, hidden: int, intermediate: int, layers: int, heads: int, kv: int, **more: Any
+) -> Shape:
+    config: dict[str, Any] = {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+    }
+    config |= {"num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": 151936}
+    config |= {"tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
+    config |= {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    return Shape(family, config | more)
+
+
+# The checkpoints' config.json values. Qwen3-MoE-small is ours: Qwen3-30B-A3B's layer at a small size
+# (hidden 1024, 8 experts of width 768, top 2, 12 layers, untied head, as the MoE checkpoints are).
+SHAPES: dict[str, Shape] = {
+    "gemma3-270m": _gemma3(640, 2048, 18),
+    "gemma3-1b": _gemma3(1152, 6912, 26),
+    "qwen3-0.6b": _qwen("qwen3", 1024, 3072, 28, 16, 8, head_dim=128),
+    "qwen3-1.7b": _qwen("qwen3", 2048, 6144, 28, 16, 8, head_dim=128),
+    "qwen2.5-0.5b": _qwen("qwen2", 896, 4864, 24, 14, 2),
+    "qwen2.5-1.5b": _qwen("qwen2", 1536, 8960, 28, 12, 2),
+    "llama3.2-1b": Shape(
+        "llama",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+    ),
+    "qwen3-moe-small": _qwen(
+        "qwen3_moe",
+        1024,
+        3072,
+        12,
+        16,
+        4,
+        head_dim=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=768,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose down (and V) projections get more bits in Q4_K_M."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(kind: MODEL_TENSOR, n_in: int, layer: int, layers: int, experts: int, tied: bool) -> Q:
+    """The type llama.cpp's `quantize` gives a matrix of `n_in` inputs in a Q4_K_M file."""
+    if kind == MODEL_TENSOR.OUTPUT or (tied and kind == MODEL_TENSOR.TOKEN_EMBD):
+        return Q.Q6_K if n_in % QK_K == 0 else Q.Q8_0
+    chosen = Q.Q4_K
+    if kind == MODEL_TENSOR.ATTN_V:
+        chosen = Q.Q8_0 if experts == 8 else Q.Q6_K if use_more_bits(layer, layers) else Q.Q4_K
+    elif kind == MODEL_TENSOR.ATTN_K and experts == 8:
+        chosen = Q.Q8_0
+    elif kind == MODEL_TENSOR.ATTN_OUT and experts == 8:
+        chosen = Q.Q5_K
+    elif kind in (MODEL_TENSOR.FFN_DOWN, MODEL_TENSOR.FFN_DOWN_EXP) and use_more_bits(layer, layers):
+        chosen = Q.Q6_K
+    return _FALLBACK.get(chosen, chosen) if n_in % QK_K else chosen
+
+
+@functools.cache
+def _half_values(kind: Q) -> tuple[float, ...]:
+    """The float16 fields that give random blocks of `kind` a standard deviation of WEIGHT_STD and a
+    mean of about 0: measured on a sample, since the weights are linear in the fields."""
+    rng = np.random.default_rng(0)
+    sample = _random_blocks(rng, kind, 4096, (1.0, 0.0)[: len(_HALF_FIELDS[kind])])
+    values = np.asarray(gguf.quants.dequantize(sample, kind), dtype=np.float64)
+    scale = 0.0
+    if len(_HALF_FIELDS[kind]) == 2:
+        offset = np.asarray(gguf.quants.dequantize(_random_blocks(rng, kind, 4096, (0.0, 1.0)), kind))
+        scale = -values.mean() / offset.mean()
+        values = values + scale * offset
+    d = WEIGHT_STD / values.std()
+    return (d, scale * d)[: len(_HALF_FIELDS[kind])]
+
+
+def _random_blocks(
+    rng: np.random.Generator, kind: Q, n_weights: int, halves: tuple[float, ...]
+) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, size=(n_weights // block, size), dtype=np.uint8)
+    for offset, value in zip(_HALF_FIELDS[kind], halves, strict=True):
+        data[:, offset : offset + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+    return data
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of the file: its llama.cpp name and kind, its shape ([..., rows, inputs]) and layer."""
+
+    kind: MODEL_TENSOR
+    shape: tuple[int, ...]
+    layer: int = 0
+    bias: bool = False
+
+    def name(self) -> str:
+        return gguf.TENSOR_NAMES[self.kind].format(bid=self.layer) + (".bias" if self.bias else ".weight")
+
+
+def tensors(shape: Shape) -> Iterator[Tensor]:
+    """The tensors llama.cpp's converter writes for the shape, in its order."""
+    c = shape.config
+    T = MODEL_TENSOR
+    hidden, layers = c["hidden_size"], c["num_hidden_layers"]
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    vocab = vocabulary_size(shape)
+    yield Tensor(T.TOKEN_EMBD, (vocab, hidden))
+    if c["rope_parameters"].get("rope_type") == "llama3":
+        yield Tensor(T.ROPE_FREQS, (head_dim // 2,))
+    for i in range(layers):
+        yield Tensor(T.ATTN_NORM, (hidden,), i)
+        for kind, rows in (
+            (T.ATTN_Q, heads * head_dim),
+            (T.ATTN_K, kv * head_dim),
+            (T.ATTN_V, kv * head_dim),
+        ):
+            yield Tensor(kind, (rows, hidden), i)
+            if shape.family == "qwen2":
+                yield Tensor(kind, (rows,), i, bias=True)
+        if shape.family in ("qwen3", "qwen3_moe", "gemma3"):
+            yield Tensor(T.ATTN_Q_NORM, (head_dim,), i)
+            yield Tensor(T.ATTN_K_NORM, (head_dim,), i)
+        yield Tensor(T.ATTN_OUT, (hidden, heads * head_dim), i)
+        if shape.family == "gemma3":
+            yield Tensor(T.ATTN_POST_NORM, (hidden,), i)
+        yield Tensor(T.FFN_PRE_NORM if shape.family == "gemma3" else T.FFN_NORM, (hidden,), i)
+        if shape.family == "qwen3_moe":
+            experts, width = c["num_experts"], c["moe_intermediate_size"]
+            yield Tensor(T.FFN_GATE_INP, (experts, hidden), i)
+            yield Tensor(T.FFN_GATE_EXP, (experts, width, hidden), i)
+            yield Tensor(T.FFN_UP_EXP, (experts, width, hidden), i)
+            yield Tensor(T.FFN_DOWN_EXP, (experts, hidden, width), i)
+        else:
+            inter = c["intermediate_size"]
+            yield Tensor(T.FFN_GATE, (inter, hidden), i)
+            yield Tensor(T.FFN_UP, (inter, hidden), i)
+            yield Tensor(T.FFN_DOWN, (hidden, inter), i)
+        if shape.family == "gemma3":
+            yield Tensor(T.FFN_POST_NORM, (hidden,), i)
+    yield Tensor(T.OUTPUT_NORM, (hidden,))
+    if not c["tie_word_embeddings"]:
+        yield Tensor(T.OUTPUT, (vocab, hidden))
+
+
+def tensor_type(shape: Shape, t: Tensor) -> Q:
+    """F32 for vectors and the router, else the Q4_K_M type."""
+    if len(t.shape) == 1 or t.kind == MODEL_TENSOR.FFN_GATE_INP:
+        return Q.F32
+    c = shape.config
+    tied = bool(c["tie_word_embeddings"])
+    return q4_k_m_type(t.kind, t.shape[-1], t.layer, c["num_hidden_layers"], c.get("num_experts", 0), tied)
+
+
+def _llama3_rope_freqs(c: dict[str, Any]) -> np.ndarray:
+    """The per-frequency divisors of Llama 3's rope scaling, as the converter stores them (rope_freqs)."""
+    rope = c["rope_parameters"]
+    head_dim = int(c["head_dim"])
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    low = rope["original_max_position_embeddings"] / rope["low_freq_factor"]
+    high = rope["original_max_position_embeddings"] / rope["high_freq_factor"]
+    out = []
+    for f in freqs:
+        wavelength = 2 * math.pi / f
+        if wavelength < high:
+            out.append(1.0)
+        elif wavelength > low:
+            out.append(rope["factor"])
+        else:
+            smooth = (rope["original_max_position_embeddings"] / wavelength - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"]
+            )
+            out.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def tensor_data(rng: np.random.Generator, shape: Shape, t: Tensor, kind: Q) -> np.ndarray:
+    if t.kind == MODEL_TENSOR.ROPE_FREQS:
+        return _llama3_rope_freqs(shape.config)
+    if kind == Q.F32:
+        center = 0.0 if t.bias or t.kind == MODEL_TENSOR.FFN_GATE_INP else 1.0
+        return (center + WEIGHT_STD * rng.standard_normal(t.shape)).astype(np.float32)
+    n_in = t.shape[-1]
+    blocks = _random_blocks(rng, kind, math.prod(t.shape), _half_values(kind))
+    return blocks.reshape(*t.shape[:-1], n_in // gguf.GGML_QUANT_SIZES[kind][0] * blocks.shape[1])
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """tokenizer.ggml.* of a file: the model ("gpt2" or "llama", sentencepiece), tokens, types, scores
+    and merges."""
+
+    model: str
+    tokens: list[str]
+    types: list[int]
+    scores: list[float]
+    merges: list[str]
+
+
+@functools.cache
+def _base_vocabulary(family: str) -> Vocabulary:
+    """The default model's tokenizer with the family's specials, before padding. Gemma's is a
+    sentencepiece vocabulary, as Gemma's own is: the BPE tokens that spell whole characters, spaces as
+    "▁", in merge order (their scores falling with it), after the specials and 256 byte tokens."""
+    reader = GGUFReader(default_model_path())
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    merges = list(reader.fields["tokenizer.ggml.merges"].contents())
+    specials = SPECIALS[family].tokens
+    if family != "gemma3":
+        added = [t for t in specials if t not in tokens]
+        return Vocabulary("gpt2", tokens + added, types + [int(TokenType.CONTROL)] * len(added), [], merges)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
+    spm = ["<pad>", *specials, "<unk>"]
+    spm_types = [int(TokenType.CONTROL)] * (len(spm) - 1) + [int(TokenType.UNKNOWN)]
+    spm += [f"<0x{b:02X}>" for b in range(256)]
+    spm_types += [int(TokenType.BYTE)] * 256
+    seen = set(spm)
+    for token, kind in zip(tokens, types, strict=True):
+        try:
+            piece = bytes(byte_of[c] for c in token).decode("utf-8").replace(" ", "\u2581")
+        except (KeyError, UnicodeDecodeError):
+            continue  # a special of the BPE, or part of a character: the byte tokens spell those
+        if kind == TokenType.NORMAL and piece not in seen:
+            seen.add(piece)
+            spm.append(piece)
+            spm_types.append(int(TokenType.NORMAL))
+    return Vocabulary("llama", spm, spm_types, [-float(i) for i in range(len(spm))], [])
+
+
+def vocabulary_size(shape: Shape) -> int:
+    """The real size, or for a tiny shape (vocab_size 0) the size of the tokenizer itself."""
+    return int(shape.config["vocab_size"]) or len(_base_vocabulary(shape.family).tokens)
+
+
+def add_tokenizer(writer: GGUFWriter, shape: Shape) -> None:
+    base = _base_vocabulary(shape.family)
+    specials = SPECIALS[shape.family]
+    size = vocabulary_size(shape)
+    if size < len(base.tokens):
+        raise ValueError(f"a vocabulary of {size} cannot hold the {len(base.tokens)} tokens of the tokenizer")
+    # Unused tokens up to the real size: normal tokens that nothing merges into, so neither tokenizer
+    # emits them (a random model does).
+    padding = size - len(base.tokens)
+    tokens = base.tokens + [f"<unused{i}>" for i in range(padding)]
+    writer.add_tokenizer_model(base.model)
+    if base.model == "gpt2":
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_merges(base.merges)
+    else:
+        low = base.scores[-1] if base.scores else 0.0
+        writer.add_token_scores(base.scores + [low - 1 - i for i in range(padding)])
+        writer.add_add_space_prefix(False)
+        writer.add_unk_token_id(tokens.index("<unk>"))
+        writer.add_pad_token_id(tokens.index("<pad>"))
+    writer.add_token_list(tokens)
+    writer.add_token_types(base.types + [TokenType.NORMAL] * padding)
+    writer.add_bos_token_id(tokens.index(specials.bos))
+    writer.add_eos_token_id(tokens.index(specials.eos))
+    writer.add_add_bos_token(specials.add_bos)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(specials.template)
+
+
+def write_gguf(shape: Shape, path: str, seed: int = 0) -> dict[str, Q]:
+    """Write the shape's random-weight Q4_K_M file at `path`, one tensor at a time; returns each tensor's
+    type by name."""
+    arch = ARCHES[shape.family]
+    writer = GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_vocab_size(vocabulary_size(shape))
+    write_hparams(writer, shape.family, shape.config)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    add_tokenizer(writer, shape)
+    layout = [(t, tensor_type(shape, t)) for t in tensors(shape)]
+    for t, kind in layout:
+        if t.kind not in gguf.MODEL_TENSORS[arch]:
+            raise ValueError(f"{gguf.MODEL_ARCH_NAMES[arch]} has no tensor {t.name()}")
+        if kind == Q.F32:
+            writer.add_tensor_info(t.name(), t.shape, np.dtype(np.float32), 4 * math.prod(t.shape))
+        else:
+            nbytes = math.prod(t.shape) // gguf.GGML_QUANT_SIZES[kind][0] * gguf.GGML_QUANT_SIZES[kind][1]
+            byte_shape = (*t.shape[:-1], nbytes // math.prod(t.shape[:-1]))
+            writer.add_tensor_info(t.name(), byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for t, kind in layout:
+        writer.write_tensor_data(tensor_data(rng, shape, t, kind))
+    writer.close()
+    return {t.name(): kind for t, kind in layout}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("name", choices=sorted(SHAPES))
+    parser.add_argument("out", help="the GGUF file to write")
+    parser.add_argument("--tiny", action="store_true", help="the shape's tiny version (the test's)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    shape = SHAPES[args.name].tiny() if args.tiny else SHAPES[args.name]
+    types = write_gguf(shape, args.out, args.seed)
+    counts: dict[str, int] = {}
+    for kind in types.values():
+        counts[kind.name] = counts.get(kind.name, 0) + 1
+    print(
+        f"{args.out}: {args.name}, {len(types)} tensors: "
+        + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    )
+
+
+if __name__ == "__main__":
+    main()
