@@ -102,8 +102,7 @@ bench-peer: install
 	$(if $(MODEL),$(BIN)/python -m benchmarks.bench_peer_model $(MODEL),$(BIN)/python -m benchmarks.bench_peer)
 
 # Random-weight Q4_K_M GGUFs at the shapes of checkpoints people run (benchmarks/peer_models.py), written to
-# SHAPES_DIR, and bench-peer MODEL=... on each. Hours on 2 cores and several GB of disk (the files, and
-# kvserve's float32 conversions in ~/.cache/kvserve/gguf while it converts GGUFs); never in CI.
+# SHAPES_DIR, and bench-peer MODEL=... on each. Hours on 2 cores and several GB of disk; never in CI.
 SHAPES_DIR ?= $(HOME)/.cache/kvserve/peer-shapes
 PEER_SHAPES := gemma3-270m qwen2.5-0.5b qwen3-0.6b gemma3-1b llama3.2-1b qwen2.5-1.5b qwen3-1.7b qwen3-moe-small
 bench-peer-shapes: install

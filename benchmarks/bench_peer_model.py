@@ -13,7 +13,8 @@ measured side by side:
   (tokens - 1), the streams sent at once;
 - multi-turn TTFT: one chat of 4 turns over a 500-token system prompt, each turn resending the history;
   turn 1 is cold, turns 2-4 reuse each server's cache;
-- resident memory (RSS) at idle, both started, at equal KV bytes (llama-server with --cache-ram 0);
+- resident memory (RSS) at idle, both started, and again once the workload is done, at equal KV bytes
+  (llama-server with --cache-ram 0);
 - quality, after the servers stop: teacher-forced top-1 agreement of kvserve's engine, in process, with
   transformers' float32 model on the same GGUF dequantized (`from_pretrained(folder, gguf_file=name)`),
   over a fixed text of 600 tokens (the prefill rows, with prompt_logprobs) and 32 greedy tokens after it
@@ -63,6 +64,7 @@ class Figures:
     load_first_s: float = 0.0
     load_s: float = 0.0
     rss_idle: int = 0
+    rss_after: int = 0
     prefill_tok_s: dict[int, float] = field(default_factory=dict)
     tpot_s: dict[int, float] = field(default_factory=dict)
     ttft_turns_s: list[float] = field(default_factory=list)
@@ -215,6 +217,9 @@ def run(model: str, repeats: int, kvserve_args: list[str], results: str, skip_qu
             for server, url in urls.items():
                 figures[server].rss_idle = int(psutil.Process(listening_pid(url)).memory_info().rss)
             measure(urls, name, figures, repeats)
+            # Idle again after the workload: every page a request reads (the weights) is resident now.
+            for server, url in urls.items():
+                figures[server].rss_after = int(psutil.Process(listening_pid(url)).memory_info().rss)
     scores = None if skip_quality else quality(model, default_cache_dir())
     data, table = summary(name, kv, figures, scores)
     write_results("summary", data, table, os.path.join(results, f"peer-{name}"))
@@ -246,6 +251,7 @@ def summary(
     add("load, first start (s)", ours.load_first_s, theirs.load_first_s, "s")
     add("load, second start (s)", ours.load_s, theirs.load_s, "s")
     add("RSS at idle (MiB)", ours.rss_idle, theirs.rss_idle, "MiB", 1 / MIB)
+    add("RSS at idle after the workload (MiB)", ours.rss_after, theirs.rss_after, "MiB", 1 / MIB)
     lines = [
         f"kvserve and llama-server on {name}, 2 threads each, {kv / MIB:.0f} MiB of KV each "
         "(llama-server's own size; --cache-ram 0); kvserve with --speculative off. Best of the repeats.\n",
