@@ -157,7 +157,7 @@ def _config(**overrides: Any) -> EngineConfig:
 
 def _engine_on_clock(model: LoadedModel, clock: _RowClock, **overrides: Any) -> Engine:
     parts = build_parts(_config(**overrides), model)
-    parts.runner.execute = clock.wrap(parts.runner.execute)  # type: ignore[method-assign]
+    parts.runner.execute = clock.wrap(parts.runner.execute)  # type: ignore[method-assign,assignment]
     return Engine(parts, clock)
 
 

@@ -5,8 +5,8 @@ Each probe step decodes 1 or 4 sequences, each with 0, 2 or 4 draft rows, at a s
 on blocks taken from the pool's free list for that step only and handed back in the order taken (the
 free list is then as it was). Nothing else is touched: no sequence is admitted, nothing is published to
 the prefix cache or counted, and no request sees the blocks' contents (a block's KV is always written
-before it is read). The steps stop once `budget_s` is spent (after the warm-up and MIN_STEPS steps), so a big model probes
-with three steps.
+before it is read). The steps stop once `budget_s` is spent (after the warm-up and MIN_STEPS steps), so
+a big model probes with three steps.
 """
 
 import math
