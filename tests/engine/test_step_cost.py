@@ -26,6 +26,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.step_cost import (
     MAX_ROW_SHARE,
     MAX_STEP_S,
+    MIN_FIXED_SHARE,
     MIN_ROW_SHARE,
     MIN_STEP_S,
     StepCostEstimator,
@@ -91,6 +92,17 @@ def test_a_kind_of_row_never_seen_keeps_its_anchor() -> None:
         estimator.observe(4, 0, 0, TRUE.time(4, 0, 0))
     assert math.isclose(estimator.costs.draft, TRUE.draft, rel_tol=0.05)
     assert math.isclose(estimator.costs.prefill, TRUE.prefill, rel_tol=0.05)
+
+
+def test_a_fit_below_a_zero_fixed_part_keeps_a_share_of_the_lone_decode() -> None:
+    """Steps that grow faster than their rows (a machine getting busier) fit a negative fixed part."""
+    estimator = StepCostEstimator(1.0)
+    for _ in range(500):
+        for decodes, seconds in ((1, 0.010), (4, 0.050)):
+            estimator.observe(decodes, 0, 0, seconds)
+    costs = estimator.costs
+    assert math.isclose(costs.fixed, MIN_FIXED_SHARE * (costs.fixed + costs.decode), rel_tol=1e-9)
+    assert math.isclose(costs.time(1, 0, 0), 0.010, rel_tol=0.1)
 
 
 counts = st.integers(-(2**70), 2**70)

@@ -29,6 +29,8 @@ MAX_STEP_S = 600.0
 # free (the drafter would draft anything), and never so dear that one noisy fit stops drafting for good.
 MIN_ROW_SHARE = 1e-3
 MAX_ROW_SHARE = 1e3
+# A step's fixed part is at least this share of a lone decode's step.
+MIN_FIXED_SHARE = 0.1
 # Counts beyond this are clamped (a step never holds more rows).
 MAX_ROWS = 1 << 20
 # The weight of each past step falls by DECAY per step: the fit reflects about the last 200 steps.
@@ -77,7 +79,13 @@ class StepCosts:
 
     @classmethod
     def clamped(cls, values: npt.NDArray[np.floating[Any]] | list[float]) -> "StepCosts":
-        """Figures within their bounds; a non-finite one takes its bound."""
+        """Figures within their bounds; a non-finite one takes its bound. A fixed part below MIN_FIXED_SHARE
+        of a lone decode's step (a noisy fit can give one below zero) is raised to it, out of the decode
+        row's cost, so that the lone decode's time, the best-measured figure, stays as fitted."""
+        values = [float(v) for v in values]
+        lone = values[0] + values[1]
+        if math.isfinite(lone) and lone > 0 and values[0] < MIN_FIXED_SHARE * lone:
+            values[0:2] = [MIN_FIXED_SHARE * lone, (1 - MIN_FIXED_SHARE) * lone]
         fixed = _clamp(float(values[0]), MIN_STEP_S, MAX_STEP_S, MIN_STEP_S)
         rows = [
             _clamp(float(v), MIN_ROW_SHARE * fixed, MAX_ROW_SHARE * fixed, MIN_ROW_SHARE * fixed)
