@@ -87,6 +87,12 @@ def cache_stats_text(engine: "Engine") -> str:
             f"speculation: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} draft tokens accepted "
             f"({100 * rate:.1f}%), {length:.2f} per draft over {stats.spec_drafts} drafts"
         )
+    if stats.step_costs is not None:
+        costs = stats.step_costs
+        lines.append(
+            f"step cost: {1000 * costs.fixed:.1f} ms fixed, {1000 * costs.decode:.1f} ms a decode row, "
+            f"{1000 * costs.draft:.1f} ms a draft row ({costs.draft / costs.fixed:.2f} of the fixed part)"
+        )
     for b in snapshot.branches:
         head = engine.tokenizer.decode(list(b.head[:_HEAD_TOKENS]))
         lines.append(f"  {b.num_tokens:6d} tokens x {b.hits:4d} hits  {head!r}")

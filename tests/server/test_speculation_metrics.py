@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve.bench.workloads import REPEAT_AGAIN, REPEAT_ASK
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine, EngineStats
+from kvserve.engine.step_cost import StepCosts
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.dashboard import speculation_stats
@@ -112,3 +113,36 @@ def test_acceptance_rate_and_accepted_length_are_ratios_of_the_counters(servers:
         dataclasses.replace(stats, spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0), "off"
     )
     assert (idle.method, idle.acceptance_rate, idle.mean_accepted_length) == ("off", None, None)
+
+
+COST_FAMILIES = {
+    "kvserve_spec_step_fixed_seconds": 0.01,
+    "kvserve_spec_decode_row_seconds": 0.004,
+    "kvserve_spec_draft_row_seconds": 0.005,
+    "kvserve_spec_row_cost": 0.5,
+}
+
+
+def test_the_measured_row_cost_is_on_metrics_the_dashboard_and_only_with_speculation_on(
+    servers: dict[str, Server],
+) -> None:
+    for method, server in servers.items():
+        stats = server.wait_idle()
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        families = {f.name for f in text_string_to_metric_families(text)}
+        assert (stats.step_costs is not None) == (method == "suffix")
+        assert all((name in families) == (method == "suffix") for name in COST_FAMILIES)
+        row_cost = speculation_stats(stats, method).row_cost
+        assert (row_cost is not None and row_cost > 0) == (method == "suffix")
+    costs = StepCosts(fixed=0.01, decode=0.004, draft=0.005, prefill=0.001)
+    stats = dataclasses.replace(servers["suffix"].wait_idle(), step_costs=costs)
+    registry = CollectorRegistry()
+    collector = EngineStatsCollector("m")
+    collector.stats = stats
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    found = {
+        f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.name in COST_FAMILIES
+    }
+    assert {name: found[name] for name in COST_FAMILIES} == pytest.approx(COST_FAMILIES)
+    assert speculation_stats(stats, "suffix").row_cost == pytest.approx(0.5)

@@ -77,3 +77,14 @@ def test_stats_text_shows_speculation_once_something_was_drafted(tiny_model: Loa
         f"({rate:.1f}%), {stats.spec_accepted_tokens / stats.spec_drafts:.2f} per draft over "
         f"{stats.spec_drafts} drafts"
     )
+
+
+def test_stats_text_shows_the_measured_step_cost_with_speculation_on(tiny_model: LoadedModel) -> None:
+    config = EngineConfig(kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32")
+    engine = Engine.from_config(config, model=tiny_model)
+    costs = engine.stats().step_costs
+    assert costs is not None
+    (line,) = [x for x in cache_stats_text(engine).splitlines() if x.startswith("step cost")]
+    assert f"({costs.draft / costs.fixed:.2f} of the fixed part)" in line
+    plain = Engine.from_config(replace(config, speculative="off"), model=tiny_model)
+    assert not any(x.startswith("step cost") for x in cache_stats_text(plain).splitlines())

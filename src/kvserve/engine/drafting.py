@@ -13,10 +13,13 @@ rows of the step and reports how much was accepted.
   and in namespaces, least recently used first. Never across namespaces (the acceptance rate shows in
   timing), never across the boundary between two replies.
 - Length: a draft token is worth its extra row while its chance of acceptance exceeds the row's share of
-  the step (`row_share`). The chance is a per-token estimate (`acceptance`): a prior from the match length,
-  updated by the sequence's own verified drafts, per class of match length, with evidence that fades.
+  the step (`StepCosts.row_share`, from what steps measured on this machine and model: `costs`, which the
+  engine keeps up to date, engine/step_cost.py). The chance is a per-token estimate (`acceptance`): a
+  prior from the match length, updated by the sequence's own verified drafts, per class of match length,
+  with evidence that fades.
 
-Everything depends only on this object's state: no clock, no randomness, so a run replays alike.
+Everything depends only on this object's state (`costs` included): no clock, no randomness, so a run
+given the same costs replays alike.
 """
 
 import bisect
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+
+from kvserve.engine.step_cost import StepCosts
 
 Keys = npt.NDArray[np.uint64]
 
@@ -38,14 +43,12 @@ MAX_MATCH = ORDERS[-1]
 DEFAULT_NAMESPACE_TOKENS = 16_384
 DEFAULT_MAX_NAMESPACES = 64
 
-# The cost model of a step of R rows: T0 + R * c, with c / T0 = ROW_COST. Measured with the default model
-# on 2 cores, steps of 4 decodes with 0-8 draft rows each: c/T0 0.72, 0.45 and 0.60 at contexts of 100,
-# 1,000 and 3,000 tokens (3.4-6.8 ms a row); beside a lone decode the first draft row costs 0.7 of its
-# step. On this CPU a row's products are compute-bound: a draft row costs nearly what a decode row does.
-# 1.0 rather than the fit, because replies in flight together wait on each other's rows: side by side on
-# ShareGPT (4 in flight), 1.0 gave 1.00x and 1.03x the output of speculation off where 0.6 gave 0.99x and
-# 0.97x, with the repeat workload alike (0.53x and 0.51x of speculation off's time per token).
+# The cost of a row relative to a step's fixed part before anything is measured (a drafter built
+# outside an engine; an engine replaces it with the startup probe's figures, then its steps'). Measured
+# once with the default model on 2 cores: steps of 4 decodes with 0-8 draft rows gave 0.45-0.72; 1.0
+# because replies in flight together wait on each other's rows.
 ROW_COST = 1.0
+DEFAULT_COSTS = StepCosts.relative(ROW_COST)
 # The prior per-token acceptance after an m-token match is m / (m + PRIOR_HALF): 0.33 after 2 tokens,
 # 0.67 after 8, 0.89 after 32. It weighs as much as PRIOR_WEIGHT verified tokens.
 PRIOR_HALF = 4.0
@@ -58,9 +61,6 @@ _CLASS_TOPS = (*(bound - 1 for bound in CLASS_BOUNDS), MAX_MATCH)
 # Each propose call multiplies the evidence by DECAY: it reflects about the last 50 steps, and a sequence
 # that stopped drafting tries again once its failures have faded.
 DECAY = 0.98
-# load beyond this changes nothing (the row share is within 1e-5 of 1) and keeps the float finite.
-_MAX_LOAD = 1 << 20
-
 _MASK = (1 << 64) - 1
 _LOW = (1 << 32) - 1
 _HIGH = _MASK ^ _LOW
@@ -78,11 +78,10 @@ _ROLL_MAX = 8
 _EMPTY: Keys = np.zeros(0, dtype=np.uint64)
 
 
-def row_share(load: int) -> float:
-    """What one more row costs in a step of `load` rows, as a share of what one sequence's token costs
-    there: R*c / (T0 + R*c). A draft token pays while its chance of acceptance exceeds this."""
-    rows = min(max(load, 1), _MAX_LOAD)
-    return rows * ROW_COST / (1.0 + rows * ROW_COST)
+def row_share(load: int, costs: StepCosts = DEFAULT_COSTS) -> float:
+    """What one more draft row costs in a step of `load` rows, as a share of what one sequence's token
+    costs there (`StepCosts.row_share`). A draft token pays while its chance of acceptance exceeds this."""
+    return costs.row_share(load)
 
 
 def prior(match: int) -> float:
@@ -329,6 +328,8 @@ class Drafter:
         self.max_namespaces = max(max_namespaces, 0)
         self._sequences: dict[str, _Sequence] = {}
         self._namespaces: OrderedDict[str, _NamespaceIndex] = OrderedDict()
+        # What a step and its rows cost; the engine sets the measured figures.
+        self.costs = DEFAULT_COSTS
 
     def propose(self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int) -> list[int]:
         """At most min(limit, max_tokens) tokens to verify after `tokens` (sequence `key`'s prompt and
@@ -345,7 +346,7 @@ class Drafter:
         hashes = sequence.index.update(tokens)
         sequence.last_length = 0
         cap = min(limit, self.max_tokens)
-        share = row_share(load)
+        share = self.costs.row_share(load)
         if cap <= 0 or len(tokens) < ORDERS[0] + 1:
             return []
         if all(sequence.acceptance(top) <= share for top in _CLASS_TOPS):

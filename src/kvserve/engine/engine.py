@@ -2,7 +2,8 @@
 
 import itertools
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,8 @@ from kvserve.cache.manager import CacheUsage
 from kvserve.cache.pins import Pin
 from kvserve.config import EngineConfig
 from kvserve.engine import sampler
+from kvserve.engine.cost_probe import probe
+from kvserve.engine.drafting import ROW_COST, Drafter
 from kvserve.engine.factory import EngineParts, build_parts
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
 from kvserve.engine.masks import MaskWorker, StepMasks
@@ -20,6 +23,7 @@ from kvserve.engine.request import DEFAULT_TENANT, Request
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import ScheduledStep
 from kvserve.engine.speculation import Taken, verify
+from kvserve.engine.step_cost import StepCostEstimator, StepCosts
 from kvserve.engine.text_stream import TextStream
 from kvserve.engine.validation import CheckedPrompt, validate_request, validate_token_ids
 from kvserve.errors import InvalidRequestError
@@ -47,6 +51,8 @@ class EngineStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # What a step costs here, as measured (engine/step_cost.py); None where speculation is off.
+    step_costs: StepCosts | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -69,8 +75,9 @@ class Engine:
     Each step schedules (the scheduler decides who runs), executes (one forward pass), samples, and
     appends each sampled token to its request, which says whether it ended (`Request.append`)."""
 
-    def __init__(self, parts: EngineParts) -> None:
-        """An engine on `parts` (engine/factory.py), built by `from_config` or, in a test, another way."""
+    def __init__(self, parts: EngineParts, clock: Callable[[], float] = time.perf_counter) -> None:
+        """An engine on `parts` (engine/factory.py), built by `from_config` or, in a test, another way.
+        `clock` times the steps (and the startup probe) whose costs the drafter weighs."""
         self.config = parts.config
         self.model = parts.model
         self.tokenizer = parts.model.tokenizer
@@ -90,12 +97,36 @@ class Engine:
         self._seeds = random.Random(self.config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.clock = clock
+        # Speculation's cost model: a probe now, then every step (none where speculation is off).
+        self.step_costs = StepCostEstimator(ROW_COST) if self.scheduler.drafter is not None else None
+        if self.step_costs is not None:
+            self._probe(self.step_costs)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, model: LoadedModel | None = None) -> "Engine":
+    def from_config(
+        cls,
+        config: EngineConfig,
+        model: LoadedModel | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> "Engine":
         """An engine on the parts `config` builds (`build_parts`), on `model` when given, else on the
         model the config names; raises ConfigError for settings this model cannot run with."""
-        return cls(build_parts(config, model))
+        return cls(build_parts(config, model), clock)
+
+    def _probe(self, estimator: StepCostEstimator) -> None:
+        """Time a few steps of the model with and without draft rows (engine/cost_probe.py) and anchor the
+        estimate to what they give; the cache is left as it was."""
+        for step in probe(self.runner, self.kv, self.max_model_len, self.clock):
+            estimator.observe(step.decodes, step.drafts, 0, step.seconds)
+        if estimator.steps:
+            estimator.anchor(estimator.costs)
+        self._use_costs(estimator.costs)
+
+    def _use_costs(self, costs: StepCosts) -> None:
+        drafter = self.scheduler.drafter
+        if isinstance(drafter, Drafter):
+            drafter.costs = costs
 
     @property
     def num_blocks(self) -> int:
@@ -192,6 +223,7 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """One engine step: schedule, execute the batch, sample a token for each request that samples,
         append it. Returns a delta for each request that sampled."""
+        began = self.clock()
         self.kv.expire_pins()
         self.kv.expire_retentions()
         scheduled = self._schedule()
@@ -202,7 +234,17 @@ class Engine:
         logits = self._execute(scheduled)
         taken = self._take(scheduled, logits.sampled, masks)
         self.scheduler.after_step(scheduled, {r.request_id: len(t.appended) for r, t in taken})
-        return [self._deliver(request, t) for request, t in taken]
+        deltas = [self._deliver(request, t) for request, t in taken]
+        if self.step_costs is not None:
+            self._measured(self.step_costs, scheduled, self.clock() - began)
+        return deltas
+
+    def _measured(self, estimator: StepCostEstimator, scheduled: ScheduledStep, seconds: float) -> None:
+        """The step took `seconds`: refine what its rows cost (any value is safe, see step_cost.py)."""
+        drafts = sum(len(d) for d in scheduled.drafts.values())
+        prefill = sum(len(c.token_ids) for _, c in scheduled.prefills)
+        estimator.observe(len(scheduled.decodes), drafts, prefill, seconds)
+        self._use_costs(estimator.costs)
 
     def _schedule(self) -> ScheduledStep | None:
         """The scheduler's batch for this step; None when it has nothing to run."""
@@ -389,4 +431,5 @@ class Engine:
             spec_drafts=c.drafts,
             spec_draft_tokens=c.draft_tokens,
             spec_accepted_tokens=c.accepted_tokens,
+            step_costs=None if self.step_costs is None else self.step_costs.costs,
         )

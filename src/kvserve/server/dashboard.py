@@ -71,7 +71,8 @@ class SpeculationStats(BaseModel):
     drafts). `drafts` counts verified drafts (one per sequence per step that verified one), `draft_tokens`
     the tokens they held and `accepted_tokens` those the model accepted. `acceptance_rate` (accepted /
     draft tokens) and `mean_accepted_length` (accepted / drafts, in tokens) are null while nothing was
-    drafted."""
+    drafted. `row_cost` is what a draft row costs over a step's fixed part as measured on this machine
+    and model (the drafter's cost model), null where speculation is off."""
 
     method: str
     drafts: int
@@ -79,6 +80,7 @@ class SpeculationStats(BaseModel):
     accepted_tokens: int
     acceptance_rate: float | None
     mean_accepted_length: float | None
+    row_cost: float | None = None
 
 
 class HistoryPoint(BaseModel):
@@ -202,6 +204,7 @@ def speculation_stats(stats: EngineStats, method: str) -> SpeculationStats:
         accepted_tokens=stats.spec_accepted_tokens,
         acceptance_rate=stats.spec_acceptance_rate,
         mean_accepted_length=stats.spec_mean_accepted_length,
+        row_cost=None if stats.step_costs is None else stats.step_costs.draft / stats.step_costs.fixed,
     )
 
 

@@ -160,6 +160,34 @@ class EngineStatsCollector:
                 c.num_retained,
             )
         )
+        if s.step_costs is not None:
+            costs = s.step_costs
+            families += [
+                (
+                    GaugeMetricFamily,
+                    "kvserve_spec_step_fixed_seconds",
+                    "A step's fixed time as measured here (the drafter's cost model).",
+                    costs.fixed,
+                ),
+                (
+                    GaugeMetricFamily,
+                    "kvserve_spec_decode_row_seconds",
+                    "What a decode row adds to a step, as measured here.",
+                    costs.decode,
+                ),
+                (
+                    GaugeMetricFamily,
+                    "kvserve_spec_draft_row_seconds",
+                    "What a draft row adds to a step, as measured here.",
+                    costs.draft,
+                ),
+                (
+                    GaugeMetricFamily,
+                    "kvserve_spec_row_cost",
+                    "A draft row's cost over a step's fixed part, as measured here.",
+                    costs.draft / costs.fixed,
+                ),
+            ]
         for family_type, name, doc, value in families:
             family = family_type(name, doc, labels=_LABELS)
             family.add_metric([self.model_name], value)

@@ -115,6 +115,8 @@ function drawSpeculation(speculation) {
   $("#acceptance-value").textContent = off ? "off" : rate === null ? "—" : (100 * rate).toFixed(1) + "%";
   $("#accepted-length-value").textContent = off ? "off" : length === null ? "—" : length.toFixed(2);
   $("#drafts-value").textContent = `${formatCount(speculation.drafts)} (${formatCount(speculation.draft_tokens)})`;
+  const rowCost = speculation.row_cost;
+  $("#row-cost-value").textContent = off || rowCost === null ? "—" : rowCost.toFixed(2);
   card.dataset.rate = rate === null ? "" : String(rate);
 }
 

@@ -1,0 +1,95 @@
+"""The startup probe: a few timed steps of the real model, with and without draft rows, so that the
+drafter knows what a row costs on this machine and model before the first request.
+
+Each probe step decodes 1 or 4 sequences, each with 0, 2 or 4 draft rows, at a short and a longer context,
+on blocks taken from the pool's free list for that step only and handed back in the order taken (the
+free list is then as it was). Nothing else is touched: no sequence is admitted, nothing is published to
+the prefix cache or counted, and no request sees the blocks' contents (a block's KV is always written
+before it is read). The steps stop once `budget_s` is spent (after the warm-up and MIN_STEPS steps), so
+a big model probes with three steps.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvserve.cache.manager import KVCacheManager
+from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
+
+# A second at most, the default model's probe taking about a third of it (the budget bounds big models).
+PROBE_BUDGET_S = 1.0
+# (decodes, draft rows per decode), in the order run: the first warms the kernels and is not kept.
+SHAPES = ((1, 0), (1, 0), (1, 4), (4, 0), (4, 2), (1, 2))
+# The steps kept whatever the budget: a decode alone and with draft rows, the least that tells a row's cost.
+MIN_STEPS = 2
+# The decodes' context lengths, taken in turn; cut to what the pool and the context allow.
+CONTEXTS = (32, 512)
+
+
+@dataclass(frozen=True)
+class ProbeStep:
+    decodes: int
+    drafts: int
+    seconds: float
+
+
+def probe(
+    runner: ModelRunner,
+    kv: KVCacheManager,
+    max_model_len: int,
+    clock: Callable[[], float],
+    budget_s: float = PROBE_BUDGET_S,
+) -> list[ProbeStep]:
+    """Timed steps of `SHAPES` (the warm-up left out); fewer when the budget runs out (MIN_STEPS at least),
+    none when the pool or the context cannot hold the smallest one."""
+    steps: list[ProbeStep] = []
+    started = clock()
+    vocab = runner.transformer.config.vocab_size
+    for i, (decodes, drafts) in enumerate(SHAPES):
+        context = _context(kv, max_model_len, decodes, drafts, CONTEXTS[i % len(CONTEXTS)])
+        if context < 1:
+            continue
+        seconds = _timed_step(runner, kv, clock, decodes, drafts, context, vocab)
+        if i > 0:
+            steps.append(ProbeStep(decodes, drafts, seconds))
+        if len(steps) >= MIN_STEPS and clock() - started >= budget_s:
+            break
+    return steps
+
+
+def _context(kv: KVCacheManager, max_model_len: int, decodes: int, drafts: int, wanted: int) -> int:
+    """The longest context up to `wanted` whose step the free blocks (of both pools) and the model hold."""
+    free = kv.pool.num_free if kv.sliding_pool is None else min(kv.pool.num_free, kv.sliding_pool.num_free)
+    per_sequence = free // decodes * kv.block_size
+    return min(wanted, per_sequence - drafts - 1, max_model_len - drafts - 1)
+
+
+def _timed_step(
+    runner: ModelRunner,
+    kv: KVCacheManager,
+    clock: Callable[[], float],
+    decodes: int,
+    drafts: int,
+    context: int,
+    vocab: int,
+) -> float:
+    per_sequence = math.ceil((context + 1 + drafts) / kv.block_size)
+    taken = kv.pool.allocate(per_sequence * decodes)
+    sliding = kv.sliding_pool.allocate(len(taken)) if kv.sliding_pool is not None else None
+    try:
+        chunks: list[SequenceChunk] = []
+        for s in range(decodes):
+            table = taken[s * per_sequence : (s + 1) * per_sequence]
+            sliding_table = None if sliding is None else sliding[s * per_sequence : (s + 1) * per_sequence]
+            for j in range(1 + drafts):
+                token = (7919 * (s * 16 + j) + 1) % vocab
+                chunks.append(SequenceChunk([token], context + j, table, True, sliding_table=sliding_table))
+        began = clock()
+        runner.execute(ForwardBatch(decodes=chunks))
+        return clock() - began
+    finally:
+        # In reverse: each release appends to the free list, which then reads as before the allocation.
+        for pool, blocks in ((kv.pool, taken), (kv.sliding_pool, sliding)):
+            if pool is not None and blocks is not None:
+                for block in reversed(blocks):
+                    pool.release(block)

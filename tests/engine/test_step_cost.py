@@ -1,0 +1,235 @@
+"""Speculation's cost model, measured (engine/step_cost.py, engine/cost_probe.py).
+
+- The estimator finds known row costs from synthetic step times, through outliers, and any timing value
+  or count leaves it finite and within its bounds.
+- The drafter drafts nothing where rows are measured dear (a fake slow clock) and drafts a copy where
+  they are cheap.
+- The startup probe leaves the cache as it found it: the free list in its order, no prefix-cache entry,
+  no reply remembered, no request counted.
+- On the default model, the engine with its probe gives speculation off's greedy tokens.
+"""
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import EngineConfig
+from kvserve.engine.drafting import Drafter
+from kvserve.engine.engine import Engine
+from kvserve.engine.factory import build_parts
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.step_cost import (
+    MAX_ROW_SHARE,
+    MAX_STEP_S,
+    MIN_FIXED_SHARE,
+    MIN_ROW_SHARE,
+    MIN_STEP_S,
+    StepCostEstimator,
+    StepCosts,
+)
+from kvserve.model.loader import LoadedModel
+from kvserve.model.runner import ForwardBatch, StepLogits
+
+TRUE = StepCosts(fixed=0.010, decode=0.004, draft=0.005, prefill=0.0005)
+
+
+def _shapes(rng: random.Random) -> tuple[int, int, int]:
+    """A step's decode rows, draft rows and prefill tokens, as serving mixes them."""
+    decodes = rng.randint(0, 8)
+    drafts = rng.choice([0, 0, rng.randint(1, 16)]) if decodes else 0
+    prefill = rng.choice([0, 0, 0, rng.randint(1, 1024)])
+    return max(decodes, 0 if prefill else 1), drafts, prefill
+
+
+def _close(got: StepCosts, want: StepCosts, tolerance: float) -> bool:
+    return all(
+        math.isclose(g, w, rel_tol=tolerance) for g, w in zip(got.as_vector(), want.as_vector(), strict=True)
+    )
+
+
+def test_the_fit_converges_to_known_costs() -> None:
+    rng = random.Random(0)
+    estimator = StepCostEstimator(1.0)  # rows as dear as the fixed part: twice the truth's decode
+    for _ in range(3000):
+        decodes, drafts, prefill = _shapes(rng)
+        noise = 1 + rng.uniform(-0.03, 0.03)
+        estimator.observe(decodes, drafts, prefill, TRUE.time(decodes, drafts, prefill) * noise)
+    assert _close(estimator.costs, TRUE, 0.05), estimator.costs
+    assert math.isclose(estimator.costs.row_share(4), TRUE.row_share(4), rel_tol=0.05)
+
+
+def test_the_fit_follows_a_change_of_load() -> None:
+    rng = random.Random(1)
+    estimator = StepCostEstimator(1.0)
+    slower = StepCosts(TRUE.fixed, TRUE.decode, 3 * TRUE.draft, TRUE.prefill)
+    for costs in (TRUE, slower):
+        for _ in range(2000):
+            decodes, drafts, prefill = _shapes(rng)
+            estimator.observe(decodes, drafts, prefill, costs.time(decodes, drafts, prefill))
+    assert _close(estimator.costs, slower, 0.05), estimator.costs
+
+
+def test_outliers_barely_move_the_fit() -> None:
+    """One step in 20 taking 20 times as long (the process paused, another job on the cores)."""
+    rng = random.Random(2)
+    estimator = StepCostEstimator(1.0)
+    for i in range(3000):
+        decodes, drafts, prefill = _shapes(rng)
+        seconds = TRUE.time(decodes, drafts, prefill) * (20 if i % 20 == 7 else 1)
+        estimator.observe(decodes, drafts, prefill, seconds)
+    assert _close(estimator.costs, TRUE, 0.15), estimator.costs
+
+
+def test_a_kind_of_row_never_seen_keeps_its_anchor() -> None:
+    estimator = StepCostEstimator(1.0)
+    estimator.anchor(TRUE)
+    for _ in range(3000):
+        estimator.observe(4, 0, 0, TRUE.time(4, 0, 0))
+    assert math.isclose(estimator.costs.draft, TRUE.draft, rel_tol=0.05)
+    assert math.isclose(estimator.costs.prefill, TRUE.prefill, rel_tol=0.05)
+
+
+def test_a_fit_below_a_zero_fixed_part_keeps_a_share_of_the_lone_decode() -> None:
+    """Steps that grow faster than their rows (a machine getting busier) fit a negative fixed part."""
+    estimator = StepCostEstimator(1.0)
+    for _ in range(500):
+        for decodes, seconds in ((1, 0.010), (4, 0.050)):
+            estimator.observe(decodes, 0, 0, seconds)
+    costs = estimator.costs
+    assert math.isclose(costs.fixed, MIN_FIXED_SHARE * (costs.fixed + costs.decode), rel_tol=1e-9)
+    assert math.isclose(costs.time(1, 0, 0), 0.010, rel_tol=0.1)
+
+
+counts = st.integers(-(2**70), 2**70)
+times = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, -0.0, -1.0, 1e-300, 1e300])
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(counts, counts, counts, times), max_size=40), row_cost=times)
+def test_any_timing_value_leaves_the_costs_finite_and_bounded(
+    steps: list[tuple[int, int, int, float]], row_cost: float
+) -> None:
+    estimator = StepCostEstimator(row_cost)
+    for decodes, drafts, prefill, seconds in steps:
+        estimator.observe(decodes, drafts, prefill, seconds)
+        if decodes == 3:
+            estimator.anchor(StepCosts(seconds, seconds, -seconds, row_cost))
+        costs = estimator.costs
+        assert MIN_STEP_S <= costs.fixed <= MAX_STEP_S
+        for row in (costs.decode, costs.draft, costs.prefill):
+            assert MIN_ROW_SHARE * costs.fixed <= row <= MAX_ROW_SHARE * costs.fixed
+        for load in (-(2**70), 0, 1, decodes, 2**70):
+            share = costs.row_share(load)
+            assert math.isfinite(share) and share > 0
+
+
+LOOP = [4, 5, 6, 7, 8, 9] * 6 + [4, 5]  # a 32-token match, its continuation certain
+
+
+def test_the_drafter_drafts_nothing_where_rows_are_dear_and_a_copy_where_they_are_cheap() -> None:
+    dear = Drafter(8)
+    dear.costs = StepCosts(fixed=0.01, decode=0.01, draft=0.05, prefill=0.005)
+    assert dear.propose("r", "ns", LOOP, 8, 1) == []
+    cheap = Drafter(8)
+    cheap.costs = StepCosts(fixed=0.01, decode=0.0005, draft=0.0005, prefill=0.0002)
+    assert cheap.propose("r", "ns", LOOP, 8, 8) == [6, 7, 8, 9, 4, 5, 6, 7]
+
+
+class _RowClock:
+    """A fake clock on which every forward pass takes `fixed` plus `row` per row (decode or draft)."""
+
+    def __init__(self, fixed: float, row: float) -> None:
+        self.now = 0.0
+        self.fixed = fixed
+        self.row = row
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wrap(self, execute: Callable[[ForwardBatch], StepLogits]) -> Callable[[ForwardBatch], StepLogits]:
+        def timed(batch: ForwardBatch) -> StepLogits:
+            self.now += self.fixed + self.row * (
+                len(batch.decodes) + sum(len(c.token_ids) for c in batch.prefills)
+            )
+            return execute(batch)
+
+        return timed
+
+
+def _config(**overrides: Any) -> EngineConfig:
+    return EngineConfig(
+        weight_dtype="q8_0", block_size=4, kv_cache_memory=2**22, max_model_len=256, **overrides
+    )
+
+
+def _engine_on_clock(model: LoadedModel, clock: _RowClock, **overrides: Any) -> Engine:
+    parts = build_parts(_config(**overrides), model)
+    parts.runner.execute = clock.wrap(parts.runner.execute)  # type: ignore[method-assign,assignment]
+    return Engine(parts, clock)
+
+
+COPY = list(range(100, 140)) * 3  # a prompt that repeats itself: its greedy reply is likely to copy too
+
+
+def _drafted(engine: Engine) -> int:
+    engine.add_request("r", COPY, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.stats().spec_draft_tokens
+
+
+def test_an_engine_whose_rows_are_measured_dear_drafts_nothing(tiny_model: LoadedModel) -> None:
+    engine = _engine_on_clock(tiny_model, _RowClock(fixed=0.01, row=1.0))
+    assert engine.step_costs is not None and engine.step_costs.steps > 0  # the probe ran on this clock
+    assert engine.step_costs.costs.row_share(1) > 0.95
+    assert _drafted(engine) == 0
+
+
+def test_an_engine_whose_rows_are_measured_cheap_drafts_a_copy(tiny_model: LoadedModel) -> None:
+    engine = _engine_on_clock(tiny_model, _RowClock(fixed=0.01, row=0.0001))
+    assert engine.step_costs is not None and engine.step_costs.costs.row_share(1) < 0.2
+    assert _drafted(engine) > 0
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_the_probe_leaves_the_cache_as_it_found_it(tiny_model: LoadedModel, prefix_cache: bool) -> None:
+    clock = _RowClock(fixed=0.001, row=0.0001)
+    engine = _engine_on_clock(tiny_model, clock, enable_prefix_caching=prefix_cache)
+    plain = Engine(build_parts(_config(enable_prefix_caching=prefix_cache, speculative="off"), tiny_model))
+    assert engine.step_costs is not None and engine.step_costs.steps >= 4 and clock.now > 0
+    assert plain.step_costs is None  # no probe where speculation is off
+    pool = engine.kv.pool
+    assert pool.num_free == pool.num_blocks and pool._free == plain.kv.pool._free
+    assert engine.kv.usage() == plain.kv.usage()
+    assert engine.kv.usage().num_cached == 0 and len(engine.replies) == 0
+    stats = engine.stats()
+    assert (stats.prompt_tokens, stats.generation_tokens, stats.cache_queries, stats.spec_drafts) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    engine.kv.check()
+
+
+def test_greedy_tokens_with_the_probe_on_the_default_model_are_those_without_speculation(
+    make_engine: Callable[..., Engine],
+) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1000, 1030)) * 3
+    out = {}
+    for speculative in ("suffix", "off"):
+        engine = make_engine(speculative=speculative)
+        engine.add_request("r", prompt, params)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.token_ids
+        out[speculative] = tokens
+        engine.kv.check()
+    assert out["suffix"] == out["off"]
