@@ -13,7 +13,16 @@ def inverse_frequencies(
     config: ModelConfig, max_positions: int, kind_of_layer: str = ROPE_GLOBAL
 ) -> tuple[torch.Tensor, float]:
     """Per-pair rotation frequencies and the factor that scales cos/sin (1.0 except for YaRN and
-    LongRoPE). `max_positions`: the longest context served (LongRoPE picks its factors by it)."""
+    LongRoPE). `max_positions`: the longest context served (LongRoPE picks its factors by it). The global
+    rope's frequencies are then divided by `config.rope_freq_factors`, where it has them."""
+    inv_freq, scale = _scaled(config, max_positions, kind_of_layer)
+    if kind_of_layer == ROPE_GLOBAL and config.rope_freq_factors:
+        # As llama.cpp applies its rope_freqs tensor: each pair's frequency over its factor.
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq, scale
+
+
+def _scaled(config: ModelConfig, max_positions: int, kind_of_layer: str) -> tuple[torch.Tensor, float]:
     dim = config.rotary_dim
     base = config.local_rope_theta if kind_of_layer == ROPE_LOCAL else config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -96,7 +105,8 @@ def _longrope(config: ModelConfig, scaling: dict[str, Any], max_positions: int) 
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position up to `max_positions`, looked up per step by position ids.
+    """cos/sin tables for the positions below `rows` (default `max_positions`, the longest context
+    served; fewer where the KV pool cannot hold that many tokens), looked up per step by position ids.
     `kind_of_layer`: ROPE_GLOBAL (the model's rope) or ROPE_LOCAL (the sliding layers' base)."""
 
     def __init__(
@@ -106,9 +116,11 @@ class RotaryEmbedding:
         device: torch.device,
         dtype: torch.dtype,
         kind_of_layer: str = ROPE_GLOBAL,
+        rows: int | None = None,
     ):
         inv_freq, scale = inverse_frequencies(config, max_positions, kind_of_layer)
-        t = torch.arange(max_positions, dtype=torch.int64).float()
+        positions = max_positions if rows is None else min(rows, max_positions)
+        t = torch.arange(positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq.float())
         self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
