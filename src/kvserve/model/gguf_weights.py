@@ -24,6 +24,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.model.families.base import Family, GgufMetadata
 from kvserve.model.gguf_file import F32, GgufFile, TensorInfo, dequantizable, dequantize, type_name
 from kvserve.model.quant_blocks import BLOCK_SIZES, QuantizedWeight, row_unit
+from kvserve.model.rope import llama3_of_divisors
 from kvserve.model.spec import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -263,8 +264,9 @@ ROPE_FACTOR_RANGE = (2.0**-16, 2.0**16)
 
 def with_rope_freqs(file: GgufFile, family: Family, config: ModelConfig) -> ModelConfig:
     """`config` with the file's rope frequency factors (`ROPE_FREQS`, one per rotated pair, each within
-    ROPE_FACTOR_RANGE) where it has them; a family that reads none refuses the tensor, since serving
-    without it would rotate otherwise than the file means."""
+    ROPE_FACTOR_RANGE) where it has them: as the llama3 scaling they are exactly the converter's form of
+    (rope.llama3_of_divisors), else as `rope_freq_factors`. A family that reads none refuses the tensor,
+    since serving without it would rotate otherwise than the file means."""
     t = file.tensors.get(ROPE_FREQS)
     if t is None:
         return config
@@ -282,7 +284,12 @@ def with_rope_freqs(file: GgufFile, family: Family, config: ModelConfig) -> Mode
         raise ModelLoadError(
             file.path, f"tensor {ROPE_FREQS} holds the factor {bad[0]}, outside [2**-16, 2**16]"
         )
-    return replace(config, rope_freq_factors=tuple(float(f) for f in factors))
+    divisors = tuple(float(f) for f in factors)
+    llama3 = None if config.rope_scaling else llama3_of_divisors(config, divisors)
+    if llama3 is not None:
+        # Llama 3.x's own scaling, written by llama.cpp's converter: served as its checkpoint's.
+        return replace(config, rope_scaling=tuple(sorted(llama3.items())))
+    return replace(config, rope_freq_factors=divisors)
 
 
 def _shape(dims: tuple[int, ...]) -> str:
