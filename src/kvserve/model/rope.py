@@ -60,7 +60,7 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
 META_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def llama3_divisors(config: ModelConfig, scaling: dict[str, float]) -> torch.Tensor:
+def llama3_divisors(config: ModelConfig, scaling: dict[str, Any]) -> torch.Tensor:
     """The per-pair divisors of the frequencies that llama.cpp's converter writes (its rope_freqs) for
     llama3 `scaling`, with its float32 arithmetic: 1 above the high-frequency band, the factor below the
     low one, between them the reciprocal of the smoothed multiplier."""
@@ -76,13 +76,13 @@ def llama3_divisors(config: ModelConfig, scaling: dict[str, float]) -> torch.Ten
     return torch.where(wavelen < context / high, torch.ones_like(inv_freq), divisors)
 
 
-def llama3_of_divisors(config: ModelConfig, divisors: tuple[float, ...]) -> dict[str, float] | None:
+def llama3_of_divisors(config: ModelConfig, divisors: tuple[float, ...]) -> dict[str, Any] | None:
     """The llama3 scaling whose converter divisors are exactly `divisors`, where they are Meta's
     (META_LLAMA3, the factor their largest): transformers' frequencies from it are exact, where the
     divisions by the stored divisors are off by an ulp in the smoothed band. None otherwise."""
     if len(divisors) != config.rotary_dim // 2 or max(divisors) <= 1.0:
         return None
-    scaling = {"rope_type": "llama3", "factor": max(divisors), **META_LLAMA3}
+    scaling: dict[str, Any] = {"rope_type": "llama3", "factor": max(divisors), **META_LLAMA3}
     expected = llama3_divisors(config, scaling)
     return scaling if torch.equal(expected, torch.tensor(divisors, dtype=torch.float32)) else None
 
