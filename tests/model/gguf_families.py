@@ -1,7 +1,8 @@
 """GGUF files of tiny Hugging Face models, written the way llama.cpp's converter writes them: its tensor
 names (gguf-py's own name map), its metadata keys, q/k rows interleaved for the llama-rope architectures,
-Gemma's norms stored as (1 + w), Phi-3's rope factors as tensors; weight matrices in F32, or Q8_0 with
-the down projections in Q6_K (a K-quant), as a mixed quantization writes them."""
+Gemma's norms stored as (1 + w), Phi-3's rope factors and Llama 3's rope scaling as tensors; weight
+matrices in F32, or Q8_0 with the down projections in Q6_K (a K-quant), as a mixed quantization writes
+them."""
 
 import json
 import math
@@ -183,6 +184,8 @@ def write_hparams(writer: gguf.GGUFWriter, family: str, config: dict[str, Any]) 
         writer.add_expert_count(int(config["num_experts"]))
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
         writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config, head_dim))
     if family == "phi3":
         original = int(config["original_max_position_embeddings"])
         writer.add_rope_dimension_count(int(config["partial_rotary_factor"] * hidden) // n_head)
@@ -194,6 +197,29 @@ def write_hparams(writer: gguf.GGUFWriter, family: str, config: dict[str, Any]) 
             writer.add_tensor(
                 f"rope_factors_{length}.weight", np.array(rope[f"{length}_factor"], dtype=np.float32)
             )
+
+
+def llama3_rope_freqs(config: dict[str, Any], head_dim: int) -> np.ndarray:
+    """Llama 3's rope scaling as llama.cpp's converter writes it: for each rotated pair, the divisor of
+    its frequency (1 above the high-frequency band, `factor` below the low one, the reciprocal of the
+    smoothed multiplier between), its arithmetic in float32 as the converter's. The converter reads the
+    pretraining context from the config's top level (8192 where absent), not from the rope parameters."""
+    rope = config["rope_parameters"]
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    frequencies = 1.0 / (float(rope["rope_theta"]) ** exponents)
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    context = config.get("original_max_position_embeddings", 8192)
+    factors: list[float] = []
+    for frequency in frequencies:
+        wavelength = 2 * math.pi / frequency
+        if wavelength < context / high:
+            factors.append(1.0)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
 Tamper = Callable[[str, np.ndarray], np.ndarray | None]

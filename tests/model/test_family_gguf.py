@@ -57,3 +57,57 @@ def test_a_gguf_of_each_family_matches_transformers(tmp_path: Any, case: str, qu
     with torch.no_grad():
         greedy = theirs.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert tokens == greedy[0, len(prompt) :].tolist()
+
+
+# Llama 3's scaling at a tiny head_dim (8 rotated pairs). "small": base 10000 and a pretraining context
+# of 32, so that the first pair keeps its frequency, the second is smoothed and the other six are divided
+# by 8: not Meta's parameters, so served as the file's divisors. "meta": Llama 3.x's own parameters
+# (pretraining context 8192) at base 500000, one pair in the smoothed band: served as the llama3 scaling.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3_CASES = {"small": (10000.0, 32), "meta": (500000.0, 8192)}
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA3_CASES))
+def test_a_llama3_gguf_keeps_its_rope_scaling(tmp_path: Any, case: str) -> None:
+    """Llama 3.x as llama.cpp's converter writes it: the scaling as a rope_freqs tensor, no rope metadata.
+    The logits past the pretraining context are transformers' on the checkpoint with its rope_scaling
+    (transformers' own GGUF reader drops the tensor, so the reference is the safetensors model)."""
+    import transformers
+
+    from kvserve.model.rope import inverse_frequencies
+    from tests.model.gguf_families import tiny_vocabulary
+
+    theta, context = LLAMA3_CASES[case]
+    vocabulary = tiny_vocabulary("llama")
+    folder = save_tiny_model(
+        str(tmp_path / "llama3"),
+        "llama",
+        intermediate_size=256,
+        vocab_size=len(vocabulary),
+        bos_token_id=vocabulary.bos,
+        eos_token_id=vocabulary.eos,
+        pad_token_id=vocabulary.eos,
+        rope_theta=theta,
+        rope_scaling={**LLAMA3_ROPE, "rope_theta": theta, "original_max_position_embeddings": context},
+        # Where llama.cpp's converter reads the pretraining context.
+        original_max_position_embeddings=context,
+    )
+    path = str(tmp_path / "llama3.gguf")
+    write_family_gguf(folder, path, "llama", False)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    assert theirs.config.rope_parameters["rope_type"] == "llama3"
+    ours = load_model(path, str(tmp_path / "cache"))
+    c = ours.config
+    if case == "small":
+        factors = c.rope_freq_factors
+        assert factors[0] == 1.0 and 1.0 < factors[1] < 8.0 and factors[2:] == (8.0,) * 6
+    else:
+        assert c.rope_freq_factors == () and c.rope_scaling_dict["rope_type"] == "llama3"
+        # Transformers' frequencies bit for bit, which the stored divisors would miss by an ulp.
+        assert torch.equal(inverse_frequencies(c, 512)[0], theirs.model.rotary_emb.inv_freq)
+    runner = exact_runner(ours, 512)
+    prompt = random_prompt(2 * 32 + 7, seed=5, vocab=len(vocabulary))
+    logits, tokens = prompt_and_greedy(runner, prompt, 6)
+    expected = hf_logits(theirs, prompt + tokens)[: len(prompt) + 6]
+    print(f"llama3 rope {case}: max abs logit error {(logits - expected).abs().max():.2e}")
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +19,9 @@ from hypothesis import strategies as st
 from kvserve.errors import ModelLoadError
 from kvserve.model.gguf_file import open_gguf
 from kvserve.model.loader import load_model
+from kvserve.model.runner import ModelRunner
 from tests.helpers import save_tiny_model
+from tests.model.family_cases import gguf_case
 from tests.model.gguf_families import tiny_vocabulary, write_family_gguf
 
 ARCH = "llama"
@@ -272,6 +275,71 @@ def test_metadata_of_the_wrong_type_is_one_error(tmp_path: Any, valid: bytes) ->
     at = _value_at(valid, f"{ARCH}.context_length")
     bad = _put(_put(valid, at - 4, "<I", 6), at, "<f", float("inf"))
     _refused(tmp_path, bad, "the GGUF metadata does not make a model config")
+
+
+# ---- Rope: the context length and Llama 3's frequency factors -----------------------------------------
+
+
+@pytest.mark.parametrize("length", [2**40, 2**24 + 1, 0])
+def test_a_context_length_no_rope_table_could_hold_is_refused(
+    tmp_path: Any, folder: str, monkeypatch: pytest.MonkeyPatch, length: int
+) -> None:
+    """Refused at load, before the engine sizes its rope tables (or anything else) by it."""
+
+    def context_length(writer: gguf.GGUFWriter, _: int) -> None:
+        writer.add_uint64(f"{ARCH}.context_length", length)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_context_length", context_length)
+    path = _write(folder, str(tmp_path / "context.gguf"))
+    with open(path, "rb") as f:
+        _refused(tmp_path, f.read(), rf"llama\.context_length {length} is not a context kvserve serves")
+
+
+def test_the_rope_tables_hold_no_position_the_pool_cannot(
+    tmp_path: Any, folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The longest context a file may claim, served by default: the tables stop at the pool's tokens."""
+    monkeypatch.setattr(
+        gguf.GGUFWriter, "add_context_length", lambda w, _: w.add_uint32(f"{ARCH}.context_length", 2**24)
+    )
+    model = load_model(_write(folder, str(tmp_path / "long.gguf")), str(tmp_path / "cache"))
+    assert model.config.max_position_embeddings == 2**24
+    runner = ModelRunner(model, 16, 4, 2**24, "cpu", "float32", "float32")
+    assert runner.transformer.rotary.cos.shape[0] == 16 * 4
+
+
+def _rope_freqs(values: list[float]) -> Callable[[gguf.GGUFWriter], None]:
+    return lambda w: w.add_tensor("rope_freqs.weight", np.array(values, dtype=np.float32))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ([1.0] * 5, r"tensor rope_freqs\.weight is \[5\] but the rotary dimension makes it \[8\]"),
+        ([1.0] * 7 + [float("nan")], r"tensor rope_freqs\.weight holds the factor nan, outside"),
+        ([1.0] * 7 + [float("inf")], r"tensor rope_freqs\.weight holds the factor inf, outside"),
+        ([0.0] + [1.0] * 7, r"tensor rope_freqs\.weight holds the factor 0\.0, outside"),
+        ([-8.0] + [1.0] * 7, r"tensor rope_freqs\.weight holds the factor -8\.0, outside"),
+        ([1e30] + [1.0] * 7, r"tensor rope_freqs\.weight holds the factor 1\.0\d*e\+30, outside"),
+    ],
+)
+def test_rope_frequency_factors_of_another_shape_or_out_of_range_are_refused(
+    tmp_path: Any, folder: str, values: list[float], message: str
+) -> None:
+    path = _write(folder, str(tmp_path / "freqs.gguf"), extra=_rope_freqs(values))
+    with open(path, "rb") as f:
+        _refused(tmp_path, f.read(), message)
+
+
+def test_rope_frequency_factors_of_a_family_that_takes_none_are_refused(tmp_path: Any) -> None:
+    """Gemma 3's llama.cpp graph reads no rope_freqs: serving without them would rotate otherwise than
+    the file means."""
+    family, overrides = gguf_case("gemma3")
+    source = save_tiny_model(str(tmp_path / "gemma3"), family, **overrides)
+    path = str(tmp_path / "gemma3.gguf")
+    write_family_gguf(source, path, family, False, extra=_rope_freqs([1.0] * 8))
+    with open(path, "rb") as f:
+        _refused(tmp_path, f.read(), r"tensor rope_freqs\.weight: the gemma3 family takes no factors")
 
 
 # ---- Anything else ----------------------------------------------------------------------------------

@@ -116,6 +116,9 @@ def test_cli_reports_a_bad_model_in_one_line(tmp_path: Any, capsys: pytest.Captu
         ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
         ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope scaling 'dynamic' is not supported"),
         ("final_logit_softcapping", 30.0, "final_logit_softcapping is not supported"),
+        # A context no rope table could be sized by.
+        ("max_position_embeddings", 2**40, "max_position_embeddings 1099511627776 is not a context kvserve"),
+        ("max_position_embeddings", 0, "max_position_embeddings 0 is not a context kvserve serves"),
     ],
 )
 def test_config_fields_that_change_the_math_are_refused(

@@ -15,7 +15,7 @@ tensors ([experts, rows, in]) answer the checkpoint's per-expert names.
 import logging
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.model.families.base import Family, GgufMetadata
 from kvserve.model.gguf_file import F32, GgufFile, TensorInfo, dequantizable, dequantize, type_name
 from kvserve.model.quant_blocks import BLOCK_SIZES, QuantizedWeight, row_unit
+from kvserve.model.rope import llama3_of_divisors
 from kvserve.model.spec import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -253,6 +254,42 @@ def check_against_config(file: GgufFile, meta: GgufMetadata, config: ModelConfig
         expect(p + "attn_v.weight", (c.hidden_size, kv), heads)
         expect(p + "attn_qkv.weight", (c.hidden_size, q + 2 * kv), heads)
         expect(p + "attn_output.weight", (q, c.hidden_size), heads)
+
+
+ROPE_FREQS = "rope_freqs.weight"
+# The range a rope frequency factor may take: Llama 3's run from 1 to 32; a factor far outside would make
+# the rotation angles overflow float32 (or stand still) rather than scale them.
+ROPE_FACTOR_RANGE = (2.0**-16, 2.0**16)
+
+
+def with_rope_freqs(file: GgufFile, family: Family, config: ModelConfig) -> ModelConfig:
+    """`config` with the file's rope frequency factors (`ROPE_FREQS`, one per rotated pair, each within
+    ROPE_FACTOR_RANGE) where it has them: as the llama3 scaling they are exactly the converter's form of
+    (rope.llama3_of_divisors), else as `rope_freq_factors`. A family that reads none refuses the tensor,
+    since serving without it would rotate otherwise than the file means."""
+    t = file.tensors.get(ROPE_FREQS)
+    if t is None:
+        return config
+    if not family.gguf_rope_freqs:
+        raise ModelLoadError(file.path, f"tensor {ROPE_FREQS}: the {family.name} family takes no factors")
+    pairs = config.rotary_dim // 2
+    if t.dims != (pairs,):
+        raise ModelLoadError(
+            file.path, f"tensor {ROPE_FREQS} is {_shape(t.dims)} but the rotary dimension makes it [{pairs}]"
+        )
+    factors = file.floats(t).astype(np.float64)
+    low, high = ROPE_FACTOR_RANGE
+    bad = [f for f in factors if not low <= f <= high]  # NaN fails both comparisons
+    if bad:
+        raise ModelLoadError(
+            file.path, f"tensor {ROPE_FREQS} holds the factor {bad[0]}, outside [2**-16, 2**16]"
+        )
+    divisors = tuple(float(f) for f in factors)
+    llama3 = None if config.rope_scaling else llama3_of_divisors(config, divisors)
+    if llama3 is not None:
+        # Llama 3.x's own scaling, written by llama.cpp's converter: served as its checkpoint's.
+        return replace(config, rope_scaling=tuple(sorted(llama3.items())))
+    return replace(config, rope_freq_factors=divisors)
 
 
 def _shape(dims: tuple[int, ...]) -> str:

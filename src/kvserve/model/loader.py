@@ -25,6 +25,7 @@ from kvserve.model.gguf_weights import (
     GgufWeights,
     check_against_config,
     check_layers,
+    with_rope_freqs,
 )
 from kvserve.model.quant_blocks import QuantizedWeight
 from kvserve.model.spec import ModelConfig
@@ -253,6 +254,7 @@ def _gguf_head(path: str, cache_dir: str) -> _GgufHead:
         # A value of another type or range than the key's (a string, a list, an infinite float).
         raise ModelLoadError(path, f"the GGUF metadata does not make a model config ({e})") from None
     check_against_config(file, meta, config)
+    config = with_rope_freqs(file, family, config)
     folder = gguf_tokenizer_dir(file, family.gguf_tokenizer_as or meta.arch, cache_dir)
     return _GgufHead(file, family, config, load_tokenizer(folder, config, str(raw["model_type"])))
 

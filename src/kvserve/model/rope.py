@@ -13,7 +13,16 @@ def inverse_frequencies(
     config: ModelConfig, max_positions: int, kind_of_layer: str = ROPE_GLOBAL
 ) -> tuple[torch.Tensor, float]:
     """Per-pair rotation frequencies and the factor that scales cos/sin (1.0 except for YaRN and
-    LongRoPE). `max_positions`: the longest context served (LongRoPE picks its factors by it)."""
+    LongRoPE). `max_positions`: the longest context served (LongRoPE picks its factors by it). The global
+    rope's frequencies are then divided by `config.rope_freq_factors`, where it has them."""
+    inv_freq, scale = _scaled(config, max_positions, kind_of_layer)
+    if kind_of_layer == ROPE_GLOBAL and config.rope_freq_factors:
+        # As llama.cpp applies its rope_freqs tensor: each pair's frequency over its factor.
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq, scale
+
+
+def _scaled(config: ModelConfig, max_positions: int, kind_of_layer: str) -> tuple[torch.Tensor, float]:
     dim = config.rotary_dim
     base = config.local_rope_theta if kind_of_layer == ROPE_LOCAL else config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -45,6 +54,37 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+# Llama 3.x's published scaling, but for its factor (8 for 3.1 and 3.3, 32 for 3.2).
+META_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_divisors(config: ModelConfig, scaling: dict[str, Any]) -> torch.Tensor:
+    """The per-pair divisors of the frequencies that llama.cpp's converter writes (its rope_freqs) for
+    llama3 `scaling`, with its float32 arithmetic: 1 above the high-frequency band, the factor below the
+    low one, between them the reciprocal of the smoothed multiplier."""
+    dim = config.rotary_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - low) / (high - low)
+    between = 1 / ((1 - smooth) / factor + smooth)
+    divisors = torch.where(wavelen > context / low, torch.full_like(inv_freq, factor), between)
+    return torch.where(wavelen < context / high, torch.ones_like(inv_freq), divisors)
+
+
+def llama3_of_divisors(config: ModelConfig, divisors: tuple[float, ...]) -> dict[str, Any] | None:
+    """The llama3 scaling whose converter divisors are exactly `divisors`, where they are Meta's
+    (META_LLAMA3, the factor their largest): transformers' frequencies from it are exact, where the
+    divisions by the stored divisors are off by an ulp in the smoothed band. None otherwise."""
+    if len(divisors) != config.rotary_dim // 2 or max(divisors) <= 1.0:
+        return None
+    scaling: dict[str, Any] = {"rope_type": "llama3", "factor": max(divisors), **META_LLAMA3}
+    expected = llama3_divisors(config, scaling)
+    return scaling if torch.equal(expected, torch.tensor(divisors, dtype=torch.float32)) else None
 
 
 def _yarn(config: ModelConfig, scaling: dict[str, float]) -> tuple[torch.Tensor, float]:
@@ -96,7 +136,8 @@ def _longrope(config: ModelConfig, scaling: dict[str, Any], max_positions: int) 
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position up to `max_positions`, looked up per step by position ids.
+    """cos/sin tables for the positions below `rows` (default `max_positions`, the longest context
+    served; fewer where the KV pool cannot hold that many tokens), looked up per step by position ids.
     `kind_of_layer`: ROPE_GLOBAL (the model's rope) or ROPE_LOCAL (the sliding layers' base)."""
 
     def __init__(
@@ -106,9 +147,11 @@ class RotaryEmbedding:
         device: torch.device,
         dtype: torch.dtype,
         kind_of_layer: str = ROPE_GLOBAL,
+        rows: int | None = None,
     ):
         inv_freq, scale = inverse_frequencies(config, max_positions, kind_of_layer)
-        t = torch.arange(max_positions, dtype=torch.int64).float()
+        positions = max_positions if rows is None else min(rows, max_positions)
+        t = torch.arange(positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq.float())
         self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (freqs.sin() * scale).to(device=device, dtype=dtype)

@@ -137,6 +137,8 @@ class ModelRunner:
             cache_dir,
             int16_decodes,
             model.norms_hold_offset,
+            # No sequence outgrows the global pool: the rope tables hold no position past it.
+            min(max_model_len, num_blocks * block_size),
         )
         self.kv_cache = KVCache(
             c.num_layers,

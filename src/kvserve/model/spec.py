@@ -15,6 +15,10 @@ ROPE_NONE = "none"
 # (GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
+# The longest context a config may claim: rope positions are float32, exact up to 2**24 (no released
+# model claims more than 10M tokens). A claim past it is refused at load, before any table is sized by it.
+MAX_CONTEXT_LENGTH = 1 << 24
+
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -66,6 +70,9 @@ class ModelConfig:
     scale_embeddings: bool = False
     # The mixture-of-experts MLP of the sparse layers; None: every layer's MLP is dense.
     moe: MoeConfig | None = None
+    # Per-pair divisors of the global rope's frequencies, on top of `rope_scaling`: a GGUF's rope_freqs
+    # tensor (llama.cpp's form of Llama 3's scaling), applied as llama.cpp does; empty: none.
+    rope_freq_factors: tuple[float, ...] = ()
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -206,7 +213,8 @@ def decoder_config(raw: Mapping[str, Any], architecture: str, **fields: Any) -> 
 
 
 def _check_shape(c: ModelConfig) -> None:
-    """Sizes a forward pass can run: positive, and whole groups of query heads per KV head."""
+    """Sizes a forward pass can run: positive, whole groups of query heads per KV head, and a context
+    within MAX_CONTEXT_LENGTH."""
     sizes = {
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
@@ -219,6 +227,11 @@ def _check_shape(c: ModelConfig) -> None:
     for name, value in sizes.items():
         if value <= 0:
             raise ValueError(f"{name} must be positive, not {value}")
+    if not 0 < c.max_position_embeddings <= MAX_CONTEXT_LENGTH:
+        raise ValueError(
+            f"max_position_embeddings {c.max_position_embeddings} is not a context kvserve serves "
+            f"(1 to {MAX_CONTEXT_LENGTH} tokens)"
+        )
     if c.num_heads % c.num_kv_heads:
         raise ValueError(
             f"num_attention_heads {c.num_heads} is not a multiple of num_key_value_heads {c.num_kv_heads}"

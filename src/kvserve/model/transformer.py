@@ -95,11 +95,13 @@ class Transformer:
         cache_dir: str = "",
         int16_decodes: bool = False,
         norms_hold_offset: bool = False,
+        rope_rows: int | None = None,
     ) -> None:
         """`attention`: the backend every layer attends through; `quantized`: the file's blocks by weight
         name, for weight_dtype "gguf"; `cache_dir` holds the native kernels; `int16_decodes`: the native
         products take decode and logits rows with int16 activations (EngineConfig.decode_activations);
-        `norms_hold_offset`: the norm weights hold the family's norm_offset already (a GGUF's do)."""
+        `norms_hold_offset`: the norm weights hold the family's norm_offset already (a GGUF's do);
+        `rope_rows`: the positions the rope tables hold (default `max_positions`)."""
         self.config = config
         self.attention = attention
         family = family_named(config.architecture)
@@ -129,7 +131,7 @@ class Transformer:
         self.lm_head = w.linear([Rows(head, c.vocab_size)], hidden)
         # One rope table per kind the layers take (global, and Gemma's local base for sliding layers).
         kinds = sorted({c.rope(i) for i in range(c.num_layers)} - {ROPE_NONE}, key=lambda k: k != ROPE_GLOBAL)
-        self.ropes = [RotaryEmbedding(c, max_positions, device, dtype, kind) for kind in kinds]
+        self.ropes = [RotaryEmbedding(c, max_positions, device, dtype, kind, rope_rows) for kind in kinds]
         names = family.tensors
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):

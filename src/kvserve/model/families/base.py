@@ -15,7 +15,7 @@ import numpy as np
 
 from kvserve.model.gguf_file import ARRAY, GgufFile
 from kvserve.model.mlp import GatedMlp, Mlp
-from kvserve.model.spec import ModelConfig
+from kvserve.model.spec import MAX_CONTEXT_LENGTH, ModelConfig
 from kvserve.model.weights import ModelWeights, Rows
 
 
@@ -105,7 +105,7 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
         "num_key_value_heads": int(meta.get("{arch}.attention.head_count_kv", n_head)),
         "rms_norm_eps": float(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(meta.get("{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get("{arch}.context_length", 2048)),
+        "max_position_embeddings": _context_length(meta),
         "tie_word_embeddings": not meta.has_tensor("output.weight"),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -125,6 +125,16 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
             "factor": float(meta.require("{arch}.rope.scaling.factor")),
         }
     return config
+
+
+def _context_length(meta: GgufMetadata) -> int:
+    length = int(meta.get("{arch}.context_length", 2048))
+    if not 0 < length <= MAX_CONTEXT_LENGTH:
+        raise ValueError(
+            f"{meta.arch}.context_length {length} is not a context kvserve serves (1 to {MAX_CONTEXT_LENGTH} "
+            "tokens)"
+        )
+    return length
 
 
 # llama.cpp's names of a layer's tensors (after `blk.N.`) -> Hugging Face names (after `model.layers.N.`).
@@ -176,3 +186,6 @@ class Family:
     gguf_permuted_qk: bool = False
     # Where transformers cannot read this architecture's GGUF tokenizer: the architecture it is read as.
     gguf_tokenizer_as: str = ""
+    # llama.cpp's graph of this architecture divides its rope frequencies by a `rope_freqs.weight` tensor
+    # where the file has one (how its converter writes Llama 3's scaling; gguf-py's ROPE_FREQS).
+    gguf_rope_freqs: bool = False

@@ -27,6 +27,7 @@ LLAMA = Family(
     config=_config("llama"),
     gguf_architectures=("llama",),
     gguf_config=_gguf_config,
+    gguf_rope_freqs=True,
     gguf_permuted_qk=True,
 )
 # llama.cpp writes Mistral's dense models as `llama`.

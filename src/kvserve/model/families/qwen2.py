@@ -31,4 +31,5 @@ QWEN2 = Family(
     config=_config,
     gguf_architectures=("qwen2",),
     gguf_config=_gguf_config,
+    gguf_rope_freqs=True,
 )

@@ -43,5 +43,6 @@ QWEN3 = Family(
     tensors=TENSORS,
     gguf_architectures=("qwen3",),
     gguf_config=_gguf_config,
+    gguf_rope_freqs=True,
     gguf_layer=GGUF_LAYER,
 )

@@ -47,6 +47,7 @@ SMOLLM3 = Family(
     config=_config,
     gguf_architectures=("smollm3",),
     gguf_config=_gguf_config,
+    gguf_rope_freqs=True,
     gguf_permuted_qk=True,
     # A byte-level BPE tokenizer, read by transformers the same way under any architecture.
     gguf_tokenizer_as="llama",
