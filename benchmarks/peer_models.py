@@ -32,7 +32,7 @@ from typing import Any
 import gguf
 import numpy as np
 from gguf import MODEL_TENSOR, GGMLQuantizationType, GGUFReader, GGUFWriter, TokenType
-from tests.model.gguf_families import ARCHES, write_hparams
+from tests.model.gguf_families import ARCHES, llama3_rope_freqs, write_hparams
 from tests.server.chat_templates import LLAMA3, QWEN3
 
 from kvserve.model.loader import default_model_path
@@ -340,31 +340,9 @@ def tensor_type(shape: Shape, t: Tensor) -> Q:
     return q4_k_m_type(t.kind, t.shape[-1], t.layer, c["num_hidden_layers"], c.get("num_experts", 0), tied)
 
 
-def _llama3_rope_freqs(c: dict[str, Any]) -> np.ndarray:
-    """The per-frequency divisors of Llama 3's rope scaling, as the converter stores them (rope_freqs)."""
-    rope = c["rope_parameters"]
-    head_dim = int(c["head_dim"])
-    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    low = rope["original_max_position_embeddings"] / rope["low_freq_factor"]
-    high = rope["original_max_position_embeddings"] / rope["high_freq_factor"]
-    out = []
-    for f in freqs:
-        wavelength = 2 * math.pi / f
-        if wavelength < high:
-            out.append(1.0)
-        elif wavelength > low:
-            out.append(rope["factor"])
-        else:
-            smooth = (rope["original_max_position_embeddings"] / wavelength - rope["low_freq_factor"]) / (
-                rope["high_freq_factor"] - rope["low_freq_factor"]
-            )
-            out.append(1 / ((1 - smooth) / rope["factor"] + smooth))
-    return np.array(out, dtype=np.float32)
-
-
 def tensor_data(rng: np.random.Generator, shape: Shape, t: Tensor, kind: Q) -> np.ndarray:
     if t.kind == MODEL_TENSOR.ROPE_FREQS:
-        return _llama3_rope_freqs(shape.config)
+        return llama3_rope_freqs(shape.config, int(shape.config["head_dim"]))
     if kind == Q.F32:
         center = 0.0 if t.bias or t.kind == MODEL_TENSOR.FFN_GATE_INP else 1.0
         return (center + WEIGHT_STD * rng.standard_normal(t.shape)).astype(np.float32)

@@ -184,8 +184,6 @@ def write_hparams(writer: gguf.GGUFWriter, family: str, config: dict[str, Any]) 
         writer.add_expert_count(int(config["num_experts"]))
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
         writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
-    if rope.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config, head_dim))
     if family == "phi3":
         original = int(config["original_max_position_embeddings"])
         writer.add_rope_dimension_count(int(config["partial_rotary_factor"] * hidden) // n_head)
@@ -247,6 +245,9 @@ def write_family_gguf(
     names = gguf.get_tensor_name_map(arch, n_layers)
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     write_hparams(writer, family, config)
+    if config.get("rope_parameters", {}).get("rope_type") == "llama3":
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config, head_dim))
     n_head, n_kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     vocabulary = tiny_vocabulary(family)
     writer.add_tokenizer_model(vocabulary.model)
