@@ -220,6 +220,23 @@ def llama3_rope_freqs(config: dict[str, Any], head_dim: int) -> np.ndarray:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
+def write_tiny_vocabulary(writer: gguf.GGUFWriter, family: str) -> None:
+    """The family's tiny tokenizer under llama.cpp's `tokenizer.*` keys."""
+    vocabulary = tiny_vocabulary(family)
+    writer.add_tokenizer_model(vocabulary.model)
+    writer.add_token_list(vocabulary.tokens)
+    writer.add_token_types(vocabulary.types)
+    writer.add_token_scores(vocabulary.scores)
+    if vocabulary.merges:
+        writer.add_token_merges(vocabulary.merges)
+    writer.add_bos_token_id(vocabulary.bos)
+    writer.add_eos_token_id(vocabulary.eos)
+    if vocabulary.unk is not None:
+        writer.add_unk_token_id(vocabulary.unk)
+    if vocabulary.pad is not None:
+        writer.add_pad_token_id(vocabulary.pad)
+
+
 Tamper = Callable[[str, np.ndarray], np.ndarray | None]
 
 
@@ -249,19 +266,7 @@ def write_family_gguf(
         head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config, head_dim))
     n_head, n_kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    vocabulary = tiny_vocabulary(family)
-    writer.add_tokenizer_model(vocabulary.model)
-    writer.add_token_list(vocabulary.tokens)
-    writer.add_token_types(vocabulary.types)
-    writer.add_token_scores(vocabulary.scores)
-    if vocabulary.merges:
-        writer.add_token_merges(vocabulary.merges)
-    writer.add_bos_token_id(vocabulary.bos)
-    writer.add_eos_token_id(vocabulary.eos)
-    if vocabulary.unk is not None:
-        writer.add_unk_token_id(vocabulary.unk)
-    if vocabulary.pad is not None:
-        writer.add_pad_token_id(vocabulary.pad)
+    write_tiny_vocabulary(writer, family)
     if extra is not None:
         extra(writer)
     reference: dict[str, torch.Tensor] = {}

@@ -11,24 +11,12 @@ from transformers import AutoTokenizer
 from kvserve.model.gguf_file import open_gguf
 from kvserve.model.gguf_tokenizer import tokenizer_class, tokenizer_dir
 from kvserve.model.loader import load_tokenizer
-from tests.model.gguf_families import tiny_vocabulary
+from tests.model.gguf_families import write_tiny_vocabulary
 
 
 def _tokenizer_gguf(path: str, family: str, architecture: str) -> None:
-    v = tiny_vocabulary(family)
     writer = gguf.GGUFWriter(path, architecture)
-    writer.add_tokenizer_model(v.model)
-    writer.add_token_list(v.tokens)
-    writer.add_token_types(v.types)
-    writer.add_token_scores(v.scores)
-    if v.merges:
-        writer.add_token_merges(v.merges)
-    writer.add_bos_token_id(v.bos)
-    writer.add_eos_token_id(v.eos)
-    if v.unk is not None:
-        writer.add_unk_token_id(v.unk)
-    if v.pad is not None:
-        writer.add_pad_token_id(v.pad)
+    write_tiny_vocabulary(writer, family)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
