@@ -9,7 +9,7 @@ every reply equals a no-cache engine's."""
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -57,10 +57,12 @@ def _generate_all(engine: Engine, prompts: list[list[int]], max_tokens: int) -> 
 
 
 @pytest.fixture
-def paused_redis(redis_server: RedisServer) -> Iterator[threading.Event]:
-    """A Redis that pauses every client for 450 ms over and over once the event is set: each read
-    answers, just under the tier's 0.5 s timeout, so the tier sees it slow, not down."""
-    start, stop = threading.Event(), threading.Event()
+def paused_redis(redis_server: RedisServer) -> Iterator[Callable[[], None]]:
+    """A Redis that pauses every client for 450 ms over and over once the returned function is called:
+    each read answers, just under the tier's 0.5 s timeout, so the tier sees it slow, not down. The
+    function returns once the first pause is in effect: a read issued before it would answer at once
+    (the race that let the first of the 16 through in CI)."""
+    start, paused, stop = threading.Event(), threading.Event(), threading.Event()
 
     def pause() -> None:
         client = redis_server.client()
@@ -68,21 +70,26 @@ def paused_redis(redis_server: RedisServer) -> Iterator[threading.Event]:
             start.wait()
             while not stop.is_set():
                 client.client_pause(450)
+                paused.set()
                 stop.wait(0.45)
         finally:
             client.client_unpause()
             client.close()
 
+    def begin() -> None:
+        start.set()
+        assert paused.wait(10)
+
     thread = threading.Thread(target=pause, daemon=True)
     thread.start()
-    yield start
+    yield begin
     stop.set()
     start.set()
     thread.join(timeout=10)
 
 
 def test_a_paused_redis_never_stalls_another_tenants_stream(
-    tiny_model: LoadedModel, redis_server: RedisServer, paused_redis: threading.Event
+    tiny_model: LoadedModel, redis_server: RedisServer, paused_redis: Callable[[], None]
 ) -> None:
     plain = _engine(tiny_model, None)
     want = _generate_all(plain, PROMPTS, 2)
@@ -117,7 +124,7 @@ def test_a_paused_redis_never_stalls_another_tenants_stream(
         running = asyncio.ensure_future(stream())
         while "a" not in events:
             await asyncio.sleep(0.01)
-        paused_redis.set()
+        await asyncio.to_thread(paused_redis)
         events.append("submitted")
         burst = asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
         done = asyncio.Event()

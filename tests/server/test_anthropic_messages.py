@@ -101,8 +101,9 @@ def test_a_message_whole_and_streamed_with_the_event_sequence(
     with client.messages.stream(model=NAME, max_tokens=12, messages=ask, extra_body=GREEDY) as stream:
         streamed = stream.get_final_message()
     # The raw events (the client keeps pings to itself): a ping after message_start, and another
-    # whenever no delta came for the interval, here a hundredth of a second.
-    monkeypatch.setattr(anthropic_serving, "PING_INTERVAL_S", 0.01)
+    # whenever no delta came for the interval. An interval of 0 pings whenever the reader has caught up
+    # with the engine, which it does between tokens: 10 ms failed in CI, whose tokens came faster.
+    monkeypatch.setattr(anthropic_serving, "PING_INTERVAL_S", 0.0)
     body = {"model": NAME, "max_tokens": 12, "messages": ask, "stream": True, **GREEDY}
     events = _sse_events(httpx.post(f"{server.url}/v1/messages", json=body, timeout=300).text)
     kinds = [k for k, _ in events]
