@@ -170,7 +170,7 @@ def _process(
         keep = token < vocab
         held = sub.index_put((row[keep], token[keep]), torch.tensor(float("-inf"), dtype=sub.dtype))
         # A row whose every token is held back keeps its logits: a stop token sampled before min_tokens
-        # is no stop (see Engine._append), while a row of -inf would sample from NaN. So a grammar that
+        # is no stop (see Request.append), while a row of -inf would sample from NaN. So a grammar that
         # can only end ends, min_tokens or not.
         sub = torch.where(held.isneginf().all(dim=1, keepdim=True), sub, held)
     return logits.index_copy(0, torch.tensor(rows), sub)
