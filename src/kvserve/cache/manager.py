@@ -662,7 +662,7 @@ class KVCacheManager:
                 held = prefix[: len(blocks) * self.block_size]
                 self._retentions.retain(namespace, held, list(blocks), self.clock() + ttl)
             out.append(length)
-        # A later breakpoint's retention may trim an earlier one's (the namespace's budget).
+        # A later breakpoint's retention may trim an earlier one's (the budget or the server cap).
         return [self._retentions.held(namespace, tokens[:n]) if n else 0 for n in out]
 
     def expire_retentions(self) -> int:
