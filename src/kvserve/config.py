@@ -118,7 +118,7 @@ class EngineConfig:
     None: the whole `max_pinned_tokens`).
     `retention_budget` and `max_retained` are shares of the pool left after pins: what one cache
     namespace's retentions (prompt-cache breakpoints, cache/retention.py) may hold, and what all of them
-    together may; past the budget a namespace's oldest retention goes, and `max_retained` 0 turns
+    together may; past either, the oldest retentions are trimmed, and `max_retained` 0 turns
     retention off (as the prefix cache off does). Retained blocks are not held back from requests: they
     give way when a request could not run otherwise.
 
@@ -223,7 +223,7 @@ class EngineConfig:
     retention_budget: float = option(
         0.25,
         "share of the KV pool (less pins) one tenant's (or shared group's) cache_control retentions may "
-        "hold; past it the tenant's oldest retention goes (default %(default)s)",
+        "hold; past it the tenant's oldest retentions are trimmed (default %(default)s)",
     )
     max_retained: float = option(
         0.5,

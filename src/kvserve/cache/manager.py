@@ -97,8 +97,10 @@ class CacheUsage:
     num_evictable: int = 0
     num_retained: int = 0
     max_retained: int = 0
-    # Retentions dropped before their time, by reason (cache/retention.py: budget, server_cap, memory).
+    # Retentions dropped whole before their time, and retained blocks given up (trimmed, or with their
+    # retention), by reason (cache/retention.py: budget, server_cap, memory).
     retentions_dropped: dict[str, int] = field(default_factory=dict)
+    retained_blocks_dropped: dict[str, int] = field(default_factory=dict)
 
     @property
     def usage(self) -> float:
@@ -624,15 +626,20 @@ class KVCacheManager:
     def retention_enabled(self) -> bool:
         return self._retentions.enabled
 
+    def retainable_length(self, num_tokens: int) -> int:
+        """The most of a breakpoint's `num_tokens` tokens a retention could hold (0: retention off)."""
+        return self._retentions.retainable_length(num_tokens)
+
     def retain(
         self, namespace: str, tokens: Sequence[int], breakpoints: Sequence[tuple[int, float]]
     ) -> list[int]:
         """Hold the cached prefixes `tokens[:length]` of `namespace` against eviction for `ttl_s` seconds,
         for each breakpoint (length, ttl_s), after the rules of cache/retention.py; returns the tokens
-        now held for each (0: nothing). Never raises for the breakpoints' values: one that is not an
-        integer length in 1..len(tokens) with a positive TTL, or that holds less than a block, is
-        skipped. Only what memory holds is retained (the lower tiers keep their own copies); a prefix
-        cached in part is retained in part."""
+        of each breakpoint's prefix that the namespace's retentions hold once all are made (0: none;
+        what a request's usage reports as kept). Never raises for the breakpoints' values: one that is
+        not an integer length in 1..len(tokens) with a positive TTL, or that holds less than a block,
+        is skipped. Only what memory holds is retained (the lower tiers keep their own copies); a
+        prefix cached in part is retained in part."""
         out = []
         for breakpoint in breakpoints:
             try:
@@ -654,8 +661,9 @@ class KVCacheManager:
             if blocks:
                 held = prefix[: len(blocks) * self.block_size]
                 self._retentions.retain(namespace, held, list(blocks), self.clock() + ttl)
-            out.append(len(blocks) * self.block_size)
-        return out
+            out.append(length)
+        # A later breakpoint's retention may trim an earlier one's (the budget or the server cap).
+        return [self._retentions.held(namespace, tokens[:n]) if n else 0 for n in out]
 
     def expire_retentions(self) -> int:
         """Drop every retention whose time is over; its blocks stay cached, evictable."""
@@ -685,6 +693,7 @@ class KVCacheManager:
             num_retained=retentions.num_blocks,
             max_retained=retentions.max_blocks,
             retentions_dropped=dict(retentions.dropped),
+            retained_blocks_dropped=dict(retentions.dropped_blocks),
         )
 
     def _held_without_requests(self) -> int:

@@ -1,9 +1,9 @@
 """Retention: cached prefixes a client marked (a prompt-cache breakpoint) held against eviction for a
-while, within budgets that drop old retentions rather than refuse new ones.
+while, within budgets that trim old retentions rather than refuse new ones.
 
 Pins (pins.py) are explicit and hard: a pin over a cap is refused, and a pinned block is never given up
 before its time. A retention is a side effect of an ordinary request, so it is never refused: what does
-not fit its budget pushes out an older retention instead. A `RetentionTable` records retentions and
+not fit its budget trims older retentions instead. A `RetentionTable` records retentions and
 keeps their budgets; it never touches a reference count. `Retentions` is the table the KVCacheManager
 keeps, whose retentions own one pool reference to each of their blocks, as pins do.
 
@@ -17,18 +17,36 @@ The rules, in the order `retain` applies them:
   shorter retentions it outlasts. An agent whose breakpoint moves to the end of its context every turn
   therefore holds one retention, while a system prompt retained for an hour under a conversation
   retained for five minutes stays a retention of its own.
-- Budget: past `max_blocks_per_namespace` distinct blocks, the namespace's own oldest retentions (least
-  recently made or refreshed) are dropped until it fits. No other namespace's retention is touched.
-- Server cap: past `max_blocks` distinct blocks in all, the namespace holding the most retained blocks
-  gives up its oldest retention, until the total fits (the new retention is never the one dropped).
+- Budget: past `max_blocks_per_namespace` distinct blocks, the namespace's own retentions are trimmed
+  until it fits. No other namespace's retention is touched.
+- Server cap: past `max_blocks` distinct blocks in all, retentions of any namespace are trimmed until
+  the total fits.
 - Memory: when an allocation finds no block free or evictable and no other sequence could free one,
-  the manager asks the table to `give_way`: the namespace holding the most gives up its oldest.
+  the manager asks the table to `give_way` a block at a time, trimmed the same way.
 - Expiry: a retention ends at `expires_at` on the manager's clock, and its blocks stay cached, evictable.
+
+Trimming gives up exactly the blocks that are over, one at a time, each from the end of a retention:
+it keeps its first blocks (the most shared part), and the block it lets go is its deepest, the one
+eviction takes first. Each cut is from the oldest retention (least recently made or refreshed, by a
+counter that never repeats: two never tie, and a name never decides) whose last block no other
+retention of its namespace holds (cutting any other would free nothing). A retention cut to nothing,
+or to a prefix another retention of its namespace holds as long, is removed. So a retention goes whole
+only when every one of its blocks was needed, never to make room for less.
+
+A new retention may trim other namespaces' retentions, oldest first, since retention is never refused
+and the newest breakpoint is the likeliest to be read again; but never more of them than it adds: the
+total was within the cap before it, so a retain that adds n blocks is at most n over. A namespace's
+retains never shrink it, so over any sequence of them it takes from the others at most what it grew
+by, at most its budget (past it, it trims its own). The retention being made is the newest, so it
+would be cut only if nothing older could give a block, which never happens with the tree's blocks: a
+block that no older retention could give up lies in its own prefix.
 
 Invariants (`check`, and `KVCacheManager.check` for the references): a namespace's retentions hold at
 most `max_blocks_per_namespace` distinct blocks, all of them at most `max_blocks`; no block is retained
-by two namespaces (each has its own tree); every retention holds one block per `block_size` tokens; and
-no retention's prefix is extended by another retention of its namespace that outlasts it.
+by two namespaces (each has its own tree); every retention holds one block per `block_size` tokens, at
+least one; no two retentions of a namespace hold one prefix, and none's prefix is extended by another
+retention of its namespace that outlasts it; no two retentions share an age; and the blocks and
+retentions given up (`dropped_blocks`, `dropped`) are counted by reason.
 """
 
 import itertools
@@ -75,6 +93,12 @@ def _extends(longer: tuple[int, ...], shorter: tuple[int, ...]) -> bool:
     return len(longer) > len(shorter) and longer[: len(shorter)] == shorter
 
 
+def _covers(other: Retention, retention: Retention) -> bool:
+    """Whether `other` holds all of `retention`'s prefix for at least as long (it then adds nothing)."""
+    held = other.tokens[: len(retention.tokens)] == retention.tokens
+    return held and other.expires_at >= retention.expires_at
+
+
 class RetentionTable:
     def __init__(self, max_blocks: int, max_blocks_per_namespace: int, block_size: int) -> None:
         if max_blocks < 0 or max_blocks_per_namespace < 0:
@@ -86,7 +110,9 @@ class RetentionTable:
         # Per namespace: how many of its retentions hold each block (its distinct blocks are the keys).
         self._refs: dict[str, Counter[int]] = {}
         self._used = itertools.count(1)
+        # Retentions removed whole, and blocks given up, before their time, by reason.
         self.dropped: Counter[str] = Counter()
+        self.dropped_blocks: Counter[str] = Counter()
 
     @property
     def enabled(self) -> bool:
@@ -95,8 +121,11 @@ class RetentionTable:
     def retainable(self, tokens: Sequence[int]) -> tuple[int, ...]:
         """The part of `tokens` a retention would hold: its full blocks, at most a namespace's budget of
         them (empty: nothing to hold)."""
-        n = min(len(tokens) // self.block_size, self.max_blocks_per_namespace)
-        return tuple(tokens[: n * self.block_size])
+        return tuple(tokens[: self.retainable_length(len(tokens))])
+
+    def retainable_length(self, num_tokens: int) -> int:
+        """How many of a prefix's `num_tokens` tokens a retention would hold (see `retainable`)."""
+        return min(num_tokens // self.block_size, self.max_blocks_per_namespace) * self.block_size
 
     def retain(
         self, namespace: str, prefix: tuple[int, ...], blocks: list[int], expires_at: float
@@ -120,11 +149,25 @@ class RetentionTable:
         new = Retention(namespace, prefix, list(blocks), expires_at, next(self._used))
         self._add(new)
         self._supersede(new)
-        while self.num_blocks_in(namespace) > self.max_blocks_per_namespace:
-            self._drop(self._oldest(namespace, new), DROPPED_BUDGET)
-        while self.num_blocks > self.max_blocks:
-            self._drop(self._largest_oldest(new), DROPPED_SERVER_CAP)
+        self._trim(self.num_blocks_in(namespace) - self.max_blocks_per_namespace, DROPPED_BUDGET, namespace)
+        self._trim(self.num_blocks - self.max_blocks, DROPPED_SERVER_CAP, None)
         return new
+
+    def held(self, namespace: str, tokens: Sequence[int]) -> int:
+        """How many of `tokens`' first tokens the namespace's retentions hold (whole blocks)."""
+        bs = self.block_size
+        best = 0
+        for r in self._of.get(namespace, ()):
+            # Equal first blocks are a prefix property: the longest is found by bisection.
+            lo, hi = 0, min(len(r.blocks), len(tokens) // bs)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if r.tokens[: mid * bs] == tuple(tokens[: mid * bs]):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = max(best, lo * bs)
+        return best
 
     def _supersede(self, retention: Retention) -> None:
         """Remove the shorter retentions of its namespace that `retention` extends and outlasts."""
@@ -133,10 +176,10 @@ class RetentionTable:
                 self._remove(held)
 
     def give_way(self) -> bool:
-        """Drop one retention for memory (the largest namespace's oldest); False when none is held."""
+        """Give up one retained block for memory (see trimming); False when none is held."""
         if not self._of:
             return False
-        self._drop(self._largest_oldest(None), DROPPED_MEMORY)
+        self._cut(self._victim(None), DROPPED_MEMORY)
         return True
 
     def expired(self, now: float) -> list[Retention]:
@@ -149,24 +192,33 @@ class RetentionTable:
             self._remove(retention)
         return len(expired)
 
-    def _oldest(self, namespace: str, keep: Retention) -> Retention:
-        return min((r for r in self._of[namespace] if r is not keep), key=lambda r: r.used)
+    def _trim(self, count: int, reason: str, namespace: str | None) -> None:
+        """Give up `count` blocks (none when it is not positive) of `namespace`'s retentions, or of any
+        namespace's with None, one cut at a time (see trimming in the module docstring)."""
+        for _ in range(count):
+            self._cut(self._victim(namespace), reason)
 
-    def _largest_oldest(self, keep: Retention | None) -> Retention:
-        """The oldest retention (other than `keep`) of the namespace holding the most retained blocks."""
-        namespaces = sorted(self._of, key=lambda ns: (-len(self._refs[ns]), ns))
-        for namespace in namespaces:
-            others = [r for r in self._of[namespace] if r is not keep]
-            if others:
-                return min(others, key=lambda r: r.used)
-        raise AssertionError("nothing to drop but the retention being made")
+    def _victim(self, namespace: str | None) -> Retention:
+        """The oldest retention whose last block no other retention of its namespace holds."""
+        pool = self._of[namespace] if namespace is not None else self.all()
+        return min((r for r in pool if self._refs[r.namespace][r.blocks[-1]] == 1), key=lambda r: r.used)
 
-    def _drop(self, retention: Retention, reason: str) -> None:
-        self._remove(retention)
-        self.dropped[reason] += 1
+    def _cut(self, retention: Retention, reason: str) -> None:
+        """Give up `retention`'s last block (which it alone holds), keeping its first blocks; remove it
+        when nothing is left, or when what is left another retention of its namespace holds as long."""
+        block = retention.blocks.pop()
+        retention.tokens = retention.tokens[: len(retention.blocks) * self.block_size]
+        del self._refs[retention.namespace][block]
+        self._let_go([block])
+        self.dropped_blocks[reason] += 1
+        if not retention.blocks:
+            self._remove(retention)
+            self.dropped[reason] += 1
+        elif any(_covers(o, retention) for o in self._of[retention.namespace] if o is not retention):
+            self._remove(retention)
 
     def _add(self, retention: Retention) -> None:
-        self._hold(retention)
+        self._hold(retention.blocks)
         self._of.setdefault(retention.namespace, []).append(retention)
         self._refs.setdefault(retention.namespace, Counter()).update(retention.blocks)
 
@@ -180,13 +232,13 @@ class RetentionTable:
                 del refs[b]
         if not self._of[namespace]:
             del self._of[namespace], self._refs[namespace]
-        self._let_go(retention)
+        self._let_go(retention.blocks)
 
-    def _hold(self, retention: Retention) -> None:
-        """A retention was recorded (Retentions takes its references here)."""
+    def _hold(self, blocks: list[int]) -> None:
+        """Blocks were retained (Retentions takes their references here)."""
 
-    def _let_go(self, retention: Retention) -> None:
-        """A retention was removed (Retentions gives its references back here)."""
+    def _let_go(self, blocks: list[int]) -> None:
+        """Blocks are no longer retained (Retentions gives their references back here)."""
 
     def of(self, namespace: str) -> list[Retention]:
         return list(self._of.get(namespace, ()))
@@ -226,10 +278,15 @@ class RetentionTable:
                     raise AssertionError("a retention is filed under another namespace, or holds nothing")
                 if len(r.blocks) * self.block_size != len(r.tokens):
                     raise AssertionError("a retention's blocks do not match its tokens")
-                if any(_extends(o.tokens, r.tokens) and o.expires_at >= r.expires_at for o in retentions):
-                    raise AssertionError("a retention is covered by a longer one that outlasts it")
+                if any(_covers(o, r) or o.tokens == r.tokens for o in retentions if o is not r):
+                    raise AssertionError("a retention's prefix is held by another, as long or longer")
         if len(seen) > self.max_blocks:
             raise AssertionError("more blocks are retained than the server's cap")
+        ages = [r.used for r in self.all()]
+        if len(set(ages)) != len(ages):
+            raise AssertionError("two retentions share an age")
+        if any(self.dropped[reason] > self.dropped_blocks[reason] for reason in self.dropped):
+            raise AssertionError("a retention was dropped without giving up a block")
 
 
 class Retentions(RetentionTable):
@@ -241,10 +298,10 @@ class Retentions(RetentionTable):
         super().__init__(max_blocks, max_blocks_per_namespace, block_size)
         self.pool = pool
 
-    def _hold(self, retention: Retention) -> None:
-        for b in retention.blocks:
+    def _hold(self, blocks: list[int]) -> None:
+        for b in blocks:
             self.pool.ref(b)
 
-    def _let_go(self, retention: Retention) -> None:
-        for b in retention.blocks:
+    def _let_go(self, blocks: list[int]) -> None:
+        for b in blocks:
             self.pool.release(b)

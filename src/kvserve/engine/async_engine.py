@@ -325,6 +325,11 @@ class AsyncEngine:
     def retention_enabled(self) -> bool:
         return self.engine.kv.retention_enabled
 
+    def retainable_length(self, num_tokens: int) -> int:
+        """The most of a breakpoint's `num_tokens` tokens a retention could hold: fixed by the
+        configuration, so read here without an engine call."""
+        return self.engine.kv.retainable_length(num_tokens)
+
     async def retain(
         self, namespace: str, tokens: Sequence[int], breakpoints: Sequence[tuple[int, float]]
     ) -> list[int]:

@@ -9,8 +9,11 @@ block `content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_
 whenever no delta has come for `PING_INTERVAL_S`, and an error after the status line is an `error` event.
 
 Usage splits the prompt in three: `cache_read_input_tokens` (what the prefix cache held), then
-`cache_creation_input_tokens` (what this request newly cached up to its last breakpoint), then
-`input_tokens` (the rest); they add up to the prompt.
+`cache_creation_input_tokens` (what this request's breakpoints kept past that: the prefix their
+retentions hold, in whole blocks and within the tenant's budget), then `input_tokens` (the rest); they
+add up to the prompt. A stream's `message_start` goes out before the retention is made, so its figure
+is the most the breakpoints could keep; `message_delta`, whose usage clients take as final, counts what
+was kept.
 """
 
 import asyncio
@@ -136,11 +139,11 @@ class MessagesFormat:
         return blocks, bool(calls)
 
 
-def anthropic_usage(plan: RequestPlan, choice: Choice) -> AnthropicUsage:
+def anthropic_usage(choice: Choice, kept: int) -> AnthropicUsage:
+    """The prompt's usage, where the breakpoints' retentions hold its first `kept` tokens."""
     prompt = choice.outputs.num_prompt_tokens
     read = choice.outputs.num_cached_tokens
-    last = plan.breakpoints[-1].tokens if plan.breakpoints else 0
-    created = max(0, min(last, prompt) - read)
+    created = max(0, min(kept, prompt) - read)
     return AnthropicUsage(
         input_tokens=prompt - read - created,
         output_tokens=choice.output.num_output_tokens,
@@ -268,7 +271,8 @@ async def _events(
 ) -> AsyncGenerator[str, None]:
     reply = _ReplyStream(fmt)
     try:
-        usage = anthropic_usage(plan, g.choice)
+        last = plan.breakpoints[-1].tokens if plan.breakpoints else 0
+        usage = anthropic_usage(g.choice, ctx.async_engine.retainable_length(last))
         message = MessageResponse(
             id=message_id, model=ctx.model_name, content=[], stop_reason=None, usage=usage
         ).model_dump()
@@ -285,15 +289,15 @@ async def _events(
             yield event
         remember_parts(ctx, fmt.reply_part, [g], plan.namespace)
         stop_reason, stop_sequence = fmt.stop(g.choice, reply.made_calls)
+        kept = await _retain(ctx, plan)
         yield _event(
             "message_delta",
             {
                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                "usage": anthropic_usage(plan, g.choice).model_dump(),
+                "usage": anthropic_usage(g.choice, kept).model_dump(),
             },
         )
         yield _event("message_stop", {})
-        await _retain(ctx, plan)
     except Exception as exc:
         # The status line is long gone: the error can only travel as an event.
         error = to_api_error(request, exc)
@@ -302,11 +306,13 @@ async def _events(
         yield _event("error", {"error": anthropic_error(error)["error"]})
 
 
-async def _retain(ctx: ServerContext, plan: RequestPlan) -> None:
-    """Hold each breakpoint's prefix once the reply is out: while it ran, its own sequence held the
-    prompt's blocks, and an engine call before its first token would have delayed that token by a step."""
+async def _retain(ctx: ServerContext, plan: RequestPlan) -> int:
+    """Hold each breakpoint's prefix once the reply is out (while it ran, its own sequence held the
+    prompt's blocks, and an engine call before its first token would have delayed that token by a
+    step); returns how many of the prompt's first tokens the retentions now hold."""
     breakpoints = [(b.tokens, b.ttl_s) for b in plan.breakpoints]
-    await retain_breakpoints(ctx, plan.namespace, plan.prompts[0].token_ids, breakpoints)
+    held = await retain_breakpoints(ctx, plan.namespace, plan.prompts[0].token_ids, breakpoints)
+    return max(held, default=0)
 
 
 async def respond_messages(
@@ -324,7 +330,7 @@ async def respond_messages(
         return EventStreamResponse(_events(ctx, request, plan, g, fmt, ids.id), generations)
     choices: Sequence[Choice] = await cancel_on_disconnect(request, run_all(generations))
     remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
-    await _retain(ctx, plan)
+    kept = await _retain(ctx, plan)
     (choice,) = choices
     content, calls = fmt.content(choice)
     stop_reason, stop_sequence = fmt.stop(choice, calls)
@@ -334,6 +340,6 @@ async def respond_messages(
         content=content,
         stop_reason=stop_reason,
         stop_sequence=stop_sequence,
-        usage=anthropic_usage(plan, choice),
+        usage=anthropic_usage(choice, kept),
     )
     return Response(result.model_dump_json(), media_type="application/json")

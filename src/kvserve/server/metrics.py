@@ -192,20 +192,28 @@ class EngineStatsCollector:
             family = family_type(name, doc, labels=_LABELS)
             family.add_metric([self.model_name], value)
             yield family
-        yield self._retentions_dropped(s)
+        yield from self._retentions_dropped(s)
         yield from self._tiers(s)
 
-    def _retentions_dropped(self, s: EngineStats) -> Metric:
-        """Retentions dropped before their TTL, by reason: a tenant over its budget (its oldest), the
-        server's cap (the largest holder's oldest), or memory no request could run without."""
+    def _retentions_dropped(self, s: EngineStats) -> Iterable[Metric]:
+        """Retentions dropped whole before their TTL, and retained blocks given up (trimmed from a
+        retention's end, or with it), by reason: a tenant over its budget, the server's cap, or memory
+        no request could run without (cache/retention.py)."""
         dropped = CounterMetricFamily(
             "kvserve_retentions_dropped",
-            "Prompt-cache retentions dropped before their TTL, by reason (budget, server_cap, memory).",
+            "Prompt-cache retentions dropped whole before their TTL, by reason (budget, server_cap, memory).",
+            labels=[*_LABELS, "reason"],
+        )
+        blocks = CounterMetricFamily(
+            "kvserve_retained_blocks_dropped",
+            "Retained KV blocks given up before their TTL, by reason (budget, server_cap, memory).",
             labels=[*_LABELS, "reason"],
         )
         for reason in (DROPPED_BUDGET, DROPPED_SERVER_CAP, DROPPED_MEMORY):
             dropped.add_metric([self.model_name, reason], s.cache.retentions_dropped.get(reason, 0))
-        return dropped
+            blocks.add_metric([self.model_name, reason], s.cache.retained_blocks_dropped.get(reason, 0))
+        yield dropped
+        yield blocks
 
     def _tiers(self, s: EngineStats) -> Iterable[Metric]:
         """Hits per tier (memory, disk) and each lower tier's usage and latencies, labelled by tier."""

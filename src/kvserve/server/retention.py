@@ -17,8 +17,9 @@ async def retain_breakpoints(
     ctx: ServerContext, namespace: str, token_ids: Sequence[int], breakpoints: Sequence[tuple[int, float]]
 ) -> list[int]:
     """Hold the prompt `token_ids` of `namespace` (the request's cache namespace) up to each breakpoint
-    (length, ttl_s) for its TTL, refreshing a retention of the same prefix; returns the tokens held for
-    each breakpoint (0: none; a prefix is held in whole blocks, as far as memory still caches it)."""
+    (length, ttl_s) for its TTL, refreshing a retention of the same prefix; returns the tokens of each
+    breakpoint's prefix held once all are made (0: none; a prefix is held in whole blocks, within the
+    namespace's budget, as far as memory still caches it): what usage reports as kept."""
     if not breakpoints or not ctx.async_engine.retention_enabled:
         return [0] * len(breakpoints)
     return await ctx.async_engine.retain(namespace, token_ids, breakpoints)
