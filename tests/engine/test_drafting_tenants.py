@@ -10,6 +10,7 @@ import random
 import pytest
 
 from kvserve.config import EngineConfig
+from kvserve.engine.drafting import Drafter
 from kvserve.engine.engine import Engine
 from kvserve.engine.factory import build_parts
 from kvserve.engine.sampling_params import SamplingParams
@@ -24,6 +25,10 @@ PROMPT = [RNG.randrange(100, 4000) for _ in range(40)]
 # drafts come from the remembered reply rather than from the sequence's own tokens.
 ALICE = SamplingParams(max_tokens=100, temperature=1.0, seed=7, ignore_eos=True)
 BOB = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+# Bounds under which bob's flood fits his own budget and, with it, the total; but not if each of his salted
+# namespaces counted as a tenant of its own (200 x 44 units): the total's trim would then take alice's
+# reply, the largest holding.
+SMALL_BOUNDS = {"tenant_tokens": 1_024, "total_tokens": 2_048}
 
 
 def _engine(model: LoadedModel, speculative: str = "suffix") -> Engine:
@@ -60,15 +65,15 @@ def _bob_floods(engine: Engine, count: int) -> None:
         engine.step()
 
 
-@pytest.mark.parametrize("flood", [0, 200])
+@pytest.mark.parametrize(("flood", "bounds"), [(0, {}), (200, {}), (200, SMALL_BOUNDS)])
 def test_another_tenants_salted_flood_leaves_alices_repeat_its_drafts(
-    tiny_model: LoadedModel, flood: int
+    tiny_model: LoadedModel, flood: int, bounds: dict[str, int]
 ) -> None:
     engine = _engine(tiny_model)
+    if bounds:
+        engine.scheduler.drafter = Drafter(engine.config.speculative_tokens, **bounds)
     first, accepted_first = _alice(engine, "alice-1")
     _bob_floods(engine, flood)
-    drafter = engine.scheduler.drafter
-    assert drafter is not None
     repeat, accepted_repeat = _alice(engine, "alice-2")
     assert repeat == first
     # Her first reply drafts little from its own text; her repeat drafts nearly all of it from her
