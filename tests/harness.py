@@ -6,7 +6,7 @@ chunkings are far too small to flip a greedy token: any difference in output is 
 
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,7 +20,7 @@ from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.kv_quant import kv_bytes_per_token
 from kvserve.model.loader import LoadedModel
-from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
+from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk, StepLogits
 
 DTYPE = "float64"
 MAX_MODEL_LEN = 512
@@ -57,6 +57,29 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
     return engine
 
 
+class RowClock:
+    """A fake clock on which every forward pass takes `fixed` plus `row` per row (decode or draft): wrap
+    a runner's `execute` with `wrap` and give the engine this clock, and speculation's measured costs are
+    these, whatever the machine."""
+
+    def __init__(self, fixed: float, row: float) -> None:
+        self.now = 0.0
+        self.fixed = fixed
+        self.row = row
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wrap(self, execute: Callable[[ForwardBatch], StepLogits]) -> Callable[[ForwardBatch], StepLogits]:
+        def timed(batch: ForwardBatch) -> StepLogits:
+            self.now += self.fixed + self.row * (
+                len(batch.decodes) + sum(len(c.token_ids) for c in batch.prefills)
+            )
+            return execute(batch)
+
+        return timed
+
+
 class OracleDrafter:
     """Drafts that are mostly right: the reference engine's own continuation of the request's prompt
     (computed on first use, alone, on a no-cache engine), cut to a random length and, often, wrong from
@@ -85,7 +108,9 @@ class OracleDrafter:
             self.expected[key] = out
         return self.expected[key]
 
-    def propose(self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int) -> list[int]:
+    def propose(
+        self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int, tenant: str
+    ) -> list[int]:
         del namespace, load
         if key not in self.prompts or self.random.random() < 0.2:
             return []
@@ -100,7 +125,7 @@ class OracleDrafter:
     def verified(self, key: str, drafted: int, accepted: int) -> None:
         self.verified_counts.append((drafted, accepted))
 
-    def finished(self, key: str, namespace: str, output: Sequence[int]) -> None:
+    def finished(self, key: str, namespace: str, output: Sequence[int], tenant: str) -> None:
         self.prompts.pop(key, None)
         self.expected.pop(key, None)
 

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.engine.drafting import ORDERS, Drafter, row_share
+from kvserve.engine.drafting import NAMESPACE_COST, ORDERS, REPLY_COST, Drafter, row_share
 
 
 def occurs_followed_by(source: Sequence[int], suffix: Sequence[int], draft: Sequence[int], end: int) -> bool:
@@ -180,36 +180,44 @@ def test_every_draft_continues_an_earlier_occurrence(tokens: list[int], limit: i
         assert is_real_continuation(tokens, draft, [])
 
 
+# (tenant, namespace) pairs: the same namespace name under two tenants is two namespaces.
+OWNERS = [("alice", "a"), ("alice", "b"), ("bob", "a")]
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     replies=st.lists(
-        st.tuples(st.sampled_from("ab"), st.lists(st.integers(0, 3), min_size=3, max_size=40)),
+        st.tuples(st.sampled_from(OWNERS), st.lists(st.integers(0, 3), min_size=3, max_size=40)),
         min_size=1,
         max_size=12,
     ),
     tokens=st.lists(st.integers(0, 3), max_size=40),
-    namespace=st.sampled_from("ab"),
+    owner=st.sampled_from(OWNERS),
     copied=st.tuples(st.integers(0, 11), st.integers(0, 39), st.integers(2, 20)),
 )
-def test_namespace_drafts_come_from_that_namespace_only(
-    replies: list[tuple[str, list[int]]], tokens: list[int], namespace: str, copied: tuple[int, int, int]
+def test_namespace_drafts_come_from_that_tenants_namespace_only(
+    replies: list[tuple[tuple[str, str], list[int]]],
+    tokens: list[int],
+    owner: tuple[str, str],
+    copied: tuple[int, int, int],
 ) -> None:
-    """Namespace a's replies use ids 0-3 shifted by 10, b's by 20. A sequence's text ends with a piece of
-    any reply (either namespace's): a draft may continue it only from its own namespace's replies."""
-    shift = {"a": 10, "b": 20}
+    """Each (tenant, namespace)'s replies use ids 0-3 shifted by its own offset. A sequence's text ends
+    with a piece of any reply (any owner's): a draft may continue it only from the replies of its own
+    tenant in its own namespace."""
+    shift = {pair: 10 * (i + 1) for i, pair in enumerate(OWNERS)}
     drafter = Drafter(8, namespace_tokens=100)
-    kept: dict[str, list[list[int]]] = {"a": [], "b": []}
-    for i, (ns, reply) in enumerate(replies):
-        shifted = [t + shift[ns] for t in reply]
-        drafter.finished(f"done-{i}", ns, shifted)
-        kept[ns].append(shifted)
+    kept: dict[tuple[str, str], list[list[int]]] = {pair: [] for pair in OWNERS}
+    for i, ((tenant, ns), reply) in enumerate(replies):
+        shifted = [t + shift[tenant, ns] for t in reply]
+        drafter.finished(f"done-{i}", ns, shifted, tenant)
+        kept[tenant, ns].append(shifted)
     which, start, length = copied
-    source_namespace, source = replies[which % len(replies)]
-    piece = [t + shift[source_namespace] for t in source[start % len(source) :][:length]]
-    text = [t + shift[namespace] for t in tokens] + piece
-    draft = drafter.propose("r", namespace, text, 8, 1)
+    source_owner, source = replies[which % len(replies)]
+    piece = [t + shift[source_owner] for t in source[start % len(source) :][:length]]
+    text = [t + shift[owner] for t in tokens] + piece
+    draft = drafter.propose("r", owner[1], text, 8, 1, owner[0])
     if draft:
-        assert is_real_continuation(text, draft, kept[namespace])
+        assert is_real_continuation(text, draft, kept[owner])
 
 
 @settings(max_examples=100, deadline=None)
@@ -230,27 +238,42 @@ def test_incremental_indexing_proposes_what_a_fresh_drafter_does(
             assert is_real_continuation(tokens[:fed], draft, [])
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     operations=st.lists(
-        st.tuples(st.integers(0, 5), st.lists(st.integers(0, 3), max_size=60), st.booleans()), max_size=40
+        st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(0, 60), st.booleans()), max_size=50
     ),
     capacity=st.integers(1, 150),
-    namespaces=st.integers(1, 4),
+    tenant_tokens=st.integers(0, 400),
+    total_tokens=st.integers(0, 900),
 )
-def test_namespace_bounds_hold(
-    operations: list[tuple[int, list[int], bool]], capacity: int, namespaces: int
+def test_a_tenants_replies_go_only_to_its_own_traffic_and_bounds_hold(
+    operations: list[tuple[int, int, int, bool]], capacity: int, tenant_tokens: int, total_tokens: int
 ) -> None:
-    drafter = Drafter(8, namespace_tokens=capacity, max_namespaces=namespaces)
-    for i, (ns, tokens, finish) in enumerate(operations):
+    """Random (tenant, salt, reply) insertions and drafts. Bounds: a namespace's tokens, a tenant's cost
+    and the total. Isolation: another tenant's insertion takes replies only from a tenant holding more
+    than its share of the total (total / tenants holding replies), hence never while every tenant's bound
+    fits the total together; a draft touches no other tenant."""
+    drafter = Drafter(8, namespace_tokens=capacity, tenant_tokens=tenant_tokens, total_tokens=total_tokens)
+    for i, (who, salt, length, finish) in enumerate(operations):
+        tenant, namespace = f"t{who}", f"salt-{salt}"
+        tokens = [(i * k) % 4 for k in range(length)]
+        before = drafter.retained()
+        held = {t: drafter.held(t) for t in before}
         if finish:
-            drafter.finished(f"k{i}", str(ns), tokens)
+            drafter.finished(f"k{i}", namespace, tokens, tenant)
         else:
-            drafter.propose(f"k{i}", str(ns), tokens, 8, 1)
-            drafter.finished(f"k{i}", str(ns), [])
-        retained = drafter.retained()
-        assert len(retained) <= namespaces
-        assert all(0 < count <= capacity for count in retained.values())
+            drafter.propose(f"k{i}", namespace, tokens, 8, 1, tenant)
+            drafter.finished(f"k{i}", namespace, [], tenant)
+        after = drafter.retained()
+        holding = len(set(before) | {tenant})
+        for other, replies in before.items():
+            if other != tenant and after.get(other) != replies:
+                assert finish and held[other] * holding > total_tokens
+                assert tenant_tokens * holding > total_tokens
+        assert all(0 < count <= capacity for replies in after.values() for count in replies.values())
+        assert all(drafter.held(t) <= tenant_tokens for t in after)
+        assert drafter.total_held == sum(drafter.held(t) for t in after) <= total_tokens
     assert not drafter._sequences
 
 
@@ -263,23 +286,66 @@ def test_replies_drafted_from_are_kept_longest() -> None:
     drafter.finished("3", "ns", third)  # the second goes, least recently used
     assert drafter.propose("s", "ns", first[:20], 8, 1)
     assert drafter.propose("t", "ns", second[:20], 8, 1) == []
-    assert drafter.retained() == {"ns": 80}
+    assert drafter.retained() == {"default": {"ns": 80}}
 
 
-def test_namespaces_go_least_recently_used_first() -> None:
-    drafter = Drafter(8, max_namespaces=2)
+def test_a_tenants_namespaces_go_least_recently_used_first() -> None:
     reply = list(range(100, 140))
+    # A namespace holding one 40-token reply costs 40 + REPLY_COST + NAMESPACE_COST units: two fit.
+    drafter = Drafter(8, tenant_tokens=2 * (40 + REPLY_COST + NAMESPACE_COST))
     for namespace in ("a", "b", "c"):
-        drafter.finished(namespace, namespace, reply)
-    assert set(drafter.retained()) == {"b", "c"}
-    assert drafter.propose("r", "a", reply[:20], 8, 1) == []
+        drafter.finished(namespace, namespace, reply, "alice")
+    assert set(drafter.retained()["alice"]) == {"b", "c"}
+    assert drafter.propose("r", "a", reply[:20], 8, 1, "alice") == []
+
+
+def test_the_same_namespace_name_under_another_tenant_drafts_nothing() -> None:
+    drafter = Drafter(8)
+    secret = list(range(9000, 9040))
+    drafter.finished("a-1", "ns", secret, "alice")
+    tokens = [1, 2, 3, *secret[:16]]
+    assert drafter.propose("b-1", "ns", tokens, 8, 1, "bob") == []
+    own = drafter.propose("a-2", "ns", tokens, 8, 1, "alice")
+    assert own and own == secret[16 : 16 + len(own)]
+
+
+def test_another_tenants_salted_flood_evicts_none_of_alices_replies() -> None:
+    """The review's probe at the drafter: alice's reply, then bob's 4-token replies in 1,000 salted
+    namespaces (the old drafter kept 64 namespaces for everyone). Alice drafts the same; bob's flood is
+    bounded by his own budget."""
+    drafter = Drafter(8, tenant_tokens=4_096, total_tokens=16_384)
+    reply = list(range(100, 200))
+    drafter.finished("a-1", "alice-salt", reply, "alice")
+    first = drafter.propose("a-2", "alice-salt", [1, 2, *reply[:40]], 8, 1, "alice")
+    held = drafter.held("alice")
+    for i in range(1_000):
+        drafter.finished(f"b-{i}", f"bob-salt-{i}", [7, 8, 9, i], "bob")
+    assert drafter.retained()["alice"] == {"alice-salt": 100} and drafter.held("alice") == held
+    assert first and first == reply[40 : 40 + len(first)]
+    assert drafter.propose("a-3", "alice-salt", [1, 2, *reply[:40]], 8, 1, "alice") == first
+    assert drafter.held("bob") <= 4_096
+
+
+def test_past_the_total_the_tenant_holding_most_is_trimmed() -> None:
+    reply = list(range(100, 140))
+    cost = 40 + REPLY_COST + NAMESPACE_COST
+    drafter = Drafter(8, tenant_tokens=10 * cost, total_tokens=4 * cost)
+    for i in range(3):
+        drafter.finished(f"b-{i}", f"b{i}", reply, "bob")
+    drafter.finished("a", "a", reply, "alice")
+    # Bob holds three shares of four; carol's one reply is taken from bob's oldest, not from alice's.
+    drafter.finished("c", "c", reply, "carol")
+    assert drafter.retained() == {"bob": {"b1": 40, "b2": 40}, "alice": {"a": 40}, "carol": {"c": 40}}
+    # On a tie among those holding the most, the tenant adding pays.
+    drafter.finished("a2", "a2", reply, "alice")
+    assert drafter.retained()["alice"] == {"a2": 40} and drafter.held("bob") == 2 * cost
 
 
 def test_a_reply_longer_than_the_namespace_keeps_its_start() -> None:
     drafter = Drafter(8, namespace_tokens=30)
     reply = list(range(100, 140))
     drafter.finished("1", "ns", reply)
-    assert drafter.retained() == {"ns": 30}
+    assert drafter.retained() == {"default": {"ns": 30}}
     draft = drafter.propose("r", "ns", reply[:20], 8, 1)
     assert draft and draft == reply[20 : 20 + len(draft)] and 20 + len(draft) <= 30
 
@@ -288,7 +354,8 @@ def test_positions_renumbered_after_four_billion_tokens_still_draft() -> None:
     drafter = Drafter(8)
     first, second = list(range(100, 140)), list(range(200, 240))
     drafter.finished("1", "ns", first)
-    index = drafter._namespaces["ns"]
+    index = drafter._replies.get("default", "ns")
+    assert index is not None
     index._next_base = 2**32 - 20  # as after 4e9 tokens of replies: the next one does not fit
     drafter.finished("2", "ns", second)
     assert index._next_base == 80

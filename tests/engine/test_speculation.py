@@ -152,13 +152,15 @@ class _FixedDrafter:
     def __init__(self, after: int, draft: list[int]) -> None:
         self.after, self.draft = after, draft
 
-    def propose(self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int) -> list[int]:
+    def propose(
+        self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int, tenant: str
+    ) -> list[int]:
         return self.draft[:limit] if tokens[-1] == self.after else []
 
     def verified(self, key: str, drafted: int, accepted: int) -> None:
         pass
 
-    def finished(self, key: str, namespace: str, output: Sequence[int]) -> None:
+    def finished(self, key: str, namespace: str, output: Sequence[int], tenant: str) -> None:
         pass
 
 

@@ -33,7 +33,7 @@ from kvserve.engine.step_cost import (
     StepCosts,
 )
 from kvserve.model.loader import LoadedModel
-from kvserve.model.runner import ForwardBatch, StepLogits
+from tests.harness import RowClock
 
 TRUE = StepCosts(fixed=0.010, decode=0.004, draft=0.005, prefill=0.0005)
 
@@ -140,34 +140,13 @@ def test_the_drafter_drafts_nothing_where_rows_are_dear_and_a_copy_where_they_ar
     assert cheap.propose("r", "ns", LOOP, 8, 8) == [6, 7, 8, 9, 4, 5, 6, 7]
 
 
-class _RowClock:
-    """A fake clock on which every forward pass takes `fixed` plus `row` per row (decode or draft)."""
-
-    def __init__(self, fixed: float, row: float) -> None:
-        self.now = 0.0
-        self.fixed = fixed
-        self.row = row
-
-    def __call__(self) -> float:
-        return self.now
-
-    def wrap(self, execute: Callable[[ForwardBatch], StepLogits]) -> Callable[[ForwardBatch], StepLogits]:
-        def timed(batch: ForwardBatch) -> StepLogits:
-            self.now += self.fixed + self.row * (
-                len(batch.decodes) + sum(len(c.token_ids) for c in batch.prefills)
-            )
-            return execute(batch)
-
-        return timed
-
-
 def _config(**overrides: Any) -> EngineConfig:
     return EngineConfig(
         weight_dtype="q8_0", block_size=4, kv_cache_memory=2**22, max_model_len=256, **overrides
     )
 
 
-def _engine_on_clock(model: LoadedModel, clock: _RowClock, **overrides: Any) -> Engine:
+def _engine_on_clock(model: LoadedModel, clock: RowClock, **overrides: Any) -> Engine:
     parts = build_parts(_config(**overrides), model)
     parts.runner.execute = clock.wrap(parts.runner.execute)  # type: ignore[method-assign,assignment]
     return Engine(parts, clock)
@@ -184,21 +163,21 @@ def _drafted(engine: Engine) -> int:
 
 
 def test_an_engine_whose_rows_are_measured_dear_drafts_nothing(tiny_model: LoadedModel) -> None:
-    engine = _engine_on_clock(tiny_model, _RowClock(fixed=0.01, row=1.0))
+    engine = _engine_on_clock(tiny_model, RowClock(fixed=0.01, row=1.0))
     assert engine.step_costs is not None and engine.step_costs.steps > 0  # the probe ran on this clock
     assert engine.step_costs.costs.row_share(1) > 0.95
     assert _drafted(engine) == 0
 
 
 def test_an_engine_whose_rows_are_measured_cheap_drafts_a_copy(tiny_model: LoadedModel) -> None:
-    engine = _engine_on_clock(tiny_model, _RowClock(fixed=0.01, row=0.0001))
+    engine = _engine_on_clock(tiny_model, RowClock(fixed=0.01, row=0.0001))
     assert engine.step_costs is not None and engine.step_costs.costs.row_share(1) < 0.2
     assert _drafted(engine) > 0
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_the_probe_leaves_the_cache_as_it_found_it(tiny_model: LoadedModel, prefix_cache: bool) -> None:
-    clock = _RowClock(fixed=0.001, row=0.0001)
+    clock = RowClock(fixed=0.001, row=0.0001)
     engine = _engine_on_clock(tiny_model, clock, enable_prefix_caching=prefix_cache)
     plain = Engine(build_parts(_config(enable_prefix_caching=prefix_cache, speculative="off"), tiny_model))
     assert engine.step_costs is not None and engine.step_costs.steps >= 4 and clock.now > 0

@@ -41,14 +41,16 @@ class _Replay:
     def __init__(self, prompt: list[int], continuation: list[int]) -> None:
         self.prompt, self.continuation = prompt, continuation
 
-    def propose(self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int) -> list[int]:
+    def propose(
+        self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int, tenant: str
+    ) -> list[int]:
         done = len(tokens) - len(self.prompt)
         return self.continuation[done : done + limit]
 
     def verified(self, key: str, drafted: int, accepted: int) -> None:
         pass
 
-    def finished(self, key: str, namespace: str, output: Sequence[int]) -> None:
+    def finished(self, key: str, namespace: str, output: Sequence[int], tenant: str) -> None:
         pass
 
 

@@ -9,9 +9,10 @@ rows of the step and reports how much was accepted.
   its most recent end position that has a follower. The longest indexed suffix of the text found earlier
   gives the draft: what followed that occurrence, read through the current end when the match runs into
   it (the continuation of a loop is the loop).
-- Namespace replies: the same n-grams over the namespace's recent replies, bounded in tokens per namespace
-  and in namespaces, least recently used first. Never across namespaces (the acceptance rate shows in
-  timing), never across the boundary between two replies.
+- Namespace replies: the same n-grams over the recent replies of the sequence's tenant in its namespace,
+  bounded per namespace, per tenant and in all (`_Replies`), least recently used first. Never across
+  namespaces or tenants (the acceptance rate shows in timing), never across the boundary between two
+  replies.
 - Length: a draft token is worth its extra row while its chance of acceptance exceeds the row's share of
   the step (`StepCosts.row_share`, from what steps measured on this machine and model: `costs`, which the
   engine keeps up to date, engine/step_cost.py). The chance is a per-token estimate (`acceptance`): a
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvserve.engine.request import DEFAULT_TENANT
 from kvserve.engine.step_cost import StepCosts
 
 Keys = npt.NDArray[np.uint64]
@@ -41,7 +43,15 @@ ORDERS = (2, 4, 8, 16, 32)
 MAX_MATCH = ORDERS[-1]
 
 DEFAULT_NAMESPACE_TOKENS = 16_384
-DEFAULT_MAX_NAMESPACES = 64
+# What replies cost is counted in units of one indexed token (48 bytes: the id and a key per order); a
+# reply's objects cost about 8 more, a namespace's index about 32 (measured with tracemalloc), so that a
+# flood of tiny replies or namespaces is bounded by what it holds too.
+REPLY_COST = 8
+NAMESPACE_COST = 32
+# A tenant's replies, all its namespaces together (about 12 MiB), and everyone's (about 48 MiB): four
+# tenants at their bound fit the total, and beyond that the total is shared (see `_Replies`).
+DEFAULT_TENANT_TOKENS = 262_144
+DEFAULT_TOTAL_TOKENS = 1_048_576
 
 # The cost of a row relative to a step's fixed part before anything is measured (a drafter built
 # outside an engine; an engine replaces it with the startup probe's figures, then its steps'). Measured
@@ -269,6 +279,18 @@ class _NamespaceIndex:
     def touch(self, reply: _Reply) -> None:
         self._lru.move_to_end(reply.base)
 
+    @property
+    def cost(self) -> int:
+        """What the index holds, in token units (see REPLY_COST)."""
+        return NAMESPACE_COST + self.tokens + REPLY_COST * len(self._replies)
+
+    def pop_oldest(self) -> None:
+        """Drop the least recently used reply (there is one)."""
+        self._remove(self._lru.popitem(last=False)[1])
+
+    def __len__(self) -> int:
+        return len(self._replies)
+
     @staticmethod
     def _reply_keys(reply: _Reply) -> list[Keys]:
         return _keys(_mixed(reply.tokens), len(reply.tokens) - 1, reply.base)
@@ -287,6 +309,86 @@ class _NamespaceIndex:
         self.clear()
         for reply in replies:
             self.add(reply.tokens)
+
+
+class _Replies:
+    """Every tenant's recent replies: per tenant, its namespaces' indexes, least recently used first.
+
+    A tenant's salted namespaces are its own (the server mints them), so bounds go by tenant, not by
+    namespace: a namespace holds at most `namespace_tokens`, a tenant at most `tenant_tokens` over all
+    its namespaces, least recently used namespace's oldest reply first, and a tenant's additions evict
+    only its own replies. The total is bounded by `total_tokens` as well (units: see REPLY_COST): past it,
+    the tenant holding the most loses its oldest replies (the one adding, on a tie; else the tenant least
+    recently used). That tenant holds more than the total over the tenants holding replies, so a tenant
+    within that share never loses a reply to another's traffic; nor does any while `tenant_tokens` times
+    the tenants holding replies fits the total."""
+
+    def __init__(self, namespace_tokens: int, tenant_tokens: int, total_tokens: int) -> None:
+        self.namespace_tokens = namespace_tokens
+        self.tenant_tokens = tenant_tokens
+        self.total_tokens = total_tokens
+        # tenant -> namespace -> index, both least recently used first.
+        self._tenants: OrderedDict[str, OrderedDict[str, _NamespaceIndex]] = OrderedDict()
+        self._costs: dict[str, int] = {}
+        self.total = 0
+
+    def get(self, tenant: str, namespace: str) -> _NamespaceIndex | None:
+        namespaces = self._tenants.get(tenant)
+        return None if namespaces is None else namespaces.get(namespace)
+
+    def add(self, tenant: str, namespace: str, reply: npt.NDArray[np.int64]) -> None:
+        namespaces = self._tenants.get(tenant)
+        if namespaces is None:
+            namespaces = self._tenants[tenant] = OrderedDict()
+            self._costs[tenant] = 0
+        index = namespaces.get(namespace)
+        before = 0 if index is None else index.cost
+        if index is None:
+            index = namespaces[namespace] = _NamespaceIndex(self.namespace_tokens)
+        index.add(reply)
+        self._charge(tenant, index.cost - before)
+        self.touch(tenant, namespace)
+        while self._costs.get(tenant, 0) > self.tenant_tokens:
+            self._evict(tenant)
+        while self.total > self.total_tokens:
+            most = max(self._costs.values())
+            victim = tenant
+            if self._costs.get(tenant) != most:
+                victim = next(t for t in self._tenants if self._costs[t] == most)
+            self._evict(victim)
+
+    def touch(self, tenant: str, namespace: str, reply: _Reply | None = None) -> None:
+        self._tenants.move_to_end(tenant)
+        self._tenants[tenant].move_to_end(namespace)
+        if reply is not None:
+            self._tenants[tenant][namespace].touch(reply)
+
+    def retained(self) -> dict[str, dict[str, int]]:
+        return {
+            tenant: {namespace: index.tokens for namespace, index in namespaces.items()}
+            for tenant, namespaces in self._tenants.items()
+        }
+
+    def cost(self, tenant: str) -> int:
+        return self._costs.get(tenant, 0)
+
+    def _charge(self, tenant: str, cost: int) -> None:
+        self._costs[tenant] += cost
+        self.total += cost
+
+    def _evict(self, tenant: str) -> None:
+        """Drop `tenant`'s least recently used namespace's oldest reply, and what is left empty."""
+        namespaces = self._tenants[tenant]
+        namespace, index = next(iter(namespaces.items()))
+        before = index.cost
+        index.pop_oldest()
+        if len(index):
+            self._charge(tenant, index.cost - before)
+            return
+        del namespaces[namespace]
+        self._charge(tenant, -before)
+        if not namespaces:
+            del self._tenants[tenant], self._costs[tenant]
 
 
 @dataclass
@@ -321,21 +423,28 @@ class Drafter:
         self,
         max_tokens: int,
         namespace_tokens: int = DEFAULT_NAMESPACE_TOKENS,
-        max_namespaces: int = DEFAULT_MAX_NAMESPACES,
+        tenant_tokens: int = DEFAULT_TENANT_TOKENS,
+        total_tokens: int = DEFAULT_TOTAL_TOKENS,
     ) -> None:
         self.max_tokens = max_tokens
-        self.namespace_tokens = max(namespace_tokens, 0)
-        self.max_namespaces = max(max_namespaces, 0)
         self._sequences: dict[str, _Sequence] = {}
-        self._namespaces: OrderedDict[str, _NamespaceIndex] = OrderedDict()
+        self._replies = _Replies(max(namespace_tokens, 0), max(tenant_tokens, 0), max(total_tokens, 0))
         # What a step and its rows cost; the engine sets the measured figures.
         self.costs = DEFAULT_COSTS
 
-    def propose(self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int) -> list[int]:
+    def propose(
+        self,
+        key: str,
+        namespace: str,
+        tokens: Sequence[int],
+        limit: int,
+        load: int,
+        tenant: str = DEFAULT_TENANT,
+    ) -> list[int]:
         """At most min(limit, max_tokens) tokens to verify after `tokens` (sequence `key`'s prompt and
-        output so far; the list only grows between calls for one key) in cache namespace `namespace`, in a
-        step that decodes `load` sequences (load >= 1); [] when drafting would not pay. Never raises for
-        any token ids."""
+        output so far; the list only grows between calls for one key) of `tenant` in cache namespace
+        `namespace`, in a step that decodes `load` sequences (load >= 1); [] when drafting would not pay.
+        Never raises for any token ids."""
         sequence = self._sequences.get(key)
         if sequence is None or sequence.namespace != namespace:
             sequence = self._sequences[key] = _Sequence(namespace)
@@ -353,7 +462,7 @@ class Drafter:
             return []  # no match could pay in this step: spare the lookups
         match = self._own_match(sequence.index, tokens, hashes)
         if match is None or match.length < MAX_MATCH:
-            found = self._namespace_match(namespace, tokens, hashes)
+            found = self._namespace_match(self._replies.get(tenant, namespace), tokens, hashes)
             if found is not None and (match is None or found.length > match.length):
                 match = found
         if match is None:
@@ -366,7 +475,7 @@ class Drafter:
         else:
             start = match.position + 1
             draft = match.reply.tokens[start : start + length].tolist()
-            self._touch(namespace, match.reply)
+            self._replies.touch(tenant, namespace, match.reply)
         sequence.last_class = match_class(match.length)
         sequence.last_length = len(draft)
         return draft
@@ -384,27 +493,29 @@ class Drafter:
             sequence.rejected[sequence.last_class] += 1
         sequence.last_length = 0
 
-    def finished(self, key: str, namespace: str, output: Sequence[int]) -> None:
+    def finished(self, key: str, namespace: str, output: Sequence[int], tenant: str = DEFAULT_TENANT) -> None:
         """Sequence `key` ended: forget its own index and stats; `output` (its reply's token ids) joins
-        `namespace`'s recent replies."""
+        `tenant`'s recent replies in `namespace`."""
         self._sequences.pop(key, None)
-        if len(output) < ORDERS[0] + 1 or self.namespace_tokens == 0 or self.max_namespaces == 0:
+        if len(output) < ORDERS[0] + 1 or self._replies.namespace_tokens == 0:
             return
         try:
             reply = np.asarray(output, dtype=np.int64)
         except (OverflowError, TypeError, ValueError):
             return  # ids no model generates
-        index = self._namespaces.get(namespace)
-        if index is None:
-            index = self._namespaces[namespace] = _NamespaceIndex(self.namespace_tokens)
-            while len(self._namespaces) > self.max_namespaces:
-                self._namespaces.popitem(last=False)
-        self._namespaces.move_to_end(namespace)
-        index.add(reply)
+        self._replies.add(tenant, namespace, reply)
 
-    def retained(self) -> dict[str, int]:
-        """The tokens of replies held per namespace."""
-        return {namespace: index.tokens for namespace, index in self._namespaces.items()}
+    def retained(self) -> dict[str, dict[str, int]]:
+        """The tokens of replies held per tenant and namespace."""
+        return self._replies.retained()
+
+    def held(self, tenant: str) -> int:
+        """What `tenant`'s replies cost, in token units (see REPLY_COST)."""
+        return self._replies.cost(tenant)
+
+    @property
+    def total_held(self) -> int:
+        return self._replies.total
 
     @staticmethod
     def _own_match(index: _SequenceIndex, tokens: Sequence[int], hashes: list[int]) -> _Match | None:
@@ -423,8 +534,10 @@ class Drafter:
             return None
         return _Match(_extend(tokens, tokens, latest, end, ORDERS[found]), latest, None)
 
-    def _namespace_match(self, namespace: str, tokens: Sequence[int], hashes: list[int]) -> _Match | None:
-        index = self._namespaces.get(namespace)
+    @staticmethod
+    def _namespace_match(
+        index: _NamespaceIndex | None, tokens: Sequence[int], hashes: list[int]
+    ) -> _Match | None:
         if index is None:
             return None
         end = len(tokens) - 1
@@ -442,10 +555,6 @@ class Drafter:
         n, reply, position = best
         window = reply.tokens[max(position - MAX_MATCH + 1, 0) : position + 1].tolist()
         return _Match(_extend(window, tokens, len(window) - 1, end, n), position, reply)
-
-    def _touch(self, namespace: str, reply: _Reply) -> None:
-        self._namespaces.move_to_end(namespace)
-        self._namespaces[namespace].touch(reply)
 
 
 def _draft_length(acceptance: float, share: float, cap: int) -> int:

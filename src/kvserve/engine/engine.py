@@ -214,7 +214,7 @@ class Engine:
         self.scheduler.finish(request)
         request.finish_reason = "abort"
         if self.scheduler.drafter is not None:
-            self.scheduler.drafter.finished(request_id, request.namespace, [])
+            self.scheduler.drafter.finished(request_id, request.namespace, [], request.tenant)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -369,7 +369,7 @@ class Engine:
         # so that the next turn of the chat finds this reply in the cache token for token.
         reply = request.reply_token_ids
         if self.scheduler.drafter is not None:
-            self.scheduler.drafter.finished(request.request_id, request.namespace, reply)
+            self.scheduler.drafter.finished(request.request_id, request.namespace, reply, request.tenant)
         if (
             reply
             and not request.text_stream.stopped

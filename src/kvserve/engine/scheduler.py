@@ -58,17 +58,20 @@ _MIN_TENANT_WINDOW = 8
 class DraftSource(Protocol):
     """Where decodes' drafts come from (engine/drafting.py, or a test's own)."""
 
-    def propose(self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int) -> list[int]:
-        """At most `limit` tokens that may follow `tokens` (sequence `key`'s prompt and output so far) in
-        cache namespace `namespace`, for a step of `load` rows so far; [] when a draft would not pay."""
+    def propose(
+        self, key: str, namespace: str, tokens: Sequence[int], limit: int, load: int, tenant: str
+    ) -> list[int]:
+        """At most `limit` tokens that may follow `tokens` (sequence `key`'s prompt and output so far) of
+        `tenant` in cache namespace `namespace`, for a step of `load` rows so far; [] when a draft would
+        not pay."""
         ...
 
     def verified(self, key: str, drafted: int, accepted: int) -> None:
         """The step verified `drafted` tokens of `key`'s last draft and accepted the first `accepted`."""
         ...
 
-    def finished(self, key: str, namespace: str, output: Sequence[int]) -> None:
-        """Sequence `key` ended with `output` (its reply's tokens, empty when aborted)."""
+    def finished(self, key: str, namespace: str, output: Sequence[int], tenant: str) -> None:
+        """Sequence `key` of `tenant` ended with `output` (its reply's tokens, empty when aborted)."""
         ...
 
 
@@ -229,7 +232,9 @@ class Scheduler:
             # Tokens the grammar forces are drafted first: they are all but certain to be kept.
             draft = request.grammar.forced(limit) if request.grammar is not None else []
             if not draft:
-                draft = drafter.propose(request.request_id, request.namespace, request.token_ids, limit, load)
+                draft = drafter.propose(
+                    request.request_id, request.namespace, request.token_ids, limit, load, request.tenant
+                )
                 draft = draft[:limit]
                 if request.grammar is not None:
                     draft = draft[: request.grammar.allowed_prefix(draft)]
