@@ -11,7 +11,9 @@ response.created, response.in_progress, then for each item output_item.added, it
 input comes whole, as one response.custom_tool_call_input.delta and its .done, when the call ends),
 output_item.done, and last response.completed (response.incomplete when cut at max_output_tokens). A
 stored response keeps the conversation with its reply and the exact token ids
-(server/responses_store.py); a stream is stored once it has ended whole.
+(server/responses_store.py); a stream is stored once it has ended whole. The response is written to JSON
+once, off the event loop when stored: the POST (or the stream's last event) answers those bytes, and a
+GET answers the same bytes.
 """
 
 import json
