@@ -14,6 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.cli import build_parser
+from kvserve.errors import ConfigError
+from kvserve.flags import from_flags
+from kvserve.options import ServerOptions
 from kvserve.server.protocol import ChatMessage
 from kvserve.server.responses_persist import DiskBackend
 from kvserve.server.responses_protocol import ResponseObject
@@ -186,3 +190,10 @@ def test_an_older_format_on_disk_is_refused_by_name(tmp_path: Path, caplog: pyte
     with caplog.at_level(logging.WARNING, "kvserve.server"):
         assert ResponseStore(store.limits, backend).get("a", stored.id) is None
     assert "another kvserve version (format '1')" in caplog.text and not path.exists()
+
+
+def test_the_server_bound_is_an_option() -> None:
+    args = build_parser().parse_args(["serve", "--responses-max-total-bytes", "2GiB"])
+    assert from_flags(ServerOptions, args).responses_max_total_bytes == 2 * 2**30
+    with pytest.raises(ConfigError, match="responses_max_total_bytes"):
+        ServerOptions(responses_max_total_bytes=0)
