@@ -156,7 +156,14 @@ class ServerOptions:
     )
     responses_max_stored_bytes: int = option(
         64 * 2**20,
-        "bytes of stored responses kept per tenant, e.g. 64MiB (default %(default)s)",
+        "bytes of stored responses kept per tenant, as memory holds them, e.g. 64MiB (default %(default)s)",
+        parse=parse_bytes,
+        show=format_bytes,
+    )
+    responses_max_total_bytes: int = option(
+        2**30,
+        "bytes of stored responses kept across all tenants, least recently used first, e.g. 1GiB: past it "
+        "a store evicts other tenants' responses too (default %(default)s)",
         parse=parse_bytes,
         show=format_bytes,
     )
@@ -196,8 +203,14 @@ class ServerOptions:
             raise ConfigError(f"tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
-        if self.responses_max_stored < 1 or self.responses_max_stored_bytes < 1:
-            raise ConfigError("responses_max_stored and responses_max_stored_bytes must be positive")
+        if (
+            min(self.responses_max_stored, self.responses_max_stored_bytes, self.responses_max_total_bytes)
+            < 1
+        ):
+            raise ConfigError(
+                "responses_max_stored, responses_max_stored_bytes and responses_max_total_bytes must be "
+                "positive"
+            )
         if not 0 < self.responses_ttl_s <= 365 * 24 * 3600:
             raise ConfigError("responses_ttl_s must be positive and at most a year")
         if not 1 <= self.max_preparing_per_tenant <= self.preparation_threads:

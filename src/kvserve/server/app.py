@@ -223,7 +223,8 @@ async def get_response(response_id: str, request: Request, ctx: Context) -> Resp
     stored = await ctx.preparation.run(tenant, ctx.responses.get, tenant, response_id)
     if stored is None:
         raise unknown_response(response_id)
-    return Response(stored.response.model_dump_json(), media_type="application/json")
+    # The very bytes the POST answered: nothing is parsed or written on the event loop.
+    return Response(stored.response, media_type="application/json")
 
 
 @api.delete("/v1/responses/{response_id}")
@@ -234,7 +235,7 @@ async def delete_response(response_id: str, request: Request, ctx: Context) -> R
     return ResponseDeleted(id=response_id)
 
 
-@api.get("/v1/responses/{response_id}/input_items")
+@api.get("/v1/responses/{response_id}/input_items", response_model=InputItemList)
 async def response_input_items(
     response_id: str,
     request: Request,
@@ -242,12 +243,12 @@ async def response_input_items(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
     after: Annotated[str | None, Query(max_length=256)] = None,
-) -> InputItemList:
+) -> Response:
     tenant = caller(request).tenant.name
-    stored = await ctx.preparation.run(tenant, ctx.responses.get, tenant, response_id)
-    if stored is None:
+    page = await ctx.preparation.run(tenant, item_list, ctx, tenant, response_id, limit, order, after)
+    if page is None:
         raise unknown_response(response_id)
-    return item_list(stored, limit, order, after)
+    return Response(page, media_type="application/json")
 
 
 # Anthropic's Messages API: the same path as a chat completion (one prompt, one sample), its own plan
@@ -410,7 +411,10 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         options.reasoning_parser,
     )
     limits = StoreLimits(
-        options.responses_max_stored, options.responses_max_stored_bytes, options.responses_ttl_s
+        options.responses_max_stored,
+        options.responses_max_stored_bytes,
+        options.responses_ttl_s,
+        options.responses_max_total_bytes,
     )
     dashboard = Dashboard(StatsHistory.empty(), options.dashboard_show_text)
     preparation = PreparationPool(options.preparation_threads, options.max_preparing_per_tenant)

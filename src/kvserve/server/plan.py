@@ -16,6 +16,7 @@ room in the engine's queue for the request's sequences (`AsyncEngine.reserve`).
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.engine.grammar import ConstraintRejected, StructuredOutputs
 from kvserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -47,6 +48,7 @@ from kvserve.server.responses_input import (
     check_fields,
     input_messages,
     response_format,
+    response_tools,
 )
 from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.structured import structured_outputs
@@ -237,6 +239,8 @@ class ResponsesPlan:
     tools: ToolUse | None
     # The names of the tools that are custom tools: their calls are answered as custom_tool_call items.
     custom_tools: frozenset[str] = frozenset()
+    # The request's tools as its response lists them: those offered, without what nothing here reads.
+    response_tools: tuple[dict[str, Any], ...] = ()
 
 
 def responses_plan(
@@ -278,7 +282,9 @@ def responses_plan(
         max_tokens = None
     params = sampling_params(chat, max_tokens, None)
     plan = _chat_plan(ctx, token_ids, params, tools, namespace, "input")
-    return ResponsesPlan(plan, conversation, prompt_text, tools, listed.custom)
+    return ResponsesPlan(
+        plan, conversation, prompt_text, tools, listed.custom, tuple(response_tools(body.tools))
+    )
 
 
 def _anthropic_tokens(

@@ -1,14 +1,15 @@
 """A Responses request's input, tools and text format as the chat machinery takes them.
 
-Items become chat messages: `developer` is a system message, a run of `function_call` items one
-assistant message with those calls (its calls render back as the exact text generated, server/tools.py),
-a `function_call_output` a tool message, and a `reasoning` item the reasoning of the assistant message
-that follows it. Every `function_call_output` must answer a call of the conversation (this request's or
-a stored response's). Function tools become chat tools; a `namespace` group is flattened to its
-functions; tool types that only OpenAI runs (`web_search`, `file_search`, `code_interpreter`, ...) are
-dropped with a warning in the log (README, *Responses API*). An `additional_tools` item (Codex sends
-its tools so, in `input`) adds its tools to the request's and renders nothing itself, its id no more
-than any item's id, so that a resent conversation renders the same prompt.
+Items become chat messages: `developer` is a system message, a run of `function_call` items one assistant
+message with those calls (its calls render back as the exact text generated, server/tools.py), a
+`function_call_output` a tool message, and a `reasoning` item the reasoning of the assistant message that
+follows it. Every `function_call_output` must answer a call of the conversation (this request's or a stored
+response's). Function tools become chat tools; a `namespace` group is flattened to its functions; tool types
+that only OpenAI runs (`web_search`, `file_search`, `code_interpreter`, ...) are dropped with a warning in
+the log (README, *Responses API*). A response lists the tools offered, with the fields acted on, and nothing
+else of them (`response_tools`): what the server ignores is neither echoed nor stored. An `additional_tools`
+item (Codex sends its tools so, in `input`) adds its tools to the request's and renders nothing itself, its
+id no more than any item's id, so that a resent conversation renders the same prompt.
 
 A `custom` tool (OpenAI's freeform tools: the call's input is free text) is offered to the model as a
 function taking one string, {"input": "..."}: its call is constrained as any function call is, to that
@@ -20,7 +21,7 @@ InvalidRequestError, whose param names the item or tool.
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,6 +251,50 @@ def chat_tools(tools: Sequence[Any] | None, items: str | Sequence[InputItem] = (
             ", ".join(sorted(set(dropped))),
         )
     return ListedTools(out or None, frozenset(custom), dropped)
+
+
+def _shown(raw: dict[str, Any], kind: str, fields: Mapping[str, type]) -> dict[str, Any]:
+    return {"type": kind, **{k: raw[k] for k, t in fields.items() if isinstance(raw.get(k), t)}}
+
+
+# The fields of a tool the server acts on, with their types: what a response lists of it.
+_FUNCTION_FIELDS = {"name": str, "description": str, "parameters": dict, "strict": bool}
+# A custom tool's `format` is not enforced (its input is any text, the format's default), so not listed.
+_CUSTOM_FIELDS = {"name": str, "description": str}
+_NAMESPACE_FIELDS = {"name": str, "description": str}
+
+
+def _shown_tool(raw: Any) -> dict[str, Any] | None:
+    kind = raw.get("type", "function") if isinstance(raw, dict) else None
+    if kind == "function":
+        return _shown(raw, kind, _FUNCTION_FIELDS)
+    if kind == CUSTOM:
+        return _shown(raw, kind, _CUSTOM_FIELDS)
+    return None
+
+
+def response_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
+    """The tools a response lists (and a stored one keeps): those offered to the model, each with the
+    fields the server acts on; a namespace with its function and custom tools. Hosted tools and any
+    other field (read by nothing here) are left out. `tools` has passed chat_tools."""
+    out: list[dict[str, Any]] = []
+    for raw in tools or ():
+        if isinstance(raw, dict) and raw.get("type") == NAMESPACE:
+            members = [t for t in map(_shown_tool, raw.get("tools") or ()) if t is not None]
+            if members:
+                out.append({**_shown(raw, NAMESPACE, _NAMESPACE_FIELDS), "tools": members})
+        elif (shown := _shown_tool(raw)) is not None:
+            out.append(shown)
+    return out
+
+
+def response_tool_choice(choice: Any) -> Any:
+    """tool_choice as a response lists it: a mode, or {type, name} (chat_tool_choice has read it)."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, dict):
+        return {"type": choice.get("type"), "name": choice.get("name")}
+    return choice
 
 
 def chat_tool_choice(choice: Any, tools: Sequence[dict[str, Any]] | None) -> Any:

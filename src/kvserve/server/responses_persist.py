@@ -1,12 +1,13 @@
 """Where stored responses outlive the process: the --kv-disk folder, or the --kv-remote Redis.
 
-A stored response holds a tenant's conversation, so it is sealed as the KV blocks are
-(cache/block_seal.py: AES-256-GCM under a key derived from the server secret, for this purpose only):
-whoever reads the folder or Redis without the secret gets nothing, and a value forged, edited or moved
-under another name does not open. Its name is HMAC(name key, tenant | id): it gives away neither the
-tenant nor the id, and the seal's associated data is that name, so a value copied from one tenant's
-name to another's is refused. Anything that does not open is refused (a warning; the file is deleted),
-never trusted, and a failure of the folder or of Redis is a miss: the memory copy stays
+A stored response holds a tenant's conversation, so it is sealed as the KV blocks are (cache/block_seal.py:
+AES-256-GCM under a key derived from the server secret, for this purpose only): whoever reads the folder or
+Redis without the secret gets nothing, and a value forged, edited or moved under another name does not open.
+The header names the format's version: a value of another version (an older kvserve's) is refused as any
+other that does not open, by name in the log. Its name is HMAC(name key, tenant | id): it gives away neither
+the tenant nor the id, and the seal's associated data is that name, so a value copied from one tenant's name
+to another's is refused. Anything that does not open is refused (a warning; the file is deleted), never
+trusted, and a failure of the folder or of Redis is a miss: the memory copy stays
 (server/responses_store.py).
 
 Disk: `DIR/responses/<name>.resp`, folder 0700 and files 0600 (kvserve/private_files.py), written
@@ -35,7 +36,10 @@ log = logging.getLogger("kvserve.server")
 
 SEAL_PURPOSE = "kvserve stored responses: seal v1"
 NAME_PURPOSE = "kvserve stored responses: names v1"
-HEADER = b"KVSRESP1"
+# The format's version, in clear before the seal: 2 holds a HeldResponse's bytes (responses_store.py).
+HEADER = b"KVSRESP2"
+# What an older kvserve wrote (1: a response's JSON model); refused by name, never read.
+_FORMAT_PREFIX = b"KVSRESP"
 FOLDER = "responses"
 _SUFFIX = ".resp"
 REDIS_PREFIX = b"kvserve:response:"
@@ -57,6 +61,9 @@ class _Sealed:
         return bytes(self._seal.seal(name.encode(), HEADER, data))
 
     def open(self, name: str, stored: bytes) -> bytes:
+        if stored.startswith(_FORMAT_PREFIX) and not stored.startswith(HEADER):
+            version = stored[len(_FORMAT_PREFIX) : len(HEADER)].decode(errors="replace")
+            raise Unsealable(f"written by another kvserve version (format {version!r}); not read")
         return bytes(self._seal.open(name.encode(), HEADER, stored, len(stored) - len(HEADER) - OVERHEAD))
 
 

@@ -11,7 +11,9 @@ response.created, response.in_progress, then for each item output_item.added, it
 input comes whole, as one response.custom_tool_call_input.delta and its .done, when the call ends),
 output_item.done, and last response.completed (response.incomplete when cut at max_output_tokens). A
 stored response keeps the conversation with its reply and the exact token ids
-(server/responses_store.py); a stream is stored once it has ended whole.
+(server/responses_store.py); a stream is stored once it has ended whole. The response is written to JSON
+once, off the event loop when stored: the POST (or the stream's last event) answers those bytes, and a
+GET answers the same bytes.
 """
 
 import json
@@ -36,7 +38,7 @@ from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.plan import PreviousResponse, ResponsesPlan, responses_plan
 from kvserve.server.prompts import Continuation
 from kvserve.server.protocol import ChatMessage, FunctionCall, ToolCall
-from kvserve.server.responses_input import custom_input
+from kvserve.server.responses_input import custom_input, response_tool_choice, response_tools
 from kvserve.server.responses_protocol import (
     CustomToolCallItem,
     FunctionCallItem,
@@ -86,12 +88,13 @@ def previous_response(ctx: ServerContext, tenant: str, response_id: str | None) 
             param="previous_response_id",
             code="previous_response_not_found",
         )
+    replay = stored.read_replay()
     continuation = None
-    if stored.continuation_ids is not None and stored.continuation_content is not None:
+    if replay.continuation_content is not None:
         continuation = Continuation(
-            tuple(stored.continuation_ids), stored.continuation_content, stored.continuation_lead or ""
+            stored.continuation_ids(), replay.continuation_content, replay.continuation_lead or ""
         )
-    return PreviousResponse(tuple(stored.messages), continuation)
+    return PreviousResponse(tuple(replay.messages), continuation)
 
 
 def prepare(ctx: ServerContext, body: ResponsesRequest, namespace: str, tenant: str) -> ResponsesPlan:
@@ -195,8 +198,8 @@ class _Run:
             store=body.store,
             temperature=body.temperature,
             text={"format": text_format},
-            tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-            tools=list(body.tools or []),
+            tool_choice=response_tool_choice(body.tool_choice),
+            tools=list(self.prepared.response_tools),
             top_p=body.top_p,
             usage=None if generation is None else self._usage(generation, reply),
             user=body.user,
@@ -222,12 +225,17 @@ class _Run:
     def status(self) -> str:
         return "incomplete" if self.choice.finish_reason == "length" else "completed"
 
-    async def store(self, response: ResponseObject, reply: _Reply, tenant: str) -> None:
-        """Keep the response for GET and previous_response_id (`store`): its conversation with the reply
-        appended, and its exact ids when the reply's ids stand for its text. Written off the event loop
-        (its JSON, and the disk's fsync or Redis' round trip), as a preparation job of its tenant."""
+    async def answer(self, response: ResponseObject, reply: _Reply, tenant: str) -> bytes:
+        """The response's JSON, and the response kept for GET and previous_response_id when `store` is on:
+        then the JSON, the stored copy and the disk's fsync or Redis' round trip are made off the event
+        loop, as a preparation job of its tenant, and a GET answers these very bytes."""
         if not self.body.store:
-            return
+            return response.model_dump_json().encode()
+        return await self.ctx.preparation.run(tenant, self._store, response, reply, tenant)
+
+    def _store(self, response: ResponseObject, reply: _Reply, tenant: str) -> bytes:
+        """Its conversation with the reply appended, and its exact ids when the reply's ids stand for
+        its text, kept; the response's JSON as kept."""
         assistant = reply.assistant()
         messages = [*self.prepared.messages, assistant]
         stored = StoredResponse(
@@ -243,7 +251,7 @@ class _Run:
             stored.continuation_ids = list(continuation.ids)
             stored.continuation_content = continuation.content
             stored.continuation_lead = continuation.lead
-        await self.ctx.preparation.run(tenant, self.ctx.responses.put, stored)
+        return self.ctx.responses.put(stored)
 
     def _continuation(self, assistant: ChatMessage) -> Continuation | None:
         """The prompt's and the reply's ids, with the text they stand for before the reply's content as
@@ -274,24 +282,39 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
         return [{"id": _item_id("msg"), "type": "message", "role": "user", "content": [part]}]
     items = []
     for item in body.input:
-        data = item.model_dump(exclude_none=True)
+        data = item.model_dump(exclude_none=True, exclude={"tools"})
+        if item.tools is not None:
+            # An additional_tools item's tools as a response lists them: only what was offered.
+            data["tools"] = response_tools(item.tools)
         data.setdefault("type", "message")
         data.setdefault("id", _item_id("item"))
         items.append(data)
     return items
 
 
-def item_list(stored: StoredResponse, limit: int, order: str, after: str | None) -> InputItemList:
-    items = list(stored.input_items) if order == "asc" else list(reversed(stored.input_items))
+def item_list(
+    ctx: ServerContext, tenant: str, response_id: str, limit: int, order: str, after: str | None
+) -> bytes | None:
+    """A page of the tenant's stored response's input items as an InputItemList's JSON (None when it
+    has no such response), read and written off the event loop."""
+    stored = ctx.responses.get(tenant, response_id)
+    if stored is None:
+        return None
+    input_items = stored.read_replay().input_items
+    items = input_items if order == "asc" else input_items[::-1]
     if after is not None:
         ids = [i.get("id") for i in items]
         items = items[ids.index(after) + 1 :] if after in ids else []
     page = items[:limit]
-    return InputItemList(
-        data=page,
-        first_id=page[0].get("id") if page else None,
-        last_id=page[-1].get("id") if page else None,
-        has_more=len(items) > limit,
+    return (
+        InputItemList(
+            data=page,
+            first_id=page[0].get("id") if page else None,
+            last_id=page[-1].get("id") if page else None,
+            has_more=len(items) > limit,
+        )
+        .model_dump_json()
+        .encode()
     )
 
 
@@ -328,6 +351,12 @@ class _EventWriter:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=True)}\n\n"
+
+    def event_with(self, kind: str, key: str, data: bytes) -> str:
+        """An event whose `key` is the JSON `data` as it stands (a stored response's very bytes)."""
+        head = json.dumps({"type": kind, "sequence_number": self.sequence}, ensure_ascii=True)
+        self.sequence += 1
+        return f"event: {kind}\ndata: {head[:-1]}, {json.dumps(key)}: {data.decode()}}}\n\n"
 
     def _index(self) -> int:
         return len(self.reply.items()) - 1
@@ -515,9 +544,9 @@ async def _events(
             # An empty reply is still one message, as the whole response has.
             writer.reply.message = OutputMessage(id=_item_id("msg"), content=[OutputText(text="")])
         response = run.response(writer.reply, generation, run.status())
-        await run.store(response, writer.reply, tenant)
+        data = await run.answer(response, writer.reply, tenant)
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
-        yield writer.event(kind, response=response.model_dump())
+        yield writer.event_with(kind, "response", data)
     except Exception as exc:
         error = to_api_error(request, exc)
         if error.status >= 500:
@@ -548,5 +577,5 @@ async def respond_responses(
     await cancel_on_disconnect(request, generation.run())
     reply = _whole_reply(run)
     response = run.response(reply, generation, run.status())
-    await run.store(response, reply, tenant)
-    return Response(response.model_dump_json(), media_type="application/json")
+    data = await run.answer(response, reply, tenant)
+    return Response(data, media_type="application/json")
