@@ -220,11 +220,12 @@ class AsyncEngine:
             self.tokenizer, self.engine.replies, messages, namespace, add_generation_prompt, args, known_reply
         )
 
-    def remember_reply_part(self, namespace: str, part: str, whole: str) -> None:
-        """Remember that the reply `whole` came back to its client as `part` (its content after its think
-        block), so that a later turn that renders the block again splices the whole reply's ids
-        (engine/reply_memory.py). Any thread: the memory has its own lock."""
-        self.engine.replies.remember_part(namespace, part, whole)
+    def remember_reply_part(self, namespace: str, part: str, whole: str, tenant: str) -> None:
+        """Remember that `tenant`'s reply `whole` came back to its client as `part` (its content after its
+        think block), so that a later turn that renders the block again splices the whole reply's ids
+        (engine/reply_memory.py; the entry counts in `tenant`'s bound). Any thread: the memory has its
+        own lock."""
+        self.engine.replies.remember_part(namespace, part, whole, tenant)
 
     async def generate(
         self,

@@ -375,7 +375,7 @@ class Engine:
             and not request.text_stream.stopped
             and self.tokenizer.decode(reply) == request.text_stream.text
         ):
-            self.replies.remember(request.namespace, request.text_stream.text, reply)
+            self.replies.remember(request.namespace, request.text_stream.text, reply, request.tenant)
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

@@ -50,7 +50,7 @@ class Generation:
         self.log_id = log_id
         self.choice = choice
         self._metrics = ctx.metrics
-        self._tenant = room.tenant
+        self.tenant = room.tenant
         self._timer = RequestTimer(ctx.metrics)
         # Closing this generator is what aborts the request.
         self._deltas = ctx.async_engine.generate(
@@ -66,7 +66,7 @@ class Generation:
             self._first = self._observe(await anext(self._deltas))
             output = self.choice.output
             self._metrics.tenant_prefix_cache(
-                self._tenant, self.choice.outputs.num_prompt_tokens, output.num_cached_tokens or 0
+                self.tenant, self.choice.outputs.num_prompt_tokens, output.num_cached_tokens or 0
             )
         except asyncio.CancelledError:
             self._end()
@@ -198,7 +198,7 @@ def remember_parts(
     for g in generations:
         part = reply_part(g.choice) if g.choice.finish_reason is not None else None
         if part is not None:
-            ctx.async_engine.remember_reply_part(namespace, part, g.choice.text)
+            ctx.async_engine.remember_reply_part(namespace, part, g.choice.text, g.tenant)
 
 
 async def start_all(generations: Sequence[Generation]) -> None:
