@@ -15,7 +15,7 @@ import numpy as np
 
 from kvserve.model.gguf_file import ARRAY, GgufFile
 from kvserve.model.mlp import GatedMlp, Mlp
-from kvserve.model.spec import MAX_CONTEXT_LENGTH, ModelConfig
+from kvserve.model.spec import MAX_CONTEXT_LENGTH, ModelConfig, integer
 from kvserve.model.weights import ModelWeights, Rows
 
 
@@ -93,16 +93,21 @@ class GgufMetadata:
 
 def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str) -> dict[str, Any]:
     """config.json fields every family reads the same way from llama.cpp's keys."""
-    n_head = int(meta.require("{arch}.attention.head_count"))
+
+    def count(key: str, default: object = None) -> int:
+        name = key.replace("{arch}", meta.arch)
+        return integer(meta.require(key) if default is None else meta.get(key, default), name)
+
+    n_head = count("{arch}.attention.head_count")
     config: dict[str, Any] = {
         "architectures": [hf_architecture],
         "model_type": model_type,
-        "vocab_size": int(meta.get("{arch}.vocab_size", meta.count("tokenizer.ggml.tokens") or 0)),
-        "hidden_size": int(meta.require("{arch}.embedding_length")),
-        "intermediate_size": int(meta.require("{arch}.feed_forward_length")),
-        "num_hidden_layers": int(meta.require("{arch}.block_count")),
+        "vocab_size": count("{arch}.vocab_size", meta.count("tokenizer.ggml.tokens") or 0),
+        "hidden_size": count("{arch}.embedding_length"),
+        "intermediate_size": count("{arch}.feed_forward_length"),
+        "num_hidden_layers": count("{arch}.block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": int(meta.get("{arch}.attention.head_count_kv", n_head)),
+        "num_key_value_heads": count("{arch}.attention.head_count_kv", n_head),
         "rms_norm_eps": float(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(meta.get("{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": _context_length(meta),
@@ -118,7 +123,7 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
         raise ValueError("the GGUF's attention head counts must be positive")
     key_length = meta.get("{arch}.attention.key_length")
     if key_length is not None:
-        config["head_dim"] = int(key_length)
+        config["head_dim"] = count("{arch}.attention.key_length")
     if meta.get("{arch}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {
             "rope_type": "linear",
@@ -128,7 +133,7 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
 
 
 def _context_length(meta: GgufMetadata) -> int:
-    length = int(meta.get("{arch}.context_length", 2048))
+    length = integer(meta.get("{arch}.context_length", 2048), f"{meta.arch}.context_length")
     if not 0 < length <= MAX_CONTEXT_LENGTH:
         raise ValueError(
             f"{meta.arch}.context_length {length} is not a context kvserve serves (1 to {MAX_CONTEXT_LENGTH} "
