@@ -15,7 +15,9 @@ from typing import Any
 import gguf
 import pytest
 
-from kvserve.errors import ModelLoadError
+from kvserve.config import EngineConfig
+from kvserve.engine.factory import MAX_ID_BLOCKS, build_parts
+from kvserve.errors import ConfigError, ModelLoadError
 from kvserve.model import gguf_tokenizer
 from kvserve.model.loader import load_model, tokenizer_dir
 from kvserve.model.spec import MAX_VOCAB_SIZE
@@ -272,3 +274,23 @@ def test_build_folders_a_killed_process_left_are_swept(valid_gguf: str, tmp_path
     assert {name for name in folders if (cache / name).exists()} == {
         n for n, (_, kept) in folders.items() if kept
     }
+
+
+# ---- The context length, bounded by memory ----------------------------------------------------------
+
+
+def test_an_all_sliding_models_context_is_bounded_by_memory(folder: str, tmp_path: Any) -> None:
+    """Every layer sliding, the KV pool does not bound the context: a claim of 2**24 tokens built a
+    global group of 8.6e9 block ids and rope tables of 1 GiB before (2 GiB resident at 2**16 already).
+    Served, it is capped to the rope tables that kv_cache_memory holds (64 bytes a position here), and a
+    --max-model-len past that is refused with one line."""
+    path = _edited(folder, tmp_path, {"sliding_window": 4, "max_position_embeddings": 2**24})
+    memory = 16 * 2**20
+    parts = build_parts(EngineConfig(model=path, kv_cache_memory=memory, cache_dir=str(tmp_path / "cache")))
+    fits = memory // 64
+    assert parts.max_model_len == fits
+    assert parts.kv.pool.num_blocks <= max(MAX_ID_BLOCKS, fits // 16)
+    assert parts.runner.transformer.rotary.cos.shape[0] <= fits
+    with pytest.raises(ConfigError, match=r"max_model_len 2000000 needs .* of rope tables, more than") as e:
+        build_parts(EngineConfig(model=path, kv_cache_memory=memory, max_model_len=2_000_000))
+    assert "\n" not in str(e.value)
