@@ -180,6 +180,44 @@ def test_gguf_metadata_out_of_range_is_refused_at_load(
     assert refused(path, str(tmp_path / "cache"), message).path == path
 
 
+def _scaling(kind: str, **fields: float) -> dict[str, Any]:
+    """The rope scaling keys `kind` and `fields` written with the rope base."""
+
+    def write(w: gguf.GGUFWriter, _: float) -> None:
+        w.add_float32("llama.rope.freq_base", 10000.0)
+        w.add_string("llama.rope.scaling.type", kind)
+        for key, value in fields.items():
+            w.add_float32(f"llama.rope.scaling.{key}", value)
+
+    return {"add_rope_freq_base": write}
+
+
+@pytest.mark.parametrize(
+    ("writers", "message"),
+    [
+        (
+            _scaling("yarn", factor=0.0, original_context_length=64),
+            "yarn rope scaling needs factor from 1 to",
+        ),
+        (_scaling("yarn", factor=4.0), "the GGUF metadata lacks llama.rope.scaling.original_context_length"),
+        (
+            _scaling("yarn", factor=4.0, original_context_length=-64),
+            "yarn rope scaling needs original_max_position_embeddings from 1",
+        ),
+        (
+            _scaling("yarn", factor=4.0, original_context_length=64, attn_factor=float("nan")),
+            "yarn rope scaling needs attention_factor from 2\\*\\*-16 to 2\\*\\*16, not nan",
+        ),
+        (_scaling("dynamic", factor=4.0), "llama.rope.scaling.type 'dynamic' is not supported"),
+    ],
+)
+def test_gguf_rope_scaling_out_of_range_is_refused_at_load(
+    folder: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, writers: dict[str, Any], message: str
+) -> None:
+    path = _gguf(folder, str(tmp_path / "bad.gguf"), monkeypatch, **writers)
+    assert refused(path, str(tmp_path / "cache"), message).path == path
+
+
 def test_a_gguf_sliding_window_below_one_token_is_refused(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,6 +7,7 @@ its tensor names in both formats, and which shared pieces its layers use (the te
 that change the math are read by the family or refused there (spec.py holds the shared rules).
 """
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,12 +125,42 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
     key_length = meta.get("{arch}.attention.key_length")
     if key_length is not None:
         config["head_dim"] = count("{arch}.attention.key_length")
-    if meta.get("{arch}.rope.scaling.type") == "linear":
-        config["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": float(meta.require("{arch}.rope.scaling.factor")),
-        }
+    scaling = _gguf_rope_scaling(meta)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     return config
+
+
+# llama.cpp's rope scaling types that the families read here: none, linear and YaRN; LongRoPE's factors
+# are tensors (Phi-3 reads them), Llama 3's a rope_freqs tensor (gguf_weights.with_rope_freqs).
+_GGUF_ROPE_TYPES = ("none", "linear", "yarn", "longrope")
+
+
+def _gguf_rope_scaling(meta: GgufMetadata) -> dict[str, Any] | None:
+    """The rope_scaling of `{arch}.rope.scaling.*` (range-checked with every config's, in spec.py).
+
+    YaRN's `attn_factor` is llama.cpp's: a multiplier of the magnitude correction 1 + 0.1 ln(factor),
+    which transformers' `attention_factor` replaces; so the product is transformers' value."""
+    kind = meta.get("{arch}.rope.scaling.type")
+    if kind is None or kind in ("none", "longrope"):
+        return None
+    if kind not in _GGUF_ROPE_TYPES:
+        raise ValueError(
+            f"{meta.arch}.rope.scaling.type {kind!r} is not supported; supported: {_GGUF_ROPE_TYPES}"
+        )
+    factor = float(meta.require("{arch}.rope.scaling.factor"))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": meta.require("{arch}.rope.scaling.original_context_length"),
+    }
+    attn_factor = meta.get("{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        correction = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scaling["attention_factor"] = float(attn_factor) * correction
+    return scaling
 
 
 def _context_length(meta: GgufMetadata) -> int:
