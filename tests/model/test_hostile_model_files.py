@@ -99,6 +99,10 @@ LLAMA3 = {"factor": 8.0, "high_freq_factor": 4.0, "original_max_position_embeddi
         ({"num_key_value_heads": 2.5}, "num_key_value_heads must be an integer, not 2.5"),
         ({"vocab_size": 2**30}, "vocab_size 1073741824 is more than kvserve serves"),
         ({"head_dim": 7}, "leaves no even rotary dimension of head_dim 7"),
+        (
+            {"num_attention_heads": 6, "head_dim": None},
+            "hidden_size 64 is not a multiple of num_attention_heads 6, and no head_dim is given",
+        ),
         ({"max_position_embeddings": float("inf")}, "max_position_embeddings must be an integer, not inf"),
     ],
 )

@@ -212,6 +212,11 @@ def decoder_config(raw: Mapping[str, Any], architecture: str, **fields: Any) -> 
     try:
         hidden = integer(raw["hidden_size"], "hidden_size")
         heads = integer(raw["num_attention_heads"], "num_attention_heads")
+        if "head_dim" not in fields and not raw.get("head_dim") and heads > 0 and hidden % heads:
+            raise ValueError(
+                f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and no head_dim "
+                "is given"
+            )
         _, scaling = rope_scaling(raw)
         refuse_unimplemented(raw)
         common: dict[str, Any] = dict(
