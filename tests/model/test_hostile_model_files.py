@@ -327,12 +327,12 @@ def test_an_all_sliding_models_context_is_bounded_by_memory(folder: str, tmp_pat
     Served, it is capped to the rope tables that kv_cache_memory holds (64 bytes a position here), and a
     --max-model-len past that is refused with one line."""
     path = _edited(folder, tmp_path, {"sliding_window": 4, "max_position_embeddings": 2**24})
-    memory = 16 * 2**20
+    memory = 128 * 2**20
     parts = build_parts(EngineConfig(model=path, kv_cache_memory=memory, cache_dir=str(tmp_path / "cache")))
     fits = memory // 64
     assert parts.max_model_len == fits
     assert parts.kv.pool.num_blocks <= max(MAX_ID_BLOCKS, fits // 16)
     assert parts.runner.transformer.rotary.cos.shape[0] <= fits
-    with pytest.raises(ConfigError, match=r"max_model_len 2000000 needs .* of rope tables, more than") as e:
-        build_parts(EngineConfig(model=path, kv_cache_memory=memory, max_model_len=2_000_000))
+    with pytest.raises(ConfigError, match=r"max_model_len 3000000 needs .* of rope tables, more than") as e:
+        build_parts(EngineConfig(model=path, kv_cache_memory=memory, max_model_len=3_000_000))
     assert "\n" not in str(e.value)

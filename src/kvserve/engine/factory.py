@@ -161,6 +161,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     )
 
 
+# What an all-sliding model's rope tables may take whatever its KV pool (see _max_model_len).
+MIN_ROPE_TABLE_BYTES = 64 << 20
 # The most blocks of an all-sliding model's global group (ids only, no KV memory): 1M blocks, about 50 MiB.
 MAX_ID_BLOCKS = 1 << 20
 
@@ -232,8 +234,8 @@ def _max_model_len(config: EngineConfig, model: LoadedModel) -> int:
     The rope tables hold a row per position the global pool holds (4 * rotary_dim bytes, cos and sin in
     float32). A model with a global layer fills its KV pool long before its tables cost as much; an
     all-sliding model's sequences hold only their windows of KV, so its context is bounded by the tables
-    instead: at most what `kv_cache_memory` would hold of them. Past that, the model's own maximum is
-    capped (and logged), and an asked one refused."""
+    instead: at most what `kv_cache_memory` would hold of them (or MIN_ROPE_TABLE_BYTES, for a small
+    pool). Past that, the model's own maximum is capped (and logged), and an asked one refused."""
     c = model.config
     limit = c.max_position_embeddings
     asked = config.max_model_len
@@ -242,12 +244,12 @@ def _max_model_len(config: EngineConfig, model: LoadedModel) -> int:
     if not c.windows or None in c.windows:
         return asked or limit
     row = 4 * c.rotary_dim * (2 if ROPE_LOCAL in c.layer_ropes else 1)
-    fits = max(1, config.kv_cache_memory // row)
+    fits = max(config.kv_cache_memory, MIN_ROPE_TABLE_BYTES) // row
     if asked is not None and asked > fits:
         raise ConfigError(
             f"max_model_len {asked} needs {format_bytes(asked * row)} of rope tables, more than "
-            f"kv_cache_memory {format_bytes(config.kv_cache_memory)}: lower --max-model-len or raise "
-            "--kv-cache-memory"
+            f"kv_cache_memory {format_bytes(config.kv_cache_memory)} (or "
+            f"{format_bytes(MIN_ROPE_TABLE_BYTES)}): lower --max-model-len or raise --kv-cache-memory"
         )
     if asked is None and limit > fits:
         log.info(
