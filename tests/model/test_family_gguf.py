@@ -111,3 +111,51 @@ def test_a_llama3_gguf_keeps_its_rope_scaling(tmp_path: Any, case: str) -> None:
     expected = hf_logits(theirs, prompt + tokens)[: len(prompt) + 6]
     print(f"llama3 rope {case}: max abs logit error {(logits - expected).abs().max():.2e}")
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+# YaRN as llama.cpp's converter writes it for Qwen: `{arch}.rope.scaling.type` yarn, its factor and the
+# pretraining context (here 32 tokens, so that the prompt runs past it), and llama.cpp's attn_factor (a
+# multiplier of YaRN's magnitude correction 1 + 0.1 ln(factor), which transformers' attention_factor
+# replaces) where the case has one.
+YARN_CASES = {"plain": None, "attn-factor": 0.8}
+
+
+@pytest.mark.parametrize("case", sorted(YARN_CASES))
+def test_a_qwen3_gguf_keeps_its_yarn_scaling(tmp_path: Any, case: str) -> None:
+    import math
+
+    import gguf
+    import transformers
+
+    attn_factor = YARN_CASES[case]
+    factor, context = 4.0, 32
+    family, overrides = gguf_case("qwen3")
+    yarn: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": context,
+    }
+    if attn_factor is not None:
+        yarn["attention_factor"] = attn_factor * (1 + 0.1 * math.log(factor))
+    folder = save_tiny_model(
+        str(tmp_path / "qwen3"), family, **overrides, rope_scaling={**yarn, "rope_theta": 1e4}
+    )
+
+    def metadata(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(context)
+        if attn_factor is not None:
+            writer.add_rope_scaling_attn_factors(attn_factor)
+
+    path = str(tmp_path / "qwen3.gguf")
+    write_family_gguf(folder, path, family, False, extra=metadata)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    assert theirs.config.rope_parameters["rope_type"] == "yarn"
+    ours = load_model(path, str(tmp_path / "cache"))
+    assert ours.config.rope_scaling_dict["rope_type"] == "yarn"
+    prompt = random_prompt(3 * context + 5, seed=7, vocab=overrides["vocab_size"])
+    logits, tokens = prompt_and_greedy(exact_runner(ours, 512), prompt, 6)
+    expected = hf_logits(theirs, prompt + tokens)[: len(prompt) + 6]
+    print(f"qwen3 yarn {case}: max abs logit error {(logits - expected).abs().max():.2e}")
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -29,6 +29,7 @@ from kvserve.model.heap import release_free_heap
 from kvserve.model.kv_quant import kv_bytes_per_token
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.runner import ModelRunner
+from kvserve.model.spec import ROPE_LOCAL
 from kvserve.secret import DISK_TIER_SEAL_PURPOSE, derive_key, load_or_create_secret
 
 log = logging.getLogger("kvserve.engine")
@@ -160,6 +161,12 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     )
 
 
+# What an all-sliding model's rope tables may take whatever its KV pool (see _max_model_len).
+MIN_ROPE_TABLE_BYTES = 64 << 20
+# The most blocks of an all-sliding model's global group (ids only, no KV memory): 1M blocks, about 50 MiB.
+MAX_ID_BLOCKS = 1 << 20
+
+
 def _pools(config: EngineConfig, model: LoadedModel, max_model_len: int, one_pool: int) -> tuple[int, int]:
     """The global pool's blocks and the sliding layers' own pool's (0: none, the sliding layers share the
     global ids) from `--kv-cache-memory`; `one_pool` is the blocks of every layer it holds.
@@ -168,9 +175,11 @@ def _pools(config: EngineConfig, model: LoadedModel, max_model_len: int, one_poo
     fills both pools alike: global bytes / sliding bytes = G * L / (S * (W + 2 * block_size)), G and S
     the global and sliding layers, L the context and W the largest window. The sliding pool holds at
     least one request's window and largest chunk, so a request the global pool fits is always admitted.
-    An all-sliding model's global group costs no memory: its pool is sized in blocks, a whole context per
-    sequence the sliding pool holds. The split is taken only where it holds at least as many tokens as
-    one pool would, so that it never shrinks what a request may use.
+    An all-sliding model's global group costs no KV memory: its pool is sized in blocks, a whole context
+    per sequence the sliding pool holds and the scheduler runs at once, within MAX_ID_BLOCKS (block ids
+    cost about 50 bytes each, and a context of 2**24 tokens times 64 sequences would be 4 GiB of them) but
+    never below one whole context. The split is taken only where it holds at least as many tokens as one
+    pool would, so that it never shrinks what a request may use.
     """
     c, bs = model.config, config.block_size
     windows = [w for w in c.windows if w is not None]
@@ -188,7 +197,9 @@ def _pools(config: EngineConfig, model: LoadedModel, max_model_len: int, one_poo
         global_blocks = (memory - sliding * num_sliding * layer_block) // (num_global * layer_block)
     else:
         sliding = memory // (num_sliding * layer_block)
-        global_blocks = -(-max_model_len // bs) * max(1, sliding // (-(-window // bs) + 1))
+        context = -(-max_model_len // bs)
+        sequences = min(config.max_num_seqs, max(1, sliding // (-(-window // bs) + 1)))
+        global_blocks = max(context, min(context * sequences, MAX_ID_BLOCKS))
     if sliding < need or global_blocks < one_pool:
         return one_pool, 0
     return global_blocks, sliding
@@ -217,10 +228,35 @@ def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) 
 
 
 def _max_model_len(config: EngineConfig, model: LoadedModel) -> int:
-    # Both attention backends apply a sliding-window layer's window, so the context runs to the model's own
-    # maximum whatever its windows.
-    limit = model.config.max_position_embeddings
+    """The context served: `--max-model-len`, else the model's own maximum (both attention backends
+    apply a sliding layer's window, so the context runs to it whatever the windows).
+
+    The rope tables hold a row per position the global pool holds (4 * rotary_dim bytes, cos and sin in
+    float32). A model with a global layer fills its KV pool long before its tables cost as much; an
+    all-sliding model's sequences hold only their windows of KV, so its context is bounded by the tables
+    instead: at most what `kv_cache_memory` would hold of them (or MIN_ROPE_TABLE_BYTES, for a small
+    pool). Past that, the model's own maximum is capped (and logged), and an asked one refused."""
+    c = model.config
+    limit = c.max_position_embeddings
     asked = config.max_model_len
     if asked is not None and asked > limit:
         raise ConfigError(f"max_model_len {asked} exceeds what the model supports ({limit})")
+    if not c.windows or None in c.windows:
+        return asked or limit
+    row = 4 * c.rotary_dim * (2 if ROPE_LOCAL in c.layer_ropes else 1)
+    fits = max(config.kv_cache_memory, MIN_ROPE_TABLE_BYTES) // row
+    if asked is not None and asked > fits:
+        raise ConfigError(
+            f"max_model_len {asked} needs {format_bytes(asked * row)} of rope tables, more than "
+            f"kv_cache_memory {format_bytes(config.kv_cache_memory)} (or "
+            f"{format_bytes(MIN_ROPE_TABLE_BYTES)}): lower --max-model-len or raise --kv-cache-memory"
+        )
+    if asked is None and limit > fits:
+        log.info(
+            "the model's context of %d tokens is capped to %d: every layer slides, and the rope tables of "
+            "more would take more than kv_cache_memory (--max-model-len sets it)",
+            limit,
+            fits,
+        )
+        return fits
     return asked or limit

@@ -257,6 +257,15 @@ class GgufFile:
         data = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return data.reshape(*t.shape[:-1], t.row_bytes)
 
+    def block_field(self, t: TensorInfo, at: int, dtype: str) -> np.ndarray:
+        """A strided view of one field of every block of `t`: the `dtype` value `at` bytes into each."""
+        geometry = block_geometry(t.qtype)
+        assert geometry is not None
+        blocks = t.nbytes // geometry[1]
+        return np.ndarray(
+            (blocks,), dtype=dtype, buffer=self._buf, offset=t.offset + at, strides=(geometry[1],)
+        )
+
     def floats(self, t: TensorInfo) -> np.ndarray:
         """The tensor's values as float32 in `t.shape`: a view for F32, dequantized otherwise."""
         if t.qtype == F32:

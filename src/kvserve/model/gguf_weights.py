@@ -25,7 +25,7 @@ from kvserve.model.families.base import Family, GgufMetadata
 from kvserve.model.gguf_file import F32, GgufFile, TensorInfo, dequantizable, dequantize, type_name
 from kvserve.model.quant_blocks import BLOCK_SIZES, QuantizedWeight, row_unit
 from kvserve.model.rope import llama3_of_divisors
-from kvserve.model.spec import ModelConfig
+from kvserve.model.spec import ROPE_FACTOR_RANGE, ModelConfig
 
 log = logging.getLogger(__name__)
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(0|[1-9]\d*)(\..+)")
@@ -257,9 +257,6 @@ def check_against_config(file: GgufFile, meta: GgufMetadata, config: ModelConfig
 
 
 ROPE_FREQS = "rope_freqs.weight"
-# The range a rope frequency factor may take: Llama 3's run from 1 to 32; a factor far outside would make
-# the rotation angles overflow float32 (or stand still) rather than scale them.
-ROPE_FACTOR_RANGE = (2.0**-16, 2.0**16)
 
 
 def with_rope_freqs(file: GgufFile, family: Family, config: ModelConfig) -> ModelConfig:

@@ -2,8 +2,9 @@
 
 A GGUF is the weights: mapped in place and read as it is (gguf_file.py checks it, gguf_weights.py names
 its tensors, gguf_tokenizer.py builds its tokenizer from the metadata); nothing of it is converted or
-written. A folder's weights are read with safetensors only (never pickle). Every failure is a
-ModelLoadError naming the file and the reason.
+written. A folder's weights are read with safetensors only (never pickle). Weights holding NaN or
+infinity are refused (finite_weights.py): a GGUF's at load, a folder's tensor as it is read. Every
+failure is a ModelLoadError naming the file and the reason.
 """
 
 import importlib.util
@@ -17,6 +18,7 @@ import torch
 from kvserve.errors import ModelLoadError
 from kvserve.model.families import config_from_hf, family_for_gguf
 from kvserve.model.families.base import Family, GgufMetadata
+from kvserve.model.finite_weights import check_gguf, check_tensor
 from kvserve.model.gguf_file import GgufFile, open_gguf
 from kvserve.model.gguf_tokenizer import tokenizer_dir as gguf_tokenizer_dir
 from kvserve.model.gguf_weights import (
@@ -127,6 +129,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
                 tensor: torch.Tensor = f.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(path, f"corrupt or unreadable safetensors file ({e})") from None
+        check_tensor(path, name, tensor)
         return tensor
 
     def __iter__(self) -> Iterator[str]:
@@ -263,6 +266,7 @@ def _load_gguf(path: str, name: str, cache_dir: str) -> LoadedModel:
     """A GGUF model read in place: the config and tokenizer from the metadata, the tensors as views of
     the mapped file."""
     head = _gguf_head(path, cache_dir)
+    check_gguf(head.file)
     c = head.config
     tensors = GgufTensors(head.file, head.family, (c.num_heads, c.num_kv_heads))
     return LoadedModel(

@@ -1,6 +1,7 @@
 """ModelConfig: the hyperparameters of a decoder, whatever its family, and the parsing every family
 shares. Each family's module (model/families/) maps its config.json and GGUF metadata onto it."""
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,18 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The longest context a config may claim: rope positions are float32, exact up to 2**24 (no released
 # model claims more than 10M tokens). A claim past it is refused at load, before any table is sized by it.
 MAX_CONTEXT_LENGTH = 1 << 24
+# Bounds of the counts a config may claim, far above any released model's (Llama 3.1 405B: 126 layers,
+# 128 heads, hidden 16384; Gemma 3: a vocabulary of 262,208): a count past them is refused at load,
+# before a per-layer table, a rope table or a tokenizer is sized by it.
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_HIDDEN_SIZE = 1 << 16
+MAX_INTERMEDIATE_SIZE = 1 << 20
+MAX_VOCAB_SIZE = 1 << 19
+# The range of a rope scaling factor (Llama 3's run from 1 to 32, YaRN's to 40): far outside it, the
+# rotation angles overflow float32 or stand still.
+ROPE_FACTOR_RANGE = (2.0**-16, 2.0**16)
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,24 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+def integer(value: object, name: str) -> int:
+    """A count from a config: an int (a float only where it is whole), never a bool (`true` is an int in
+    Python) nor a string."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, not {value!r}")
+    return value
+
+
+def layer_count(raw: Mapping[str, Any]) -> int:
+    """`num_hidden_layers`, checked before anything is sized by it (per-layer windows, ropes, experts)."""
+    layers = integer(raw["num_hidden_layers"], "num_hidden_layers")
+    if not 0 < layers <= MAX_LAYERS:
+        raise ValueError(f"num_hidden_layers must be 1 to {MAX_LAYERS}, not {layers}")
+    return layers
 
 
 def eos_ids(value: object) -> tuple[int, ...]:
@@ -179,22 +210,29 @@ def decoder_config(raw: Mapping[str, Any], architecture: str, **fields: Any) -> 
     """The fields every family reads the same way from config.json, then the family's own `fields`
     (which win). Raises ValueError naming a missing or wrong field."""
     try:
-        hidden = int(raw["hidden_size"])
-        heads = int(raw["num_attention_heads"])
+        hidden = integer(raw["hidden_size"], "hidden_size")
+        heads = integer(raw["num_attention_heads"], "num_attention_heads")
+        if "head_dim" not in fields and not raw.get("head_dim") and heads > 0 and hidden % heads:
+            raise ValueError(
+                f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and no head_dim "
+                "is given"
+            )
         _, scaling = rope_scaling(raw)
         refuse_unimplemented(raw)
         common: dict[str, Any] = dict(
             architecture=architecture,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=integer(raw["vocab_size"], "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            intermediate_size=integer(raw["intermediate_size"], "intermediate_size"),
+            num_layers=layer_count(raw),
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            num_kv_heads=integer(raw.get("num_key_value_heads") or heads, "num_key_value_heads"),
+            head_dim=integer(raw.get("head_dim") or hidden // heads, "head_dim"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta(raw),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=integer(
+                raw.get("max_position_embeddings", 2048), "max_position_embeddings"
+            ),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             o_proj_bias=bool(raw.get("attention_bias", False)),
@@ -209,24 +247,27 @@ def decoder_config(raw: Mapping[str, Any], architecture: str, **fields: Any) -> 
     except ZeroDivisionError:
         raise ValueError("num_attention_heads must be positive") from None
     _check_shape(config)
+    _check_math(config)
     return config
 
 
 def _check_shape(c: ModelConfig) -> None:
     """Sizes a forward pass can run: positive, whole groups of query heads per KV head, and a context
-    within MAX_CONTEXT_LENGTH."""
+    within MAX_CONTEXT_LENGTH; every count within the bounds above."""
     sizes = {
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
+        "vocab_size": (c.vocab_size, MAX_VOCAB_SIZE),
+        "hidden_size": (c.hidden_size, MAX_HIDDEN_SIZE),
+        "intermediate_size": (c.intermediate_size, MAX_INTERMEDIATE_SIZE),
+        "num_hidden_layers": (c.num_layers, MAX_LAYERS),
+        "num_attention_heads": (c.num_heads, MAX_HEADS),
+        "num_key_value_heads": (c.num_kv_heads, MAX_HEADS),
+        "head_dim": (c.head_dim, MAX_HEAD_DIM),
     }
-    for name, value in sizes.items():
+    for name, (value, most) in sizes.items():
         if value <= 0:
             raise ValueError(f"{name} must be positive, not {value}")
+        if value > most:
+            raise ValueError(f"{name} {value} is more than kvserve serves (at most {most})")
     if not 0 < c.max_position_embeddings <= MAX_CONTEXT_LENGTH:
         raise ValueError(
             f"max_position_embeddings {c.max_position_embeddings} is not a context kvserve serves "
@@ -239,6 +280,91 @@ def _check_shape(c: ModelConfig) -> None:
 
 
 def sliding_window(raw: Mapping[str, Any], default_on: bool) -> int | None:
-    """`sliding_window` where the config uses it (`use_sliding_window`, on by default for some families)."""
-    value = raw.get("sliding_window") if raw.get("use_sliding_window", default_on) else None
-    return int(value) if value else None
+    """`sliding_window` where the config uses it (`use_sliding_window`, on by default for some families);
+    null turns it off."""
+    return window_size(raw.get("sliding_window") if raw.get("use_sliding_window", default_on) else None)
+
+
+def window_size(value: object) -> int | None:
+    """A sliding window in tokens (None: none), 1 to MAX_CONTEXT_LENGTH: the attention backends take
+    each window as a positive count, and a window past every context is no window."""
+    if value is None:
+        return None
+    window = integer(value, "sliding_window")
+    if not 0 < window <= MAX_CONTEXT_LENGTH:
+        raise ValueError(
+            f"sliding_window must be 1 to {MAX_CONTEXT_LENGTH} tokens, not {window} (null turns it off)"
+        )
+    return window
+
+
+def _check_math(c: ModelConfig) -> None:
+    """The values the forward pass computes with: a finite positive eps, rope bases above 1, an even
+    rotary dimension, a softmax scale, windows of at least one token, and rope scaling with every field
+    its type needs, each in range. Each would otherwise load and then fail (or serve NaN) later."""
+    if not (math.isfinite(c.rms_norm_eps) and 0 < c.rms_norm_eps < 1):
+        raise ValueError(f"rms_norm_eps must be a finite number between 0 and 1, not {c.rms_norm_eps}")
+    for name, base in (("rope_theta", c.rope_theta), ("rope_local_base_freq", c.local_rope_theta)):
+        if not (math.isfinite(base) and base > 1):
+            raise ValueError(f"{name} must be a finite number above 1, not {base}")
+    factor = c.partial_rotary_factor
+    if not (math.isfinite(factor) and 0 < factor <= 1) or c.rotary_dim < 2 or c.rotary_dim % 2:
+        raise ValueError(
+            f"partial_rotary_factor {factor} leaves no even rotary dimension of head_dim {c.head_dim}"
+        )
+    scalar = c.query_pre_attn_scalar
+    if scalar is not None and not (math.isfinite(scalar) and scalar > 0):
+        raise ValueError(f"query_pre_attn_scalar must be a finite positive number, not {scalar}")
+    for window in c.windows:
+        if window is not None:
+            window_size(window)
+    _check_rope_scaling(c.rope_scaling_dict)
+
+
+def _check_rope_scaling(scaling: Mapping[str, Any]) -> None:
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return
+    low, high = ROPE_FACTOR_RANGE
+
+    def number(key: str, least: float = low, required: bool = True) -> float | None:
+        value = scaling.get(key)
+        if value is None and not required:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not least <= value <= high:
+            what = "missing" if value is None else repr(value)
+            bounds = f"{'2**-16' if least == low else f'{least:g}'} to 2**16"
+            raise ValueError(f"{kind} rope scaling needs {key} from {bounds}, not {what}")
+        return float(value)
+
+    def context(required: bool) -> None:
+        value = scaling.get("original_max_position_embeddings")
+        if value is None and not required:
+            return
+        if value is None or not 0 < integer(value, "original_max_position_embeddings") <= MAX_CONTEXT_LENGTH:
+            raise ValueError(
+                f"{kind} rope scaling needs original_max_position_embeddings from 1 to "
+                f"{MAX_CONTEXT_LENGTH}, not {value!r}"
+            )
+
+    if kind in ("linear", "llama3", "yarn"):
+        number("factor", least=1.0)
+    if kind == "llama3":
+        low_freq, high_freq = number("low_freq_factor"), number("high_freq_factor")
+        if low_freq is not None and high_freq is not None and not low_freq < high_freq:
+            raise ValueError(f"llama3 rope scaling needs low_freq_factor {low_freq} below high_freq_factor")
+        context(required=True)
+    if kind == "yarn":
+        for key in ("attention_factor", "beta_fast", "beta_slow"):
+            number(key, required=False)
+        context(required=False)
+    if kind == "longrope":
+        number("factor", required=False)
+        number("attention_factor", required=False)
+        context(required=True)
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key)
+            if not isinstance(factors, tuple | list) or not all(
+                not isinstance(f, bool) and isinstance(f, int | float) and low <= f <= high for f in factors
+            ):
+                raise ValueError(f"longrope rope scaling needs {key}: a list of factors from 2**-16 to 2**16")

@@ -10,8 +10,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
+
+from kvserve.model.template_budget import template_budget
 
 # One message of a conversation as the chat template takes it: {"role": ..., "content": ...}, and for a
 # template that knows them, "tool_call_id", "name" or "reasoning_content". The server's request model of
@@ -31,6 +34,10 @@ class TemplateArgs:
 
 
 NO_TEMPLATE_ARGS = TemplateArgs()
+
+# What a template raises on data it does not expect, which its callers take as the request's fault; any
+# other exception it raises (a division by zero, a recursion too deep) becomes a TemplateError too.
+_TEMPLATE_FAULTS = (ValueError, TemplateError, TypeError, AttributeError, LookupError)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -128,16 +135,25 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         args: TemplateArgs = NO_TEMPLATE_ARGS,
     ) -> str:
+        """The conversation as the template renders it, within the template's budget of steps and seconds
+        (model/template_budget.py; past it, TemplateBudgetError). Whatever the template raises is one of
+        ValueError, TemplateError, TypeError, AttributeError or LookupError."""
         if args.source is None and not self.has_chat_template:
             raise ValueError("this model has no chat template; use completions with a plain prompt")
-        text = self._hf.apply_chat_template(
-            list(messages),
-            tools=None if args.tools is None else list(args.tools),
-            chat_template=args.source,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **args.kwargs,
-        )
+        try:
+            with template_budget():
+                text = self._hf.apply_chat_template(
+                    list(messages),
+                    tools=None if args.tools is None else list(args.tools),
+                    chat_template=args.source,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    **args.kwargs,
+                )
+        except _TEMPLATE_FAULTS:
+            raise
+        except Exception as e:
+            raise TemplateError(f"{type(e).__name__}: {e}") from e
         return str(text)
 
     def encode_chat(

@@ -3,8 +3,10 @@ parser, chosen once at startup from the options and the template itself (README,
 
 `--chat-template FILE` replaces the tokenizer's template. `--tool-call-format auto` renders a probe
 conversation with one tool and, when the tool's name shows in the text, takes the format whose markers
-the template's source holds (server/tool_formats); a template that renders no tools gets the generic
-format. `--reasoning-parser auto` splits `<think>` blocks off replies when the template's source
+the template's source holds (server/tool_formats); a template that renders no tools (or raises on the
+probe, said in one log line) gets the generic format. A template that runs past its budget of steps or
+seconds on the probe (model/template_budget.py) stops the server with one line: it would on every
+chat. `--reasoning-parser auto` splits `<think>` blocks off replies when the template's source
 mentions `<think>`.
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from kvserve.errors import ConfigError
+from kvserve.model.template_budget import TemplateBudgetError
 from kvserve.model.tokenizer import TemplateArgs, Tokenizer
 from kvserve.server.reasoning import THINK_OPEN
 from kvserve.server.tool_formats import GENERIC, ToolFormat, choose
@@ -55,7 +58,10 @@ def renders_tools(tokenizer: Tokenizer, template: str | None) -> bool:
     ]
     try:
         text = tokenizer.render_chat(messages, True, TemplateArgs(source=template, tools=[_PROBE_TOOL]))
-    except (ValueError, TemplateError, TypeError, AttributeError, LookupError):
+    except TemplateBudgetError as e:
+        raise ConfigError(f"the chat template cannot render a one-message chat: {e}") from None
+    except (ValueError, TemplateError, TypeError, AttributeError, LookupError) as e:
+        log.warning("chat: the template raises on a chat with tools (%s): tools get the generic format", e)
         return False
     return _PROBE_NAME in text
 

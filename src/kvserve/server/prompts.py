@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import KnownReply, MessageDict, TemplateArgs, Tokenizer
@@ -184,7 +186,12 @@ def continued_chat_prompt(
             ids = None
     if ids is None:
         ids = async_engine.encode_chat(turns, namespace, True, args)
-    return ids, async_engine.tokenizer.render_chat(turns, True, args)
+    try:
+        text = async_engine.tokenizer.render_chat(turns, True, args)
+    except TemplateError as e:
+        # The same rendering as the encoding's, but for its budget's clock (model/template_budget.py).
+        raise InvalidRequestError(f"The chat template cannot render these messages: {e}", "messages") from e
+    return ids, text
 
 
 def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

@@ -7,6 +7,7 @@ its tensor names in both formats, and which shared pieces its layers use (the te
 that change the math are read by the family or refused there (spec.py holds the shared rules).
 """
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 
 from kvserve.model.gguf_file import ARRAY, GgufFile
 from kvserve.model.mlp import GatedMlp, Mlp
-from kvserve.model.spec import MAX_CONTEXT_LENGTH, ModelConfig
+from kvserve.model.spec import MAX_CONTEXT_LENGTH, ModelConfig, integer
 from kvserve.model.weights import ModelWeights, Rows
 
 
@@ -93,16 +94,21 @@ class GgufMetadata:
 
 def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str) -> dict[str, Any]:
     """config.json fields every family reads the same way from llama.cpp's keys."""
-    n_head = int(meta.require("{arch}.attention.head_count"))
+
+    def count(key: str, default: object = None) -> int:
+        name = key.replace("{arch}", meta.arch)
+        return integer(meta.require(key) if default is None else meta.get(key, default), name)
+
+    n_head = count("{arch}.attention.head_count")
     config: dict[str, Any] = {
         "architectures": [hf_architecture],
         "model_type": model_type,
-        "vocab_size": int(meta.get("{arch}.vocab_size", meta.count("tokenizer.ggml.tokens") or 0)),
-        "hidden_size": int(meta.require("{arch}.embedding_length")),
-        "intermediate_size": int(meta.require("{arch}.feed_forward_length")),
-        "num_hidden_layers": int(meta.require("{arch}.block_count")),
+        "vocab_size": count("{arch}.vocab_size", meta.count("tokenizer.ggml.tokens") or 0),
+        "hidden_size": count("{arch}.embedding_length"),
+        "intermediate_size": count("{arch}.feed_forward_length"),
+        "num_hidden_layers": count("{arch}.block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": int(meta.get("{arch}.attention.head_count_kv", n_head)),
+        "num_key_value_heads": count("{arch}.attention.head_count_kv", n_head),
         "rms_norm_eps": float(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(meta.get("{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": _context_length(meta),
@@ -118,17 +124,47 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
         raise ValueError("the GGUF's attention head counts must be positive")
     key_length = meta.get("{arch}.attention.key_length")
     if key_length is not None:
-        config["head_dim"] = int(key_length)
-    if meta.get("{arch}.rope.scaling.type") == "linear":
-        config["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": float(meta.require("{arch}.rope.scaling.factor")),
-        }
+        config["head_dim"] = count("{arch}.attention.key_length")
+    scaling = _gguf_rope_scaling(meta)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     return config
 
 
+# llama.cpp's rope scaling types that the families read here: none, linear and YaRN; LongRoPE's factors
+# are tensors (Phi-3 reads them), Llama 3's a rope_freqs tensor (gguf_weights.with_rope_freqs).
+_GGUF_ROPE_TYPES = ("none", "linear", "yarn", "longrope")
+
+
+def _gguf_rope_scaling(meta: GgufMetadata) -> dict[str, Any] | None:
+    """The rope_scaling of `{arch}.rope.scaling.*` (range-checked with every config's, in spec.py).
+
+    YaRN's `attn_factor` is llama.cpp's: a multiplier of the magnitude correction 1 + 0.1 ln(factor),
+    which transformers' `attention_factor` replaces; so the product is transformers' value."""
+    kind = meta.get("{arch}.rope.scaling.type")
+    if kind is None or kind in ("none", "longrope"):
+        return None
+    if kind not in _GGUF_ROPE_TYPES:
+        raise ValueError(
+            f"{meta.arch}.rope.scaling.type {kind!r} is not supported; supported: {_GGUF_ROPE_TYPES}"
+        )
+    factor = float(meta.require("{arch}.rope.scaling.factor"))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": meta.require("{arch}.rope.scaling.original_context_length"),
+    }
+    attn_factor = meta.get("{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        correction = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scaling["attention_factor"] = float(attn_factor) * correction
+    return scaling
+
+
 def _context_length(meta: GgufMetadata) -> int:
-    length = int(meta.get("{arch}.context_length", 2048))
+    length = integer(meta.get("{arch}.context_length", 2048), f"{meta.arch}.context_length")
     if not 0 < length <= MAX_CONTEXT_LENGTH:
         raise ValueError(
             f"{meta.arch}.context_length {length} is not a context kvserve serves (1 to {MAX_CONTEXT_LENGTH} "

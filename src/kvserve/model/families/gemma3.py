@@ -14,8 +14,11 @@ from kvserve.model.spec import (
     ModelConfig,
     activation,
     decoder_config,
+    integer,
+    layer_count,
     layer_types,
     rope_scaling,
+    window_size,
     windows,
 )
 
@@ -78,17 +81,18 @@ def _ropes(raw: Mapping[str, Any]) -> tuple[float, tuple[Any, ...], float]:
 
 
 def _config(raw: Mapping[str, Any]) -> ModelConfig:
-    layers = int(raw["num_hidden_layers"])
+    layers = layer_count(raw)
     types = _types(raw, layers)
     theta, scaling, local_theta = _ropes(raw)
-    sliding = raw.get("sliding_window")
-    sliding = int(sliding) if sliding else None
+    sliding = window_size(raw.get("sliding_window"))
     return decoder_config(
         raw,
         "gemma3",
-        head_dim=int(raw.get("head_dim", 256)),
+        head_dim=integer(raw.get("head_dim", 256), "head_dim"),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
+        max_position_embeddings=integer(
+            raw.get("max_position_embeddings", 131072), "max_position_embeddings"
+        ),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         rope_theta=theta,
         rope_scaling=scaling,

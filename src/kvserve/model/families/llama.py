@@ -4,14 +4,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvserve.model.families.base import Family, GgufMetadata, gguf_common_config
-from kvserve.model.spec import ModelConfig, decoder_config, sliding_window, windows
+from kvserve.model.spec import ModelConfig, decoder_config, layer_count, sliding_window, windows
 
 
 def _config(name: str) -> Any:
     def config(raw: Mapping[str, Any]) -> ModelConfig:
         sliding = sliding_window(raw, default_on=True)
         return decoder_config(
-            raw, name, sliding_window=sliding, windows=windows(raw, int(raw["num_hidden_layers"]), sliding)
+            raw, name, sliding_window=sliding, windows=windows(raw, layer_count(raw), sliding)
         )
 
     return config

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvserve.model.families.base import Family, GgufMetadata, LayerTensors, gguf_common_config
-from kvserve.model.spec import ModelConfig, decoder_config, sliding_window, windows
+from kvserve.model.spec import ModelConfig, decoder_config, layer_count, sliding_window, windows
 
 TENSORS = LayerTensors(qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",))
 GGUF_LAYER = {
@@ -20,7 +20,7 @@ GGUF_LAYER = {
 
 
 def _config(raw: Mapping[str, Any]) -> ModelConfig:
-    layers = int(raw["num_hidden_layers"])
+    layers = layer_count(raw)
     raw = dict(raw)
     parameters = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
@@ -47,8 +47,6 @@ def _config(raw: Mapping[str, Any]) -> ModelConfig:
         sliding_window=sliding,
         windows=windows(raw, layers, sliding),
     )
-    if config.rotary_dim % 2 or not 0 < config.rotary_dim <= config.head_dim:
-        raise ValueError(f"partial_rotary_factor {factor} leaves no even rotary dimension")
     scaling = config.rope_scaling_dict
     for key in ("short_factor", "long_factor") if scaling.get("rope_type") == "longrope" else ():
         if len(scaling.get(key) or ()) != config.rotary_dim // 2:

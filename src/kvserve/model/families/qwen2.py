@@ -5,11 +5,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvserve.model.families.base import Family, GgufMetadata, gguf_common_config
-from kvserve.model.spec import ModelConfig, decoder_config, sliding_window, windows
+from kvserve.model.spec import ModelConfig, decoder_config, layer_count, sliding_window, windows
 
 
 def _config(raw: Mapping[str, Any]) -> ModelConfig:
-    layers = int(raw["num_hidden_layers"])
+    layers = layer_count(raw)
     sliding = sliding_window(raw, default_on=False)
     return decoder_config(
         raw,

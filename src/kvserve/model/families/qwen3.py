@@ -11,7 +11,7 @@ from kvserve.model.families.base import (
     LayerTensors,
     gguf_common_config,
 )
-from kvserve.model.spec import ModelConfig, decoder_config, sliding_window, windows
+from kvserve.model.spec import ModelConfig, decoder_config, layer_count, sliding_window, windows
 
 TENSORS = LayerTensors(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
 GGUF_LAYER = {
@@ -22,7 +22,7 @@ GGUF_LAYER = {
 
 
 def _config(raw: Mapping[str, Any]) -> ModelConfig:
-    layers = int(raw["num_hidden_layers"])
+    layers = layer_count(raw)
     sliding = sliding_window(raw, default_on=False)
     return decoder_config(
         raw,

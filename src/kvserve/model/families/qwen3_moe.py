@@ -20,7 +20,14 @@ from kvserve.model.families.qwen3 import TENSORS
 from kvserve.model.mlp import GatedMlp, Mlp
 from kvserve.model.moe import SparseMoe
 from kvserve.model.quant_linear import QuantLinear
-from kvserve.model.spec import ModelConfig, MoeConfig, decoder_config, sliding_window, windows
+from kvserve.model.spec import (
+    ModelConfig,
+    MoeConfig,
+    decoder_config,
+    layer_count,
+    sliding_window,
+    windows,
+)
 from kvserve.model.weights import ModelWeights, Rows
 
 # `{expert}` stands for the expert's index: each 3-D tensor is read as one matrix per expert.
@@ -60,7 +67,7 @@ def _moe(raw: Mapping[str, Any], layers: int) -> MoeConfig:
 
 
 def _config(raw: Mapping[str, Any]) -> ModelConfig:
-    layers = int(raw["num_hidden_layers"])
+    layers = layer_count(raw)
     sliding = sliding_window(raw, default_on=False)
     return decoder_config(
         raw,

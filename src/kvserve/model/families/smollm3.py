@@ -5,7 +5,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvserve.model.families.base import Family, GgufMetadata, gguf_common_config
-from kvserve.model.spec import ROPE_GLOBAL, ROPE_NONE, ModelConfig, decoder_config, sliding_window, windows
+from kvserve.model.spec import (
+    ROPE_GLOBAL,
+    ROPE_NONE,
+    ModelConfig,
+    decoder_config,
+    layer_count,
+    sliding_window,
+    windows,
+)
 
 # llama.cpp has no key for the interval: it fixes it at 4, as SmolLM3's checkpoints have it.
 GGUF_NO_ROPE_INTERVAL = 4
@@ -24,7 +32,7 @@ def _layer_ropes(raw: Mapping[str, Any], layers: int) -> tuple[str, ...]:
 
 
 def _config(raw: Mapping[str, Any]) -> ModelConfig:
-    layers = int(raw["num_hidden_layers"])
+    layers = layer_count(raw)
     sliding = sliding_window(raw, default_on=False)
     return decoder_config(
         raw,
