@@ -135,7 +135,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         args: TemplateArgs = NO_TEMPLATE_ARGS,
     ) -> str:
-        """The conversation as the template renders it, within the template's budget of steps and seconds
+        """The conversation as the template renders it, within the template's deadline
         (model/template_budget.py; past it, TemplateBudgetError). Whatever the template raises is one of
         ValueError, TemplateError, TypeError, AttributeError or LookupError."""
         if args.source is None and not self.has_chat_template:

@@ -4,10 +4,10 @@ parser, chosen once at startup from the options and the template itself (README,
 `--chat-template FILE` replaces the tokenizer's template. `--tool-call-format auto` renders a probe
 conversation with one tool and, when the tool's name shows in the text, takes the format whose markers
 the template's source holds (server/tool_formats); a template that renders no tools (or raises on the
-probe, said in one log line) gets the generic format. A template that runs past its budget of steps or
-seconds on the probe (model/template_budget.py) stops the server with one line: it would on every
-chat. `--reasoning-parser auto` splits `<think>` blocks off replies when the template's source
-mentions `<think>`.
+probe, said in one log line) gets the generic format. A template that runs past its deadline on the
+probe (model/template_budget.py) stops the server with one line: it would on every chat.
+`--reasoning-parser auto` splits `<think>` blocks off replies when the template's source mentions
+`<think>`.
 """
 
 import json

@@ -189,7 +189,7 @@ def continued_chat_prompt(
     try:
         text = async_engine.tokenizer.render_chat(turns, True, args)
     except TemplateError as e:
-        # The same rendering as the encoding's, but for its budget's clock (model/template_budget.py).
+        # The same rendering as the encoding's, but for its deadline (model/template_budget.py).
         raise InvalidRequestError(f"The chat template cannot render these messages: {e}", "messages") from e
     return ids, text
 
