@@ -8,7 +8,8 @@
  * COL_TILE outputs otherwise (decodes). Where the build has AVX-512, batches of WIDE_MIN rows or more take
  * COL_TILE outputs up to six rows at a time instead, their sub-blocks decoded once per row chunk into a
  * float32 buffer, two outputs' lanes side by side in each 16-lane register: the same operations per lane,
- * so the same bits.
+ * so the same bits. One row (a decode) takes ROW_COLS outputs at a time in the row tile where its type is
+ * `row_tiled`: the scales of eight sub-blocks computed together ahead of them, then the same operations.
  *
  * The only per-type code is the decoding of a sub-block (decode.h beside this file). A tile takes its type,
  * rows and outputs as constants (DEFINE_TILES instantiates each per type), so that its loops unroll into
@@ -114,6 +115,84 @@ static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_
         _mm_storeu_ps(offset, offsets4);
     for (int i = 0; i < rows * cols; i++)
         res[i] = vector_total(acc[i], offset[i]);
+}
+
+/* Outputs of a row tile (vector_range's results hold them). */
+#define ROW_COLS 8
+_Static_assert(ROW_COLS <= 8 * COL_TILE && CHUNK_TILES * COL_TILE % ROW_COLS == 0, "row tiles fit the runs");
+/* The types whose decode rows take the row tile (where the build has the AVX-512 byte permutes): those it
+ * measured faster than `vector_tile` on one row. The float types, Q8_0, Q4_1, Q3_K and the IQ4 types
+ * were as fast or slower there (Q8_0's head is bound by memory either way). */
+static inline int row_tiled(int type)
+{
+    return HAVE_AVX512_VBMI && (type == TYPE_Q4_0 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
+                                type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K);
+}
+
+/* One row x `cols` outputs (a decode): `vector_tile`'s operations for one row. The scales of eight
+ * sub-blocks (a super-block, or eight blocks of 32) are computed for every output before their vector
+ * loop (group_scales), which then keeps to decoding and the fused multiply-adds. */
+static ALWAYS_INLINE void row_tile(int type, int cols, const uint8_t *w, size_t rs, int64_t ns, const float *x,
+                                   const float *sx, int64_t ss, float *res)
+{
+    const uint8_t *next = w + cols * rs;
+    const size_t step = (cols * rs + (size_t)ns - 1) / (size_t)ns;
+    const int split = split_scales(type);
+    __m256 acc[ROW_COLS];
+    float offset[ROW_COLS];
+    for (int c = 0; c < cols; c++) {
+        acc[c] = _mm256_setzero_ps();
+        offset[c] = 0;
+    }
+    /* Each group's scales are computed one group ahead, so that they are in the cache, not still in the
+     * store buffer, when the loop reads them back one by one. */
+    float scales[2][ROW_COLS][16], offsets[2][ROW_COLS][16];
+    /* A group's sub-blocks: eight, or those left of a row of blocks of 32. */
+    const int super = TYPE_INFO[type].elems == QK_K;
+    for (int c = 0; c < cols; c++)
+        group_scales(type, w + c * rs, super || ns >= 8 ? 8 : (int)ns, scales[0][c], offsets[0][c]);
+    for (int64_t s0 = 0, g = 0; s0 < ns; s0 += 8, g ^= 1) {
+        const int n = super || ns - s0 >= 8 ? 8 : (int)(ns - s0);
+        const size_t at = sub_offset(type, s0);
+        if (s0 + 8 < ns) {
+            const size_t ahead = sub_offset(type, s0 + 8);
+            const int later = super || ns - s0 - 8 >= 8 ? 8 : (int)(ns - s0 - 8);
+            for (int c = 0; c < cols; c++)
+                group_scales(type, w + c * rs + ahead, later, scales[g ^ 1][c], offsets[g ^ 1][c]);
+        }
+        float(*d)[16] = scales[g], (*m)[16] = offsets[g];
+#pragma GCC unroll 1
+        for (int j = 0; j < n; j++) {
+            const int64_t s = s0 + j;
+            prefetch_tile(next, s, step);
+            const float *xb = x + s * QK;
+            const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                         x3 = _mm256_loadu_ps(xb + 24);
+            for (int c = 0; c < cols; c++) {
+                __m256 v[4];
+                x86_values(type, w + c * rs + at, j, v);
+                if (split) {
+                    const __m256 lo = _mm256_fmadd_ps(v[1], x1, _mm256_mul_ps(v[0], x0));
+                    const __m256 hi = _mm256_fmadd_ps(v[3], x3, _mm256_mul_ps(v[2], x2));
+                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c][2 * j + 1]), hi,
+                                             _mm256_fmadd_ps(_mm256_set1_ps(d[c][2 * j]), lo, acc[c]));
+                } else {
+                    __m256 t = _mm256_mul_ps(v[0], x0);
+                    t = _mm256_fmadd_ps(v[1], x1, t);
+                    t = _mm256_fmadd_ps(v[2], x2, t);
+                    t = _mm256_fmadd_ps(v[3], x3, t);
+                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c][j]), t, acc[c]);
+                }
+                if (has_offset(type) && split)
+                    offset[c] =
+                        fmaf(m[c][2 * j + 1], sx[(2 * s + 1) * ss], fmaf(m[c][2 * j], sx[2 * s * ss], offset[c]));
+                else if (has_offset(type))
+                    offset[c] = fmaf(m[c][j], sx[s * ss], offset[c]);
+            }
+        }
+    }
+    for (int c = 0; c < cols; c++)
+        res[c] = vector_total(acc[c], offset[c]);
 }
 
 /* ROWS int16 rows x COLS outputs, as `scalar_dot_q16` computes each; res[r * COLS + c]. */
@@ -325,8 +404,9 @@ typedef void (*wide_fn)(int, const float *, int64_t, const float *, int64_t, con
 
 /* One block type's tiles. */
 struct tiles {
-    /* Float rows: eight rows of one output, four rows, one row of COL_TILE outputs, one of one. */
-    tile_fn rows8, rows4, cols, one;
+    /* Float rows: eight rows of one output, four rows, one row of COL_TILE outputs, one of one; one row of
+     * ROW_COLS outputs (the integer types; taken where row_tiled). */
+    tile_fn rows8, rows4, cols, one, row;
     /* int16 rows: ROW_TILE rows of one output, one row of COL_TILE outputs, one of one. */
     q16_fn q16_rows, q16_cols, q16_one;
     /* AVX-512: COL_TILE outputs' sub-blocks decoded into the buffer, then 1..WR rows of them
@@ -372,7 +452,14 @@ struct tiles {
     {                                                                                                    \
         q16_tile(TYPE, 1, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                         \
     }
-/* Every type's float tiles; the integer types' int16 tiles. */
+#define DEFINE_ROW_TILE(NAME, TYPE)                                                                       \
+    static void NAME##_row(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,          \
+                           const float *sx, int64_t ss, float *res)                                      \
+    {                                                                                                    \
+        (void)xs;                                                                                        \
+        row_tile(TYPE, ROW_COLS, w, rb, nb, x, sx, ss, res);                                             \
+    }
+/* Every type's float tiles; the integer types' int16 tiles and row tiles. */
 #define FOR_INTEGER_TYPES(X)                                                                              \
     X(q4_0, TYPE_Q4_0)                                                                                   \
     X(q4_1, TYPE_Q4_1)                                                                                   \
@@ -393,6 +480,7 @@ struct tiles {
 FOR_INTEGER_TYPES(DEFINE_TILES)
 FOR_FLOAT_TYPES(DEFINE_TILES)
 FOR_INTEGER_TYPES(DEFINE_Q16_TILES)
+FOR_INTEGER_TYPES(DEFINE_ROW_TILE)
 
 #if HAVE_AVX512
 #define DEFINE_WIDE_TILES(NAME, TYPE)                                                                     \
@@ -414,10 +502,10 @@ FOR_FLOAT_TYPES(DEFINE_WIDE_TILES)
 
 /* Every type's tiles, indexed by the type's id (the float types have no int16 tiles). */
 #define INTEGER_TILES(NAME, TYPE)                                                                         \
-    [TYPE] = {NAME##_rows8, NAME##_rows4,    NAME##_cols,    NAME##_one,                                 \
+    [TYPE] = {NAME##_rows8, NAME##_rows4,    NAME##_cols,    NAME##_one, NAME##_row,                     \
               NAME##_q16_rows, NAME##_q16_cols, NAME##_q16_one, WIDE_TILES_OF(NAME)},
 #define FLOAT_TILES(NAME, TYPE)                                                                           \
-    [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, WIDE_TILES_OF(NAME)},
+    [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, NULL, WIDE_TILES_OF(NAME)},
 static const struct tiles TILES[TYPE_COUNT] = {FOR_INTEGER_TYPES(INTEGER_TILES) FOR_FLOAT_TYPES(FLOAT_TILES)};
 
 /* Four rows per output, the rest one at a time across four outputs. */
@@ -499,6 +587,13 @@ void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1,
                     store(p, t, o, res[0]);
                 }
                 o += 1;
+            } else if (wide && k->row && row_tiled(p->type) && o + ROW_COLS <= o1) {
+                for (; t < t1; t++) {
+                    k->row(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    for (int c = 0; c < ROW_COLS; c++)
+                        store(p, t, o + c, res[c]);
+                }
+                o += ROW_COLS;
             } else {
                 for (; t < t1; t++) {
                     k->cols(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
