@@ -120,13 +120,15 @@ static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_
 /* Outputs of a row tile (vector_range's results hold them). */
 #define ROW_COLS 8
 _Static_assert(ROW_COLS <= 8 * COL_TILE && CHUNK_TILES * COL_TILE % ROW_COLS == 0, "row tiles fit the runs");
-/* The types whose decode rows take the row tile (where the build has the AVX-512 byte permutes): those it
- * measured faster than `vector_tile` on one row. The float types, Q8_0, Q4_1, Q3_K and the IQ4 types
- * were as fast or slower there (Q8_0's head is bound by memory either way). */
+/* The types whose decode rows take the row tile: those it measured faster than `vector_tile` on one row.
+ * With the AVX-512 byte permutes (x86_values decodes straight to floats), the K-quants and Q4_0, Q5_0 and
+ * Q5_1; the float types, Q8_0, Q4_1, Q3_K and the IQ4 types were as fast or slower (Q8_0's head is bound by
+ * memory either way). On AVX2 alone (the same CPU, built without AVX-512), the K-quants but Q3_K: the
+ * scales of a super-block computed together are their gain. */
 static inline int row_tiled(int type)
 {
-    return HAVE_AVX512_VBMI && (type == TYPE_Q4_0 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
-                                type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K);
+    const int k_quant = type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+    return k_quant || (HAVE_AVX512_VBMI && (type == TYPE_Q4_0 || type == TYPE_Q5_0 || type == TYPE_Q5_1));
 }
 
 /* One row x `cols` outputs (a decode): `vector_tile`'s operations for one row. The scales of eight
