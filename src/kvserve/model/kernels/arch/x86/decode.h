@@ -255,45 +255,17 @@ static ALWAYS_INLINE void times8(__m256i n, float scale, int negate, float *out)
     _mm256_storeu_ps(out, v);
 }
 
-/* The scales and offsets of sub-blocks 0 .. n - 1 (n <= 8) from `base` (a super-block for the types of
- * 256 weights, then n = 8; else the first of n blocks of 32): sub-block j's half h at d[2j + h] and m[2j +
- * h] for the split_scales types, at d[j] and m[j] for the others. The values of sub_scales, computed eight
- * or sixteen at a time: the float16 fields converted together, the K-quants' packed scales unpacked in
- * integer registers. */
-static ALWAYS_INLINE void group_scales(int type, const uint8_t *base, int n, float *d, float *m)
+/* The scales and offsets of the super-block at b (Q2_K, Q4_K, Q5_K, Q6_K): sub-block j's half h at d[2j +
+ * h] and m[2j + h] for the split_scales types, at d[j] and m[j] for the others. The values of sub_scales,
+ * computed eight at a time: the packed integer scales unpacked together (Q4_K's and Q5_K's 6-bit ones in
+ * integer registers), each vector of them converted and multiplied by the float16 field at once. */
+static ALWAYS_INLINE void super_scales(int type, const uint8_t *b, float *d, float *m)
 {
-    const int bytes = TYPE_INFO[type].bytes;
     switch (type) {
-    case TYPE_Q4_0:
-    case TYPE_Q4_1:
-    case TYPE_Q5_0:
-    case TYPE_Q5_1:
-    case TYPE_Q8_0:
-    case TYPE_IQ4_NL: {
-        /* The float16 fields packed four to a 64-bit word in integer registers, then converted eight at a
-         * time; past the n-th block, the last one again (no branch on n, no byte past the row). */
-        uint64_t dh[2] = {0, 0}, mh[2] = {0, 0};
-        if (n == 8) {
-            for (int j = 0; j < 8; j++) {
-                dh[j / 4] |= (uint64_t)read_u16(base + j * bytes) << (16 * (j % 4));
-                mh[j / 4] |= (uint64_t)read_u16(base + j * bytes + 2) << (16 * (j % 4));
-            }
-        } else {
-            for (int j = 0; j < 8; j++) {
-                const uint8_t *b = base + (j < n ? j : n - 1) * bytes;
-                dh[j / 4] |= (uint64_t)read_u16(b) << (16 * (j % 4));
-                mh[j / 4] |= (uint64_t)read_u16(b + 2) << (16 * (j % 4));
-            }
-        }
-        _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_set_epi64x((long long)dh[1], (long long)dh[0])));
-        if (has_offset(type))
-            _mm256_storeu_ps(m, _mm256_cvtph_ps(_mm_set_epi64x((long long)mh[1], (long long)mh[0])));
-        return;
-    }
     case TYPE_Q4_K:
     case TYPE_Q5_K: {
         uint32_t w[3];
-        memcpy(w, base + 4, sizeof w);
+        memcpy(w, b + 4, sizeof w);
         /* Scales 0-3 and mins 0-3: the low six bits of bytes 0-3 and 4-7; scales 4-7: the low nibbles of
          * bytes 8-11 under the top two bits of bytes 0-3; mins 4-7: the high nibbles of bytes 8-11 under
          * the top two bits of bytes 4-7. */
@@ -302,38 +274,29 @@ static ALWAYS_INLINE void group_scales(int type, const uint8_t *base, int n, flo
         const uint32_t mn_hi = ((w[2] >> 4) & nib) | ((w[1] >> 6) & top2) << 4;
         const __m128i sc = _mm_set_epi32(0, 0, (int)sc_hi, (int)(w[0] & low6));
         const __m128i mn = _mm_set_epi32(0, 0, (int)mn_hi, (int)(w[1] & low6));
-        times8(_mm256_cvtepu8_epi32(sc), f16(base), 0, d);
-        times8(_mm256_cvtepu8_epi32(mn), f16(base + 2), 1, m);
+        times8(_mm256_cvtepu8_epi32(sc), f16(b), 0, d);
+        times8(_mm256_cvtepu8_epi32(mn), f16(b + 2), 1, m);
         return;
     }
     case TYPE_Q6_K: {
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(base + 192));
-        const float dd = f16(base + 208);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        const float dd = f16(b + 208);
         times8(_mm256_cvtepi8_epi32(sc), dd, 0, d);
         times8(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)), dd, 0, d + 8);
         return;
     }
     case TYPE_Q2_K: {
-        const __m128i sc = _mm_loadu_si128((const __m128i *)base), low = _mm_set1_epi8(0x0f);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)b), low = _mm_set1_epi8(0x0f);
         const __m128i s4 = _mm_and_si128(sc, low), m4 = _mm_and_si128(_mm_srli_epi16(sc, 4), low);
-        const float dd = f16(base + 80), dmin = f16(base + 82);
+        const float dd = f16(b + 80), dmin = f16(b + 82);
         times8(_mm256_cvtepu8_epi32(s4), dd, 0, d);
         times8(_mm256_cvtepu8_epi32(_mm_srli_si128(s4, 8)), dd, 0, d + 8);
         times8(_mm256_cvtepu8_epi32(m4), dmin, 1, m);
         times8(_mm256_cvtepu8_epi32(_mm_srli_si128(m4, 8)), dmin, 1, m + 8);
         return;
     }
-    default: {
-        const int split = split_scales(type);
-        for (int j = 0; j < n; j++) {
-            float dj[2], mj[2];
-            sub_scales(type, base, j, dj, mj);
-            for (int h = 0; h <= split; h++) {
-                d[(1 + split) * j + h] = dj[h];
-                m[(1 + split) * j + h] = mj[h];
-            }
-        }
-    }
+    default:
+        return;
     }
 }
 

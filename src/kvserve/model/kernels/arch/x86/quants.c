@@ -8,8 +8,8 @@
  * COL_TILE outputs otherwise (decodes). Where the build has AVX-512, batches of WIDE_MIN rows or more take
  * COL_TILE outputs up to six rows at a time instead, their sub-blocks decoded once per row chunk into a
  * float32 buffer, two outputs' lanes side by side in each 16-lane register: the same operations per lane,
- * so the same bits. One row (a decode) takes ROW_COLS outputs at a time in the row tile where its type is
- * `row_tiled`: the scales of eight sub-blocks computed together ahead of them, then the same operations.
+ * so the same bits. One row (a decode) of a K-quant takes ROW_COLS outputs at a time in the row tile: the
+ * scales of a super-block computed together ahead of it, then the same operations.
  *
  * The only per-type code is the decoding of a sub-block (decode.h beside this file). A tile takes its type,
  * rows and outputs as constants (DEFINE_TILES instantiates each per type), so that its loops unroll into
@@ -120,20 +120,11 @@ static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_
 /* Outputs of a row tile (vector_range's results hold them). */
 #define ROW_COLS 8
 _Static_assert(ROW_COLS <= 8 * COL_TILE && CHUNK_TILES * COL_TILE % ROW_COLS == 0, "row tiles fit the runs");
-/* The types whose decode rows take the row tile: those it measured faster than `vector_tile` on one row.
- * With the AVX-512 byte permutes (x86_values decodes straight to floats), the K-quants and Q4_0, Q5_0 and
- * Q5_1; the float types, Q8_0, Q4_1, Q3_K and the IQ4 types were as fast or slower (Q8_0's head is bound by
- * memory either way). On AVX2 alone (the same CPU, built without AVX-512), the K-quants but Q3_K: the
- * scales of a super-block computed together are their gain. */
-static inline int row_tiled(int type)
-{
-    const int k_quant = type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
-    return k_quant || (HAVE_AVX512_VBMI && (type == TYPE_Q4_0 || type == TYPE_Q5_0 || type == TYPE_Q5_1));
-}
 
-/* One row x `cols` outputs (a decode): `vector_tile`'s operations for one row. The scales of eight
- * sub-blocks (a super-block, or eight blocks of 32) are computed for every output before their vector
- * loop (group_scales), which then keeps to decoding and the fused multiply-adds. */
+/* One row x `cols` outputs (a decode) of a type of super-blocks: `vector_tile`'s operations for one row.
+ * The scales and offsets of a super-block are computed for every output before its eight sub-blocks
+ * (super_scales), so that their loop keeps to decoding and the fused multiply-adds: unpacked one
+ * sub-block at a time in that loop, as `vector_tile` does, they cost about as much as the vector work. */
 static ALWAYS_INLINE void row_tile(int type, int cols, const uint8_t *w, size_t rs, int64_t ns, const float *x,
                                    const float *sx, int64_t ss, float *res)
 {
@@ -146,26 +137,14 @@ static ALWAYS_INLINE void row_tile(int type, int cols, const uint8_t *w, size_t 
         acc[c] = _mm256_setzero_ps();
         offset[c] = 0;
     }
-    /* Each group's scales are computed one group ahead, so that they are in the cache, not still in the
-     * store buffer, when the loop reads them back one by one. */
-    float scales[2][ROW_COLS][16], offsets[2][ROW_COLS][16];
-    /* A group's sub-blocks: eight, or those left of a row of blocks of 32. */
-    const int super = TYPE_INFO[type].elems == QK_K;
-    for (int c = 0; c < cols; c++)
-        group_scales(type, w + c * rs, super || ns >= 8 ? 8 : (int)ns, scales[0][c], offsets[0][c]);
-    for (int64_t s0 = 0, g = 0; s0 < ns; s0 += 8, g ^= 1) {
-        const int n = super || ns - s0 >= 8 ? 8 : (int)(ns - s0);
-        const size_t at = sub_offset(type, s0);
-        if (s0 + 8 < ns) {
-            const size_t ahead = sub_offset(type, s0 + 8);
-            const int later = super || ns - s0 - 8 >= 8 ? 8 : (int)(ns - s0 - 8);
-            for (int c = 0; c < cols; c++)
-                group_scales(type, w + c * rs + ahead, later, scales[g ^ 1][c], offsets[g ^ 1][c]);
-        }
-        float(*d)[16] = scales[g], (*m)[16] = offsets[g];
+    for (int64_t u = 0; u < ns / 8; u++) {
+        const size_t at = (size_t)u * (size_t)TYPE_INFO[type].bytes;
+        float d[ROW_COLS][16], m[ROW_COLS][16];
+        for (int c = 0; c < cols; c++)
+            super_scales(type, w + c * rs + at, d[c], m[c]);
 #pragma GCC unroll 1
-        for (int j = 0; j < n; j++) {
-            const int64_t s = s0 + j;
+        for (int j = 0; j < 8; j++) {
+            const int64_t s = 8 * u + j;
             prefetch_tile(next, s, step);
             const float *xb = x + s * QK;
             const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
@@ -406,9 +385,8 @@ typedef void (*wide_fn)(int, const float *, int64_t, const float *, int64_t, con
 
 /* One block type's tiles. */
 struct tiles {
-    /* Float rows: eight rows of one output, four rows, one row of COL_TILE outputs, one of one; one row of
-     * ROW_COLS outputs (the integer types; taken where row_tiled). */
-    tile_fn rows8, rows4, cols, one, row;
+    /* Float rows: eight rows of one output, four rows, one row of COL_TILE outputs, one of one. */
+    tile_fn rows8, rows4, cols, one;
     /* int16 rows: ROW_TILE rows of one output, one row of COL_TILE outputs, one of one. */
     q16_fn q16_rows, q16_cols, q16_one;
     /* AVX-512: COL_TILE outputs' sub-blocks decoded into the buffer, then 1..WR rows of them
@@ -461,7 +439,9 @@ struct tiles {
         (void)xs;                                                                                        \
         row_tile(TYPE, ROW_COLS, w, rb, nb, x, sx, ss, res);                                             \
     }
-/* Every type's float tiles; the integer types' int16 tiles and row tiles. */
+/* Every type's float tiles; the integer types' int16 tiles; the row tiles of the types whose decode rows
+ * take them: those it measured faster than `vector_tile` on one row (Q2_K, Q4_K, Q5_K and Q6_K, 1.07-1.2x
+ * with or without AVX-512; blocks of 32 were slower there, Q3_K's scales are not computed together). */
 #define FOR_INTEGER_TYPES(X)                                                                              \
     X(q4_0, TYPE_Q4_0)                                                                                   \
     X(q4_1, TYPE_Q4_1)                                                                                   \
@@ -482,7 +462,12 @@ struct tiles {
 FOR_INTEGER_TYPES(DEFINE_TILES)
 FOR_FLOAT_TYPES(DEFINE_TILES)
 FOR_INTEGER_TYPES(DEFINE_Q16_TILES)
-FOR_INTEGER_TYPES(DEFINE_ROW_TILE)
+#define FOR_ROW_TILED_TYPES(X)                                                                            \
+    X(q2_k, TYPE_Q2_K)                                                                                   \
+    X(q4_k, TYPE_Q4_K)                                                                                   \
+    X(q5_k, TYPE_Q5_K)                                                                                   \
+    X(q6_k, TYPE_Q6_K)
+FOR_ROW_TILED_TYPES(DEFINE_ROW_TILE)
 
 #if HAVE_AVX512
 #define DEFINE_WIDE_TILES(NAME, TYPE)                                                                     \
@@ -504,11 +489,24 @@ FOR_FLOAT_TYPES(DEFINE_WIDE_TILES)
 
 /* Every type's tiles, indexed by the type's id (the float types have no int16 tiles). */
 #define INTEGER_TILES(NAME, TYPE)                                                                         \
-    [TYPE] = {NAME##_rows8, NAME##_rows4,    NAME##_cols,    NAME##_one, NAME##_row,                     \
+    [TYPE] = {NAME##_rows8, NAME##_rows4,    NAME##_cols,    NAME##_one,                                 \
               NAME##_q16_rows, NAME##_q16_cols, NAME##_q16_one, WIDE_TILES_OF(NAME)},
 #define FLOAT_TILES(NAME, TYPE)                                                                           \
-    [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, NULL, WIDE_TILES_OF(NAME)},
+    [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, WIDE_TILES_OF(NAME)},
 static const struct tiles TILES[TYPE_COUNT] = {FOR_INTEGER_TYPES(INTEGER_TILES) FOR_FLOAT_TYPES(FLOAT_TILES)};
+
+/* The row tile of a type, NULL where its decode rows take `vector_tile`. */
+static tile_fn row_tile_of(int type)
+{
+    switch (type) {
+#define ROW_TILE_CASE(NAME, TYPE)                                                                         \
+    case TYPE:                                                                                           \
+        return NAME##_row;
+        FOR_ROW_TILED_TYPES(ROW_TILE_CASE)
+    default:
+        return NULL;
+    }
+}
 
 /* Four rows per output, the rest one at a time across four outputs. */
 void q16_range(const struct product *p, int64_t o0, int64_t o1)
@@ -545,6 +543,7 @@ void q16_range(const struct product *p, int64_t o0, int64_t o1)
 void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
 {
     const struct tiles *k = &TILES[p->type];
+    const tile_fn row = wide ? row_tile_of(p->type) : NULL;
     /* The decoded sub-blocks of COL_TILE outputs; without it (no AVX-512, or not `wide`), the AVX2 tiles. */
     const size_t buf_bytes = ((size_t)p->ns * WIDE_BLOCK * sizeof(float) + 63) / 64 * 64;
     float *buf = wide && k->wide && rows - p->q16_rows >= WIDE_MIN ? aligned_alloc(64, buf_bytes) : NULL;
@@ -589,9 +588,9 @@ void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1,
                     store(p, t, o, res[0]);
                 }
                 o += 1;
-            } else if (wide && k->row && row_tiled(p->type) && o + ROW_COLS <= o1) {
+            } else if (row && o + ROW_COLS <= o1) {
                 for (; t < t1; t++) {
-                    k->row(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    row(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
                     for (int c = 0; c < ROW_COLS; c++)
                         store(p, t, o + c, res[c]);
                 }
