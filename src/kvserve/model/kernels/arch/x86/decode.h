@@ -179,8 +179,12 @@ static ALWAYS_INLINE __m256i x86_biased(int type, const uint8_t *row, int64_t s)
         return _mm256_mask_add_epi8(low, high, low, bit4);
     }
     case TYPE_Q6_K: {
+        /* The two high bits at 2 (j % 4) rotated to bits 4-5 of their byte (what the rotation brings in from
+         * the neighbour bytes falls outside the mask), then or-ed under the mask in one operation. */
         const __m256i low = bits(b + 64 * (j / 4) + 32 * (j % 2), 4 * ((j / 2) % 2), 0x0f);
-        return _mm256_or_si256(low, _mm256_slli_epi16(bits(b + 128 + 32 * (j / 4), 2 * (j % 4), 3), 4));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (j / 4)));
+        const __m256i high = _mm256_rolv_epi32(qh, _mm256_set1_epi32((4 - 2 * (j % 4)) & 31));
+        return _mm256_ternarylogic_epi32(low, high, _mm256_set1_epi8(0x30), 0xf8);
     }
     default:
         return _mm256_setzero_si256();
