@@ -1,6 +1,8 @@
 /* Decoding one sub-block of 32 weights in AVX2 registers, per type: the x86 tiles' one per-type piece
  * (decode.h is the portable twin; both give the same integers). `x86_quants` returns the quants as int8,
- * each half in one vector; the scales are decode.h's `sub_scales`. */
+ * each half in one vector; with AVX-512 VBMI, `x86_biased` returns them plus a bias as bytes in one
+ * vector, which `widen_biased` turns into floats. The scales are decode.h's `sub_scales`, or, eight or
+ * sixteen at a time for a super-block, `super_scales` (the same values). */
 #ifndef KVSERVE_X86_DECODE_H
 #define KVSERVE_X86_DECODE_H
 
