@@ -30,6 +30,14 @@
 #define HAVE_AVX512 0
 #endif
 
+/* Byte permutes and byte masks (AVX-512 VBMI, BW and VL): the x86 tiles decode a sub-block's quants straight
+ * into float vectors with them (arch/x86/decode.h); the same values as the AVX2 decoding. */
+#if HAVE_AVX512 && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
+#define HAVE_AVX512_VBMI 1
+#else
+#define HAVE_AVX512_VBMI 0
+#endif
+
 #if defined(__F16C__)
 #define HAVE_F16C 1
 #else

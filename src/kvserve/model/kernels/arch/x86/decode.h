@@ -1,6 +1,8 @@
 /* Decoding one sub-block of 32 weights in AVX2 registers, per type: the x86 tiles' one per-type piece
  * (decode.h is the portable twin; both give the same integers). `x86_quants` returns the quants as int8,
- * each half in one vector; the scales are decode.h's `sub_scales`. */
+ * each half in one vector; with AVX-512 VBMI, `x86_biased` returns them plus a bias as bytes in one
+ * vector, which `widen_biased` turns into floats. The scales are decode.h's `sub_scales`, or, eight or
+ * sixteen at a time for a super-block, `super_scales` (the same values). */
 #ifndef KVSERVE_X86_DECODE_H
 #define KVSERVE_X86_DECODE_H
 
@@ -98,10 +100,126 @@ static ALWAYS_INLINE void x86_quants(int type, const uint8_t *row, int64_t s, __
     *hi = _mm256_extracti128_si256(q, 1);
 }
 
+#if HAVE_AVX512_VBMI
+/* What x86_biased adds to each quant so that it is a byte from 0 to 255. */
+static ALWAYS_INLINE int quant_bias(int type)
+{
+    switch (type) {
+    case TYPE_Q4_0:
+        return 8;
+    case TYPE_Q5_0:
+        return 16;
+    case TYPE_Q3_K:
+        return 4;
+    case TYPE_Q6_K:
+        return 32;
+    case TYPE_Q8_0:
+    case TYPE_IQ4_NL:
+    case TYPE_IQ4_XS:
+        return 128;
+    default:
+        return 0;
+    }
+}
+
+/* Bytes 0..15 at p as 32 nibbles in element order: the low nibbles, then the high ones. */
+static ALWAYS_INLINE __m256i nibbles(const uint8_t *p)
+{
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i shift = _mm256_setr_epi64x(0, 0, 0x0004000400040004LL, 0x0004000400040004LL);
+    return _mm256_and_si256(_mm256_srlv_epi16(raw, shift), _mm256_set1_epi8(0x0f));
+}
+
+/* IQ4_VALUES plus 128, in both halves (a table for the byte shuffle). */
+static ALWAYS_INLINE __m256i iq4_biased(void)
+{
+    const __m128i values = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
+    return _mm256_broadcastsi128_si256(_mm_xor_si128(values, _mm_set1_epi8((char)0x80)));
+}
+
+/* The quants of sub-block s plus quant_bias(type), in element order in one vector; a fifth (or third) bit
+ * per element is added under a byte mask (the low bits are below it, so adding is or-ing). The same
+ * integers as x86_quants. */
+static ALWAYS_INLINE __m256i x86_biased(int type, const uint8_t *row, int64_t s)
+{
+    int j;
+    const uint8_t *b = sub_block(type, row, s, &j);
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    switch (type) {
+    case TYPE_Q8_0:
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    case TYPE_Q4_0:
+        return nibbles(b + 2);
+    case TYPE_IQ4_NL:
+        return _mm256_shuffle_epi8(iq4_biased(), nibbles(b + 2));
+    case TYPE_Q4_1:
+        return nibbles(b + 4);
+    case TYPE_Q5_0:
+    case TYPE_Q5_1: {
+        const int at = type == TYPE_Q5_0 ? 2 : 4;
+        const __m256i u = nibbles(b + at + 4);
+        uint32_t qh;
+        memcpy(&qh, b + at, sizeof qh);
+        return _mm256_mask_add_epi8(u, (__mmask32)qh, u, bit4);
+    }
+    case TYPE_IQ4_XS:
+        return _mm256_shuffle_epi8(iq4_biased(), nibbles(b + 8 + 16 * j));
+    case TYPE_Q2_K:
+        return bits(b + 16 + 32 * (j / 4), 2 * (j % 4), 3);
+    case TYPE_Q3_K: {
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        const __mmask32 high = _mm256_test_epi8_mask(hm, _mm256_set1_epi8((char)(1 << j)));
+        const __m256i low = bits(b + 32 + 32 * (j / 4), 2 * (j % 4), 3);
+        return _mm256_mask_add_epi8(low, high, low, _mm256_set1_epi8(4));
+    }
+    case TYPE_Q4_K:
+        return bits(b + 16 + 32 * (j / 2), 4 * (j % 2), 0x0f);
+    case TYPE_Q5_K: {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        const __mmask32 high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << j)));
+        const __m256i low = bits(b + 48 + 32 * (j / 2), 4 * (j % 2), 0x0f);
+        return _mm256_mask_add_epi8(low, high, low, bit4);
+    }
+    case TYPE_Q6_K: {
+        /* The two high bits at 2 (j % 4) rotated to bits 4-5 of their byte (what the rotation brings in from
+         * the neighbour bytes falls outside the mask), then or-ed under the mask in one operation. */
+        const __m256i low = bits(b + 64 * (j / 4) + 32 * (j % 2), 4 * ((j / 2) % 2), 0x0f);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (j / 4)));
+        const __m256i high = _mm256_rolv_epi32(qh, _mm256_set1_epi32((4 - 2 * (j % 4)) & 31));
+        return _mm256_ternarylogic_epi32(low, high, _mm256_set1_epi8(0x30), 0xf8);
+    }
+    default:
+        return _mm256_setzero_si256();
+    }
+}
+
+/* Biased quants as floats, exactly: byte 8k + l goes into the low byte of lane l of vector k over the
+ * bits of 2^23 (a float whose last 8 bits are the byte: 2^23 + u), and 2^23 + bias is taken away (exact).
+ * One byte permute and one subtraction per vector, where widening takes a shuffle, a sign extension and a
+ * conversion. */
+static ALWAYS_INLINE void widen_biased(__m256i u, int bias, __m256 v[4])
+{
+    const __m256i magic = _mm256_set1_epi32(0x4B000000);
+    const __m256 base = _mm256_set1_ps(8388608.0f + (float)bias);
+    for (int k = 0; k < 4; k++) {
+        const __m256i index = _mm256_setr_epi32(8 * k, 8 * k + 1, 8 * k + 2, 8 * k + 3, 8 * k + 4, 8 * k + 5,
+                                                8 * k + 6, 8 * k + 7);
+        const __m256i lanes = _mm256_mask_permutexvar_epi8(magic, (__mmask32)0x11111111, index, u);
+        v[k] = _mm256_sub_ps(_mm256_castsi256_ps(lanes), base);
+    }
+}
+#endif
+
 /* The sub-block's 32 values as floats, elements 8k..8k+7 in vector k (the quants widened, or a float
  * type's weights). */
 static ALWAYS_INLINE void x86_values(int type, const uint8_t *row, int64_t s, __m256 v[4])
 {
+#if HAVE_AVX512_VBMI
+    if (!is_float_type(type) && type != TYPE_Q8_0) {
+        widen_biased(x86_biased(type, row, s), quant_bias(type), v);
+        return;
+    }
+#endif
     switch (type) {
     case TYPE_F32:
         for (int k = 0; k < 4; k++)
@@ -130,6 +248,61 @@ static ALWAYS_INLINE void x86_values(int type, const uint8_t *row, int64_t s, __
         v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
         v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
     }
+    }
+}
+
+/* Eight small integers times `scale`, into out[0..7]: sub_scales' products, one rounding each (negated
+ * after it where `negate`, as sub_scales negates the offsets). */
+static ALWAYS_INLINE void times8(__m256i n, float scale, int negate, float *out)
+{
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(n), _mm256_set1_ps(scale));
+    if (negate)
+        v = _mm256_xor_ps(v, _mm256_set1_ps(-0.0f));
+    _mm256_storeu_ps(out, v);
+}
+
+/* The scales and offsets of the super-block at b (Q2_K, Q4_K, Q5_K, Q6_K): sub-block j's half h at d[2j +
+ * h] and m[2j + h] for the split_scales types, at d[j] and m[j] for the others. The values of sub_scales,
+ * computed eight at a time: the packed integer scales unpacked together (Q4_K's and Q5_K's 6-bit ones in
+ * integer registers), each vector of them converted and multiplied by the float16 field at once. */
+static ALWAYS_INLINE void super_scales(int type, const uint8_t *b, float *d, float *m)
+{
+    switch (type) {
+    case TYPE_Q4_K:
+    case TYPE_Q5_K: {
+        uint32_t w[3];
+        memcpy(w, b + 4, sizeof w);
+        /* Scales 0-3 and mins 0-3: the low six bits of bytes 0-3 and 4-7; scales 4-7: the low nibbles of
+         * bytes 8-11 under the top two bits of bytes 0-3; mins 4-7: the high nibbles of bytes 8-11 under
+         * the top two bits of bytes 4-7. */
+        const uint32_t low6 = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top2 = 0x03030303u;
+        const uint32_t sc_hi = (w[2] & nib) | ((w[0] >> 6) & top2) << 4;
+        const uint32_t mn_hi = ((w[2] >> 4) & nib) | ((w[1] >> 6) & top2) << 4;
+        const __m128i sc = _mm_set_epi32(0, 0, (int)sc_hi, (int)(w[0] & low6));
+        const __m128i mn = _mm_set_epi32(0, 0, (int)mn_hi, (int)(w[1] & low6));
+        times8(_mm256_cvtepu8_epi32(sc), f16(b), 0, d);
+        times8(_mm256_cvtepu8_epi32(mn), f16(b + 2), 1, m);
+        return;
+    }
+    case TYPE_Q6_K: {
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        const float dd = f16(b + 208);
+        times8(_mm256_cvtepi8_epi32(sc), dd, 0, d);
+        times8(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)), dd, 0, d + 8);
+        return;
+    }
+    case TYPE_Q2_K: {
+        const __m128i sc = _mm_loadu_si128((const __m128i *)b), low = _mm_set1_epi8(0x0f);
+        const __m128i s4 = _mm_and_si128(sc, low), m4 = _mm_and_si128(_mm_srli_epi16(sc, 4), low);
+        const float dd = f16(b + 80), dmin = f16(b + 82);
+        times8(_mm256_cvtepu8_epi32(s4), dd, 0, d);
+        times8(_mm256_cvtepu8_epi32(_mm_srli_si128(s4, 8)), dd, 0, d + 8);
+        times8(_mm256_cvtepu8_epi32(m4), dmin, 1, m);
+        times8(_mm256_cvtepu8_epi32(_mm_srli_si128(m4, 8)), dmin, 1, m + 8);
+        return;
+    }
+    default:
+        return;
     }
 }
 

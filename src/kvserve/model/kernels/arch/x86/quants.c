@@ -8,7 +8,8 @@
  * COL_TILE outputs otherwise (decodes). Where the build has AVX-512, batches of WIDE_MIN rows or more take
  * COL_TILE outputs up to six rows at a time instead, their sub-blocks decoded once per row chunk into a
  * float32 buffer, two outputs' lanes side by side in each 16-lane register: the same operations per lane,
- * so the same bits.
+ * so the same bits. One row (a decode) of a K-quant takes ROW_COLS outputs at a time in the row tile: the
+ * scales of a super-block computed together ahead of it, then the same operations.
  *
  * The only per-type code is the decoding of a sub-block (decode.h beside this file). A tile takes its type,
  * rows and outputs as constants (DEFINE_TILES instantiates each per type), so that its loops unroll into
@@ -114,6 +115,65 @@ static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_
         _mm_storeu_ps(offset, offsets4);
     for (int i = 0; i < rows * cols; i++)
         res[i] = vector_total(acc[i], offset[i]);
+}
+
+/* Outputs of a row tile (vector_range's results hold them). */
+#define ROW_COLS 8
+_Static_assert(ROW_COLS <= 8 * COL_TILE && CHUNK_TILES * COL_TILE % ROW_COLS == 0, "row tiles fit the runs");
+
+/* One row x `cols` outputs (a decode) of a type of super-blocks: `vector_tile`'s operations for one row.
+ * The scales and offsets of a super-block are computed for every output before its eight sub-blocks
+ * (super_scales), so that their loop keeps to decoding and the fused multiply-adds: unpacked one
+ * sub-block at a time in that loop, as `vector_tile` does, they cost about as much as the vector work. */
+static ALWAYS_INLINE void row_tile(int type, int cols, const uint8_t *w, size_t rs, int64_t ns, const float *x,
+                                   const float *sx, int64_t ss, float *res)
+{
+    const uint8_t *next = w + cols * rs;
+    const size_t step = (cols * rs + (size_t)ns - 1) / (size_t)ns;
+    const int split = split_scales(type);
+    __m256 acc[ROW_COLS];
+    float offset[ROW_COLS];
+    for (int c = 0; c < cols; c++) {
+        acc[c] = _mm256_setzero_ps();
+        offset[c] = 0;
+    }
+    for (int64_t u = 0; u < ns / 8; u++) {
+        const size_t at = (size_t)u * (size_t)TYPE_INFO[type].bytes;
+        float d[ROW_COLS][16], m[ROW_COLS][16];
+        for (int c = 0; c < cols; c++)
+            super_scales(type, w + c * rs + at, d[c], m[c]);
+#pragma GCC unroll 1
+        for (int j = 0; j < 8; j++) {
+            const int64_t s = 8 * u + j;
+            prefetch_tile(next, s, step);
+            const float *xb = x + s * QK;
+            const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                         x3 = _mm256_loadu_ps(xb + 24);
+            for (int c = 0; c < cols; c++) {
+                __m256 v[4];
+                x86_values(type, w + c * rs + at, j, v);
+                if (split) {
+                    const __m256 lo = _mm256_fmadd_ps(v[1], x1, _mm256_mul_ps(v[0], x0));
+                    const __m256 hi = _mm256_fmadd_ps(v[3], x3, _mm256_mul_ps(v[2], x2));
+                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c][2 * j + 1]), hi,
+                                             _mm256_fmadd_ps(_mm256_set1_ps(d[c][2 * j]), lo, acc[c]));
+                } else {
+                    __m256 t = _mm256_mul_ps(v[0], x0);
+                    t = _mm256_fmadd_ps(v[1], x1, t);
+                    t = _mm256_fmadd_ps(v[2], x2, t);
+                    t = _mm256_fmadd_ps(v[3], x3, t);
+                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d[c][j]), t, acc[c]);
+                }
+                if (has_offset(type) && split)
+                    offset[c] =
+                        fmaf(m[c][2 * j + 1], sx[(2 * s + 1) * ss], fmaf(m[c][2 * j], sx[2 * s * ss], offset[c]));
+                else if (has_offset(type))
+                    offset[c] = fmaf(m[c][j], sx[s * ss], offset[c]);
+            }
+        }
+    }
+    for (int c = 0; c < cols; c++)
+        res[c] = vector_total(acc[c], offset[c]);
 }
 
 /* ROWS int16 rows x COLS outputs, as `scalar_dot_q16` computes each; res[r * COLS + c]. */
@@ -372,7 +432,16 @@ struct tiles {
     {                                                                                                    \
         q16_tile(TYPE, 1, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                         \
     }
-/* Every type's float tiles; the integer types' int16 tiles. */
+#define DEFINE_ROW_TILE(NAME, TYPE)                                                                       \
+    static void NAME##_row(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,          \
+                           const float *sx, int64_t ss, float *res)                                      \
+    {                                                                                                    \
+        (void)xs;                                                                                        \
+        row_tile(TYPE, ROW_COLS, w, rb, nb, x, sx, ss, res);                                             \
+    }
+/* Every type's float tiles; the integer types' int16 tiles; the row tiles of the types whose decode rows
+ * take them: those it measured faster than `vector_tile` on one row (Q2_K, Q4_K, Q5_K and Q6_K, 1.07-1.2x
+ * with or without AVX-512; blocks of 32 were slower there, Q3_K's scales are not computed together). */
 #define FOR_INTEGER_TYPES(X)                                                                              \
     X(q4_0, TYPE_Q4_0)                                                                                   \
     X(q4_1, TYPE_Q4_1)                                                                                   \
@@ -393,6 +462,12 @@ struct tiles {
 FOR_INTEGER_TYPES(DEFINE_TILES)
 FOR_FLOAT_TYPES(DEFINE_TILES)
 FOR_INTEGER_TYPES(DEFINE_Q16_TILES)
+#define FOR_ROW_TILED_TYPES(X)                                                                            \
+    X(q2_k, TYPE_Q2_K)                                                                                   \
+    X(q4_k, TYPE_Q4_K)                                                                                   \
+    X(q5_k, TYPE_Q5_K)                                                                                   \
+    X(q6_k, TYPE_Q6_K)
+FOR_ROW_TILED_TYPES(DEFINE_ROW_TILE)
 
 #if HAVE_AVX512
 #define DEFINE_WIDE_TILES(NAME, TYPE)                                                                     \
@@ -419,6 +494,19 @@ FOR_FLOAT_TYPES(DEFINE_WIDE_TILES)
 #define FLOAT_TILES(NAME, TYPE)                                                                           \
     [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, WIDE_TILES_OF(NAME)},
 static const struct tiles TILES[TYPE_COUNT] = {FOR_INTEGER_TYPES(INTEGER_TILES) FOR_FLOAT_TYPES(FLOAT_TILES)};
+
+/* The row tile of a type, NULL where its decode rows take `vector_tile`. */
+static tile_fn row_tile_of(int type)
+{
+    switch (type) {
+#define ROW_TILE_CASE(NAME, TYPE)                                                                         \
+    case TYPE:                                                                                           \
+        return NAME##_row;
+        FOR_ROW_TILED_TYPES(ROW_TILE_CASE)
+    default:
+        return NULL;
+    }
+}
 
 /* Four rows per output, the rest one at a time across four outputs. */
 void q16_range(const struct product *p, int64_t o0, int64_t o1)
@@ -455,6 +543,7 @@ void q16_range(const struct product *p, int64_t o0, int64_t o1)
 void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
 {
     const struct tiles *k = &TILES[p->type];
+    const tile_fn row = wide ? row_tile_of(p->type) : NULL;
     /* The decoded sub-blocks of COL_TILE outputs; without it (no AVX-512, or not `wide`), the AVX2 tiles. */
     const size_t buf_bytes = ((size_t)p->ns * WIDE_BLOCK * sizeof(float) + 63) / 64 * 64;
     float *buf = wide && k->wide && rows - p->q16_rows >= WIDE_MIN ? aligned_alloc(64, buf_bytes) : NULL;
@@ -499,6 +588,13 @@ void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1,
                     store(p, t, o, res[0]);
                 }
                 o += 1;
+            } else if (row && o + ROW_COLS <= o1) {
+                for (; t < t1; t++) {
+                    row(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    for (int c = 0; c < ROW_COLS; c++)
+                        store(p, t, o + c, res[c]);
+                }
+                o += ROW_COLS;
             } else {
                 for (; t < t1; t++) {
                     k->cols(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);

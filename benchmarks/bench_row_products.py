@@ -1,0 +1,102 @@
+"""One decode row through every matrix of a GGUF, at the file's real shapes and types, read in place.
+
+For each weight matrix of the file (the head included), one float32 row through its native product: the
+build's own choice (the row tile where the type takes it) and the AVX2 tiles (`wide=False`), one path
+through every matrix, then the other, the order alternating, so that a shared machine's load hits both
+alike and every matrix comes from memory. Times are the calling thread's CPU time (one thread by
+default: a busy machine deschedules the thread, which wall time would count), the median per matrix kind.
+Reports each kind's time, GB/s of its blocks and the two paths' ratio, and a decode step's products
+summed (each kind times its count).
+
+Run: `python -m benchmarks.bench_row_products /tmp/bench_models/gemma3-270m.gguf [--threads 1] [--reps
+10]` (write the file with `python -m benchmarks.peer_models gemma3-270m /tmp/bench_models/gemma3-270m.gguf`).
+"""
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.config import default_cache_dir
+from kvserve.model.gguf_file import F32, open_gguf
+from kvserve.model.quant_blocks import QuantizedWeight, type_name
+from kvserve.model.quant_linear import QuantLinear
+
+PATHS = ("default", "AVX2 tiles")
+
+
+@dataclass
+class Kind:
+    """The matrices of one name (without the layer) and type: their products on both paths."""
+
+    name: str
+    qtype: int
+    shape: tuple[int, int]
+    nbytes: int
+    products: list[tuple[QuantLinear, QuantLinear]] = field(default_factory=list)
+    times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PATHS})
+
+
+def kinds(path: str) -> list[Kind]:
+    g = open_gguf(path)
+    found: dict[tuple[str, int, tuple[int, int]], Kind] = {}
+    for t in g.tensors.values():
+        if t.qtype == F32 or len(t.shape) != 2:
+            continue
+        n_out, n_in = t.shape
+        w = QuantizedWeight(t.qtype, torch.from_numpy(g.array(t).reshape(n_out, -1)), n_in)
+        name = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
+        kind = found.setdefault(
+            (name, t.qtype, (n_out, n_in)), Kind(name, t.qtype, (n_out, n_in), w.data.numel())
+        )
+        cache = default_cache_dir()
+        kind.products.append((QuantLinear(w, None, cache), QuantLinear(w, None, cache, wide=False)))
+    return list(found.values())
+
+
+def measure(all_kinds: list[Kind], reps: int) -> None:
+    """Each path through every matrix in turn, the path that goes first alternating: a matrix is read
+    again only after all the others (more than the last-level cache), so from memory as in a step."""
+    gen = torch.Generator().manual_seed(0)
+    for rep in range(reps):
+        for i in (0, 1) if rep % 2 == 0 else (1, 0):
+            for kind in all_kinds:
+                x = torch.randn(1, kind.shape[1], generator=gen)
+                for pair in kind.products:
+                    start = time.thread_time()
+                    pair[i](x)
+                    kind.times[PATHS[i]].append(time.thread_time() - start)
+
+
+def report(all_kinds: list[Kind]) -> None:
+    step = dict.fromkeys(PATHS, 0.0)
+    print(f"{'matrix':24s} {'type':6s} {'shape':>13s}  n   default us  GB/s   AVX2 us  ratio")
+    for k in all_kinds:
+        us = {p: statistics.median(k.times[p]) * 1e6 for p in PATHS}
+        for p in PATHS:
+            step[p] += us[p] * len(k.products)
+        shape = f"{k.shape[0]}x{k.shape[1]}"
+        print(
+            f"{k.name:24s} {type_name(k.qtype):6s} {shape:>13s} {len(k.products):2d} {us[PATHS[0]]:12.1f} "
+            f"{k.nbytes / us[PATHS[0]] / 1e3:5.1f} {us[PATHS[1]]:9.1f} {us[PATHS[1]] / us[PATHS[0]]:6.2f}"
+        )
+    row, avx2 = step[PATHS[0]] / 1e3, step[PATHS[1]] / 1e3
+    print(f"a decode step's products: default {row:.2f} ms, AVX2 tiles {avx2:.2f} ms ({avx2 / row:.2f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("gguf")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    all_kinds = kinds(args.gguf)
+    measure(all_kinds, args.reps)
+    report(all_kinds)
+
+
+if __name__ == "__main__":
+    main()
