@@ -1,26 +1,29 @@
 """What hostile bodies cost a real server: its resident memory under 8 MiB bodies of ignored `{}`, with a
-key, and /health's latency while keyless clients send such bodies without pause.
+key, and /health's latency and the server's CPU while keyless clients send such bodies without pause.
 
 A real `kvserve serve` process (the default model, a small pool) behind a key file; memory is the
-server's peak resident set (VmHWM, reset before each phase through /proc/PID/clear_refs). Run:
-`python -m benchmarks.bench_junk_flood` (prints one JSON object). `--src DIR` serves another checkout's
-`src` (a version before a change) for the same measurement.
+server's peak resident set (VmHWM, reset before each phase through /proc/PID/clear_refs); the keyless
+flood runs in two processes of its own, and the server's CPU time over the flood is divided by the
+keyless requests it answered. Run: `python -m benchmarks.bench_junk_flood` (prints one JSON object);
+`--src DIR` serves another checkout's `src` (a version before a change) for the same measurement.
 """
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 
 KEY = "bench-junk-key-1"
+JSON = {"content-type": "application/json"}
 MiB = 2**20
 
 
@@ -41,6 +44,13 @@ def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         line = next(line for line in f if line.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time the process has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def reset_hwm(pid: int) -> None:
@@ -106,27 +116,22 @@ def main() -> None:
                 )
             junk_peak = hwm_bytes(process.pid)
 
-            stop = threading.Event()
-            keyless: list[int] = []
-
-            def flood() -> None:
-                with httpx.Client(timeout=300) as client:
-                    while not stop.is_set():
-                        keyless.append(
-                            client.post(
-                                f"{url}/v1/chat/completions", content=body, headers=headers
-                            ).status_code
-                        )
-
+            # The flood runs in processes of its own, so that the probes' client never waits for it.
+            context = multiprocessing.get_context("spawn")
+            stop = context.Event()
+            answered = context.Queue()
+            flooders = [context.Process(target=flood, args=(url, stop, answered)) for _ in range(2)]
             alone = [probe(url) for _ in range(args.health_probes)]
-            threads = [threading.Thread(target=flood) for _ in range(2)]
-            for t in threads:
-                t.start()
-            time.sleep(1)
+            cpu_before = cpu_seconds(process.pid)
+            for f in flooders:
+                f.start()
+            time.sleep(5)
             flooded = [probe(url) for _ in range(args.health_probes)]
             stop.set()
-            for t in threads:
-                t.join()
+            keyless = [answered.get(timeout=300) for _ in flooders]
+            for f in flooders:
+                f.join()
+            flood_cpu = cpu_seconds(process.pid) - cpu_before
         finally:
             process.terminate()
             process.wait(timeout=120)
@@ -140,11 +145,29 @@ def main() -> None:
                 "health_ms_alone_median": round(statistics.median(alone), 1),
                 "health_ms_keyless_flood_median": round(statistics.median(flooded), 1),
                 "health_ms_keyless_flood_max": round(max(flooded), 1),
-                "keyless_requests_answered": len(keyless),
-                "keyless_statuses": sorted(set(keyless)),
+                "keyless_requests_answered": sum(len(statuses) for statuses in keyless),
+                # The server's CPU during the flood (the probes' included) over the keyless requests.
+                "server_cpu_ms_per_keyless_request": round(
+                    1000 * flood_cpu / max(1, sum(len(statuses) for statuses in keyless)), 2
+                ),
+                "keyless_statuses": sorted({status for statuses in keyless for status in statuses}),
             }
         )
     )
+
+
+def flood(url: str, stop: Any, answered: Any) -> None:
+    """Keyless 8 MiB bodies on one connection, one after the other, until `stop`; the statuses go to
+    `answered`."""
+    body = junk_body(8 * MiB - 1024)
+    statuses: list[int] = []
+    with httpx.Client(timeout=300) as client:
+        while not stop.is_set():
+            r = client.post(
+                f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
+            statuses.append(r.status_code)
+    answered.put(statuses)
 
 
 def probe(url: str) -> float:
