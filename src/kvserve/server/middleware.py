@@ -47,9 +47,9 @@ def route_access(routers: Sequence[tuple[APIRouter, Access]]) -> Callable[[Scope
     table = [(route, access) for router, access in routers for route in router.routes]
 
     def access(scope: Scope) -> Access | None:
-        for route, route_access in table:
+        for route, asked in table:
             if route.matches(scope)[0] is Match.FULL:
-                return route_access
+                return asked
         return None
 
     return access
