@@ -49,7 +49,7 @@ class ServerOptions:
     `preparation_threads` prepare requests off the event loop, at most `max_preparing_per_tenant` of
     them for one tenant at once (server/preparation.py). `served_model_name` holds the names a request's
     `model` may be (one string counts as one name): the first is the one answers show, the others are
-    aliases (vLLM's meaning).
+    aliases (vLLM's meaning). `shutdown_grace_s` is how long requests in flight get after SIGTERM.
     """
 
     host: str = option("127.0.0.1", "address to listen on")
@@ -170,6 +170,13 @@ class ServerOptions:
     responses_ttl_s: float = option(
         24 * 3600.0, "seconds a stored response is kept after it was made (default %(default)s)"
     )
+    shutdown_grace_s: int = option(
+        30,
+        "seconds that requests in flight (streams included) get to finish after SIGTERM before their "
+        "connections are cut (default %(default)s)",
+        name="--shutdown-grace",
+        metavar="SECONDS",
+    )
     launch_nonce: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -213,5 +220,7 @@ class ServerOptions:
             )
         if not 0 < self.responses_ttl_s <= 365 * 24 * 3600:
             raise ConfigError("responses_ttl_s must be positive and at most a year")
+        if not 0 <= self.shutdown_grace_s <= 24 * 3600:
+            raise ConfigError("shutdown_grace_s (--shutdown-grace) must be between 0 and a day")
         if not 1 <= self.max_preparing_per_tenant <= self.preparation_threads:
             raise ConfigError("max_preparing_per_tenant must be between 1 and preparation_threads")

@@ -138,7 +138,10 @@ def test_a_request_waiting_for_its_first_token_counts_once_against_the_queue(
 def test_sigterm_lets_the_stream_in_flight_finish_then_exits() -> None:
     port = free_port()
     argv = [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-cache-memory", "32MiB"]
-    with server_process([*argv, "--max-model-len", "512"], port) as (process, url):
+    # The grace is far above what 40 tokens need on a loaded machine: the test is about the order of
+    # events, not about the machine's speed.
+    argv += ["--max-model-len", "512", "--shutdown-grace", "600"]
+    with server_process(argv, port) as (process, url):
         body = {
             "prompt": "Once upon a time",
             "max_tokens": 40,
@@ -174,3 +177,26 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits() -> None:
         assert "completion tokens, finish length" in output  # the per-request log line
         # Without keys, the server says that every client shares one cache namespace.
         assert "tenancy: single-tenant" in output
+
+
+def test_the_shutdown_grace_is_the_servers_option() -> None:
+    """--shutdown-grace reaches the server: with none, the stream in flight at SIGTERM is cut at once
+    rather than finished (400 tokens cannot come before the server's first shutdown tick)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-cache-memory", "32MiB"]
+    argv += ["--max-model-len", "512", "--shutdown-grace", "0"]
+    with server_process(argv, port) as (process, url):
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            try:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                    if len(events) == 1:
+                        process.send_signal(signal.SIGTERM)
+            except httpx.RemoteProtocolError:
+                pass
+        output = process.communicate(timeout=60)[0].decode()
+    assert events and events[-1] != "data: [DONE]"
+    assert "timeout graceful shutdown exceeded" in output

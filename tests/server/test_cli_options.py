@@ -125,6 +125,14 @@ def test_kvserve_serve_hands_its_options_to_serve(monkeypatch: pytest.MonkeyPatc
     assert config == EngineConfig(max_waiting=3, block_size=32)
 
 
+def test_the_shutdown_grace_is_an_option() -> None:
+    args = build_parser().parse_args(["serve", "--shutdown-grace", "600"])
+    assert from_flags(ServerOptions, args).shutdown_grace_s == 600
+    assert ServerOptions().shutdown_grace_s == 30
+    with pytest.raises(ConfigError, match="--shutdown-grace"):
+        ServerOptions(shutdown_grace_s=-1)
+
+
 def test_origins_are_a_json_list_or_a_comma_list(capsys: pytest.CaptureFixture[str]) -> None:
     parse = build_parser().parse_args
     assert parse(["serve", "--allowed-origins", '["https://a.example"]']).allowed_origins == (

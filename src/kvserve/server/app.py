@@ -26,23 +26,17 @@ from kvserve.options import ServerOptions
 from kvserve.secret import read_secret
 from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, TokenCount
 from kvserve.server.anthropic_serving import MessagesFormat, respond_messages
-from kvserve.server.auth import (
-    ADMIN_TENANT,
-    authenticate,
-    cache_namespace,
-    caller,
-    check_admin_key,
-    stats_scope,
-)
+from kvserve.server.auth import ADMIN_TENANT, cache_namespace, caller, stats_scope
 from kvserve.server.cache_views import cache_status
 from kvserve.server.chat_setup import chat_setup, read_chat_template
 from kvserve.server.context import ServerContext, check_model
 from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.formats import ChatFormat, CompletionFormat
+from kvserve.server.json_body import JSONBounds, bounded_route
 from kvserve.server.logprobs import LogprobRenderer
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.middleware import BodySizeLimit, InFlightLimiter
+from kvserve.server.middleware import Access, InFlightLimiter, RequestGate, route_access
 from kvserve.server.pinning import check_pinning_on, pin_prefix, unpin
 from kvserve.server.plan import chat_plan, completion_plan, messages_plan, messages_tokens, pin_plan
 from kvserve.server.preparation import PreparationPool
@@ -74,8 +68,6 @@ from kvserve.server.unsupported import check_chat, check_completion
 
 log = logging.getLogger("kvserve.server")
 
-# On SIGTERM, in-flight requests get this long to finish before their connections are cut.
-GRACEFUL_SHUTDOWN_S = 30
 # /health fails if the engine thread does not answer within this long (a step can take seconds on a CPU).
 HEALTH_TIMEOUT_S = 10
 
@@ -88,25 +80,14 @@ def _context(request: Request) -> ServerContext:
 Context = Annotated[ServerContext, Depends(_context)]
 
 
-def _authenticate(request: Request, ctx: Context) -> None:
-    authenticate(request, ctx.tenants, ctx.tenants.admin_key)
-
-
-def _require_admin_key(request: Request, ctx: Context) -> None:
-    check_admin_key(request, ctx.tenants, ctx.tenants.admin_key)
-
-
-async def _in_flight_slot(request: Request, ctx: Context) -> AsyncIterator[None]:
-    # Async so that it runs on the event loop, the limiter's only thread; exits once the response has
-    # been sent, a stream included.
-    with ctx.in_flight.slot(caller(request).tenant.name):
-        yield
-
-
+# Each router's routes ask one access of their callers, checked by the gate (server/middleware.py)
+# before the app reads a byte of the body: `api`'s take a key and one of its tenant's in-flight slots,
+# and parse their bodies with bounds (server/json_body.py).
 public = APIRouter()
-api = APIRouter(dependencies=[Depends(_authenticate)])
-admin = APIRouter(dependencies=[Depends(_require_admin_key)])
-InFlight = Depends(_in_flight_slot)
+keyed = APIRouter()
+api = APIRouter(route_class=bounded_route(JSONBounds()))
+admin = APIRouter()
+ROUTERS = ((public, Access.OPEN), (keyed, Access.KEY), (api, Access.TENANT), (admin, Access.ADMIN))
 
 
 @public.get("/health")
@@ -138,12 +119,12 @@ async def identity(
     return {"pid": pid, "proof": identity_proof(nonce, bytes.fromhex(challenge), pid)}
 
 
-@api.get("/version")
+@keyed.get("/version")
 async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-@api.get("/v1/models")
+@keyed.get("/v1/models")
 async def models(ctx: Context) -> ModelList:
     return ModelList(
         data=[ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=ctx.max_model_len)]
@@ -172,7 +153,7 @@ def _include_usage(body: SamplingRequest) -> bool:
 # in one trip off the event loop: templating, tokenizing, a vocabulary-wide logit_bias and a grammar's
 # compile all grow with the request, and the loop serves every stream. The trip is a preparation job of
 # the caller's tenant (server/preparation.py): one tenant's slow preparations never queue another's.
-@api.post("/v1/chat/completions", dependencies=[InFlight])
+@api.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     check_chat(body)
@@ -191,7 +172,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
-@api.post("/v1/completions", dependencies=[InFlight])
+@api.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     check_completion(body)
@@ -207,7 +188,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
 
 # The Responses API: one more plan builder (responses_plan) over chat's prompt, tools and constraints,
 # and its own writer (server/responses_serving.py); its stored responses are the tenant's alone.
-@api.post("/v1/responses", dependencies=[InFlight])
+@api.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     namespace = cache_namespace(request)
@@ -253,7 +234,7 @@ async def response_input_items(
 
 # Anthropic's Messages API: the same path as a chat completion (one prompt, one sample), its own plan
 # builder and answer shape; errors on these routes take Anthropic's shape (server/errors.py).
-@api.post("/v1/messages", dependencies=[InFlight])
+@api.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
     namespace = cache_namespace(request)
@@ -350,7 +331,7 @@ async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeRespons
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
-@api.post("/v1/cache/pin", dependencies=[InFlight])
+@api.post("/v1/cache/pin")
 async def pin(body: PinRequest, request: Request, ctx: Context) -> PinInfo:
     check_model(ctx, body.model)
     # First, so that a server with pinning off does no work for a pin.
@@ -451,11 +432,17 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         responses=ResponseStore(limits, response_backend(async_engine.config, limits)),
     )
     app.state.dashboard = dashboard
-    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
     install_error_handlers(app)
-    app.include_router(public)
-    app.include_router(api)
-    app.include_router(admin)
+    for router, _ in ROUTERS:
+        app.include_router(router)
+    # Inside CORS, so that its refusals carry CORS headers and preflights never reach it.
+    app.add_middleware(
+        RequestGate,
+        access=route_access(ROUTERS),
+        tenants=tenants,
+        in_flight=app.state.context.in_flight,
+        max_bytes=options.max_request_bytes,
+    )
     if options.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -471,7 +458,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
 
 def serve(config: EngineConfig, options: ServerOptions) -> int:
     """Load the model, then serve until SIGINT or SIGTERM: stop accepting, let in-flight requests end
-    (for up to GRACEFUL_SHUTDOWN_S), stop the engine. SIGHUP re-reads the key file.
+    (for up to `options.shutdown_grace_s`, --shutdown-grace), stop the engine. SIGHUP re-reads the key file.
 
     The engine runs under the tenants' secret (`options.tenant_secret_file`, default the cache folder's)
     and with `options.kv_remote`, which ServerOptions accepts only with a secret file, given its password
@@ -499,7 +486,7 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
             # kvserve's logging setup applies, and the server writes its own line per request.
             log_config=None,
             access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_graceful_shutdown=options.shutdown_grace_s,
         )
     )
 

@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.datastructures import Headers
 
 from kvserve.server.errors import APIError
 from kvserve.server.tenants import Tenant, Tenants
@@ -24,14 +25,14 @@ class Caller:
         return self.tenants.namespace(self.tenant, cache_salt)
 
 
-def _bearer(request: Request) -> str | None:
+def _bearer(headers: Headers) -> str | None:
     """The key a request carries: `Authorization: Bearer <key>` (OpenAI's clients), else
     `x-api-key: <key>` (Anthropic's). Either names the same tenants."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     # No key is empty (tenants.check_key), so neither is a token that could match one.
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
-    return request.headers.get("x-api-key", "").strip() or None
+    return headers.get("x-api-key", "").strip() or None
 
 
 def _is_admin_key(token: str | None, admin_key: str | None) -> bool:
@@ -41,30 +42,28 @@ def _is_admin_key(token: str | None, admin_key: str | None) -> bool:
     return secrets.compare_digest(token.encode(), admin_key.encode())
 
 
-def authenticate(request: Request, tenants: Tenants, admin_key: str | None = None) -> Caller:
-    """The caller of a request, kept on `request.state`; a 401 unless it carries
-    `Authorization: Bearer <key>` with a key of the server (or the server has no keys). The admin key
-    is accepted too, as its own tenant."""
-    token = _bearer(request)
-    if _is_admin_key(token, admin_key):
-        caller = Caller(ADMIN_TENANT, tenants, is_admin=True)
-    else:
-        tenant = tenants.authenticate(token)
-        if tenant is None:
-            raise APIError(
-                401,
-                "Missing or incorrect API key: send the header 'Authorization: Bearer <key>' (or "
-                "'x-api-key: <key>') with a key the server was started with (--api-key or --api-key-file).",
-                code="invalid_api_key",
-            )
-        caller = Caller(tenant, tenants)
-    request.state.caller = caller
-    return caller
+def authenticate(headers: Headers, tenants: Tenants) -> Caller:
+    """The caller of a request, from its headers alone (the gate, server/middleware.py, keeps it on
+    `request.state`); a 401 unless it carries `Authorization: Bearer <key>` with a key of the server (or
+    the server has no keys). The admin key is accepted too, as its own tenant."""
+    token = _bearer(headers)
+    if _is_admin_key(token, tenants.admin_key):
+        return Caller(ADMIN_TENANT, tenants, is_admin=True)
+    tenant = tenants.authenticate(token)
+    if tenant is None:
+        raise APIError(
+            401,
+            "Missing or incorrect API key: send the header 'Authorization: Bearer <key>' (or "
+            "'x-api-key: <key>') with a key the server was started with (--api-key or --api-key-file).",
+            code="invalid_api_key",
+        )
+    return Caller(tenant, tenants)
 
 
-def check_admin_key(request: Request, tenants: Tenants, admin_key: str | None) -> None:
+def check_admin_key(headers: Headers, tenants: Tenants) -> None:
     """Admin routes (cache reset) are open on a server without keys; once keys are set they need the
     admin key, and without one set they are closed to everyone."""
+    admin_key = tenants.admin_key
     if tenants.single_tenant and admin_key is None:
         return
     if admin_key is None:
@@ -74,7 +73,7 @@ def check_admin_key(request: Request, tenants: Tenants, admin_key: str | None) -
             "(or KVSERVE_ADMIN_KEY).",
             code="admin_key_required",
         )
-    if not _is_admin_key(_bearer(request), admin_key):
+    if not _is_admin_key(_bearer(headers), admin_key):
         raise APIError(
             401,
             "Missing or incorrect admin key: send 'Authorization: Bearer <admin key>' (--admin-key).",

@@ -101,6 +101,15 @@ def anthropic_error(error: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+class BodyError(HTTPException):
+    """A body refused while FastAPI reads it (server/json_body.py): FastAPI passes an HTTPException
+    raised there on as it is, where any other exception would become its own generic 400."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status, error.detail.message)
+        self.error = error
+
+
 class ClientDisconnected(Exception):
     """The client hung up before its response was ready; its engine request has been aborted."""
 
@@ -143,6 +152,8 @@ def to_api_error(request: Request, exc: Exception) -> APIError:
         return exc
     if isinstance(exc, RequestValidationError):
         return validation_error(exc.errors())
+    if isinstance(exc, BodyError):
+        return exc.error
     if isinstance(exc, HTTPException):
         return APIError(
             exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", headers=exc.headers

@@ -1,0 +1,180 @@
+"""What hostile bodies cost a real server: its resident memory under 8 MiB bodies of ignored `{}`, with a
+key, and /health's latency and the server's CPU while keyless clients send such bodies without pause.
+
+A real `kvserve serve` process (the default model, a small pool) behind a key file; memory is the
+server's peak resident set (VmHWM, reset before each phase through /proc/PID/clear_refs); the keyless
+flood runs in two processes of its own, and the server's CPU time over the flood is divided by the
+keyless requests it answered. Run: `python -m benchmarks.bench_junk_flood` (prints one JSON object);
+`--src DIR` serves another checkout's `src` (a version before a change) for the same measurement.
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+KEY = "bench-junk-key-1"
+JSON = {"content-type": "application/json"}
+MiB = 2**20
+
+
+def junk_body(size: int) -> bytes:
+    """A chat request padded to `size` bytes with an ignored field of empty objects."""
+    head = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "junk": ['
+    count = (size - len(head) - 4) // 3
+    return head + b"{}," * (count - 1) + b"{}]}"
+
+
+def hwm_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time the process has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def reset_hwm(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def start_server(src: str | None, port: int, key_file: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if src is not None:
+        env["PYTHONPATH"] = os.path.abspath(src)
+    argv = [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-cache-memory", "32MiB"]
+    argv += ["--max-model-len", "512", "--api-key-file", key_file]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--src", help="serve this checkout's src folder instead of the installed kvserve")
+    parser.add_argument("--port", type=int, default=18431)
+    parser.add_argument("--in-flight", type=int, default=4, help="junk requests with a key at once")
+    parser.add_argument("--health-probes", type=int, default=40)
+    args = parser.parse_args()
+    url = f"http://127.0.0.1:{args.port}"
+    body = junk_body(8 * MiB - 1024)
+    headers = {"content-type": "application/json"}
+    with tempfile.TemporaryDirectory() as folder:
+        key_file = os.path.join(folder, "keys")
+        with open(key_file, "w") as f:
+            f.write(f"alice:{KEY}\n")
+        process = start_server(args.src, args.port, key_file)
+        try:
+            # Warm: the first request builds what later ones reuse.
+            httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=120,
+            )
+            idle_rss = rss_bytes(process.pid)
+            reset_hwm(process.pid)
+            keyed = {**headers, "Authorization": f"Bearer {KEY}"}
+            with ThreadPoolExecutor(args.in_flight) as pool:
+                statuses = list(
+                    pool.map(
+                        lambda _: (
+                            httpx.post(
+                                f"{url}/v1/chat/completions", content=body, headers=keyed, timeout=300
+                            ).status_code
+                        ),
+                        range(args.in_flight),
+                    )
+                )
+            junk_peak = hwm_bytes(process.pid)
+
+            # The flood runs in processes of its own, so that the probes' client never waits for it.
+            context = multiprocessing.get_context("spawn")
+            stop = context.Event()
+            answered = context.Queue()
+            flooders = [context.Process(target=flood, args=(url, stop, answered)) for _ in range(2)]
+            alone = [probe(url) for _ in range(args.health_probes)]
+            cpu_before = cpu_seconds(process.pid)
+            for f in flooders:
+                f.start()
+            time.sleep(5)
+            flooded = [probe(url) for _ in range(args.health_probes)]
+            stop.set()
+            keyless = [answered.get(timeout=300) for _ in flooders]
+            for f in flooders:
+                f.join()
+            flood_cpu = cpu_seconds(process.pid) - cpu_before
+        finally:
+            process.terminate()
+            process.wait(timeout=120)
+    print(
+        json.dumps(
+            {
+                "junk_requests": args.in_flight,
+                "junk_statuses": sorted(set(statuses)),
+                "idle_rss_mib": round(idle_rss / MiB),
+                "peak_rss_under_junk_mib": round(junk_peak / MiB),
+                "health_ms_alone_median": round(statistics.median(alone), 1),
+                "health_ms_keyless_flood_median": round(statistics.median(flooded), 1),
+                "health_ms_keyless_flood_max": round(max(flooded), 1),
+                "keyless_requests_answered": sum(len(statuses) for statuses in keyless),
+                # The server's CPU during the flood (the probes' included) over the keyless requests.
+                "server_cpu_ms_per_keyless_request": round(
+                    1000 * flood_cpu / max(1, sum(len(statuses) for statuses in keyless)), 2
+                ),
+                "keyless_statuses": sorted({status for statuses in keyless for status in statuses}),
+            }
+        )
+    )
+
+
+def flood(url: str, stop: Any, answered: Any) -> None:
+    """Keyless 8 MiB bodies on one connection, one after the other, until `stop`; the statuses go to
+    `answered`."""
+    body = junk_body(8 * MiB - 1024)
+    statuses: list[int] = []
+    with httpx.Client(timeout=300) as client:
+        while not stop.is_set():
+            r = client.post(
+                f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
+            statuses.append(r.status_code)
+    answered.put(statuses)
+
+
+def probe(url: str) -> float:
+    start = time.perf_counter()
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+    return (time.perf_counter() - start) * 1000
+
+
+if __name__ == "__main__":
+    main()
