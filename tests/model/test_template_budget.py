@@ -59,6 +59,26 @@ def test_a_deadline_at_the_end_of_a_rendering_never_fires_after_it(default_token
     assert "out of time" in outcomes
 
 
+def test_an_exception_the_rendering_loses_is_raised_again() -> None:
+    """Python drops an exception raised in a destructor or a garbage collector callback: the watchdog
+    raises it again until the block ends (here the first is swallowed by hand)."""
+    caught = 0
+    give_up = time.monotonic() + 10
+    with (
+        pytest.raises(TemplateBudgetError, match="ran past its budget"),
+        template_budget.template_budget(0.05),
+    ):
+        while time.monotonic() < give_up:
+            try:
+                while time.monotonic() < give_up:
+                    pass
+            except TemplateBudgetError:
+                caught += 1
+                if caught == 2:
+                    raise
+    assert caught == 2
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [

@@ -10,7 +10,9 @@ rendering costs what it did (a trace function counting the template's lines made
 slower). A template stuck in one long C call (a huge string repeat) sees it when the call returns.
 
 A deadline that passes just as the rendering ends leaves the exception pending: leaving the block
-clears it, so it is raised inside the block or not at all (`_Watchdog.release`).
+clears it, so it is raised inside the block or not at all (`_Watchdog.release`). Until then it is
+raised again every REFIRE_S, since Python drops an exception raised in a destructor or a garbage
+collector callback, which may run anywhere.
 """
 
 import ctypes
@@ -25,6 +27,8 @@ from jinja2 import TemplateError
 
 # What one rendering may take: a long chat with tools renders in milliseconds.
 TEMPLATE_SECONDS = 2.0
+# How often the exception is raised again in a rendering past its deadline.
+REFIRE_S = 0.1
 
 
 class TemplateBudgetError(TemplateError):
@@ -77,13 +81,15 @@ class _Watchdog:
         with self._lock:
             while True:
                 now = time.monotonic()
-                waiting = [w for w in self._watches.values() if not w.fired]
-                for w in waiting:
+                for w in self._watches.values():
                     if w.deadline <= now:
+                        # Again every REFIRE_S until released: an asynchronous exception delivered where
+                        # Python ignores exceptions (a __del__, a garbage collector callback) is lost.
                         w.fired = True
+                        w.deadline = now + REFIRE_S
                         _set_async_exception(w.thread_id, _OutOfTime)
-                pending = [w.deadline for w in waiting if not w.fired]
-                self._lock.wait(min(pending) - now if pending else None)
+                deadlines = [w.deadline for w in self._watches.values()]
+                self._lock.wait(min(deadlines) - now if deadlines else None)
 
 
 def _set_async_exception(thread_id: int, exc: type[BaseException] | None) -> None:
