@@ -13,14 +13,14 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+
+from benchmarks.common import start_server, status_bytes
 
 KEY = "bench-junk-key-1"
 JSON = {"content-type": "application/json"}
@@ -34,18 +34,6 @@ def junk_body(size: int) -> bytes:
     return head + b"{}," * (count - 1) + b"{}]}"
 
 
-def hwm_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        line = next(line for line in f if line.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
-
-
 def cpu_seconds(pid: int) -> float:
     """User and system CPU time the process has used."""
     with open(f"/proc/{pid}/stat") as f:
@@ -56,25 +44,6 @@ def cpu_seconds(pid: int) -> float:
 def reset_hwm(pid: int) -> None:
     with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")
-
-
-def start_server(src: str | None, port: int, key_file: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if src is not None:
-        env["PYTHONPATH"] = os.path.abspath(src)
-    argv = [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-cache-memory", "32MiB"]
-    argv += ["--max-model-len", "512", "--api-key-file", key_file]
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.2)
 
 
 def main() -> None:
@@ -91,7 +60,11 @@ def main() -> None:
         key_file = os.path.join(folder, "keys")
         with open(key_file, "w") as f:
             f.write(f"alice:{KEY}\n")
-        process = start_server(args.src, args.port, key_file)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if args.src is not None:
+            env["PYTHONPATH"] = os.path.abspath(args.src)
+        flags = ["--port", str(args.port), "--kv-cache-memory", "32MiB", "--max-model-len", "512"]
+        process = start_server([*flags, "--api-key-file", key_file], env)
         try:
             # Warm: the first request builds what later ones reuse.
             httpx.post(
@@ -100,7 +73,7 @@ def main() -> None:
                 headers={"Authorization": f"Bearer {KEY}"},
                 timeout=120,
             )
-            idle_rss = rss_bytes(process.pid)
+            idle_rss = status_bytes(process.pid, "VmRSS")
             reset_hwm(process.pid)
             keyed = {**headers, "Authorization": f"Bearer {KEY}"}
             with ThreadPoolExecutor(args.in_flight) as pool:
@@ -114,7 +87,7 @@ def main() -> None:
                         range(args.in_flight),
                     )
                 )
-            junk_peak = hwm_bytes(process.pid)
+            junk_peak = status_bytes(process.pid, "VmHWM")
 
             # The flood runs in processes of its own, so that the probes' client never waits for it.
             context = multiprocessing.get_context("spawn")
@@ -123,14 +96,14 @@ def main() -> None:
             flooders = [context.Process(target=flood, args=(url, stop, answered)) for _ in range(2)]
             alone = [probe(url) for _ in range(args.health_probes)]
             cpu_before = cpu_seconds(process.pid)
-            for f in flooders:
-                f.start()
+            for flooder in flooders:
+                flooder.start()
             time.sleep(5)
             flooded = [probe(url) for _ in range(args.health_probes)]
             stop.set()
             keyless = [answered.get(timeout=300) for _ in flooders]
-            for f in flooders:
-                f.join()
+            for flooder in flooders:
+                flooder.join()
             flood_cpu = cpu_seconds(process.pid) - cpu_before
         finally:
             process.terminate()

@@ -11,13 +11,11 @@ import itertools
 import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
 
-from benchmarks.common import default_model, make_engine, setup_threads, write_results
+from benchmarks.common import default_model, make_engine, setup_threads, start_server, write_results
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 
@@ -54,23 +52,6 @@ def http_itl_ms(url: str, context: int, tokens: int, seed: int) -> float:
     return statistics.median(gaps) * 1000
 
 
-def start_server(port: int, threads: int) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--kv-cache-memory", "512MiB"]
-    process = subprocess.Popen(
-        [*argv, "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.5)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=2000)
@@ -79,7 +60,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8123)
     args = parser.parse_args()
     threads = setup_threads()
-    server = start_server(args.port, threads)
+    flags = ["--port", str(args.port), "--kv-cache-memory", "512MiB", "--threads", str(threads)]
+    server = start_server(flags)
     # The same settings as the server's.
     engine = make_engine(default_model(), kv_cache_memory=512 * 2**20, threads=threads)
     rows = []

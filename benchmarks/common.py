@@ -3,10 +3,13 @@
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import httpx
 import torch
 
 from kvserve.config import EngineConfig, default_cache_dir
@@ -15,6 +18,32 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.loader import LoadedModel, load_model
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def start_server(flags: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A `kvserve serve` process with `flags` (which name its --port), once its /health answers; its
+    output is dropped. `env` replaces the environment (another checkout's PYTHONPATH)."""
+    port = flags[list(flags).index("--port") + 1]
+    argv = [sys.executable, "-m", "kvserve", "serve", *flags]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"kvserve serve {' '.join(flags)} did not start")
+        time.sleep(0.2)
+
+
+def status_bytes(pid: int, field: str) -> int:
+    """A size in the process's /proc status (VmRSS, VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith(f"{field}:"))
+    return int(line.split()[1]) * 1024
 
 
 def setup_threads() -> int:

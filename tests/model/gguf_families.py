@@ -17,6 +17,8 @@ import torch
 from gguf import MODEL_ARCH, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from tests.helpers import save_tiny_model
+
 ARCHES = {
     "llama": MODEL_ARCH.LLAMA,
     "qwen2": MODEL_ARCH.QWEN2,
@@ -97,6 +99,21 @@ def tiny_vocabulary(family: str) -> Vocabulary:
     types = [1] * (len(tokens) - len(_CONTROL)) + [3] * len(_CONTROL)
     eos = len(tokens) - len(_CONTROL)
     return Vocabulary("gpt2", tokens, types, [f"{a} {b}" for a, b in _MERGES], [0.0] * len(tokens), eos, eos)
+
+
+def save_tiny_llama(path: str) -> str:
+    """A tiny random Llama folder at `path` on the tiny tokenizer's vocabulary, so that write_family_gguf
+    can write it as a GGUF."""
+    vocabulary = tiny_vocabulary("llama")
+    return save_tiny_model(
+        path,
+        "llama",
+        intermediate_size=256,
+        vocab_size=len(vocabulary),
+        bos_token_id=vocabulary.bos,
+        eos_token_id=vocabulary.eos,
+        pad_token_id=vocabulary.eos,
+    )
 
 
 # The architectures whose q and k rows llama.cpp's converter interleaves (its LlamaModel.permute).

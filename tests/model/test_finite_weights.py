@@ -20,8 +20,7 @@ from kvserve.model import finite_weights, gguf_file
 from kvserve.model.gguf_file import open_gguf
 from kvserve.model.loader import load_model
 from kvserve.model.runner import ModelRunner
-from tests.helpers import save_tiny_model
-from tests.model.gguf_families import tiny_vocabulary, write_family_gguf
+from tests.model.gguf_families import save_tiny_llama, write_family_gguf
 
 ARCH = "llama"
 F16_INF, F16_NAN, F16_ONE = 0x7C00, 0x7E00, 0x3C00
@@ -29,16 +28,7 @@ F16_INF, F16_NAN, F16_ONE = 0x7C00, 0x7E00, 0x3C00
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    vocabulary = tiny_vocabulary(ARCH)
-    return save_tiny_model(
-        str(tmp_path_factory.mktemp("finite") / "llama"),
-        ARCH,
-        intermediate_size=256,
-        vocab_size=len(vocabulary),
-        bos_token_id=vocabulary.bos,
-        eos_token_id=vocabulary.eos,
-        pad_token_id=vocabulary.eos,
-    )
+    return save_tiny_llama(str(tmp_path_factory.mktemp("finite") / "llama"))
 
 
 @pytest.fixture(scope="module")

@@ -23,23 +23,14 @@ from kvserve.model.loader import load_model, tokenizer_dir
 from kvserve.model.spec import MAX_VOCAB_SIZE
 from tests.helpers import save_tiny_model
 from tests.model.family_cases import gguf_case
-from tests.model.gguf_families import tiny_vocabulary, write_family_gguf
+from tests.model.gguf_families import save_tiny_llama, tiny_vocabulary, write_family_gguf
 
 ARCH = "llama"
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    vocabulary = tiny_vocabulary(ARCH)
-    return save_tiny_model(
-        str(tmp_path_factory.mktemp("hostile-config") / "llama"),
-        ARCH,
-        intermediate_size=256,
-        vocab_size=len(vocabulary),
-        bos_token_id=vocabulary.bos,
-        eos_token_id=vocabulary.eos,
-        pad_token_id=vocabulary.eos,
-    )
+    return save_tiny_llama(str(tmp_path_factory.mktemp("hostile-config") / "llama"))
 
 
 def refused(path: str, cache: str, message: str) -> ModelLoadError:
