@@ -8,6 +8,7 @@ counted and then validated from their bytes (server/json_body.py). Memory is the
 (VmHWM, reset before each request): the server runs in this process, and the bodies are built before.
 """
 
+import asyncio
 import ctypes
 import gc
 import json
@@ -27,15 +28,16 @@ import pytest
 from fastapi import FastAPI
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from starlette.types import Message, Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.json_body import JSONBounds
-from kvserve.server.middleware import InFlightLimiter, RequestGate
+from kvserve.server.middleware import Access, InFlightLimiter, RequestGate
 from kvserve.server.plan import messages_tokens
-from kvserve.server.tenants import DEFAULT_TENANT
+from kvserve.server.tenants import DEFAULT_TENANT, Tenants
 
 T = TypeVar("T")
 HI: anthropic.types.MessageParam = {"role": "user", "content": "Hi"}
@@ -165,6 +167,36 @@ def test_a_request_over_its_tenants_slots_is_answered_before_its_body_is_sent(se
         first.close()
     # The client left before its body was complete: its slot is given back.
     wait_for(lambda: server.in_flight.in_flight(DEFAULT_TENANT) == 0)
+
+
+def test_the_slot_is_free_before_the_answers_last_bytes_go_out() -> None:
+    """The gate around an app that answers, streamed or whole, then goes on (as Starlette does after a
+    response, tearing down its task group): the slot is back when the last bytes are handed to the
+    server, so a client that has the answer never finds its slot taken (given back only once the app
+    returned, the full suite once read it still taken after every answer had arrived)."""
+    limiter = InFlightLimiter(1)
+    after_last_bytes: list[int] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for more in (True, True, False):
+            await send({"type": "http.response.body", "body": b"x", "more_body": more})
+        await asyncio.sleep(0)
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body" and not message["more_body"]:
+            after_last_bytes.append(limiter.in_flight(DEFAULT_TENANT))
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    tenants = Tenants(bytes(32))
+    gate = RequestGate(app, lambda scope: Access.TENANT, tenants, limiter, max_bytes=2**20)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    for _ in range(2):
+        asyncio.run(gate(scope, receive, send))
+    assert after_last_bytes == [0, 0] and limiter.in_flight(DEFAULT_TENANT) == 0
 
 
 def test_count_tokens_and_stored_response_reads_take_a_slot(

@@ -100,8 +100,8 @@ class RequestGate:
 
     `access(scope)` is the access of the route the request will reach, None when it reaches none (the
     app answers 404 or 405 without reading the body). The caller goes to `scope["state"]["caller"]`
-    (`request.state.caller` in a route, server/auth.py:caller); the slot is held until the app has
-    answered, a stream included, and given back however it ends. The body is then read here, up to
+    (`request.state.caller` in a route, server/auth.py:caller); the slot is held until the app sends
+    its answer's last bytes, a stream's included, and given back however it ends. The body is then read here, up to
     `max_bytes` (413 above it, declared or chunked), and handed to the app whole; later receives (the
     client's disconnect) pass through.
     """
@@ -142,11 +142,25 @@ class RequestGate:
         except APIError as error:
             await _refuse(error, scope, receive, send)
             return
-        try:
-            await self._with_body(scope, receive, send, headers)
-        finally:
-            if tenant is not None:
+        held = tenant is not None
+
+        def give_back() -> None:
+            nonlocal held
+            if held and tenant is not None:
+                held = False
                 self.in_flight.give_back(tenant)
+
+        async def sending(message: Message) -> None:
+            # The slot is free before the answer's last bytes go out: a client that sends its next
+            # request once it has this answer never finds its slot still taken.
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                give_back()
+            await send(message)
+
+        try:
+            await self._with_body(scope, receive, sending, headers)
+        finally:
+            give_back()
 
     async def _with_body(self, scope: Scope, receive: Receive, send: Send, headers: Headers) -> None:
         declared = headers.get("content-length", "")
