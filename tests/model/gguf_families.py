@@ -101,9 +101,9 @@ def tiny_vocabulary(family: str) -> Vocabulary:
     return Vocabulary("gpt2", tokens, types, [f"{a} {b}" for a, b in _MERGES], [0.0] * len(tokens), eos, eos)
 
 
-def save_tiny_llama(path: str) -> str:
+def save_tiny_llama(path: str, **overrides: Any) -> str:
     """A tiny random Llama folder at `path` on the tiny tokenizer's vocabulary, so that write_family_gguf
-    can write it as a GGUF."""
+    can write it as a GGUF; `overrides` change its config."""
     vocabulary = tiny_vocabulary("llama")
     return save_tiny_model(
         path,
@@ -113,6 +113,7 @@ def save_tiny_llama(path: str) -> str:
         bos_token_id=vocabulary.bos,
         eos_token_id=vocabulary.eos,
         pad_token_id=vocabulary.eos,
+        **overrides,
     )
 
 

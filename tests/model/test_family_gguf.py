@@ -75,18 +75,11 @@ def test_a_llama3_gguf_keeps_its_rope_scaling(tmp_path: Any, case: str) -> None:
     import transformers
 
     from kvserve.model.rope import inverse_frequencies
-    from tests.model.gguf_families import tiny_vocabulary
+    from tests.model.gguf_families import save_tiny_llama
 
     theta, context = LLAMA3_CASES[case]
-    vocabulary = tiny_vocabulary("llama")
-    folder = save_tiny_model(
+    folder = save_tiny_llama(
         str(tmp_path / "llama3"),
-        "llama",
-        intermediate_size=256,
-        vocab_size=len(vocabulary),
-        bos_token_id=vocabulary.bos,
-        eos_token_id=vocabulary.eos,
-        pad_token_id=vocabulary.eos,
         rope_theta=theta,
         rope_scaling={**LLAMA3_ROPE, "rope_theta": theta, "original_max_position_embeddings": context},
         # Where llama.cpp's converter reads the pretraining context.
@@ -106,7 +99,7 @@ def test_a_llama3_gguf_keeps_its_rope_scaling(tmp_path: Any, case: str) -> None:
         # Transformers' frequencies bit for bit, which the stored divisors would miss by an ulp.
         assert torch.equal(inverse_frequencies(c, 512)[0], theirs.model.rotary_emb.inv_freq)
     runner = exact_runner(ours, 512)
-    prompt = random_prompt(2 * 32 + 7, seed=5, vocab=len(vocabulary))
+    prompt = random_prompt(2 * 32 + 7, seed=5, vocab=ours.config.vocab_size)
     logits, tokens = prompt_and_greedy(runner, prompt, 6)
     expected = hf_logits(theirs, prompt + tokens)[: len(prompt) + 6]
     print(f"llama3 rope {case}: max abs logit error {(logits - expected).abs().max():.2e}")
