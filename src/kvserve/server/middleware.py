@@ -101,9 +101,9 @@ class RequestGate:
     `access(scope)` is the access of the route the request will reach, None when it reaches none (the
     app answers 404 or 405 without reading the body). The caller goes to `scope["state"]["caller"]`
     (`request.state.caller` in a route, server/auth.py:caller); the slot is held until the app sends
-    its answer's last bytes, a stream's included, and given back however it ends. The body is then read here, up to
-    `max_bytes` (413 above it, declared or chunked), and handed to the app whole; later receives (the
-    client's disconnect) pass through.
+    its answer's last bytes, a stream's included, and given back however it ends. The body is then read
+    here, up to `max_bytes` (413 above it, declared or chunked), and handed to the app whole; later
+    receives (the client's disconnect) pass through.
     """
 
     def __init__(
