@@ -44,7 +44,7 @@ MAX_MATCH = ORDERS[-1]
 
 DEFAULT_NAMESPACE_TOKENS = 16_384
 # What replies cost is counted in units of one indexed token (48 bytes: the id and a key per order); a
-# reply's objects cost about 8 more, a namespace's index about 32 (measured with tracemalloc), so that a
+# reply's objects cost about 8 more, a namespace's index about 32 (tracemalloc, docs/benchmarks.md), so that a
 # flood of tiny replies or namespaces is bounded by what it holds too.
 REPLY_COST = 8
 NAMESPACE_COST = 32
@@ -54,9 +54,8 @@ DEFAULT_TENANT_TOKENS = 262_144
 DEFAULT_TOTAL_TOKENS = 1_048_576
 
 # The cost of a row relative to a step's fixed part before anything is measured (a drafter built
-# outside an engine; an engine replaces it with the startup probe's figures, then its steps'). Measured
-# once with the default model on 2 cores: steps of 4 decodes with 0-8 draft rows gave 0.45-0.72; 1.0
-# because replies in flight together wait on each other's rows.
+# outside an engine; an engine replaces it with the startup probe's figures, then its steps'). Above the
+# measured figures (docs/benchmarks.md) because replies in flight together wait on each other's rows.
 ROW_COST = 1.0
 DEFAULT_COSTS = StepCosts.relative(ROW_COST)
 # The prior per-token acceptance after an m-token match is m / (m + PRIOR_HALF): 0.33 after 2 tokens,

@@ -57,9 +57,9 @@ class GrammarLimits:
     """The grammar library's limits, set explicitly (EngineConfig's grammar options; docs/design.md,
     *Structured outputs and tools*, says what each bounds). A constraint over them at compile time is
     refused (ConstraintRejected); one that reaches them while generating ends that request alone, with
-    "grammar_limit". `max_lexer_states` bounds one request's lexer (about 0.65 KB a state, measured),
-    `step_lexer_fuel` and `step_max_items` the work of one token's mask, `initial_lexer_fuel` and
-    `max_grammar_size` the work of building a matcher."""
+    "grammar_limit". `max_lexer_states` bounds one request's lexer (about 0.65 KB a state:
+    docs/benchmarks.md), `step_lexer_fuel` and `step_max_items` the work of one token's mask,
+    `initial_lexer_fuel` and `max_grammar_size` the work of building a matcher."""
 
     max_lexer_states: int = GRAMMAR_MAX_LEXER_STATES
     step_lexer_fuel: int = GRAMMAR_STEP_LEXER_FUEL

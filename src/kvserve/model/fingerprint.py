@@ -43,11 +43,11 @@ def model_fingerprint(
 
 
 def file_digest(path: str, cache_dir: str | None = None) -> bytes:
-    """blake2b of the file's bytes (about 0.3 s for the default model's 98 MB here, 15 s for a 5 GB
-    model). With `cache_dir`, recorded there under the file's identity and state (real path, device,
-    inode, size, modification and change times): a later start reads the record instead. Any write to
-    the file, or resetting its modification time, changes its change time (which no call sets back), so
-    a changed file is hashed again."""
+    """blake2b of the file's bytes (seconds for a large model: docs/benchmarks.md). With `cache_dir`,
+    recorded there under the file's identity and state (real path, device, inode, size, modification and
+    change times): a later start reads the record instead. Any write to the file, or resetting its
+    modification time, changes its change time (which no call sets back), so a changed file is hashed
+    again."""
     before = _identity(path)
     record = None
     if cache_dir is not None:

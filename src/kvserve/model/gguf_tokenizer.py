@@ -121,7 +121,7 @@ def tokenizer_class(architecture: str) -> Any:
     """The tokenizer class transformers' AutoTokenizer takes for a GGUF of `architecture`: the class of the
     model type transformers names the architecture by, or the plain tokenizers backend. Named here
     because AutoTokenizer first reads the whole file again into a model config to find it (through the
-    gguf package's reader: 10 of the 12 s a first start took for the default model's tokenizer)."""
+    gguf package's reader: most of a first start's time, docs/benchmarks.md)."""
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     model_type = _MODEL_TYPES.get(architecture, architecture)

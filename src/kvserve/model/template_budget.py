@@ -6,8 +6,9 @@ of holding its thread.
 A watchdog thread keeps every rendering's deadline. At a deadline it raises TemplateBudgetError in the
 rendering thread as CPython's asynchronous exception, which the interpreter delivers between bytecodes: a
 template compiles to Python code, so its loops see it within microseconds. Nothing runs per step, so a
-rendering costs what it did (a trace function counting the template's lines made a 400-message chat 4x
-slower). A template stuck in one long C call (a huge string repeat) sees it when the call returns.
+rendering costs what it did (a trace function counting the template's lines made long chats render
+several times slower: docs/benchmarks.md). A template stuck in one long C call (a huge string repeat)
+sees it when the call returns.
 
 A deadline that passes just as the rendering ends leaves the exception pending: leaving the block
 clears it, so it is raised inside the block or not at all (`_Watchdog.release`). Until then it is

@@ -31,9 +31,9 @@ static inline float vector_total(__m256 acc, float offset)
 
 /* A tile's rows are one stretch of memory (consecutive rows); the next tile's stretch is prefetched in
  * order, `step` bytes of it per sub-block, so that it is all fetched by the time this tile ends. One
- * ordered stream, not one per row: four rows read side by side defeat the hardware prefetchers (one row
- * of [1536 x 576] Q8_0 products out of cache took 4x as long without software prefetch, twice as long
- * with a prefetch per row stream; fetching two to four tiles ahead was no faster than one). */
+ * ordered stream, not one per row: four rows read side by side defeat the hardware prefetchers (without
+ * software prefetch, or with one per row stream, rows out of cache were far slower, and fetching further
+ * ahead gained nothing: docs/benchmarks.md). */
 static ALWAYS_INLINE void prefetch_tile(const uint8_t *tile, int64_t s, size_t step)
 {
     const char *at = (const char *)tile + (size_t)s * step;
@@ -59,7 +59,7 @@ static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_
         offset[i] = 0;
     }
     /* The super-block types a super-block at a time, sub-block j of it at a time (no division by 8 per
-     * sub-block; unrolling it, as the int16 tile does, spilled this tile's registers: 1.9x slower). */
+     * sub-block; unrolling it, as the int16 tile does, spilled this tile's registers). */
     const int spb = TYPE_INFO[type].elems == QK_K ? 8 : 1;
     const size_t ub = sub_offset(type, spb);
     for (int64_t u = 0; u < ns / spb; u++)
@@ -190,7 +190,7 @@ static ALWAYS_INLINE void q16_tile(int type, int rows, int cols, const uint8_t *
         offset[i] = 0;
     }
     /* The super-block types a super-block at a time, its eight sub-blocks unrolled (their place in it a
-     * constant: decode.h's bit positions and scales fold; one row of [896 x 4864] Q4_K 1.4x faster). */
+     * constant: decode.h's bit positions and scales fold; faster, docs/benchmarks.md). */
     const int spb = TYPE_INFO[type].elems == QK_K ? 8 : 1;
     const size_t ub = sub_offset(type, spb);
     for (int64_t u = 0; u < ns / spb; u++)
@@ -440,8 +440,8 @@ struct tiles {
         row_tile(TYPE, ROW_COLS, w, rb, nb, x, sx, ss, res);                                             \
     }
 /* Every type's float tiles; the integer types' int16 tiles; the row tiles of the types whose decode rows
- * take them: those it measured faster than `vector_tile` on one row (Q2_K, Q4_K, Q5_K and Q6_K, 1.07-1.2x
- * with or without AVX-512; blocks of 32 were slower there, Q3_K's scales are not computed together). */
+ * take them: those faster than `vector_tile` on one row (Q2_K, Q4_K, Q5_K and Q6_K, with or without
+ * AVX-512; blocks of 32 were slower there, Q3_K's scales are not computed together: docs/benchmarks.md). */
 #define FOR_INTEGER_TYPES(X)                                                                              \
     X(q4_0, TYPE_Q4_0)                                                                                   \
     X(q4_1, TYPE_Q4_1)                                                                                   \
