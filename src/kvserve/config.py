@@ -125,7 +125,7 @@ class EngineConfig:
     `max_sequences_per_request` caps the sequences one request may start: its `n`, and prompts x n for a
     batch of prompts (each sequence is one engine request, counted in the queue and its tenant's share).
     `max_waiting + max_num_seqs` is how many sequences may be in flight; each tenant is guaranteed an
-    equal share of them (see the scheduling policy in docs/design.md).
+    equal share of them (docs/design.md, *Policy apart from mechanism*).
 
     `secret` is the server secret (kvserve.secret): the disk tier's files are sealed under a key derived
     from it. None takes the cache folder's (created on first use), the one `kvserve serve` uses too, so
@@ -147,8 +147,9 @@ class EngineConfig:
         "float32",
         "with gguf or q8_0 weights, the activations of decode rows (and of rows whose logits are taken): "
         "float32 (the float32 model up to summation order) or int16 (quantized per block of 32, integer "
-        "products: faster layer products and nearly float32's predictions, as measured in docs/design.md, "
-        "but a reply can then depend on whether its prompt was cached); default %(default)s",
+        "products: faster layer products and nearly float32's predictions, as measured in "
+        "docs/benchmarks.md, but a reply can then depend on whether its prompt was cached); "
+        "default %(default)s",
         choices=DECODE_ACTIVATIONS,
     )
     kv_dtype: str = option(

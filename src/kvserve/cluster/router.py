@@ -3,7 +3,7 @@ environment rather than the command line.
 
 SMG takes its control-plane keys only as `--control-plane-api-keys id:name:role:key` arguments and its
 client key as `--api-key KEY`, and every local user can read a process's arguments. So `kvserve cluster`
-(or an operator, see the README) puts the keys in this process's environment (readable by its own user
+(or an operator, see docs/cluster.md) puts the keys in this process's environment (readable by its own user
 only): $KVSERVE_ROUTER_CONTROL_PLANE_KEY, required (the control plane is never open), and
 $KVSERVE_ROUTER_API_KEY, optional. This module takes them out of the environment and adds them to the
 arguments that SMG's own Python launcher parses in this process: the keys reach the router but never

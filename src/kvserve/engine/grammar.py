@@ -2,7 +2,7 @@
 
 A `StructuredOutputs` names one constraint (a JSON schema, any JSON object, a regex, a choice of strings,
 or a Lark grammar); `GrammarCompiler` turns it into the library's grammar text through llguidance (see
-docs/design.md, *Structured outputs*, for why llguidance), cached by namespace and source in an LRU
+docs/design.md, *Structured outputs with llguidance*, for why), cached by namespace and source in an LRU
 bounded in entries and bytes, safe to call from any thread. Each validated request gets a matcher of its
 own (`RequestGrammar`), built fresh under the server's `GrammarLimits`, so whatever its lexer grows is
 its own; each engine request (each sample of n) gets a `GrammarState` from it, which fills the request's
@@ -54,8 +54,8 @@ MAX_CHOICES = 1024
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """The grammar library's limits, set explicitly (EngineConfig's grammar options; docs/design.md,
-    *Structured outputs and tools*, says what each bounds). A constraint over them at compile time is
+    """The grammar library's limits, set explicitly (EngineConfig's grammar options; docs/options.md
+    says what each bounds). A constraint over them at compile time is
     refused (ConstraintRejected); one that reaches them while generating ends that request alone, with
     "grammar_limit". `max_lexer_states` bounds one request's lexer (about 0.65 KB a state:
     docs/benchmarks.md), `step_lexer_fuel` and `step_max_items` the work of one token's mask,

@@ -3,8 +3,8 @@
 A decode reads the KV pool's blocks wherever they sit in hundreds of MiB, a few KiB per block and KV head,
 and the weights as one stream of about 100 MB per token: with 4 KiB pages nearly every block costs a TLB
 miss. Linux's transparent huge pages are commonly enabled only for memory that asks (`madvise` mode), so
-`empty` asks before the first touch, which is when the kernel chooses the page size (docs/design.md,
-Forward pass, has what it gains). Elsewhere (no Linux, no huge pages, another device) the buffers are
+`empty` asks before the first touch, which is when the kernel chooses the page size (docs/benchmarks.md
+has what it gains). Elsewhere (no Linux, no huge pages, another device) the buffers are
 plain ones.
 """
 

@@ -4,7 +4,7 @@ Decode reads every weight once per step, so bytes per weight set its speed. `mak
 - `float32`: weights in the compute dtype. On the CPU in float32 the products run through oneDNN's
   inner-product primitive (the one torch's own compiler emits for CPU linears), which can also apply silu,
   or add/multiply a second tensor, as it writes the output; it beats `F.linear` most for few rows
-  (docs/design.md, Forward pass, has the figures). Elsewhere it is `F.linear` plus the op.
+  (docs/benchmarks.md has the figures). Elsewhere it is `F.linear` plus the op.
   Neither is row-invariant: a one-row product takes another kernel than a batch, so a row's last bits
   depend on the batch size.
 - `float16`: fbgemm's fp16 GEMM. Weights are stored in float16 and widened to float32 in registers;
@@ -16,7 +16,7 @@ Decode reads every weight once per step, so bytes per weight set its speed. `mak
   one scale per row, an exact int8 x int8 -> int32 product (`torch._int_mm`), then the two scales. Every
   step is exact or row-local, so a row's output does not depend on the batch either. A quarter of
   float32's bytes, but about ten small ops per product, and the least exact: a few large channels of the
-  hidden state set each row's scale and leave the rest of the row few levels (see README, weight precision).
+  hidden state set each row's scale and leave the rest of the row few levels (docs/benchmarks.md, Precision).
   fbgemm's own int8 linear is not used: it quantizes activations with one scale per tensor, so a row's
   output would depend on its batch.
 

@@ -5,8 +5,8 @@ A step groups its rows by expert: every (token, expert) pair is sorted by expert
 runs once on the rows that chose it, and an expert that no row chose is never read. That is what makes a
 MoE decode cheap: a token reads top_k of the experts' bytes, not all of them.
 
-Batch invariance, as every product in kvserve keeps it (docs/design.md, Forward pass): a row's output is
-bitwise the same alone or in any batch.
+Batch invariance, as every product in kvserve keeps it (docs/design.md, *Bitwise batch invariance*): a
+row's output is bitwise the same alone or in any batch.
 - The router's logits are each a float32 product and sum over the row alone (`router_logits`), not a
   GEMM, whose kernel, hence its last bits, changes with the batch; the routing choices must not flip
   with the batch. Ties between experts go to the lower expert id (a stable sort).

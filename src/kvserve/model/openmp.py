@@ -5,7 +5,7 @@ thread exits. Once the process holds more OpenMP threads than it has CPUs, libgo
 between regions: its workers sleep at once, and every region starts with a futex wake-up. A decode step
 opens a few hundred regions (each product and each layer's attention), so the idle pool that the main
 thread kept from loading the model cost the server's engine thread a quarter of its speed on 2 cores
-(docs/design.md, Threads). A thread that hands its compute over to another
+(docs/design.md, *Threads*). A thread that hands its compute over to another
 (the server's main thread, once the engine thread runs the steps) releases its pool with
 `release_thread_pool`.
 """

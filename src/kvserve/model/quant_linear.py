@@ -59,7 +59,7 @@ class QuantLinear(Linear):
     of different types), run in one native call with their outputs side by side. The product keeps a
     reference to the caller's tensors and reads them where they are (never writing them: they may be the
     file's mapping). `int16_decodes`: the decode rows (`decodes`, see Linear) run with int16 activations,
-    about twice as fast as widening every quant to float32 (kernels/quants.c says how, docs/design.md what
+    about twice as fast as widening every quant to float32 (kernels/quants.c says how, docs/benchmarks.md what
     it costs in accuracy); False computes every row in float32. `portable` forces the kernel's portable
     path (tests compare it with the vector path); `wide` False keeps a batch on the AVX2 tiles where the
     build also has AVX-512 ones (the same bits; for tests and benchmarks).

@@ -254,7 +254,7 @@ static ALWAYS_INLINE __m256 load8(const int kv, const void *p, int64_t r, int c)
  * once through before the chunk is computed, so that the computing passes find them in cache. Blocks sit
  * anywhere in the pool, and a pass that computes as it reads has too few misses in flight to keep memory
  * busy; this loop has nothing but independent loads (prefetch instructions ahead of the passes did not
- * help, see docs/design.md, Attention). */
+ * help: docs/benchmarks.md). */
 static inline void touch_blocks(const void *kc, const void *vc, const int64_t *table, int64_t b0, int64_t b1,
                                 int64_t n, int64_t block_size, size_t row_bytes)
 {

@@ -63,7 +63,7 @@ static float scalar_dot(int type, const uint8_t *w, int64_t ns, const float *x, 
  * times d1 * dx); the offset term and the final lane tree are the float path's. The float types have no integer quants: their rows always
  * take the float path. Integer sums have no order, so the bits are again the same for every
  * batch, tile, thread count and instruction set. int16 keeps 15 bits of each block's largest value
- * (llama.cpp's 8-bit activations keep 7; docs/design.md, Weight precision, measures what each costs). */
+ * (llama.cpp's 8-bit activations keep 7; docs/benchmarks.md, Precision, measures what each costs). */
 
 /* Row x's nb blocks quantized: q [nb * 32] and dx [nb]. A block with a value that is not finite gets dx
  * NaN (and quants 0), so the row's outputs are NaN as the float path's would be. */
