@@ -121,3 +121,12 @@ def test_no_sliding_pool_holds_nothing_and_finds_every_prefix_usable() -> None:
     seq.sliding = [1]
     with pytest.raises(AssertionError, match="without a sliding pool"):
         none.check([seq], {}, [], [])
+
+
+def test_tombstoning_takes_old_positions_then_the_least_recent_then_the_earliest() -> None:
+    pool = SlidingPool(BlockPool(4), 6, BS)
+    # The leaf below ends at 24: its window reads from position 19, so a node ending at 8 is old.
+    assert pool.tombstone_order(8, 24, 9) < pool.tombstone_order(24, 24, 1)
+    assert pool.tombstone_order(24, 24, 1) < pool.tombstone_order(24, 24, 2)
+    # A path published together is equally recent: its earlier positions go first.
+    assert pool.tombstone_order(20, 24, 5) < pool.tombstone_order(24, 24, 5)

@@ -17,7 +17,6 @@ The concerns, each in its module, each an object that does nothing when its feat
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 # Admission, CacheUsage, NamespaceUsage and SequenceBlocks are part of the manager's API.
 from kvserve.cache.accounting import Admission as Admission
@@ -28,8 +27,11 @@ from kvserve.cache.accounting import NamespaceUsage as NamespaceUsage
 # RELEASED is part of the manager's API: a sequence's sliding entry that it let go.
 from kvserve.cache.block_pool import RELEASED as RELEASED
 from kvserve.cache.block_pool import BlockPool
+
+# CacheConfig is part of the manager's API: what it is built from.
+from kvserve.cache.cache_config import CacheConfig as CacheConfig
 from kvserve.cache.holds import Holds, pins_for
-from kvserve.cache.loader import LOAD_BUDGET_S, LoadJob
+from kvserve.cache.loader import LoadJob
 from kvserve.cache.lower_tiers import LowerTiers
 from kvserve.cache.no_prefix_cache import NoPrefixCache
 
@@ -40,37 +42,8 @@ from kvserve.cache.prefix_cache import MatchResult, PrefixCache
 from kvserve.cache.retention import Retention, Retentions
 from kvserve.cache.sequence_blocks import SequenceBlocks as SequenceBlocks
 from kvserve.cache.sequence_blocks import blocks_for
-from kvserve.cache.sliding_pool import NO_SLIDING_POOL, NoSlidingPool, SlidingPool
 from kvserve.cache.tier_loads import NoTiers, TierLoads
 from kvserve.cache.tiers import TIER_MEMORY
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The pool and the features of a KVCacheManager.
-
-    `num_sliding_blocks` and `sliding_window` (both or neither): the sliding layers' own pool and the
-    model's largest window. `max_pinned_blocks_per_namespace` None: the server's cap. The retention
-    caps, in all and per namespace, are 0 for retention off (always off without the prefix cache).
-    `load_budget_s`: how long a request waits at most for blocks read from the lower tiers."""
-
-    num_blocks: int
-    block_size: int
-    enable_prefix_caching: bool = True
-    max_pinned_blocks: int = 0
-    max_pinned_blocks_per_namespace: int | None = None
-    num_sliding_blocks: int = 0
-    sliding_window: int | None = None
-    max_retained_blocks: int = 0
-    max_retained_blocks_per_namespace: int = 0
-    load_budget_s: float = LOAD_BUDGET_S
-
-    def sliding(self) -> NoSlidingPool:
-        if (self.num_sliding_blocks > 0) != (self.sliding_window is not None):
-            raise ValueError("a sliding pool needs its window")
-        if self.sliding_window is None:
-            return NO_SLIDING_POOL
-        return SlidingPool(BlockPool(self.num_sliding_blocks), self.sliding_window, self.block_size)
 
 
 class KVCacheManager:

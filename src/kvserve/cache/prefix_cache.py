@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import RELEASED, BlockPool
-from kvserve.cache.sliding_pool import NO_SLIDING_POOL, NoSlidingPool, SlidingPool
+from kvserve.cache.sliding_pool import NO_SLIDING_POOL, NoSlidingPool
 
 
 @dataclass(eq=False)
@@ -102,9 +102,8 @@ class PrefixCache:
       longest usable prefix of its walk (`sliding.usable`): a match past a tombstone inside the last
       window is cut back to the tombstone's block, and a partial leaf is used only if its own window is
       whole.
-    - Tombstoning takes unlocked sliding blocks of old positions first (nodes no leaf below reads in its
-      last window), least recently used first; evicting a leaf frees its sliding block with it, and
-      leaves that are tombstones (no match can end there) go first.
+    - Tombstoning takes unlocked sliding blocks in `sliding.tombstone_order`; evicting a leaf frees its
+      sliding block with it, and leaves that are tombstones (no match can end there) go first.
     """
 
     enabled = True
@@ -277,7 +276,7 @@ class PrefixCache:
                 added += 1
             if child.sliding is None and sliding is not None and sliding[j] != RELEASED:
                 child.sliding = sliding[j]
-                self._sliding_pool().ref(sliding[j])
+                self.sliding.ref_all([sliding[j]])
             child.last_access = now
             node = child
         return added
@@ -311,7 +310,7 @@ class PrefixCache:
             self._leaves.add(parent)
         self.pool.release(node.block)
         if node.sliding is not None:
-            self._sliding_pool().release(node.sliding)
+            self.sliding.release_all([node.sliding])
         self.num_nodes -= 1
         self._nodes_in[node.namespace] -= 1
         if not self._nodes_in[node.namespace]:
@@ -345,9 +344,8 @@ class PrefixCache:
         positions first (nodes that no leaf below reads in its last window), each kind least recently
         used first, and among equally recent ones the earlier positions first. Returns how many; walks
         the tree (called only when the sliding pool is short)."""
-        if not isinstance(self.sliding, SlidingPool):
+        if not self.sliding.enabled:
             return 0
-        pool = self.sliding.pool
         candidates: list[tuple[bool, int, int, int, _Node]] = []
         for root in self._roots.values():
             order: list[_Node] = []
@@ -361,23 +359,17 @@ class PrefixCache:
             for node in reversed(order):
                 lowest[node] = min((lowest[c] for c in node.children.values()), default=node.depth)
             for node in order:
-                if node.sliding is not None and pool.ref_count(node.sliding) == 1:
-                    read = node.depth > self.sliding.first_read(lowest[node])
-                    # A path published together is equally recent: its earlier positions go first.
-                    candidates.append((read, node.last_access, node.depth, id(node), node))
+                if node.sliding is not None and self.sliding.only_tree_holds(node.sliding):
+                    order_key = self.sliding.tombstone_order(node.depth, lowest[node], node.last_access)
+                    candidates.append((*order_key, id(node), node))
         freed = 0
         for *_, node in heapq.nsmallest(num_blocks, candidates):
             assert node.sliding is not None
-            pool.release(node.sliding)
+            self.sliding.release_all([node.sliding])
             node.sliding = None
             freed += 1
         self.num_tombstoned += freed
         return freed
-
-    def _sliding_pool(self) -> BlockPool:
-        """The sliding layers' own pool: only a node given a sliding block has one to hand back."""
-        assert isinstance(self.sliding, SlidingPool), "a sliding block without a sliding pool"
-        return self.sliding.pool
 
     def reset(self) -> int:
         """Evict every unlocked block; returns how many were freed."""

@@ -14,6 +14,9 @@ The rules:
   each later one a reference to a sliding block (`hold`, `grow`, `truncate`, `let_go`).
 - A cached prefix is usable only where the blocks its last window reads still hold their sliding
   blocks (`usable`): the tree cuts a match with it, the manager a run landed from a lower tier.
+- When the pool is short, the tree frees sliding blocks only it holds, tombstoning their nodes, in
+  `tombstone_order`: old positions first (those no leaf below reads in its last window), then least
+  recently used, then, among equally recent ones, earlier positions.
 
 `NoSlidingPool` is the same interface for a model whose sliding layers have no pool of their own (a
 model without sliding layers, or one whose split would shrink the pool: its sliding layers share the
@@ -67,6 +70,15 @@ class NoSlidingPool:
     def release_all(self, blocks: Sequence[int]) -> None:
         """Drop a reference to each of `blocks`."""
         assert not blocks, "sliding blocks without a sliding pool"
+
+    def only_tree_holds(self, block: int) -> bool:
+        """Whether a tree node's sliding block is held by nothing else (so it may be tombstoned)."""
+        raise AssertionError("a sliding block without a sliding pool")
+
+    def tombstone_order(self, depth: int, lowest_leaf: int, last_access: int) -> tuple[bool, int, int]:
+        """The key that orders the tree's unlocked sliding blocks for tombstoning, smallest first: a
+        node ending at `depth` tokens, whose shallowest leaf below ends at `lowest_leaf`."""
+        raise AssertionError("a sliding block without a sliding pool")
 
     def hold_copy_source(self, seq: SequenceBlocks, block: int | None) -> None:
         """Lock the sliding block of a partial match's block, which the next step copies."""
@@ -207,6 +219,14 @@ class SlidingPool(NoSlidingPool):
     def release_all(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             self.pool.release(b)
+
+    def only_tree_holds(self, block: int) -> bool:
+        return self.pool.ref_count(block) == 1
+
+    def tombstone_order(self, depth: int, lowest_leaf: int, last_access: int) -> tuple[bool, int, int]:
+        """Old positions (no leaf below reads them in its last window) first, least recently used first;
+        a path published together is equally recent, and its earlier positions go first."""
+        return (depth > self.first_read(lowest_leaf), last_access, depth)
 
     def hold_copy_source(self, seq: SequenceBlocks, block: int | None) -> None:
         assert block is not None, "a usable partial block keeps its sliding block"
