@@ -46,14 +46,13 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
     engine = Engine.from_config(config, model=model)
     # A sliding pool of its own (a sliding model, the prefix cache off) is taken only where the global
     # pool then holds at least the blocks that one pool would.
-    if engine.kv.sliding_pool is None:
+    if not engine.kv.sliding.enabled:
         assert engine.num_blocks == num_blocks
     else:
         assert engine.num_blocks >= num_blocks
-    if engine.kv.loader is not None:
-        # A busy test machine must not cut a load short: what an admission finds in the lower tiers
-        # stays a function of the workload (tests of the budget set their own).
-        engine.kv.loader.budget_s = 60.0
+    # A busy test machine must not cut a load short: what an admission finds in the lower tiers
+    # stays a function of the workload (tests of the budget set their own).
+    engine.kv.tiers.set_budget(60.0)
     return engine
 
 

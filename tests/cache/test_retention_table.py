@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.manager import CacheConfig, KVCacheManager
 from kvserve.cache.retention import (
     DROPPED_BUDGET,
     DROPPED_MEMORY,
@@ -350,12 +350,13 @@ def test_with_any_retentions_a_request_that_fits_the_pool_is_admitted(
     prompt (by index), up to each of its breakpoints, valid or not."""
     clock = [0.0]
     kv = KVCacheManager(
-        MANAGER_BLOCKS,
-        BS,
-        True,
+        CacheConfig(
+            MANAGER_BLOCKS,
+            BS,
+            max_retained_blocks=max_retained,
+            max_retained_blocks_per_namespace=budget,
+        ),
         clock=lambda: clock[0],
-        max_retained_blocks=max_retained,
-        max_retained_blocks_per_namespace=budget,
     )
     done: list[tuple[str, list[int]]] = []
     for op in ops:

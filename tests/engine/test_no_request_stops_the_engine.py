@@ -17,6 +17,7 @@ import torch
 from fastapi import FastAPI
 
 from kvserve.cache.pins import PinTable
+from kvserve.cache.tier_loads import TierLoads
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
@@ -84,7 +85,8 @@ def test_finding_3_a_pin_that_fails_after_locking_releases_every_block(
         tiny_model, 24, BLOCK, max_pinned_tokens=8 * BLOCK, kv_disk=str(tmp_path / "disk")
     )
     drive(engine, [PROMPT], [Spec(base=("system", 0), suffix=[], max_tokens=1)])
-    assert engine.kv.lower is not None
+    tiers = engine.kv.tiers
+    assert isinstance(tiers, TierLoads)
     engine.kv.flush()
     # Only the first block back in memory: the pin locks it, then continues its match on disk and fails
     # there, with one more block allocated for the load.
@@ -96,7 +98,7 @@ def test_finding_3_a_pin_that_fails_after_locking_releases_every_block(
         raise OSError("the disk went away")
 
     # A load that fails is a miss: the pin finds the prefix not cached, and holds nothing.
-    monkeypatch.setattr(engine.kv.lower, "fetch", broken)
+    monkeypatch.setattr(tiers.lower, "fetch", broken)
     assert engine.kv.pin("", PROMPT, 60) is None
     engine.kv.check()
     assert engine.kv.usage().num_locked == 0 and not engine.kv.pins("")
@@ -110,7 +112,7 @@ def test_finding_3_a_pin_that_fails_after_locking_releases_every_block(
     assert engine.kv.usage().num_locked == 0 and not engine.kv.pins("")
     # And the same admission that failed to load from disk runs, computing what it could not load.
     monkeypatch.undo()
-    monkeypatch.setattr(engine.kv.lower, "fetch", broken)
+    monkeypatch.setattr(tiers.lower, "fetch", broken)
     drive(engine, [PROMPT], [Spec(base=("system", 0), suffix=[1], max_tokens=2)])
     engine.kv.check()
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvserve.cache.manager import RELEASED
+from kvserve.cache.sliding_pool import SlidingPool
 from kvserve.engine.outputs import RequestDelta
 from kvserve.model.loader import LoadedModel
 from tests.harness import (
@@ -63,14 +64,14 @@ def test_a_running_sequence_holds_only_its_window_of_sliding_blocks(
     engine = engine_with_blocks(
         model, 200, block_size, attention=attention, enable_prefix_caching=False, max_num_batched_tokens=8
     )
-    assert engine.kv.sliding_pool is not None
+    sliding = engine.kv.sliding
+    assert isinstance(sliding, SlidingPool)
     held: list[int] = []
     step = engine.step
 
     def counted_step() -> list[RequestDelta]:
         deltas = step()
-        assert engine.kv.sliding_pool is not None
-        held.append(engine.kv.sliding_pool.num_used)
+        held.append(sliding.num_used)
         return deltas
 
     monkeypatch.setattr(engine, "step", counted_step)
@@ -82,7 +83,7 @@ def test_a_running_sequence_holds_only_its_window_of_sliding_blocks(
         assert_matches_reference(run, reference_outputs(reference, run))
         assert max(held) <= -(-window // block_size) + 1
         assert_no_leak(engine)
-        assert engine.kv.sliding_pool.num_used == 0
+        assert sliding.num_used == 0
     finally:
         engine.close()
 
@@ -96,18 +97,18 @@ def test_only_a_sliding_model_gets_a_sliding_pool(
     for caching in (False, True):
         plain = engine_with_blocks(tiny_model, 64, 4, enable_prefix_caching=caching)
         cache = plain.runner.kv_cache
-        assert plain.kv.sliding_pool is None and cache.num_sliding_layers == 0 and not cache.shared_ids
+        assert not plain.kv.sliding.enabled and cache.num_sliding_layers == 0 and not cache.shared_ids
         assert cache.k.shape[0] == tiny_model.config.num_layers and cache.sliding_k.numel() == 0
         plain.close()
     hybrid = sliding_model("hybrid", 3)
     for caching in (False, True):
         split = engine_with_blocks(hybrid, 64, 4, enable_prefix_caching=caching, max_num_batched_tokens=8)
-        assert split.kv.sliding_pool is not None and split.num_blocks >= 64
-        assert split.runner.kv_cache.sliding_k.shape[1] == split.kv.sliding_pool.num_blocks * 4
+        assert isinstance(split.kv.sliding, SlidingPool) and split.num_blocks >= 64
+        assert split.runner.kv_cache.sliding_k.shape[1] == split.kv.sliding.num_blocks * 4
         split.close()
     # A chunk of 1,024 tokens needs more sliding blocks than the split leaves a pool of 64.
     one = engine_with_blocks(hybrid, 64, 4)
-    assert one.kv.sliding_pool is None and one.runner.kv_cache.shared_ids
+    assert not one.kv.sliding.enabled and one.runner.kv_cache.shared_ids
     one.close()
 
 
@@ -129,8 +130,8 @@ def test_with_the_cache_on_a_prompt_far_past_the_window_stays_bounded_and_hits_a
     tokens."""
     model = sliding_model(kind, window)
     engine = engine_with_blocks(model, num_blocks, block_size, max_num_batched_tokens=8)
-    pool = engine.kv.sliding_pool
-    assert pool is not None and engine.kv.prefix_cache is not None
+    pool = engine.kv.sliding
+    assert isinstance(pool, SlidingPool) and engine.kv.prefix_cache.enabled
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(100, 4096, (300,), generator=gen).tolist()
     assert pool.num_blocks * block_size < len(prompt) // 2

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import RELEASED, BlockPool
+from kvserve.cache.sliding_pool import NO_SLIDING_POOL, NoSlidingPool
 
 
 class PinRefused(ValueError):
@@ -142,11 +143,11 @@ class Pins(PinTable):
         max_blocks: int,
         max_blocks_per_namespace: int | None,
         block_size: int,
-        sliding_pool: BlockPool | None = None,
+        sliding: NoSlidingPool = NO_SLIDING_POOL,
     ) -> None:
         super().__init__(max_blocks, max_blocks_per_namespace, block_size)
         self.pool = pool
-        self.sliding_pool = sliding_pool
+        self.sliding = sliding
 
     def add(
         self,
@@ -162,10 +163,8 @@ class Pins(PinTable):
         pin = super().add(namespace, prefix, list(blocks), expires_at)
         for b in pin.blocks:
             self.pool.ref(b)
-        if self.sliding_pool is not None:
-            pin.sliding = [b for b in sliding if b != RELEASED]
-            for b in pin.sliding:
-                self.sliding_pool.ref(b)
+        pin.sliding = [b for b in sliding if b != RELEASED]
+        self.sliding.ref_all(pin.sliding)
         return pin
 
     def remove(self, namespace: str, pin_id: str) -> Pin | None:
@@ -175,9 +174,7 @@ class Pins(PinTable):
         if pin is not None:
             for b in pin.blocks:
                 self.pool.release(b)
-            if self.sliding_pool is not None:
-                for b in pin.sliding:
-                    self.sliding_pool.release(b)
+            self.sliding.release_all(pin.sliding)
         return pin
 
     def expire(self, now: float) -> int:
@@ -186,3 +183,11 @@ class Pins(PinTable):
         for pin in expired:
             self.remove(pin.namespace, pin.pin_id)
         return len(expired)
+
+
+class NoPins(Pins):
+    """Pinning off (no pinnable blocks, or no prefix cache to find a prefix in): every pin is refused,
+    so the table stays empty; its caps are still reported as configured."""
+
+    def pinnable_prefix(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        raise PinRefused("pinning is off: start the server with --max-pinned-tokens")

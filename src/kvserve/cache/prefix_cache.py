@@ -9,7 +9,7 @@ Hits are therefore exact to the token, not rounded down to a block boundary.
 With a sliding pool (a model whose sliding layers hold their KV in blocks of their own), a node also
 keeps the sliding layers' block of its positions, or a tombstone (`sliding` None) once that block was
 freed. A cached prefix is usable only where its last window still has its sliding blocks: `match` cuts
-a match back to the last prefix whose window is whole (see `PrefixCache`).
+a match back to the last prefix whose window is whole (the rule is sliding_pool.py's `usable`).
 """
 
 import heapq
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import RELEASED, BlockPool
+from kvserve.cache.sliding_pool import NO_SLIDING_POOL, NoSlidingPool
 
 
 @dataclass(eq=False)
@@ -63,7 +64,7 @@ class MatchResult:
     cache and must be copied, never written. The result holds no reference: lock what you use at once.
 
     With a sliding pool, `sliding[j]` is the sliding block of `blocks[j]` for the blocks that the next
-    token's window reads (from `first_read(num_tokens)` on), RELEASED before them, and
+    token's window reads (from `SlidingPool.first_read(num_tokens)` on), RELEASED before them, and
     `partial_sliding` the partial block's sliding block.
     """
 
@@ -92,32 +93,25 @@ class PrefixCache:
     - Only leaves whose block is unlocked are evicted, least recently used first, and only by `evict`.
     - Partial blocks are only ever leaves; a match never crosses namespaces.
 
-    With a sliding pool (`sliding_pool`, `window` the model's largest window):
+    With a sliding pool (`sliding`, see sliding_pool.py):
     - Every node holds its global block; its sliding block, when it has one, is another tree reference
       (in the sliding pool), and no two nodes share one. A node whose sliding block only the tree holds
       may be tombstoned (`evict_sliding`): the block is freed, the node stays.
     - A prefix of length P is usable when the nodes that the next token's window reads, those holding
-      positions from `first_read(P)` on, all hold their sliding blocks. `match` returns the longest
-      usable prefix of its walk: a match past a tombstone inside the last window is cut back to the
-      tombstone's block, and a partial leaf is used only if its own window is whole.
-    - Tombstoning takes unlocked sliding blocks of old positions first (nodes no leaf below reads in its
-      last window), least recently used first; evicting a leaf frees its sliding block with it, and
-      leaves that are tombstones (no match can end there) go first.
+      positions from `sliding.first_read(P)` on, all hold their sliding blocks. `match` returns the
+      longest usable prefix of its walk (`sliding.usable`): a match past a tombstone inside the last
+      window is cut back to the tombstone's block, and a partial leaf is used only if its own window is
+      whole.
+    - Tombstoning takes unlocked sliding blocks in `sliding.tombstone_order`; evicting a leaf frees its
+      sliding block with it, and leaves that are tombstones (no match can end there) go first.
     """
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        block_size: int,
-        sliding_pool: BlockPool | None = None,
-        window: int | None = None,
-    ) -> None:
-        if (sliding_pool is None) != (window is None):
-            raise ValueError("a sliding pool needs its window")
+    enabled = True
+
+    def __init__(self, pool: BlockPool, block_size: int, sliding: NoSlidingPool = NO_SLIDING_POOL) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.sliding_pool = sliding_pool
-        self.window = window
+        self.sliding = sliding
         self.num_tombstoned = 0
         self._roots: dict[str, _Node] = {}
         self._clock = itertools.count(1)
@@ -136,11 +130,6 @@ class PrefixCache:
         if root is None:
             root = self._roots[namespace] = _Node((), -1, None, namespace=namespace)
         return root
-
-    def first_read(self, num_tokens: int) -> int:
-        """The first position that the token after `num_tokens` computed ones reads in its window."""
-        assert self.window is not None
-        return max(0, num_tokens - self.window + 1)
 
     def match(
         self, namespace: str, tokens: Sequence[int], record_hit: bool = True, partial: bool = True
@@ -179,46 +168,29 @@ class PrefixCache:
                 best, best_node = n, child
         if best_node is not None:
             best_node.last_access = now
-        if self.sliding_pool is not None:
-            path, best_node, best = self._usable(path, best_node, best)
+        path, best_node, best = self._usable(path, best_node, best)
         blocks = tuple(n.block for n in path)
+        end = len(path) * bs + best
+        window = self.sliding.window_blocks([n.sliding for n in path], end)
         if best_node is None:
             if path and record_hit:
                 self._record_hit(path[-1])
-            return MatchResult(blocks, len(path) * bs, sliding=self._window_blocks(path, len(path) * bs))
+            return MatchResult(blocks, end, sliding=window)
         if record_hit:
             self._record_hit(best_node)
-        end = len(path) * bs + best
-        return MatchResult(blocks, end, best_node.block, self._window_blocks(path, end), best_node.sliding)
+        return MatchResult(blocks, end, best_node.block, window, best_node.sliding)
 
     def _usable(
         self, path: list[_Node], partial: _Node | None, n_partial: int
     ) -> tuple[list[_Node], _Node | None, int]:
         """The longest usable prefix of a match (full nodes `path`, then `n_partial` tokens of
-        `partial`): from the end back, a tombstone inside the window cuts the match to its block."""
-        bs = self.block_size
+        `partial`), after the sliding pool's rule."""
         nodes = path + ([partial] if partial is not None else [])
-        m, end = len(nodes), len(path) * bs + (n_partial if partial is not None else 0)
-        while m:
-            lo = self.first_read(end) // bs
-            dead = next((j for j in range(m - 1, lo - 1, -1) if nodes[j].sliding is None), None)
-            if dead is None:
-                break
-            m, end = dead, dead * bs
+        end = len(path) * self.block_size + (n_partial if partial is not None else 0)
+        m = self.sliding.usable([n.sliding is None for n in nodes], end)
         if m > len(path):
             return path, partial, n_partial
         return path[:m], None, 0
-
-    def _window_blocks(self, path: list[_Node], end: int) -> tuple[int, ...]:
-        """The sliding blocks of `path` that the token after `end` reads, RELEASED before them."""
-        if self.sliding_pool is None:
-            return ()
-        lo = self.first_read(end) // self.block_size
-        out = [RELEASED] * min(lo, len(path))
-        for node in path[lo:]:
-            assert node.sliding is not None, "a usable prefix has no tombstone in its window"
-            out.append(node.sliding)
-        return tuple(out)
 
     HOT_LIMIT = 1024
 
@@ -303,9 +275,8 @@ class PrefixCache:
                 self._nodes_in[namespace] += 1
                 added += 1
             if child.sliding is None and sliding is not None and sliding[j] != RELEASED:
-                assert self.sliding_pool is not None
                 child.sliding = sliding[j]
-                self.sliding_pool.ref(sliding[j])
+                self.sliding.ref_all([sliding[j]])
             child.last_access = now
             node = child
         return added
@@ -339,8 +310,7 @@ class PrefixCache:
             self._leaves.add(parent)
         self.pool.release(node.block)
         if node.sliding is not None:
-            assert self.sliding_pool is not None
-            self.sliding_pool.release(node.sliding)
+            self.sliding.release_all([node.sliding])
         self.num_nodes -= 1
         self._nodes_in[node.namespace] -= 1
         if not self._nodes_in[node.namespace]:
@@ -351,7 +321,7 @@ class PrefixCache:
 
     def _eviction_key(self, node: _Node) -> tuple[bool, int, int]:
         # With a sliding pool a tombstoned leaf goes first: no match can end there.
-        return (self.sliding_pool is None or node.sliding is not None, node.last_access, id(node))
+        return (not self.sliding.enabled or node.sliding is not None, node.last_access, id(node))
 
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` unlocked leaf blocks, least recently used first (tombstoned leaves
@@ -374,8 +344,7 @@ class PrefixCache:
         positions first (nodes that no leaf below reads in its last window), each kind least recently
         used first, and among equally recent ones the earlier positions first. Returns how many; walks
         the tree (called only when the sliding pool is short)."""
-        pool = self.sliding_pool
-        if pool is None:
+        if not self.sliding.enabled:
             return 0
         candidates: list[tuple[bool, int, int, int, _Node]] = []
         for root in self._roots.values():
@@ -390,14 +359,13 @@ class PrefixCache:
             for node in reversed(order):
                 lowest[node] = min((lowest[c] for c in node.children.values()), default=node.depth)
             for node in order:
-                if node.sliding is not None and pool.ref_count(node.sliding) == 1:
-                    read = node.depth > self.first_read(lowest[node])
-                    # A path published together is equally recent: its earlier positions go first.
-                    candidates.append((read, node.last_access, node.depth, id(node), node))
+                if node.sliding is not None and self.sliding.only_tree_holds(node.sliding):
+                    order_key = self.sliding.tombstone_order(node.depth, lowest[node], node.last_access)
+                    candidates.append((*order_key, id(node), node))
         freed = 0
         for *_, node in heapq.nsmallest(num_blocks, candidates):
             assert node.sliding is not None
-            pool.release(node.sliding)
+            self.sliding.release_all([node.sliding])
             node.sliding = None
             freed += 1
         self.num_tombstoned += freed

@@ -59,7 +59,7 @@ def probe(
 
 def _context(kv: KVCacheManager, max_model_len: int, decodes: int, drafts: int, wanted: int) -> int:
     """The longest context up to `wanted` whose step the free blocks (of both pools) and the model hold."""
-    free = kv.pool.num_free if kv.sliding_pool is None else min(kv.pool.num_free, kv.sliding_pool.num_free)
+    free = kv.sliding.free_blocks(kv.pool.num_free)
     per_sequence = free // decodes * kv.block_size
     return min(wanted, per_sequence - drafts - 1, max_model_len - drafts - 1)
 
@@ -75,7 +75,7 @@ def _timed_step(
 ) -> float:
     per_sequence = math.ceil((context + 1 + drafts) / kv.block_size)
     taken = kv.pool.allocate(per_sequence * decodes)
-    sliding = kv.sliding_pool.allocate(len(taken)) if kv.sliding_pool is not None else None
+    sliding = kv.sliding.take(len(taken))
     try:
         chunks: list[SequenceChunk] = []
         for s in range(decodes):
@@ -89,7 +89,6 @@ def _timed_step(
         return clock() - began
     finally:
         # In reverse: each release appends to the free list, which then reads as before the allocation.
-        for pool, blocks in ((kv.pool, taken), (kv.sliding_pool, sliding)):
-            if pool is not None and blocks is not None:
-                for block in reversed(blocks):
-                    pool.release(block)
+        for block in reversed(taken):
+            kv.pool.release(block)
+        kv.sliding.give_back(sliding)

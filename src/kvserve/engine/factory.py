@@ -14,7 +14,7 @@ import torch
 
 from kvserve.cache.disk_tier import DiskTier
 from kvserve.cache.lower_tiers import LowerTiers
-from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.manager import CacheConfig, KVCacheManager
 from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import LowerTier
 from kvserve.config import EngineConfig, format_bytes
@@ -97,11 +97,10 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
             f"max_pinned_tokens {config.max_pinned_tokens} leaves no room in a pool of "
             f"{num_blocks * config.block_size} tokens; lower it or raise kv_cache_memory"
         )
-    kv = KVCacheManager(
+    cache_config = CacheConfig(
         num_blocks,
         config.block_size,
         config.enable_prefix_caching,
-        _lower_tiers(config, model, runner),
         max_pinned_blocks,
         max_pinned_blocks_per_namespace=(
             None
@@ -114,6 +113,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         max_retained_blocks=int(config.max_retained * (num_blocks - max_pinned_blocks)),
         max_retained_blocks_per_namespace=int(config.retention_budget * (num_blocks - max_pinned_blocks)),
     )
+    kv = KVCacheManager(cache_config, _lower_tiers(config, model, runner))
     limits = RequestLimits(
         vocab_size=model.config.vocab_size,
         max_model_len=max_model_len,

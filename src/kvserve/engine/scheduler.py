@@ -293,7 +293,7 @@ class Scheduler:
         """The admission window with each request's cached prefix length now (a hint: nothing is locked),
         in the order admission tries them: tenants in turns, each tenant's requests cache-aware."""
         kv = self.kv
-        if kv.prefix_cache is None:
+        if not kv.prefix_cache.enabled:
             hinted = [(r, 0) for r in self._window()]
         else:
             hinted = [
@@ -400,7 +400,7 @@ class Scheduler:
 
     def _waits_for_shared_prefill(self, request: Request, cached: int) -> bool:
         # A request that needs the prompt's logits computes it whatever the cache holds.
-        if self.kv.prefix_cache is None or request.max_cached_tokens is not None:
+        if not self.kv.prefix_cache.enabled or request.max_cached_tokens is not None:
             return False
         for other in self.running:
             if other.namespace != request.namespace or other.num_computed >= other.num_prompt_tokens:

@@ -62,8 +62,7 @@ def take_snapshot(
     Requests are listed running first, then waiting, oldest first within each, up to `max_requests`.
     """
     now = time.time()
-    cache = engine.kv.prefix_cache
-    branches = cache.hot_branches(max_branches, namespace) if cache is not None else []
+    branches = engine.kv.prefix_cache.hot_branches(max_branches, namespace)
     mine = [r for r in engine.requests.values() if namespace is None or r.namespace == namespace]
     mine.sort(key=lambda r: (r.status is not RequestStatus.RUNNING, r.arrival_time))
     return Snapshot(

@@ -101,8 +101,8 @@ def test_a_load_over_its_budget_admits_with_what_arrived(
     engine = disk_engine(tiny_model, tmp_path, engines)
     drive(engine, DOCUMENTS, rounds(1))
     engine.kv.reset_prefix_cache()
-    assert engine.kv.loader is not None
-    engine.kv.loader.budget_s = 0.5
+    assert engine.kv.tiers.enabled
+    engine.kv.tiers.set_budget(0.5)
     gate = threading.Event()
     load = DiskTier.load
     calls = 0

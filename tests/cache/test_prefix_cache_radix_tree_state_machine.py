@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.manager import RELEASED, KVCacheManager, SequenceBlocks
+from kvserve.cache.manager import RELEASED, CacheConfig, KVCacheManager, SequenceBlocks
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.sliding_pool import SlidingPool
 
 BS = 4
 NUM_BLOCKS = 24
@@ -135,9 +136,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, enable_prefix_caching=True)
+        self.kv = KVCacheManager(CacheConfig(NUM_BLOCKS, BS))
         cache = self.kv.prefix_cache
-        assert cache is not None
+        assert isinstance(cache, PrefixCache)
         self.cache = cache
         self.ref = Reference()
         self.live: list[_Live] = []
@@ -408,11 +409,10 @@ class SlidingCacheMachine(CacheMachine):
     def start(self, window: int, extra: int) -> None:
         # Enough for one sequence's window and largest chunk (the factory's floor), and a few more.
         num_sliding = -(-(window + 3 * BS) // BS) + 3 + extra
-        self.kv = KVCacheManager(
-            NUM_BLOCKS, BS, enable_prefix_caching=True, num_sliding_blocks=num_sliding, sliding_window=window
-        )
+        config = CacheConfig(NUM_BLOCKS, BS, num_sliding_blocks=num_sliding, sliding_window=window)
+        self.kv = KVCacheManager(config)
         cache = self.kv.prefix_cache
-        assert cache is not None
+        assert isinstance(cache, PrefixCache)
         self.cache = cache
         self.ref = SlidingReference(window)
 
@@ -549,7 +549,7 @@ TestSlidingCacheMachine.settings = settings(max_examples=200, stateful_step_coun
 
 def _sliding_tree(window: int) -> tuple[PrefixCache, BlockPool, BlockPool]:
     pool, sliding = BlockPool(16), BlockPool(16)
-    cache = PrefixCache(pool, BS, sliding, window)
+    cache = PrefixCache(pool, BS, SlidingPool(sliding, window, BS))
     blocks, windows = pool.allocate(4), sliding.allocate(4)
     cache.insert("", list(range(4 * BS)), blocks, windows)
     for b in blocks:

@@ -41,8 +41,7 @@ def _engine(model: LoadedModel, url: str | None) -> Engine:
         max_num_seqs=32,
         max_num_batched_tokens=4096,
     )
-    if engine.kv.loader is not None:
-        engine.kv.loader.budget_s = LOAD_BUDGET_S
+    engine.kv.tiers.set_budget(LOAD_BUDGET_S)
     return engine
 
 

@@ -1,7 +1,8 @@
 """A pin on a sliding-window model holds its prefix's last window of sliding blocks: however short the
 sliding pool runs, the pinned prefix stays usable, and unpinning lets it be tombstoned again."""
 
-from kvserve.cache.manager import RELEASED, KVCacheManager
+from kvserve.cache.manager import RELEASED, CacheConfig, KVCacheManager
+from kvserve.cache.sliding_pool import SlidingPool
 
 BS = 4
 WINDOW = 6
@@ -16,11 +17,10 @@ def _cached(kv: KVCacheManager, tokens: list[int]) -> None:
 
 
 def test_a_pinned_prefix_keeps_its_window_through_sliding_eviction() -> None:
-    kv = KVCacheManager(
-        32, BS, enable_prefix_caching=True, max_pinned_blocks=8, num_sliding_blocks=16, sliding_window=WINDOW
-    )
-    cache, sliding = kv.prefix_cache, kv.sliding_pool
-    assert cache is not None and sliding is not None
+    config = CacheConfig(32, BS, max_pinned_blocks=8, num_sliding_blocks=16, sliding_window=WINDOW)
+    kv = KVCacheManager(config)
+    cache, sliding = kv.prefix_cache, kv.sliding
+    assert isinstance(sliding, SlidingPool)
     prompt = list(range(100, 100 + 6 * BS))
     _cached(kv, prompt)
     pin = kv.pin("", prompt, ttl_s=60)

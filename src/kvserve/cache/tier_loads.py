@@ -1,0 +1,231 @@
+"""TierLoads: the memory tier's one object for the tiers below it, and NoTiers when there are none.
+
+It joins the LowerTiers (which keys, offers, reads and lands blocks, lower_tiers.py) with the
+BlockLoader that reads them off the engine thread (loader.py). The KVCacheManager asks it to start a
+load that would continue a memory match, to read a pin's blocks at once, to land what arrived into
+fresh memory blocks of a sequence (`land`: each joins the tree as if just computed), and offers it
+every newly published full block. `NoTiers` answers the same calls with nothing to read and nowhere
+to write.
+
+Invariant: the loader holds host tensors only (no pool block, no reference, no tree node is ever its),
+and a block read from a tier is verified there before it is landed.
+"""
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.cache.accounting import BlockAccounts
+from kvserve.cache.loader import LOAD_BUDGET_S, BlockLoader, LoadJob
+from kvserve.cache.lower_tiers import LowerTiers
+from kvserve.cache.sequence_blocks import SequenceBlocks
+from kvserve.cache.tiers import TIER_MEMORY, Arrived, TierUsage
+
+
+class NoTiers:
+    """No tier below memory: nothing to load, nothing to offer."""
+
+    enabled = False
+
+    def set_budget(self, seconds: float) -> None:
+        """How long a request waits at most for blocks read from the tiers (tests change it)."""
+
+    def start_load(self, namespace: str, prompt: Sequence[int]) -> LoadJob | None:
+        """A job reading the blocks of `prompt` past its memory match that a tier may hold, or None:
+        nothing to read."""
+        return None
+
+    @staticmethod
+    def ready(job: LoadJob) -> bool:
+        """Whether the job's blocks have arrived, or its budget is over."""
+        return BlockLoader.ready(job)
+
+    def restart_load(self, job: LoadJob) -> LoadJob | None:
+        """The job read again from where memory's match now ends, or None: `job` is fine as it is."""
+        return None
+
+    def cancel(self, job: LoadJob) -> None:
+        """Drop the job and what it read."""
+
+    def take(self, job: LoadJob | None) -> list[Arrived]:
+        """The blocks that arrived for `job`; the job is over."""
+        return []
+
+    @property
+    def pending(self) -> int:
+        """Loads started and neither taken nor cancelled."""
+        return 0
+
+    def wait(self, timeout_s: float) -> None:
+        """Return once a load is ready (at once if one is), or after `timeout_s`."""
+
+    def read_now(self, namespace: str, tokens: Sequence[int], start: int) -> list[Arrived]:
+        """The full blocks `start..` of `tokens` that the tiers hold, read on this thread within the
+        loader's budget."""
+        return []
+
+    def land(
+        self,
+        seq: SequenceBlocks,
+        tokens: Sequence[int],
+        arrived: Sequence[Arrived],
+        hits: dict[str, int],
+        job: LoadJob | None = None,
+    ) -> int:
+        """Copy `arrived` (read from the lower tiers, for `job` or at once) into fresh blocks of `seq`,
+        continuing its memory match of `tokens`; each joins the tree and stays locked for `seq`, and
+        `hits` counts them by tier. Returns how many landed."""
+        return 0
+
+    def offer(
+        self,
+        keys: list[bytes],
+        namespace: str,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        start: int,
+        sliding: Sequence[int] | None,
+    ) -> None:
+        """Blocks `start..` of `blocks` were just computed: every tier that lacks one gets a copy."""
+
+    def usage(self) -> tuple[TierUsage, ...]:
+        return ()
+
+    def flush(self) -> None:
+        """Wait until every load is ready and every offered block written (tests)."""
+
+    def close(self) -> None:
+        """Stop the loader, write what is queued, stop the tiers."""
+
+
+class TierLoads(NoTiers):
+    """The tiers below memory and the loader that reads them off the engine thread."""
+
+    enabled = True
+
+    def __init__(self, lower: LowerTiers, accounts: BlockAccounts, budget_s: float = LOAD_BUDGET_S) -> None:
+        self.lower = lower
+        self.accounts = accounts
+        self.loader = BlockLoader(lower, budget_s=budget_s)
+
+    def _matched(self, namespace: str, tokens: Sequence[int]) -> int:
+        """How many whole blocks of `tokens` memory holds now (nothing locked)."""
+        return len(self.accounts.tree.match(namespace, tokens, record_hit=False).blocks)
+
+    def set_budget(self, seconds: float) -> None:
+        self.loader.budget_s = seconds
+
+    def start_load(self, namespace: str, prompt: Sequence[int]) -> LoadJob | None:
+        start = self._matched(namespace, prompt)
+        if not self.lower.may_continue(namespace, prompt, start):
+            return None
+        whole = len(prompt) // self.accounts.block_size * self.accounts.block_size
+        return self.loader.submit(namespace, tuple(prompt[:whole]), start)
+
+    def restart_load(self, job: LoadJob) -> LoadJob | None:
+        """A ready job whose blocks no longer continue the memory match (memory lost some of it while
+        they were read) is read again from what memory still holds, within the same budget."""
+        if job.deadline is None or time.monotonic() >= job.deadline:
+            return None
+        start = self._matched(job.namespace, job.tokens)
+        if start >= job.start:
+            return None
+        self.loader.cancel(job)
+        return self.loader.submit(job.namespace, job.tokens, start, job.deadline)
+
+    def cancel(self, job: LoadJob) -> None:
+        self.loader.cancel(job)
+
+    def take(self, job: LoadJob | None) -> list[Arrived]:
+        return self.loader.take(job) if job is not None else []
+
+    @property
+    def pending(self) -> int:
+        return self.loader.pending
+
+    def wait(self, timeout_s: float) -> None:
+        self.loader.wait(timeout_s)
+
+    def read_now(self, namespace: str, tokens: Sequence[int], start: int) -> list[Arrived]:
+        arrived: list[Arrived] = []
+        deadline = time.monotonic() + self.loader.budget_s
+
+        def keep(tier: str, kv: torch.Tensor) -> bool:
+            arrived.append((tier, kv))
+            return True
+
+        self.lower.read_run(namespace, tokens, start, lambda: time.monotonic() >= deadline, keep)
+        return arrived
+
+    def land(
+        self,
+        seq: SequenceBlocks,
+        tokens: Sequence[int],
+        arrived: Sequence[Arrived],
+        hits: dict[str, int],
+        job: LoadJob | None = None,
+    ) -> int:
+        """With a sliding pool only the blocks of the run's last window get their sliding part (the
+        others join the tree as tombstones), and the sequence keeps the longest usable prefix."""
+        if job is not None:
+            arrived = self._continuing(job, seq, tokens, arrived)
+        if not arrived:
+            return 0
+        accounts, sliding = self.accounts, self.accounts.sliding
+        bs, start = accounts.block_size, len(seq.blocks)
+        first_read = sliding.first_read((start + len(arrived)) * bs)
+
+        def fresh_block() -> tuple[int, int | None] | None:
+            if not accounts.extend(seq, (len(seq.blocks) + 1) * bs):
+                return None
+            return seq.blocks[-1], sliding.landing(seq, first_read)
+
+        def landed(block: int) -> None:
+            n = len(seq.blocks)
+            accounts.tree.insert(seq.namespace, tokens[: n * bs], seq.blocks, sliding.entries(seq, n))
+
+        loaded = self.lower.land(arrived, fresh_block, landed)
+        # A block taken for a load that did not land holds nothing.
+        accounts.truncate(seq, start + len(loaded.blocks))
+        accounts.truncate(seq, sliding.keep_usable(seq))
+        num_landed = max(0, len(seq.blocks) - start)
+        for tier in loaded.tiers[:num_landed]:
+            hits[tier] = hits.get(tier, 0) + bs
+        if num_landed:
+            hits[TIER_MEMORY] = start * bs
+        return num_landed
+
+    @staticmethod
+    def _continuing(
+        job: LoadJob, seq: SequenceBlocks, prompt: Sequence[int], arrived: Sequence[Arrived]
+    ) -> Sequence[Arrived]:
+        """The blocks of `arrived` (read for `job`) that continue `seq`'s memory match of `prompt`. Memory
+        may have changed while they were read: blocks it holds now are skipped, and if it lost some
+        before the job's first block, the loaded ones no longer continue it and are dropped."""
+        skip = len(seq.blocks) - job.start
+        if skip < 0 or job.namespace != seq.namespace or tuple(prompt[: len(job.tokens)]) != job.tokens:
+            return []
+        return arrived[skip:]
+
+    def offer(
+        self,
+        keys: list[bytes],
+        namespace: str,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        start: int,
+        sliding: Sequence[int] | None,
+    ) -> None:
+        self.lower.offer(keys, namespace, tokens, blocks, start, sliding)
+
+    def usage(self) -> tuple[TierUsage, ...]:
+        return tuple(self.lower.usage())
+
+    def flush(self) -> None:
+        self.loader.settle()
+        self.lower.flush()
+
+    def close(self) -> None:
+        self.loader.close()
+        self.lower.close()
