@@ -24,24 +24,26 @@ from kvserve.engine.validation import check_vocabulary
 from kvserve.model.heap import release_startup_pages
 from kvserve.options import ServerOptions
 from kvserve.secret import read_secret
-from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, TokenCount
-from kvserve.server.anthropic_serving import MessagesFormat, respond_messages
-from kvserve.server.auth import ADMIN_TENANT, cache_namespace, caller, stats_scope
-from kvserve.server.cache_views import cache_status
-from kvserve.server.chat_setup import chat_setup, read_chat_template
-from kvserve.server.context import ServerContext, check_model
-from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
-from kvserve.server.errors import APIError, install_error_handlers
-from kvserve.server.formats import ChatFormat, CompletionFormat
-from kvserve.server.json_body import JSONBounds, bounded_route
-from kvserve.server.logprobs import LogprobRenderer
-from kvserve.server.metrics import ServerMetrics
-from kvserve.server.middleware import Access, InFlightLimiter, RequestGate, route_access
-from kvserve.server.pinning import check_pinning_on, pin_prefix, unpin
-from kvserve.server.plan import chat_plan, completion_plan, messages_plan, messages_tokens, pin_plan
-from kvserve.server.preparation import PreparationPool
-from kvserve.server.prompts import PromptGuard, chat_prompt, prompt_batch, text_prompt
-from kvserve.server.protocol import (
+from kvserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest, TokenCount
+from kvserve.server.anthropic.serving import MessagesFormat, respond_messages
+from kvserve.server.cache_api.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
+from kvserve.server.cache_api.pins import check_pinning_on, pin_prefix, unpin
+from kvserve.server.cache_api.views import cache_status
+from kvserve.server.core.chat_setup import chat_setup, read_chat_template
+from kvserve.server.core.context import ServerContext, check_model
+from kvserve.server.core.plan import chat_plan, completion_plan, messages_plan, messages_tokens, pin_plan
+from kvserve.server.core.preparation import PreparationPool
+from kvserve.server.core.prompts import PromptGuard, chat_prompt, prompt_batch, text_prompt
+from kvserve.server.http.auth import ADMIN_TENANT, cache_namespace, caller, stats_scope
+from kvserve.server.http.errors import APIError, install_error_handlers
+from kvserve.server.http.json_body import JSONBounds, bounded_route
+from kvserve.server.http.metrics import ServerMetrics
+from kvserve.server.http.middleware import Access, InFlightLimiter, RequestGate, route_access
+from kvserve.server.http.request_id import RequestIdMiddleware
+from kvserve.server.http.tenants import Tenants, load_or_create_secret
+from kvserve.server.openai.formats import ChatFormat, CompletionFormat
+from kvserve.server.openai.logprobs import LogprobRenderer
+from kvserve.server.openai.protocol import (
     CacheStatus,
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,15 +58,13 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvserve.server.request_id import RequestIdMiddleware
-from kvserve.server.responses_persist import DiskBackend, RedisBackend
-from kvserve.server.responses_protocol import InputItemList, ResponseDeleted, ResponsesRequest
-from kvserve.server.responses_serving import item_list, respond_responses, unknown_response
-from kvserve.server.responses_serving import prepare as prepare_response
-from kvserve.server.responses_store import Backend, ResponseStore, StoreLimits
-from kvserve.server.serving import respond
-from kvserve.server.tenants import Tenants, load_or_create_secret
-from kvserve.server.unsupported import check_chat, check_completion
+from kvserve.server.openai.serving import respond
+from kvserve.server.openai.unsupported import check_chat, check_completion
+from kvserve.server.responses.persist import DiskBackend, RedisBackend
+from kvserve.server.responses.protocol import InputItemList, ResponseDeleted, ResponsesRequest
+from kvserve.server.responses.serving import item_list, respond_responses, unknown_response
+from kvserve.server.responses.serving import prepare as prepare_response
+from kvserve.server.responses.store import Backend, ResponseStore, StoreLimits
 
 log = logging.getLogger("kvserve.server")
 
@@ -80,9 +80,9 @@ def _context(request: Request) -> ServerContext:
 Context = Annotated[ServerContext, Depends(_context)]
 
 
-# Each router's routes ask one access of their callers, checked by the gate (server/middleware.py)
+# Each router's routes ask one access of their callers, checked by the gate (server/http/middleware.py)
 # before the app reads a byte of the body: `api`'s take a key and one of its tenant's in-flight slots,
-# and parse their bodies with bounds (server/json_body.py).
+# and parse their bodies with bounds (server/http/json_body.py).
 public = APIRouter()
 keyed = APIRouter()
 api = APIRouter(route_class=bounded_route(JSONBounds()))
@@ -152,7 +152,7 @@ def _include_usage(body: SamplingRequest) -> bool:
 # sequences before any work (the door refuses what is over the cap or cannot fit), then builds its plan
 # in one trip off the event loop: templating, tokenizing, a vocabulary-wide logit_bias and a grammar's
 # compile all grow with the request, and the loop serves every stream. The trip is a preparation job of
-# the caller's tenant (server/preparation.py): one tenant's slow preparations never queue another's.
+# the caller's tenant (server/core/preparation.py): one tenant's slow preparations never queue another's.
 @api.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
@@ -187,7 +187,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
 
 
 # The Responses API: one more plan builder (responses_plan) over chat's prompt, tools and constraints,
-# and its own writer (server/responses_serving.py); its stored responses are the tenant's alone.
+# and its own writer (server/responses/serving.py); its stored responses are the tenant's alone.
 @api.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)
@@ -233,7 +233,7 @@ async def response_input_items(
 
 
 # Anthropic's Messages API: the same path as a chat completion (one prompt, one sample), its own plan
-# builder and answer shape; errors on these routes take Anthropic's shape (server/errors.py).
+# builder and answer shape; errors on these routes take Anthropic's shape (server/http/errors.py).
 @api.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, ctx: Context) -> Response:
     check_model(ctx, body.model)

@@ -1,0 +1,56 @@
+"""Pinning over HTTP: compute a prefix if needed, pin it, unpin it.
+
+A pin passes the same guards as a completion: in the route, an in-flight slot, pinning on before any
+work, and its plan (server/core/plan.py: the prompt-length guard before tokenizing, tokenizing and the
+engine's check of the token ids off the event loop, before the engine sees them).
+"""
+
+from kvserve.cache.manager import PinRefused
+from kvserve.server.cache_api.views import pin_info
+from kvserve.server.core.context import ServerContext
+from kvserve.server.core.plan import RequestPlan
+from kvserve.server.http.errors import APIError
+from kvserve.server.openai.protocol import PinInfo
+
+# Computing the prefix and pinning it are two engine calls; traffic in between may evict what was just
+# computed (without a disk tier to find it again), so the pair is tried a few times.
+_PIN_ATTEMPTS = 3
+
+
+def check_pinning_on(ctx: ServerContext) -> None:
+    """A clear 400 on a server started without --max-pinned-tokens (or without a prefix cache)."""
+    if not ctx.async_engine.pinning_enabled:
+        raise APIError(
+            400,
+            "Pinning is off on this server: start it with --max-pinned-tokens (and the prefix cache on).",
+            code="pinning_disabled",
+        )
+
+
+async def pin_prefix(ctx: ServerContext, tenant: str, plan: RequestPlan, ttl_s: float) -> PinInfo:
+    """Pin the plan's one prompt, computing its KV first (the plan's one sample) when it is not all
+    cached."""
+    async_engine = ctx.async_engine
+    (prompt,), (prefill,) = plan.prompts, plan.samples
+    for _ in range(_PIN_ATTEMPTS):
+        try:
+            pinned = await async_engine.pin(plan.namespace, prompt.token_ids, ttl_s)
+        except PinRefused as e:
+            raise APIError(400, f"Cannot pin this prefix: {e}.") from None
+        if pinned is not None:
+            return pin_info(pinned)
+        async for _ in async_engine.generate(prompt.checked, prefill, plan.namespace, tenant=tenant):
+            pass
+    raise APIError(
+        503,
+        "The prefix was evicted before it could be pinned; the server is under memory pressure, retry.",
+        "server_error",
+        code="pin_unavailable",
+    )
+
+
+async def unpin(ctx: ServerContext, namespace: str, pin_id: str) -> None:
+    if not await ctx.async_engine.unpin(namespace, pin_id):
+        raise APIError(
+            404, f"No pin '{pin_id}' in this cache namespace.", param="pin_id", code="pin_not_found"
+        )
