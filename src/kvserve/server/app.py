@@ -21,6 +21,7 @@ from kvserve.credentials import identity_proof, read_kv_remote_password, url_wit
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.engine.validation import check_vocabulary
+from kvserve.errors import InvalidRequestError
 from kvserve.model.heap import release_startup_pages
 from kvserve.options import ServerOptions
 from kvserve.secret import read_secret
@@ -295,7 +296,9 @@ async def dashboard_asset(name: str) -> Response:
 async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> TokenizeResponse:
     check_model(ctx, body.model)
     if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "Send either 'prompt' (a string) or 'messages' (a chat), not both or neither.")
+        raise InvalidRequestError(
+            "Send either 'prompt' (a string) or 'messages' (a chat), not both or neither."
+        )
     if body.messages is not None:
         namespace = cache_namespace(request, body.cache_salt)
         tokens = await ctx.preparation.run(
@@ -337,8 +340,8 @@ async def pin(body: PinRequest, request: Request, ctx: Context) -> PinInfo:
     # First, so that a server with pinning off does no work for a pin.
     check_pinning_on(ctx)
     if (body.prompt is None) == (body.messages is None):
-        raise APIError(
-            400, "Send either 'prompt' (text or token ids) or 'messages' (a chat), not both or neither."
+        raise InvalidRequestError(
+            "Send either 'prompt' (text or token ids) or 'messages' (a chat), not both or neither."
         )
     plan = await ctx.preparation.run(
         caller(request).tenant.name, pin_plan, ctx, body, cache_namespace(request)

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserve.server.http.errors import APIError, BodyError
+from kvserve.errors import InvalidRequestError
+from kvserve.server.http.errors import BodyError
 from kvserve.server.http.json_body import JSONBounds, check_shape, parse_body
 from kvserve.server.openai.protocol import ChatCompletionRequest
 
@@ -41,9 +42,9 @@ def test_the_count_is_exact_whatever_the_strings_hold(document: Any, ascii_only:
     containers, values = shape(document)
     check_shape(body, JSONBounds(containers, values))
     if containers:
-        with pytest.raises(APIError, match="arrays and objects"):
+        with pytest.raises(InvalidRequestError, match="arrays and objects"):
             check_shape(body, JSONBounds(containers - 1, values))
-    with pytest.raises(APIError, match="values"):
+    with pytest.raises(InvalidRequestError, match="values"):
         check_shape(body, JSONBounds(containers, values - 1))
 
 

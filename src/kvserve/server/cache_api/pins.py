@@ -6,6 +6,7 @@ engine's check of the token ids off the event loop, before the engine sees them)
 """
 
 from kvserve.cache.manager import PinRefused
+from kvserve.errors import InvalidRequestError
 from kvserve.server.cache_api.views import pin_info
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.plan import RequestPlan
@@ -20,8 +21,7 @@ _PIN_ATTEMPTS = 3
 def check_pinning_on(ctx: ServerContext) -> None:
     """A clear 400 on a server started without --max-pinned-tokens (or without a prefix cache)."""
     if not ctx.async_engine.pinning_enabled:
-        raise APIError(
-            400,
+        raise InvalidRequestError(
             "Pinning is off on this server: start it with --max-pinned-tokens (and the prefix cache on).",
             code="pinning_disabled",
         )
@@ -36,7 +36,7 @@ async def pin_prefix(ctx: ServerContext, tenant: str, plan: RequestPlan, ttl_s: 
         try:
             pinned = await async_engine.pin(plan.namespace, prompt.token_ids, ttl_s)
         except PinRefused as e:
-            raise APIError(400, f"Cannot pin this prefix: {e}.") from None
+            raise InvalidRequestError(f"Cannot pin this prefix: {e}.") from None
         if pinned is not None:
             return pin_info(pinned)
         async for _ in async_engine.generate(prompt.checked, prefill, plan.namespace, tenant=tenant):

@@ -36,7 +36,6 @@ from kvserve.server.core.prompts import (
 from kvserve.server.core.reasoning import closes_reasoning, opens_reasoning
 from kvserve.server.core.structured import structured_outputs
 from kvserve.server.core.tools import IN_THINK, MAY_THINK, NO_THINK, ToolUse, constraint, tool_use
-from kvserve.server.http.errors import APIError
 from kvserve.server.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -161,13 +160,13 @@ def chat_plan(ctx: ServerContext, body: ChatCompletionRequest, namespace: str) -
     grammar as the output constraint unless tool_choice is "none". An error on the prompt names
     `messages`, and a constraint the grammar library rejects that came from the tools names `tools`."""
     if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+        raise InvalidRequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs")
+        raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", "top_logprobs")
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     if max_tokens is not None and max_tokens < 1:
         # Only completions' echo has a use for a reply of no tokens.
-        raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
+        raise InvalidRequestError("max_tokens must be at least 1.", "max_tokens")
     tools = tool_use(body)
     kwargs = template_kwargs(body.chat_template_kwargs)
     token_ids = chat_prompt(
@@ -204,7 +203,7 @@ def _chat_plan(
         tools_constrain = True
     elif tools is not None and tools.choice != "none":
         # With tool_choice "none" the request's own constraint applies; otherwise the tools' does.
-        raise APIError(400, "tools cannot be combined with an output constraint.", param="tools")
+        raise InvalidRequestError("tools cannot be combined with an output constraint.", "tools")
     try:
         plan = _plan(ctx, [token_ids], params, namespace)
         names = None if tools is None else frozenset(t.name for t in tools.tools)
@@ -377,7 +376,7 @@ def completion_plan(ctx: ServerContext, body: CompletionRequest, namespace: str)
     """A text completion's plan: each prompt of the batch tokenized (or its ids taken), then each
     echo text decoded from the checked ids (the tokenizer cannot decode ids out of range)."""
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise APIError(400, f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.", param="logprobs")
+        raise InvalidRequestError(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.", "logprobs")
     batch = prompt_batch(body.prompt)
     texts = [p for p in batch if isinstance(p, str)]
     if texts:

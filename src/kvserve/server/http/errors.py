@@ -16,7 +16,6 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from kvserve.engine.async_engine import EngineDeadError, EngineFailedError
-from kvserve.engine.validation import TooManySequencesError
 from kvserve.errors import EngineOverloadedError, InvalidRequestError
 
 log = logging.getLogger("kvserve.server")
@@ -46,7 +45,9 @@ class ErrorResponse(BaseModel):
 
 
 class APIError(Exception):
-    """An error the server answers on purpose, with its HTTP status."""
+    """An error the server answers on purpose, with its HTTP status: what the mapping renders, and what
+    a route raises for any status but 400. A request refused as sent is an InvalidRequestError (the one
+    400 type, which the engine raises too), rendered by `bad_request`."""
 
     def __init__(
         self,
@@ -147,6 +148,11 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     return APIError(400, f"Invalid request: {shown}", param=params[0] if params and params[0] else None)
 
 
+def bad_request(exc: InvalidRequestError) -> APIError:
+    """The one 400: an InvalidRequestError with its param and code."""
+    return APIError(400, exc.message, param=exc.param, code=exc.code)
+
+
 def to_api_error(request: Request, exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
@@ -159,8 +165,7 @@ def to_api_error(request: Request, exc: Exception) -> APIError:
             exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", headers=exc.headers
         )
     if isinstance(exc, InvalidRequestError):
-        code = exc.code if isinstance(exc, TooManySequencesError) else None
-        return APIError(400, exc.message, param=exc.param, code=code)
+        return bad_request(exc)
     if isinstance(exc, EngineOverloadedError):
         return APIError(
             503, str(exc), "server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}

@@ -20,7 +20,8 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
-from kvserve.server.http.errors import APIError, BodyError, validation_error
+from kvserve.errors import InvalidRequestError
+from kvserve.server.http.errors import BodyError, bad_request, validation_error
 
 # A JSON string from its opening quote to its closing one, or to the end of the body when it has none:
 # every attempt that starts at a quote succeeds, so masking never backtracks (linear in the body).
@@ -54,15 +55,13 @@ def check_shape(body: bytes, bounds: JSONBounds) -> None:
         # The raw counts include the strings' own brackets and commas: count again without them.
         containers, values = _counts(_STRING.sub(b'""', body))
     if containers > bounds.max_containers:
-        raise APIError(
-            400,
+        raise InvalidRequestError(
             f"The request body holds {containers} JSON arrays and objects; this server reads at most "
             f"{bounds.max_containers} in one request.",
             code="request_too_complex",
         )
     if values > bounds.max_values:
-        raise APIError(
-            400,
+        raise InvalidRequestError(
             f"The request body holds about {values} JSON values; this server reads at most "
             f"{bounds.max_values} in one request.",
             code="request_too_complex",
@@ -74,8 +73,8 @@ def parse_body(body: bytes, model: type[M], bounds: JSONBounds) -> M:
     its message the one a validation error gets) when it is not one."""
     try:
         check_shape(body, bounds)
-    except APIError as e:
-        raise BodyError(e) from None
+    except InvalidRequestError as e:
+        raise BodyError(bad_request(e)) from None
     try:
         return model.model_validate_json(body)
     except ValidationError as e:

@@ -6,12 +6,12 @@ function call), so each is a 400 naming the field. Structured outputs and tools 
 `metadata`, ...) are ignored; README.md lists them.
 """
 
-from kvserve.server.http.errors import APIError
+from kvserve.errors import InvalidRequestError
 from kvserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
-def _refuse(param: str, message: str) -> APIError:
-    return APIError(400, f"{message}; kvserve does not support '{param}' yet.", param=param)
+def _refuse(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{message}; kvserve does not support '{param}' yet.", param)
 
 
 def check_chat(body: ChatCompletionRequest) -> None:
@@ -22,10 +22,9 @@ def check_chat(body: ChatCompletionRequest) -> None:
     for i, message in enumerate(body.messages):
         if message.content is None and not (message.role == "assistant" and message.tool_calls):
             param = f"messages[{i}].content"
-            raise APIError(
-                400,
+            raise InvalidRequestError(
                 f"{param} is missing; only an assistant message with tool_calls may omit it.",
-                param=param,
+                param,
             )
         if message.content is None or isinstance(message.content, str):
             continue
