@@ -25,14 +25,15 @@ from kvserve.errors import InvalidRequestError
 from kvserve.model.heap import release_startup_pages
 from kvserve.options import ServerOptions
 from kvserve.secret import read_secret
+from kvserve.server.anthropic.convert import messages_plan, messages_tokens
 from kvserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest, TokenCount
 from kvserve.server.anthropic.serving import MessagesFormat, respond_messages
 from kvserve.server.cache_api.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
-from kvserve.server.cache_api.pins import check_pinning_on, pin_prefix, unpin
+from kvserve.server.cache_api.pins import check_pinning_on, pin_plan, pin_prefix, unpin
+from kvserve.server.cache_api.protocol import CacheStatus, PinDeleted, PinInfo, PinRequest
 from kvserve.server.cache_api.views import cache_status
 from kvserve.server.core.chat_setup import chat_setup, read_chat_template
 from kvserve.server.core.context import ServerContext, check_model
-from kvserve.server.core.plan import chat_plan, completion_plan, messages_plan, messages_tokens, pin_plan
 from kvserve.server.core.preparation import PreparationPool
 from kvserve.server.core.prompts import PromptGuard, chat_prompt, prompt_batch, text_prompt
 from kvserve.server.http.auth import ADMIN_TENANT, cache_namespace, caller, stats_scope
@@ -42,19 +43,16 @@ from kvserve.server.http.metrics import ServerMetrics
 from kvserve.server.http.middleware import Access, InFlightLimiter, RequestGate, route_access
 from kvserve.server.http.request_id import RequestIdMiddleware
 from kvserve.server.http.tenants import Tenants, load_or_create_secret
+from kvserve.server.openai.convert import chat_completion_plan, completion_plan
 from kvserve.server.openai.formats import ChatFormat, CompletionFormat
 from kvserve.server.openai.logprobs import LogprobRenderer
 from kvserve.server.openai.protocol import (
-    CacheStatus,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    PinDeleted,
-    PinInfo,
-    PinRequest,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -79,6 +77,15 @@ def _context(request: Request) -> ServerContext:
 
 
 Context = Annotated[ServerContext, Depends(_context)]
+
+
+def _response_store(request: Request) -> ResponseStore:
+    """The Responses API's stored responses: its own state, beside the context every route shares."""
+    store: ResponseStore = request.app.state.responses
+    return store
+
+
+Stored = Annotated[ResponseStore, Depends(_response_store)]
 
 
 # Each router's routes ask one access of their callers, checked by the gate (server/http/middleware.py)
@@ -161,7 +168,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     namespace = cache_namespace(request, body.cache_salt)
     tenant = caller(request).tenant.name
     with ctx.async_engine.reserve(tenant, 1, body.n) as room:
-        plan = await ctx.preparation.run(tenant, chat_plan, ctx, body, namespace)
+        plan = await ctx.preparation.run(tenant, chat_completion_plan, ctx, body, namespace)
         fmt = ChatFormat(
             LogprobRenderer(ctx.async_engine.tokenizer),
             body.logprobs,
@@ -187,22 +194,22 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
         return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 
 
-# The Responses API: one more plan builder (responses_plan) over chat's prompt, tools and constraints,
-# and its own writer (server/responses/serving.py); its stored responses are the tenant's alone.
+# The Responses API: its own converter (server/responses/convert.py) over chat's prompt, tools and
+# constraints, and its own writer (server/responses/serving.py); its stored responses are the tenant's alone.
 @api.post("/v1/responses")
-async def responses(body: ResponsesRequest, request: Request, ctx: Context) -> Response:
+async def responses(body: ResponsesRequest, request: Request, ctx: Context, store: Stored) -> Response:
     check_model(ctx, body.model)
     namespace = cache_namespace(request)
     tenant = caller(request).tenant.name
     with ctx.async_engine.reserve(tenant, 1, 1) as room:
-        prepared = await ctx.preparation.run(tenant, prepare_response, ctx, body, namespace, tenant)
-        return await respond_responses(ctx, request, body, prepared, room, tenant)
+        prepared = await ctx.preparation.run(tenant, prepare_response, ctx, store, body, namespace, tenant)
+        return await respond_responses(ctx, store, request, body, prepared, room, tenant)
 
 
 @api.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request, ctx: Context) -> Response:
+async def get_response(response_id: str, request: Request, ctx: Context, store: Stored) -> Response:
     tenant = caller(request).tenant.name
-    stored = await ctx.preparation.run(tenant, ctx.responses.get, tenant, response_id)
+    stored = await ctx.preparation.run(tenant, store.get, tenant, response_id)
     if stored is None:
         raise unknown_response(response_id)
     # The very bytes the POST answered: nothing is parsed or written on the event loop.
@@ -210,9 +217,9 @@ async def get_response(response_id: str, request: Request, ctx: Context) -> Resp
 
 
 @api.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request, ctx: Context) -> ResponseDeleted:
+async def delete_response(response_id: str, request: Request, ctx: Context, store: Stored) -> ResponseDeleted:
     tenant = caller(request).tenant.name
-    if not await ctx.preparation.run(tenant, ctx.responses.delete, tenant, response_id):
+    if not await ctx.preparation.run(tenant, store.delete, tenant, response_id):
         raise unknown_response(response_id)
     return ResponseDeleted(id=response_id)
 
@@ -222,12 +229,13 @@ async def response_input_items(
     response_id: str,
     request: Request,
     ctx: Context,
+    store: Stored,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
     after: Annotated[str | None, Query(max_length=256)] = None,
 ) -> Response:
     tenant = caller(request).tenant.name
-    page = await ctx.preparation.run(tenant, item_list, ctx, tenant, response_id, limit, order, after)
+    page = await ctx.preparation.run(tenant, item_list, store, tenant, response_id, limit, order, after)
     if page is None:
         raise unknown_response(response_id)
     return Response(page, media_type="application/json")
@@ -432,8 +440,8 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         prompt_guard=PromptGuard(async_engine.max_model_len, async_engine.tokenizer.max_token_chars()),
         preparation=preparation,
         chat=chat,
-        responses=ResponseStore(limits, response_backend(async_engine.config, limits)),
     )
+    app.state.responses = ResponseStore(limits, response_backend(async_engine.config, limits))
     app.state.dashboard = dashboard
     install_error_handlers(app)
     for router, _ in ROUTERS:

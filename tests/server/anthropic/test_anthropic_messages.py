@@ -426,7 +426,7 @@ def test_thinking_sets_a_reasoning_templates_switch(
 def test_a_reasoning_reply_becomes_a_thinking_block_and_streams_first() -> None:
     from kvserve.engine.outputs import PromptOutputs, RequestDelta
     from kvserve.server.anthropic.serving import MessagesFormat, _ReplyStream
-    from kvserve.server.openai.formats import Choice
+    from kvserve.server.core.output import Choice
 
     text = "<think>\nthe user greets\n</think>\n\nHello there."
     fmt = MessagesFormat(None, None, None, True, False, ())  # type: ignore[arg-type]

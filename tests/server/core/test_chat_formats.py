@@ -31,11 +31,13 @@ from kvserve.model.tokenizer import TemplateArgs
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.core.chat_setup import chat_setup, read_chat_template
+from kvserve.server.core.messages import ChatMessage
 from kvserve.server.core.prompts import RESERVED_TEMPLATE_NAMES, template_kwargs
 from kvserve.server.core.tool_formats import FORMATS, ToolFormat
 from kvserve.server.core.tool_formats.layout import CallLayout
-from kvserve.server.core.tools import conversation, template_tools, tool_use
-from kvserve.server.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.server.core.tools import conversation, template_tools
+from kvserve.server.openai.convert import tool_use
+from kvserve.server.openai.protocol import ChatCompletionRequest
 from tests.server import chat_templates
 from tests.server.live import Server, assert_no_leak
 

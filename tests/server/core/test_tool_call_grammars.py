@@ -12,7 +12,8 @@ from kvserve.engine.grammar import GrammarCompiler
 from kvserve.server.core.reasoning import split
 from kvserve.server.core.tool_formats import FORMATS, ToolFormat
 from kvserve.server.core.tool_formats.layout import ParsedCall
-from kvserve.server.core.tools import IN_THINK, MAY_THINK, NO_THINK, ToolUse, constraint, tool_use
+from kvserve.server.core.tools import IN_THINK, MAY_THINK, NO_THINK, ToolUse, constraint
+from kvserve.server.openai.convert import tool_use
 from kvserve.server.openai.protocol import ChatCompletionRequest
 
 WEATHER: Any = {

@@ -33,8 +33,8 @@ from starlette.types import Message, Receive, Scope, Send
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
+from kvserve.server.anthropic.convert import messages_tokens
 from kvserve.server.app import create_app
-from kvserve.server.core.plan import messages_tokens
 from kvserve.server.http.json_body import JSONBounds
 from kvserve.server.http.middleware import Access, InFlightLimiter, RequestGate
 from kvserve.server.http.tenants import DEFAULT_TENANT, Tenants

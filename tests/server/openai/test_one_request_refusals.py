@@ -22,8 +22,9 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.reply_memory import ReplyMemory, entry_bytes
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
+from kvserve.server.core.messages import MAX_MESSAGES, MAX_STOP_CHARS
 from kvserve.server.http.tenants import Tenants, load_or_create_secret
-from kvserve.server.openai.protocol import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+from kvserve.server.openai.protocol import MAX_STOP_TOKEN_IDS
 
 MAX_MODEL_LEN = 512
 MAX_REQUEST_BYTES = 64 * 2**10

@@ -19,7 +19,8 @@ from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server import app as app_module
 from kvserve.server.app import create_app
-from kvserve.server.openai.formats import CompletionFormat, ResponseIds
+from kvserve.server.core.output import ResponseIds
+from kvserve.server.openai.formats import CompletionFormat
 from tests.server.live import Server, assert_no_leak
 
 MODEL = "SmolLM2-135M-Instruct"

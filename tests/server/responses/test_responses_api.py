@@ -151,7 +151,8 @@ def _prompt_ids(app: FastAPI, **body: Any) -> list[int]:
     """The prompt a Responses request of tenant a gets, from its plan."""
     ctx = app.state.context
     namespace = ctx.tenants.namespace(Tenant("a"))
-    return list(prepare(ctx, ResponsesRequest(**body), namespace, "a").plan.prompts[0].token_ids)
+    prepared = prepare(ctx, app.state.responses, ResponsesRequest(**body), namespace, "a")
+    return list(prepared.plan.prompts[0].token_ids)
 
 
 def test_previous_response_id_gives_chat_completions_tokens_and_prefills_only_the_new_items(
@@ -271,7 +272,9 @@ def test_structured_output(client: openai.OpenAI) -> None:
 def test_a_huge_max_output_tokens_is_clamped_to_the_room_left(client: openai.OpenAI, app: FastAPI) -> None:
     ctx = app.state.context
     namespace = ctx.tenants.namespace(Tenant("a"))
-    plan = prepare(ctx, ResponsesRequest(input="Hi.", max_output_tokens=2**62), namespace, "a").plan
+    plan = prepare(
+        ctx, app.state.responses, ResponsesRequest(input="Hi.", max_output_tokens=2**62), namespace, "a"
+    ).plan
     (prompt,) = plan.prompts
     assert prompt.checked.max_tokens == MAX_MODEL_LEN - len(prompt.token_ids)
     # Over HTTP too: a one-word schema ends the reply at once.
@@ -549,9 +552,9 @@ def test_any_max_output_tokens_is_refused_or_clamped(app: FastAPI, max_output_to
     body = ResponsesRequest(input="Hi.", max_output_tokens=max_output_tokens)
     if max_output_tokens < 1:
         with pytest.raises(InvalidRequestError):
-            prepare(ctx, body, namespace, "a")
+            prepare(ctx, app.state.responses, body, namespace, "a")
         return
-    (prompt,) = prepare(ctx, body, namespace, "a").plan.prompts
+    (prompt,) = prepare(ctx, app.state.responses, body, namespace, "a").plan.prompts
     assert prompt.checked.max_tokens == min(max_output_tokens, MAX_MODEL_LEN - len(prompt.token_ids))
 
 
@@ -583,4 +586,4 @@ def test_any_item_list_is_planned_or_refused_by_name(app: FastAPI, items: list[d
     except ValidationError:
         return
     with suppress(InvalidRequestError, APIError):
-        prepare(ctx, body, namespace, "a")
+        prepare(ctx, app.state.responses, body, namespace, "a")

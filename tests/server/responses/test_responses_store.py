@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kvserve.server.openai.protocol import ChatMessage
+from kvserve.server.core.messages import ChatMessage
 from kvserve.server.responses.protocol import ResponseObject
 from kvserve.server.responses.store import ResponseStore, StoredResponse, StoreLimits, new_response_id
 

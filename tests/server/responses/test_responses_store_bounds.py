@@ -18,7 +18,7 @@ from kvserve.cli import build_parser
 from kvserve.errors import ConfigError
 from kvserve.flags import from_flags
 from kvserve.options import ServerOptions
-from kvserve.server.openai.protocol import ChatMessage
+from kvserve.server.core.messages import ChatMessage
 from kvserve.server.responses.persist import DiskBackend
 from kvserve.server.responses.protocol import ResponseObject
 from kvserve.server.responses.store import (

@@ -1,5 +1,14 @@
-"""An Anthropic message request as the chat it is: OpenAI-shaped messages and tools, the template
-variables its `thinking` sets, and where its cache breakpoints fall.
+"""An Anthropic message request as the chat it is: the neutral messages and tools, the template
+variables its `thinking` sets, where its cache breakpoints fall, and its plan (`messages_plan`): the one
+place its defaults and its max_tokens rule live.
+
+Defaults: temperature and top_p 1, no top_k, unless given; `stop_sequences` are the stop strings;
+`output_config.format` (a JSON schema) is the output constraint.
+
+max_tokens: required, between 1 and MAX_MAX_TOKENS (else a 400); clamped to the room the prompt leaves
+in the context (`OverContext.CLAMP`), as a client that asks for its model's whole output budget expects
+to be served, the reply ending `max_tokens` there; a prompt that fills the context is refused for its
+length.
 
 The chat path (server/core/prompts.py, server/core/tools.py) then renders it exactly as it renders a chat
 completion, so both APIs share the template, the tool format, the constraint and the reply memory:
@@ -16,19 +25,34 @@ completion, so both APIs share the template, the tool format, the constraint and
   question.
 
 A breakpoint (`cache_control` on a block, a tool or the request) is recorded as the conversation up to
-and including its block; plan.py renders each and takes its common prefix with the whole prompt as the
+and including its block; `messages_plan` renders each and takes its common prefix with the whole prompt as the
 breakpoint's offset in tokens. A tool's breakpoint falls at the end of the system turn, where the
 tools are rendered; the request's own falls at the end of the last message.
 """
 
+import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.engine.grammar import StructuredOutputs
+from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
-from kvserve.server.anthropic.protocol import Block, CacheControl, Content, MessagesBase
+from kvserve.server.anthropic.protocol import (
+    MAX_MAX_TOKENS,
+    Block,
+    CacheControl,
+    Content,
+    MessagesBase,
+    MessagesRequest,
+)
+from kvserve.server.core.context import ServerContext
+from kvserve.server.core.messages import ChatMessage, ContentPart, FunctionCall, ToolCall
+from kvserve.server.core.plan import CacheBreakpoint, RequestPlan, rendered_chat_plan
+from kvserve.server.core.prompts import chat_prompt
+from kvserve.server.core.request import ChatRequest, OverContext
 from kvserve.server.core.tools import ToolUse, offered_tools
-from kvserve.server.openai.protocol import ChatMessage, ContentPart, FunctionCall, ToolCall
 
 # Anthropic's limit: at most this many breakpoints in one request, the top-level one included.
 MAX_BREAKPOINTS = 4
@@ -300,3 +324,85 @@ def anthropic_chat(body: MessagesBase, reasoning: bool) -> AnthropicChat:
     if top is not None:
         breakpoints.append(Breakpoint(tuple(convert.out), top))
     return AnthropicChat(convert.out, use, thinking_kwargs(body, reasoning), tuple(breakpoints))
+
+
+def _tokens(
+    ctx: ServerContext, chat: AnthropicChat, messages: Sequence[ChatMessage], namespace: str, reply: bool
+) -> list[int]:
+    return chat_prompt(
+        ctx.async_engine, ctx.prompt_guard, messages, namespace, reply, chat.tools, ctx.chat, chat.kwargs
+    )
+
+
+def messages_tokens(ctx: ServerContext, body: MessagesBase, namespace: str) -> list[int]:
+    """The prompt an Anthropic message request prefills (what count_tokens counts)."""
+    chat = anthropic_chat(body, ctx.chat.reasoning)
+    return _tokens(ctx, chat, chat.messages, namespace, True)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _breakpoints(
+    ctx: ServerContext, chat: AnthropicChat, token_ids: list[int], namespace: str
+) -> tuple[CacheBreakpoint, ...]:
+    """Each breakpoint's offset in the prompt: its conversation rendered on its own, followed by an
+    empty user turn (some templates refuse a conversation without a user query, and a turn after it
+    makes every template close the breakpoint's), and compared with the whole prompt token by token.
+    The offset is where the two part, at the block's end give or take the few tokens of markup both
+    share; it is always a prefix of the prompt."""
+    found: list[CacheBreakpoint] = []
+    for b in chat.breakpoints:
+        if not b.messages:
+            continue
+        try:
+            ids = _tokens(ctx, chat, [*b.messages, ChatMessage(role="user", content="")], namespace, False)
+        except InvalidRequestError:
+            # A template that cannot render the conversation cut at this block: the breakpoint keeps
+            # nothing, and the request goes on.
+            continue
+        tokens = _common_prefix(ids, token_ids)
+        if tokens:
+            found.append(CacheBreakpoint(tokens, b.ttl_s))
+    return tuple(sorted(found, key=lambda b: b.tokens))
+
+
+def _output_format(body: MessagesRequest) -> StructuredOutputs | None:
+    spec = (body.output_config or {}).get("format")
+    if spec is None:
+        return None
+    if (
+        not isinstance(spec, dict)
+        or spec.get("type") != "json_schema"
+        or not isinstance(spec.get("schema"), dict)
+    ):
+        raise InvalidRequestError(
+            "output_config.format must be {type: json_schema, schema: {...}}", "output_config.format"
+        )
+    return StructuredOutputs(json=spec["schema"])
+
+
+def messages_plan(ctx: ServerContext, body: MessagesRequest, namespace: str) -> RequestPlan:
+    """An Anthropic message's plan: the request rendered as a chat and planned as one, under the
+    module's defaults and max_tokens rule, and where its cache breakpoints fall."""
+    if not 1 <= body.max_tokens <= MAX_MAX_TOKENS:
+        raise InvalidRequestError(f"max_tokens must be between 1 and {MAX_MAX_TOKENS}", "max_tokens")
+    chat = anthropic_chat(body, ctx.chat.reasoning)
+    token_ids = _tokens(ctx, chat, chat.messages, namespace, True)
+    params = SamplingParams(
+        max_tokens=body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        stop=list(body.stop_sequences or []),
+        structured_outputs=_output_format(body),
+    )
+    request = ChatRequest(tuple(chat.messages), params, chat.tools, chat.kwargs, OverContext.CLAMP)
+    plan = rendered_chat_plan(ctx, request, token_ids, namespace)
+    return dataclasses.replace(plan, breakpoints=_breakpoints(ctx, chat, token_ids, namespace))

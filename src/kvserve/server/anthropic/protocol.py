@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.server.openai.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES, StopString
+from kvserve.server.core.messages import MAX_CONTENT_PARTS, MAX_MESSAGES, StopString
 
 # Anthropic accepts at most this many stop sequences; SamplingParams bounds them too.
 MAX_STOP_SEQUENCES = 16

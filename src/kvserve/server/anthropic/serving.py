@@ -40,13 +40,13 @@ from kvserve.server.core.generation import (
     run_all,
     start,
 )
+from kvserve.server.core.output import Choice
 from kvserve.server.core.plan import RequestPlan
 from kvserve.server.core.reasoning import ReasoningStream, split
 from kvserve.server.core.retention import retain_breakpoints
 from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
 from kvserve.server.core.tool_formats.stream import CallStream
 from kvserve.server.http.errors import anthropic_error, to_api_error
-from kvserve.server.openai.formats import Choice
 
 log = logging.getLogger("kvserve.server")
 

@@ -26,8 +26,8 @@ from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.engine import EngineStats
 from kvserve.engine.snapshot import Snapshot
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.cache_api.protocol import TierInfo
 from kvserve.server.cache_api.views import lower_tiers, shared_tiers
-from kvserve.server.openai.protocol import TierInfo
 
 HISTORY_SECONDS = 600
 HEAD_TOKENS = 12

@@ -1,21 +1,40 @@
 """Pinning over HTTP: compute a prefix if needed, pin it, unpin it.
 
 A pin passes the same guards as a completion: in the route, an in-flight slot, pinning on before any
-work, and its plan (server/core/plan.py: the prompt-length guard before tokenizing, tokenizing and the
+work, and its plan (`pin_plan`: the prompt-length guard before tokenizing, tokenizing and the
 engine's check of the token ids off the event loop, before the engine sees them).
 """
 
 from kvserve.cache.manager import PinRefused
+from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
+from kvserve.server.cache_api.protocol import PinInfo, PinRequest
 from kvserve.server.cache_api.views import pin_info
 from kvserve.server.core.context import ServerContext
-from kvserve.server.core.plan import RequestPlan
+from kvserve.server.core.plan import RequestPlan, plan_prompts
+from kvserve.server.core.prompts import chat_prompt, text_prompt
 from kvserve.server.http.errors import APIError
-from kvserve.server.openai.protocol import PinInfo
 
 # Computing the prefix and pinning it are two engine calls; traffic in between may evict what was just
 # computed (without a disk tier to find it again), so the pair is tried a few times.
 _PIN_ATTEMPTS = 3
+# A pin computes its prefix with one generated token, which leaves the whole prompt's KV in the cache.
+PIN_PREFILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def pin_plan(ctx: ServerContext, body: PinRequest, namespace: str) -> RequestPlan:
+    """A pin's plan: the prefix to pin (rendered chat messages without the generation prompt, tokenized
+    text or the ids given) as one prompt, with the params that compute its KV if it is not cached."""
+    if body.messages is not None:
+        token_ids = chat_prompt(
+            ctx.async_engine, ctx.prompt_guard, body.messages, namespace, False, setup=ctx.chat
+        )
+    elif isinstance(body.prompt, str):
+        ctx.prompt_guard.check([body.prompt], "prompt")
+        token_ids = text_prompt(ctx.async_engine.tokenizer, body.prompt)
+    else:
+        token_ids = list(body.prompt or [])
+    return plan_prompts(ctx, [token_ids], PIN_PREFILL, namespace)
 
 
 def check_pinning_on(ctx: ServerContext) -> None:

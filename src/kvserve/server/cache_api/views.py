@@ -8,7 +8,7 @@ import time
 from kvserve.cache.manager import CacheUsage
 from kvserve.cache.tiers import TIER_MEMORY
 from kvserve.engine.snapshot import CacheView, PinView
-from kvserve.server.openai.protocol import CacheStatus, PinInfo, TierInfo
+from kvserve.server.cache_api.protocol import CacheStatus, PinInfo, TierInfo
 
 
 def pin_info(pin: PinView) -> PinInfo:

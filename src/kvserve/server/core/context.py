@@ -11,17 +11,16 @@ from kvserve.server.http.errors import APIError
 from kvserve.server.http.metrics import ServerMetrics
 from kvserve.server.http.middleware import InFlightLimiter
 from kvserve.server.http.tenants import Tenants
-from kvserve.server.responses.store import ResponseStore
 
 
 @dataclass(frozen=True)
 class ServerContext:
     """What every route needs: the engine's door, the served model's name and limits, metrics, the
     tenants (with the admin key) and the server's options, the two checks only the server makes
-    (`in_flight`, `prompt_guard`), the threads that prepare requests, by tenant (`preparation`), the
-    chat template with its tool and reasoning formats (`chat`), and the stored responses of the
-    Responses API (`responses`). `model_name` is the name answers show, `model_names` every name a
-    request may send (it and its aliases)."""
+    (`in_flight`, `prompt_guard`), the threads that prepare requests, by tenant (`preparation`), and the
+    chat template with its tool and reasoning formats (`chat`). An API's own state (the Responses API's
+    stored responses) is its own, kept beside it by app.py. `model_name` is the name answers show,
+    `model_names` every name a request may send (it and its aliases)."""
 
     async_engine: AsyncEngine
     model_name: str
@@ -35,7 +34,6 @@ class ServerContext:
     options: ServerOptions
     preparation: PreparationPool
     chat: ChatSetup
-    responses: ResponseStore
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:

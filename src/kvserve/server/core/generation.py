@@ -21,11 +21,10 @@ from kvserve.engine.async_engine import Reservation
 from kvserve.engine.outputs import PromptOutputs, RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.core.context import ServerContext
+from kvserve.server.core.output import Choice, ResponseIds, TokenUsage
 from kvserve.server.core.plan import RequestPlan
 from kvserve.server.http.errors import ClientDisconnected
 from kvserve.server.http.metrics import RequestTimer
-from kvserve.server.openai.formats import Choice, ResponseIds
-from kvserve.server.openai.protocol import PromptTokensDetails, Usage
 
 log = logging.getLogger("kvserve.server")
 
@@ -124,18 +123,13 @@ class Generation:
         )
 
 
-def usage(generations: Sequence[Generation]) -> Usage:
+def usage(generations: Sequence[Generation]) -> TokenUsage:
     """Each prompt counts once however many samples share it, with its cached tokens (what was cached
     before the request: see PromptOutputs)."""
     prompts = list({id(g.choice.outputs): g.choice.outputs for g in generations}.values())
     prompt_tokens = sum(p.num_prompt_tokens for p in prompts)
     completion_tokens = sum(g.choice.output.num_output_tokens for g in generations)
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(p.num_cached_tokens for p in prompts)),
-    )
+    return TokenUsage(prompt_tokens, completion_tokens, sum(p.num_cached_tokens for p in prompts))
 
 
 async def _disconnected(request: Request) -> None:

@@ -17,8 +17,8 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import KnownReply, MessageDict, TemplateArgs, Tokenizer
 from kvserve.server.core.chat_setup import ChatSetup
+from kvserve.server.core.messages import ChatMessage
 from kvserve.server.core.tools import ToolUse, conversation, template_tools
-from kvserve.server.openai.protocol import ChatMessage
 
 # chat_template_kwargs: template variables a client may set, within these bounds. The names the
 # renderer itself passes (or that change how it renders, not what) are not the client's to replace.

@@ -5,11 +5,11 @@ Accepted: OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `str
 `guided_choice`, `guided_grammar`. A request may set one constraint; two are a 400 naming the second.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvserve.engine.grammar import StructuredOutputs
 from kvserve.errors import InvalidRequestError
-from kvserve.server.openai.protocol import SamplingRequest
 
 _VLLM_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -44,23 +44,22 @@ def _from_vllm(fields: dict[str, Any]) -> StructuredOutputs:
     return StructuredOutputs(**given)
 
 
-def structured_outputs(body: SamplingRequest) -> StructuredOutputs | None:
-    """The one constraint the request asks for, or None; InvalidRequestError if it asks for two or
-    names something malformed."""
+def structured_outputs(
+    response_format: dict[str, Any] | None,
+    vllm: dict[str, Any] | None = None,
+    guided: Mapping[str, Any] | None = None,
+) -> StructuredOutputs | None:
+    """The one constraint a request asks for, or None: its `response_format` (OpenAI's shape), its
+    `structured_outputs` (vLLM's) and its `guided_*` fields (by kind: json, regex, choice, grammar);
+    InvalidRequestError if it asks for two or names something malformed."""
     found: list[tuple[str, StructuredOutputs]] = []
-    if body.response_format is not None:
-        spec = _from_response_format(body.response_format)
+    if response_format is not None:
+        spec = _from_response_format(response_format)
         if spec is not None:
             found.append(("response_format", spec))
-    if body.structured_outputs is not None:
-        found.append(("structured_outputs", _from_vllm(body.structured_outputs)))
-    guided: dict[str, Any] = {
-        "json": body.guided_json,
-        "regex": body.guided_regex,
-        "choice": body.guided_choice,
-        "grammar": body.guided_grammar,
-    }
-    for key, value in guided.items():
+    if vllm is not None:
+        found.append(("structured_outputs", _from_vllm(vllm)))
+    for key, value in (guided or {}).items():
         if value is not None:
             found.append((f"guided_{key}", StructuredOutputs(**{key: value})))
     if len(found) > 1:

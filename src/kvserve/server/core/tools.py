@@ -30,10 +30,10 @@ from typing import Any
 from kvserve.engine.grammar import StructuredOutputs
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import MessageDict
+from kvserve.server.core.messages import ChatMessage
 from kvserve.server.core.reasoning import THINK_CLOSE, THINK_OPEN, THINK_SEP
 from kvserve.server.core.tool_formats import ToolFormat
 from kvserve.server.core.tool_formats.layout import NAME_PATTERN, CallLayout, ParsedCall
-from kvserve.server.openai.protocol import ChatCompletionRequest, ChatMessage
 
 CALL_OPEN = "<tool_call>"
 RESPONSE_OPEN = "<tool_response>"
@@ -83,14 +83,9 @@ def _tool(i: int, raw: Any) -> Tool:
     return Tool(fn["name"], description, parameters)
 
 
-def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
-    """The request's tools and tool_choice, checked; None when it offers none."""
-    return offered_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-
-
 def offered_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> ToolUse | None:
-    """Tools and a tool_choice in OpenAI's shapes, checked; None when there are no tools. Other APIs
-    (server/anthropic/convert.py) map theirs to these shapes and share the checks."""
+    """Tools and a tool_choice in OpenAI's shapes, checked; None when there are no tools. Every API's
+    converter maps its tools to these shapes and shares the checks."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError("tool_choice needs tools", "tool_choice")

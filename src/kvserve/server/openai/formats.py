@@ -6,17 +6,14 @@ per-token logprobs; text completions echo the prompt on request and use the lega
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from kvserve.engine.logprobs import TokenLogprob
-from kvserve.engine.outputs import PromptOutputs, SampleOutput
-from kvserve.server.core.plan import PlannedPrompt
-from kvserve.server.core.reasoning import ReasoningStream, split
+from kvserve.server.core.messages import FunctionCall, ToolCall
+from kvserve.server.core.output import Choice, ReplyParser, ResponseIds, TokenUsage
 from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
-from kvserve.server.core.tool_formats.stream import CallStream, new_call_id
+from kvserve.server.core.tool_formats.stream import new_call_id
 from kvserve.server.openai.logprobs import LogprobRenderer
 from kvserve.server.openai.protocol import (
     AssistantMessage,
@@ -28,79 +25,18 @@ from kvserve.server.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
-    FunctionCall,
-    ToolCall,
+    PromptTokensDetails,
     Usage,
 )
 
 
-@dataclass(frozen=True)
-class Choice:
-    """One choice as it grows: sample `sample` of its prompt's outputs, which the deltas fold into (the
-    text and logprobs so far, the prompt's logprobs once computed)."""
-
-    index: int
-    prompt: PlannedPrompt
-    outputs: PromptOutputs
-    sample: int
-
-    @property
-    def output(self) -> SampleOutput:
-        return self.outputs.samples[self.sample]
-
-    @property
-    def text(self) -> str:
-        return self.output.text
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.output.finish_reason
-
-    @property
-    def logprobs(self) -> list[TokenLogprob]:
-        return self.output.logprobs
-
-    @property
-    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
-        return self.outputs.prompt_logprobs
-
-
-@dataclass(frozen=True)
-class ResponseIds:
-    """What every chunk of one response repeats."""
-
-    id: str
-    created: int
-    model: str
-
-
-class OutputFormat(Protocol):
-    id_prefix: str
-
-    def opening(self, ids: ResponseIds, choices: Sequence[Choice]) -> list[BaseModel]: ...
-
-    def chunk(
-        self,
-        ids: ResponseIds,
-        choice: Choice,
-        text: str,
-        logprobs: Sequence[TokenLogprob],
-        finish_reason: str | None,
-    ) -> BaseModel: ...
-
-    def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel: ...
-
-    def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: Usage) -> BaseModel: ...
-
-    def reply_part(self, choice: Choice) -> str | None:
-        """What of a finished choice's text its client sends back as content, when that is not the
-        whole text (a reasoning reply without its think block)."""
-        ...
-
-
-def _tool_finish(reason: str | None, calls: bool) -> str | None:
-    """OpenAI's finish reason for a reply that ended in tool calls."""
-    return "tool_calls" if calls and reason == "stop" else reason
+def openai_usage(usage: TokenUsage) -> Usage:
+    return Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
 
 
 def _tool_calls(calls: Sequence[ParsedCall]) -> list[ToolCall]:
@@ -109,19 +45,10 @@ def _tool_calls(calls: Sequence[ParsedCall]) -> list[ToolCall]:
     ]
 
 
-@dataclass
-class _ChoiceStream:
-    """One streamed choice's parsers: its think block first, then its calls or content."""
-
-    reasoning: ReasoningStream | None
-    calls: CallStream | None
-
-
 class ChatFormat:
-    """With `tools` (the server's call layout), replies made of tool calls become OpenAI `tool_calls`;
-    with `reasoning`, a reply's think block becomes `reasoning_content` (and `reasoning`, vLLM's newer
-    name), streamed as reasoning deltas before the content's. `opened`: the prompt opened the block. A
-    reply whose calls name a function not among `tool_names` (possible only unconstrained) is content."""
+    """OpenAI's chat shape of replies parsed by `ReplyParser` (server/core/output.py): calls become
+    `tool_calls`, a think block `reasoning_content` (and `reasoning`, vLLM's newer name), streamed as
+    reasoning deltas before the content's."""
 
     id_prefix = "chatcmpl"
 
@@ -136,11 +63,7 @@ class ChatFormat:
     ) -> None:
         self._renderer = renderer
         self._logprobs = logprobs
-        self._tools = tools
-        self._names = tool_names
-        self._reasoning = reasoning
-        self._opened = opened
-        self._streams: dict[int, _ChoiceStream] = {}
+        self._parser = ReplyParser(tools, reasoning, opened, tool_names)
 
     def _render(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         return self._renderer.chat(entries) if self._logprobs else None
@@ -152,11 +75,6 @@ class ChatFormat:
             for c in choices
         ]
 
-    def _body_delta(self, stream: _ChoiceStream, text: str) -> dict[str, Any]:
-        if stream.calls is not None:
-            return stream.calls.push(text)
-        return {"content": text} if text else {}
-
     def chunk(
         self,
         ids: ResponseIds,
@@ -165,59 +83,30 @@ class ChatFormat:
         logprobs: Sequence[TokenLogprob],
         finish_reason: str | None,
     ) -> BaseModel:
-        stream = self._streams.setdefault(
-            choice.index,
-            _ChoiceStream(
-                ReasoningStream(self._opened) if self._reasoning else None,
-                CallStream(self._tools) if self._tools is not None else None,
-            ),
-        )
-        reasoning, body = ("", text) if stream.reasoning is None else stream.reasoning.push(text)
-        if finish_reason is not None and stream.reasoning is not None:
-            more_reasoning, more_body = stream.reasoning.finish()
-            reasoning += more_reasoning
-            body += more_body
-        delta: dict[str, Any] = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
-        delta.update(self._body_delta(stream, body))
-        if stream.calls is not None:
-            finish_reason = _tool_finish(finish_reason, stream.calls.num_calls > 0)
+        delta, finish_reason = self._parser.delta(choice.index, text, finish_reason)
         piece = ChatChunkChoice(
             index=choice.index, delta=delta, logprobs=self._render(logprobs), finish_reason=finish_reason
         )
         return self._chunk(ids, [piece])
 
     def reply_part(self, choice: Choice) -> str | None:
-        if not self._reasoning:
-            return None
-        parts = split(choice.text, self._opened)
-        return parts.content if parts.reasoning is not None and parts.content else None
+        return self._parser.reply_part(choice.text)
 
     def _message(self, choice: Choice) -> tuple[AssistantMessage, str | None]:
-        parts = split(choice.text, self._opened) if self._reasoning else None
-        reasoning = None if parts is None else parts.reasoning
-        text = choice.text if parts is None else parts.content
-        message, finish = self._body(text, choice.finish_reason)
-        return message.model_copy(update={"reasoning_content": reasoning, "reasoning": reasoning}), finish
+        reply = self._parser.whole(choice.text, choice.finish_reason)
+        calls = None if reply.calls is None else _tool_calls(reply.calls) or None
+        message = AssistantMessage(
+            content=reply.content,
+            tool_calls=calls,
+            reasoning_content=reply.reasoning,
+            reasoning=reply.reasoning,
+        )
+        return message, reply.finish_reason
 
-    def _body(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
-        content = text if text or not self._reasoning else None
-        layout = self._tools
-        if layout is None:
-            return AssistantMessage(content=content), finish_reason
-        if finish_reason == "stop":
-            calls = layout.parse_calls(text, self._names)
-            if calls is not None:
-                return AssistantMessage(content=None, tool_calls=_tool_calls(calls)), "tool_calls"
-        elif finish_reason == "length" and layout.is_call_text(text):
-            # Cut short while calling: the calls it completed, never the markup of the unfinished one.
-            calls = layout.complete_calls(text)
-            return AssistantMessage(content=None, tool_calls=_tool_calls(calls) or None), "length"
-        return AssistantMessage(content=content), finish_reason
+    def usage_chunk(self, ids: ResponseIds, usage: TokenUsage) -> BaseModel:
+        return self._chunk(ids, [], openai_usage(usage))
 
-    def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel:
-        return self._chunk(ids, [], usage)
-
-    def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+    def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: TokenUsage) -> BaseModel:
         out = []
         for c in choices:
             message, finish_reason = self._message(c)
@@ -230,7 +119,7 @@ class ChatFormat:
                 )
             )
         return ChatCompletionResponse(
-            id=ids.id, created=ids.created, model=ids.model, choices=out, usage=usage
+            id=ids.id, created=ids.created, model=ids.model, choices=out, usage=openai_usage(usage)
         )
 
     @staticmethod
@@ -293,17 +182,17 @@ class CompletionFormat:
         )
         return self._response(ids, [piece])
 
-    def usage_chunk(self, ids: ResponseIds, usage: Usage) -> BaseModel:
-        return self._response(ids, [], usage)
+    def usage_chunk(self, ids: ResponseIds, usage: TokenUsage) -> BaseModel:
+        return self._response(ids, [], openai_usage(usage))
 
-    def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+    def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: TokenUsage) -> BaseModel:
         out = []
         for c in choices:
             text, rendered = self._piece(c, c.text, c.logprobs, first=True)
             out.append(
                 CompletionChoice(index=c.index, text=text, logprobs=rendered, finish_reason=c.finish_reason)
             )
-        return self._response(ids, out, usage)
+        return self._response(ids, out, openai_usage(usage))
 
     @staticmethod
     def _response(

@@ -9,62 +9,26 @@ always null here (refusal), because clients index them.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import BaseModel, Field, TypeAdapter, ValidatorFunctionWrapHandler, WrapValidator
+
+from kvserve.server.core.messages import (
+    MAX_MESSAGES,
+    ChatMessage,
+    RequestModel,
+    StopString,
+    ToolCall,
+)
 
 # Field limits of the protocol; each is far above what a real client sends.
-MAX_MESSAGES = 2048
-MAX_CONTENT_PARTS = 256
-MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_CACHE_SALT_CHARS = 256
 
-StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 # vLLM's field: splits a request's cache namespace further, within its tenant's (never across tenants).
 CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
-class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class ContentPart(OpenAIRequest):
-    """A part of a message's content; only `text` parts are supported, the others are refused by name."""
-
-    type: str
-    text: str | None = None
-
-
-class FunctionCall(OpenAIRequest):
-    name: str
-    # A JSON text, as OpenAI sends it.
-    arguments: str
-
-
-class ToolCall(OpenAIRequest):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(OpenAIRequest):
-    role: Literal["system", "user", "assistant", "tool"]
-    # Null only in an assistant message that carries tool_calls.
-    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
-    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_CONTENT_PARTS)] | None = None
-    tool_call_id: str | None = None
-    # An assistant message's reasoning as this server returned it (vLLM's two names for it), passed to
-    # a template that renders it.
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-
-    @property
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        # Joined as vLLM joins them, so that both servers see the same prompt tokens.
-        return "\n".join(part.text or "" for part in self.content)
+# OpenAI's bodies ignore fields they do not know, as every request here does.
+OpenAIRequest = RequestModel
 
 
 class StreamOptions(OpenAIRequest):
@@ -288,52 +252,3 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-# A pin outliving a week is a configuration, not a cache decision.
-MAX_PIN_TTL_S = 7 * 24 * 3600
-
-
-class PinRequest(OpenAIRequest):
-    """A prefix to hold in memory: a text prompt (or token ids) or chat messages, rendered without the
-    generation prompt so that every later chat that starts with them shares the pinned blocks."""
-
-    model: str | None = None
-    prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    ttl_s: float = Field(gt=0, le=MAX_PIN_TTL_S)
-
-
-class PinInfo(BaseModel):
-    id: str
-    object: Literal["cache.pin"] = "cache.pin"
-    pinned_tokens: int
-    expires_at: int
-    expires_in_s: float
-
-
-class PinDeleted(BaseModel):
-    id: str
-    object: Literal["cache.pin"] = "cache.pin"
-    deleted: bool = True
-
-
-class TierInfo(BaseModel):
-    """A cache tier's usage. `blocks` and `bytes_used` are None in a tenant's view of a tier below
-    memory (shared by every tenant, not counted per tenant)."""
-
-    name: str
-    blocks: int | None
-    bytes_used: int | None
-    capacity_bytes: int
-    pinned_blocks: int | None = None
-    max_pinned_blocks: int | None = None
-    retained_blocks: int | None = None
-    max_retained_blocks: int | None = None
-
-
-class CacheStatus(BaseModel):
-    object: Literal["cache"] = "cache"
-    block_size: int
-    pins: list[PinInfo]
-    tiers: list[TierInfo]

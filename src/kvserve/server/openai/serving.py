@@ -26,9 +26,9 @@ from kvserve.server.core.generation import (
     start,
     usage,
 )
+from kvserve.server.core.output import OutputFormat, ResponseIds
 from kvserve.server.core.plan import RequestPlan
 from kvserve.server.http.errors import ErrorResponse, to_api_error
-from kvserve.server.openai.formats import OutputFormat, ResponseIds
 
 log = logging.getLogger("kvserve.server")
 

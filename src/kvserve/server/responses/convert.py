@@ -1,4 +1,12 @@
-"""A Responses request's input, tools and text format as the chat machinery takes them.
+"""A Responses request as the neutral chat request (`responses_request`, `responses_plan`): the one place
+its defaults and its max_output_tokens rule live.
+
+Defaults: temperature and top_p 1 unless given; every other sampling value the engine's default (no
+top_k, no penalties, one sample); the text format is the output constraint (`response_format`).
+
+max_output_tokens: below 1 is a 400 (`check_fields`); unset is "up to the context"; a prompt plus
+max_output_tokens over the context is not refused: the reply may fill the room the prompt leaves
+(`OverContext.FILL`), and a reply cut there is `incomplete` with reason max_output_tokens.
 
 Items become chat messages: `developer` is a system message, a run of `function_call` items one assistant
 message with those calls (its calls render back as the exact text generated, server/core/tools.py), a
@@ -25,8 +33,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
-from kvserve.server.openai.protocol import ChatMessage, FunctionCall, ToolCall
+from kvserve.server.core.context import ServerContext
+from kvserve.server.core.messages import ChatMessage, FunctionCall, ToolCall
+from kvserve.server.core.plan import RequestPlan, rendered_chat_plan
+from kvserve.server.core.prompts import Continuation, continued_chat_prompt
+from kvserve.server.core.request import ChatRequest, OverContext
+from kvserve.server.core.structured import structured_outputs
+from kvserve.server.core.tools import ToolUse, offered_tools
 from kvserve.server.responses.protocol import (
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_KEYS,
@@ -343,3 +358,68 @@ def check_fields(body: ResponsesRequest) -> None:
             f"with values of {MAX_METADATA_VALUE_CHARS}",
             "metadata",
         )
+
+
+@dataclass(frozen=True)
+class PreviousResponse:
+    """What a stored response hands the next turn: its conversation (without its instructions, which
+    are not carried over) and its exact token ids, when its reply can be continued token for token."""
+
+    messages: tuple[ChatMessage, ...]
+    continuation: Continuation | None
+
+
+@dataclass(frozen=True)
+class ResponsesPlan:
+    """A Responses request's plan, with what storing its response needs: the conversation it renders
+    (without instructions) and the text its prompt stands for."""
+
+    plan: RequestPlan
+    messages: tuple[ChatMessage, ...]
+    prompt_text: str
+    tools: ToolUse | None
+    # The names of the tools that are custom tools: their calls are answered as custom_tool_call items.
+    custom_tools: frozenset[str] = frozenset()
+    # The request's tools as its response lists them: those offered, without what nothing here reads.
+    response_tools: tuple[dict[str, Any], ...] = ()
+
+
+def responses_plan(
+    ctx: ServerContext, body: ResponsesRequest, namespace: str, previous: PreviousResponse | None
+) -> ResponsesPlan:
+    """A Responses request's plan: its items after the previous response's conversation (continuing
+    that response's exact token ids: only the new items are rendered into new tokens), its instructions
+    first, its tools and text format as chat's, and max_output_tokens under its rule (the module's
+    docstring). An error on the prompt names `input`."""
+    check_fields(body)
+    listed = chat_tools(body.tools, body.input)
+    history = previous.messages if previous is not None else ()
+    conversation = (*history, *input_messages(body.input, history))
+    if not conversation:
+        raise InvalidRequestError("input is empty: give a message", "input")
+    instructions = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    messages = (*instructions, *conversation)
+    text_format = response_format(body.text.format if body.text is not None else None)
+    tools = offered_tools(
+        listed.tools, chat_tool_choice(body.tool_choice, listed.tools), body.parallel_tool_calls
+    )
+    token_ids, prompt_text = continued_chat_prompt(
+        ctx.async_engine,
+        ctx.prompt_guard,
+        messages,
+        namespace,
+        tools,
+        ctx.chat,
+        previous.continuation if previous is not None else None,
+    )
+    params = SamplingParams(
+        max_tokens=body.max_output_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        structured_outputs=structured_outputs(text_format),
+    )
+    request = ChatRequest(messages, params, tools, over_context=OverContext.FILL, prompt_param="input")
+    plan = rendered_chat_plan(ctx, request, token_ids, namespace)
+    return ResponsesPlan(
+        plan, conversation, prompt_text, tools, listed.custom, tuple(response_tools(body.tools))
+    )

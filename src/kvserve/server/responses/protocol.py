@@ -1,6 +1,6 @@
 """Request and response bodies of OpenAI's Responses API (`POST /v1/responses`), as pydantic models.
 
-As in server/openai/protocol.py, requests ignore fields they do not know, and fields that change nothing here
+As in server/core/messages.py, requests ignore fields they do not know, and fields that change nothing here
 (`include`, `reasoning.effort`, `reasoning.summary`, `reasoning.context`, `text.verbosity`,
 `prompt_cache_key`, `client_metadata`, `user`, `service_tier`, `truncation`) are parsed and left
 without effect (README, *Responses API*). Input items are one permissive model: which fields
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from kvserve.server.openai.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES, OpenAIRequest
+from kvserve.server.core.messages import MAX_CONTENT_PARTS, MAX_MESSAGES, RequestModel
 
 # A call id or a response id a client sends back: far longer than any this server makes.
 MAX_ID_CHARS = 256
@@ -25,7 +25,7 @@ MAX_TOOL_ENTRIES = 256
 Id = Annotated[str, Field(max_length=MAX_ID_CHARS)]
 
 
-class InputPart(OpenAIRequest):
+class InputPart(RequestModel):
     """A part of an item's content: `input_text`, `output_text` (and a reasoning item's `reasoning_text`
     and `summary_text`) are read; any other type is refused by name."""
 
@@ -36,7 +36,7 @@ class InputPart(OpenAIRequest):
 Parts = Annotated[list[InputPart], Field(max_length=MAX_CONTENT_PARTS)]
 
 
-class InputItem(OpenAIRequest):
+class InputItem(RequestModel):
     """One item of `input`: a message (`type` "message", or absent with a `role`), a `function_call`, a
     `function_call_output`, a `custom_tool_call` (its free text in `input`), a `custom_tool_call_output`,
     a `reasoning` item or an `additional_tools` item (its `tools` join the request's)."""
@@ -56,7 +56,7 @@ class InputItem(OpenAIRequest):
     status: str | None = None
 
 
-class TextFormat(OpenAIRequest):
+class TextFormat(RequestModel):
     type: str = "text"
     name: str | None = None
     # `schema` shadows a BaseModel attribute, hence the alias.
@@ -65,18 +65,18 @@ class TextFormat(OpenAIRequest):
     description: str | None = None
 
 
-class TextConfig(OpenAIRequest):
+class TextConfig(RequestModel):
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class ReasoningConfig(OpenAIRequest):
+class ReasoningConfig(RequestModel):
     effort: str | None = None
     summary: str | None = None
     context: str | None = None
 
 
-class ResponsesRequest(OpenAIRequest):
+class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None

@@ -1,8 +1,8 @@
 """POST /v1/responses: a Responses plan through the engine, answered whole or as semantic events, and
 stored for `previous_response_id` when `store` is on.
 
-The reply is parsed as chat's is (server/openai/formats.py:ChatFormat: think block, tool calls in the server's
-format), then shaped as Responses output items: a `reasoning` item, then either `function_call` items
+The reply is parsed as chat's is (server/core/output.py:ReplyParser: think block, tool calls in the
+server's format), then shaped as Responses output items: a `reasoning` item, then either `function_call` items
 (arguments: the exact text generated), `custom_tool_call` items for the custom tools (input: the string
 the model wrote as the one argument they are offered with, server/responses/convert.py), or one `message`
 with its `output_text`. A stream sends OpenAI's events, each with an increasing `sequence_number`:
@@ -32,14 +32,20 @@ from kvserve.engine.async_engine import Reservation
 from kvserve.engine.outputs import PromptOutputs
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.generation import EventStreamResponse, Generation, cancel_on_disconnect, usage
-from kvserve.server.core.plan import PreviousResponse, ResponsesPlan, responses_plan
+from kvserve.server.core.messages import ChatMessage, FunctionCall, ToolCall
+from kvserve.server.core.output import Choice, ReplyParser
 from kvserve.server.core.prompts import Continuation
+from kvserve.server.core.tool_formats.stream import new_call_id
 from kvserve.server.core.tools import conversation
 from kvserve.server.http.errors import APIError, to_api_error
-from kvserve.server.openai.formats import ChatFormat, Choice, ResponseIds
-from kvserve.server.openai.logprobs import LogprobRenderer
-from kvserve.server.openai.protocol import ChatMessage, FunctionCall, ToolCall
-from kvserve.server.responses.convert import custom_input, response_tool_choice, response_tools
+from kvserve.server.responses.convert import (
+    PreviousResponse,
+    ResponsesPlan,
+    custom_input,
+    response_tool_choice,
+    response_tools,
+    responses_plan,
+)
 from kvserve.server.responses.protocol import (
     CustomToolCallItem,
     FunctionCallItem,
@@ -56,7 +62,7 @@ from kvserve.server.responses.protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from kvserve.server.responses.store import StoredResponse, new_response_id
+from kvserve.server.responses.store import ResponseStore, StoredResponse, new_response_id
 
 log = logging.getLogger("kvserve.server")
 
@@ -76,10 +82,10 @@ def unknown_response(response_id: str) -> APIError:
     )
 
 
-def previous_response(ctx: ServerContext, tenant: str, response_id: str | None) -> PreviousResponse | None:
+def previous_response(store: ResponseStore, tenant: str, response_id: str | None) -> PreviousResponse | None:
     if response_id is None:
         return None
-    stored = ctx.responses.get(tenant, response_id)
+    stored = store.get(tenant, response_id)
     if stored is None:
         raise APIError(
             404,
@@ -97,9 +103,11 @@ def previous_response(ctx: ServerContext, tenant: str, response_id: str | None) 
     return PreviousResponse(tuple(replay.messages), continuation)
 
 
-def prepare(ctx: ServerContext, body: ResponsesRequest, namespace: str, tenant: str) -> ResponsesPlan:
+def prepare(
+    ctx: ServerContext, store: ResponseStore, body: ResponsesRequest, namespace: str, tenant: str
+) -> ResponsesPlan:
     """The previous response read and the plan built, in one trip off the event loop."""
-    return responses_plan(ctx, body, namespace, previous_response(ctx, tenant, body.previous_response_id))
+    return responses_plan(ctx, body, namespace, previous_response(store, tenant, body.previous_response_id))
 
 
 def _call_item(call: FunctionCallItem, custom: frozenset[str]) -> FunctionCallItem | CustomToolCallItem:
@@ -149,23 +157,26 @@ class _Run:
     """One request's generation and what its response and its stored copy are made of."""
 
     def __init__(
-        self, ctx: ServerContext, request: Request, body: ResponsesRequest, prepared: ResponsesPlan
+        self,
+        ctx: ServerContext,
+        store: ResponseStore,
+        request: Request,
+        body: ResponsesRequest,
+        prepared: ResponsesPlan,
     ) -> None:
         self.ctx = ctx
+        self.store = store
         self.body = body
         self.prepared = prepared
         self.id = new_response_id()
         self.created = int(time.time())
         plan = prepared.plan
-        self.fmt = ChatFormat(
-            LogprobRenderer(ctx.async_engine.tokenizer),
-            False,
+        self.parser = ReplyParser(
             ctx.chat.tools.layout if prepared.tools is not None else None,
             ctx.chat.reasoning,
             plan.opens_reasoning,
             plan.tool_names,
         )
-        self.ids = ResponseIds(self.id, self.created, ctx.model_name)
         (prompt,) = plan.prompts
         self.choice = Choice(0, prompt, PromptOutputs.start(len(prompt.token_ids), 1), 0)
         self.log_id: str = getattr(request.state, "request_id", self.id)
@@ -212,9 +223,7 @@ class _Run:
         reasoning_tokens = len(self.ctx.async_engine.tokenizer.encode(reasoning, False)) if reasoning else 0
         return ResponseUsage(
             input_tokens=counted.prompt_tokens,
-            input_tokens_details=InputTokensDetails(
-                cached_tokens=counted.prompt_tokens_details.cached_tokens
-            ),
+            input_tokens_details=InputTokensDetails(cached_tokens=counted.cached_tokens),
             output_tokens=counted.completion_tokens,
             output_tokens_details=OutputTokensDetails(
                 reasoning_tokens=min(reasoning_tokens, counted.completion_tokens)
@@ -241,7 +250,7 @@ class _Run:
         stored = StoredResponse(
             id=self.id,
             tenant=tenant,
-            expires_at=self.ctx.responses.expiry(),
+            expires_at=self.store.expiry(),
             response=response,
             input_items=input_items(self.body),
             messages=messages,
@@ -251,7 +260,7 @@ class _Run:
             stored.continuation_ids = list(continuation.ids)
             stored.continuation_content = continuation.content
             stored.continuation_lead = continuation.lead
-        return self.ctx.responses.put(stored)
+        return self.store.put(stored)
 
     def _continuation(self, assistant: ChatMessage) -> Continuation | None:
         """The prompt's and the reply's ids, with the text they stand for before the reply's content as
@@ -293,11 +302,11 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 def item_list(
-    ctx: ServerContext, tenant: str, response_id: str, limit: int, order: str, after: str | None
+    store: ResponseStore, tenant: str, response_id: str, limit: int, order: str, after: str | None
 ) -> bytes | None:
     """A page of the tenant's stored response's input items as an InputItemList's JSON (None when it
     has no such response), read and written off the event loop."""
-    stored = ctx.responses.get(tenant, response_id)
+    stored = store.get(tenant, response_id)
     if stored is None:
         return None
     input_items = stored.read_replay().input_items
@@ -319,22 +328,19 @@ def item_list(
 
 
 def _whole_reply(run: _Run) -> _Reply:
-    """The finished reply's items, parsed whole (ChatFormat's parse, as a chat completion's)."""
-    result = run.fmt.response(run.ids, [run.choice], usage([]))
-    message = result.choices[0].message  # type: ignore[attr-defined]
+    """The finished reply's items, parsed whole (as a chat completion's: server/core/output.py)."""
+    parsed = run.parser.whole(run.choice.text, run.choice.finish_reason)
     reply = _Reply(run.prepared.custom_tools)
-    if message.reasoning_content is not None:
-        reply.reasoning = ReasoningItem(
-            id=_item_id("rs"), content=[ReasoningText(text=message.reasoning_content)]
-        )
-    for call in message.tool_calls or ():
+    if parsed.reasoning is not None:
+        reply.reasoning = ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text=parsed.reasoning)])
+    for call in parsed.calls or ():
         reply.calls.append(
             FunctionCallItem(
-                id=_item_id("fc"), call_id=call.id, name=call.function.name, arguments=call.function.arguments
+                id=_item_id("fc"), call_id=new_call_id(), name=call.name, arguments=call.arguments
             )
         )
-    if message.content is not None or not reply.calls:
-        reply.message = OutputMessage(id=_item_id("msg"), content=[OutputText(text=message.content or "")])
+    if parsed.content is not None or not reply.calls:
+        reply.message = OutputMessage(id=_item_id("msg"), content=[OutputText(text=parsed.content or "")])
     return reply
 
 
@@ -535,8 +541,8 @@ async def _events(
         async with aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
                 if delta.text or delta.finished:
-                    chunk = run.fmt.chunk(run.ids, run.choice, delta.text, [], delta.finish_reason)
-                    for event in writer.delta(chunk.choices[0].delta):  # type: ignore[attr-defined]
+                    piece, _ = run.parser.delta(0, delta.text, delta.finish_reason)
+                    for event in writer.delta(piece):
                         yield event
         for event in writer.close():
             yield event
@@ -558,6 +564,7 @@ async def _events(
 
 async def respond_responses(
     ctx: ServerContext,
+    store: ResponseStore,
     request: Request,
     body: ResponsesRequest,
     prepared: ResponsesPlan,
@@ -565,7 +572,7 @@ async def respond_responses(
     tenant: str,
 ) -> Response:
     """Run the plan's one sample and answer as a Responses object or its event stream."""
-    run = _Run(ctx, request, body, prepared)
+    run = _Run(ctx, store, request, body, prepared)
     generation = run.generation(room)
     try:
         await cancel_on_disconnect(request, generation.start())

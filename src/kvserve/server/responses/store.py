@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from kvserve.server.openai.protocol import ChatMessage
+from kvserve.server.core.messages import ChatMessage
 from kvserve.server.responses.protocol import ResponseObject
 
 log = logging.getLogger("kvserve.server")
