@@ -212,7 +212,7 @@ def test_count_tokens_and_stored_response_reads_take_a_slot(
         assert release.wait(60)
         return messages_tokens(*args)
 
-    monkeypatch.setattr("kvserve.server.app.messages_tokens", held)
+    monkeypatch.setattr("kvserve.server.anthropic.routes.messages_tokens", held)
     claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
     gpt = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
     counted: list[int] = []

@@ -17,9 +17,9 @@ from kvserve import __version__
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
-from kvserve.server import app as app_module
 from kvserve.server.app import create_app
 from kvserve.server.core.output import ResponseIds
+from kvserve.server.openai import routes as openai_routes
 from kvserve.server.openai.formats import CompletionFormat
 from tests.server.live import Server, assert_no_leak
 
@@ -279,7 +279,7 @@ def test_unexpected_errors_answer_500_without_details(
     def broken(*args: Any) -> Any:
         raise RuntimeError("internal detail")
 
-    monkeypatch.setattr(app_module, "completion_plan", broken)
+    monkeypatch.setattr(openai_routes, "completion_plan", broken)
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=60)
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error"

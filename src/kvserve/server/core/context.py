@@ -1,6 +1,9 @@
 """ServerContext: what every route needs, built once by `create_app` and shared by the route modules."""
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.options import ServerOptions
@@ -34,6 +37,15 @@ class ServerContext:
     options: ServerOptions
     preparation: PreparationPool
     chat: ChatSetup
+
+
+def _context(request: Request) -> ServerContext:
+    context: ServerContext = request.app.state.context
+    return context
+
+
+# A route's parameter: the app's ServerContext (create_app puts it in app.state).
+Context = Annotated[ServerContext, Depends(_context)]
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
