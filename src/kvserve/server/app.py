@@ -27,13 +27,14 @@ from kvserve.model.heap import release_startup_pages
 from kvserve.options import ServerOptions
 from kvserve.secret import read_secret
 from kvserve.server.anthropic import routes as anthropic_routes
+from kvserve.server.anthropic.errors import ERROR_SHAPE as ANTHROPIC_ERRORS
 from kvserve.server.cache_api import routes as cache_routes
 from kvserve.server.cache_api.dashboard import Dashboard, StatsHistory
 from kvserve.server.core.chat_setup import chat_setup, read_chat_template
 from kvserve.server.core.context import Context, ServerContext
 from kvserve.server.core.preparation import PreparationPool
 from kvserve.server.core.prompts import PromptGuard
-from kvserve.server.http.errors import APIError, install_error_handlers
+from kvserve.server.http.errors import APIError, ErrorShapes, install_error_handlers
 from kvserve.server.http.metrics import ServerMetrics
 from kvserve.server.http.middleware import InFlightLimiter, RequestGate, route_access
 from kvserve.server.http.request_id import RequestIdMiddleware
@@ -187,7 +188,8 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
     )
     app.state.responses = ResponseStore(limits, response_backend(async_engine.config, limits))
     app.state.dashboard = dashboard
-    install_error_handlers(app)
+    shapes = ErrorShapes((ANTHROPIC_ERRORS,))
+    install_error_handlers(app, shapes)
     for router, _ in ROUTERS:
         app.include_router(router)
     # Inside CORS, so that its refusals carry CORS headers and preflights never reach it.
@@ -197,6 +199,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         tenants=tenants,
         in_flight=app.state.context.in_flight,
         max_bytes=options.max_request_bytes,
+        shapes=shapes,
     )
     if options.allowed_origins:
         app.add_middleware(

@@ -22,8 +22,8 @@ from schemathesis import GenerationMode
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
+from kvserve.server.anthropic.errors import is_anthropic_path
 from kvserve.server.app import create_app
-from kvserve.server.http.errors import is_anthropic_path
 from kvserve.server.http.tenants import Tenants, load_or_create_secret
 from tests.hostile_grammars import deep_nesting, huge_alternation, overlapping_terminals
 

@@ -30,6 +30,7 @@ from fastapi import Request, Response
 from kvserve.engine.async_engine import Reservation
 from kvserve.engine.outputs import RequestDelta
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.anthropic.errors import anthropic_error
 from kvserve.server.anthropic.protocol import AnthropicUsage, MessageResponse
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.generation import (
@@ -46,7 +47,7 @@ from kvserve.server.core.reasoning import ReasoningStream, split
 from kvserve.server.core.retention import retain_breakpoints
 from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
 from kvserve.server.core.tool_formats.stream import CallStream
-from kvserve.server.http.errors import anthropic_error, to_api_error
+from kvserve.server.http.errors import to_api_error
 
 log = logging.getLogger("kvserve.server")
 

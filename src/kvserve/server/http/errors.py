@@ -1,13 +1,16 @@
-"""OpenAI-shaped errors: every failure answers `{"error": {message, type, param, code}}`, never a stack trace;
-on Anthropic's routes (`/v1/messages...`) Anthropic's shape, `{"type": "error", "error": {type, message}}`.
+"""Errors: every failure answers its status and a body in its API's shape, never a stack trace: OpenAI's
+`{"error": {message, type, param, code}}` unless the route's API has its own (`ErrorShapes`: Anthropic's,
+server/anthropic/errors.py).
 
-One mapping (`to_api_error`) turns any exception into its status and body, so that a handler before the
-response and an error event inside a stream say the same thing; the shape is the route's.
+One mapping (`to_api_error`) turns any exception into its status and detail, so that a handler before the
+response and an error event inside a stream say the same thing. A request refused as sent is an
+InvalidRequestError, the one 400 type (`bad_request`); APIError carries any other status.
 """
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -65,41 +68,35 @@ class APIError(Exception):
         )
         self.headers = dict(headers or {})
 
-    def response(self, anthropic: bool = False) -> Response:
-        """The error as a response, in Anthropic's shape when `anthropic`, else OpenAI's."""
-        shaped = anthropic_error(self) if anthropic else ErrorResponse(error=self.detail).model_dump()
+    def response(self, shape: "ErrorShape | None" = None) -> Response:
+        """The error as a response, its body in `shape` (OpenAI's by default)."""
+        shaped = (shape or openai_error)(self)
         # ASCII-escaped: a message may quote client text holding a lone surrogate, which UTF-8 cannot encode.
         body = json.dumps(shaped, ensure_ascii=True)
         return Response(body, status_code=self.status, headers=self.headers, media_type="application/json")
 
 
-# Anthropic's error types by status; any other status is an `api_error`.
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-ANTHROPIC_PREFIX = "/v1/messages"
+# How an API shapes an error's body.
+ErrorShape = Callable[[APIError], dict[str, Any]]
 
 
-def is_anthropic_path(path: str) -> bool:
-    """Whether a path is one of Anthropic's routes, whose errors take Anthropic's shape."""
-    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+def openai_error(error: APIError) -> dict[str, Any]:
+    """`{"error": {message, type, param, code}}`: every route's shape unless its API has its own."""
+    return ErrorResponse(error=error.detail).model_dump()
 
 
-def anthropic_error(error: APIError) -> dict[str, Any]:
-    """`{"type": "error", "error": {"type", "message"}}`; the param, when there is one, is named in
-    the message (Anthropic's errors have no field for it)."""
-    message = error.detail.message
-    param = error.detail.param
-    if param and param not in message:
-        message = f"{message} ({param})"
-    kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+@dataclass(frozen=True)
+class ErrorShapes:
+    """The error shape of each API whose routes share a path prefix (Anthropic's, `/v1/messages...`);
+    OpenAI's on every other path. app.py gives the gate and the handlers the same one."""
+
+    by_prefix: tuple[tuple[str, ErrorShape], ...] = ()
+
+    def for_path(self, path: str) -> ErrorShape:
+        for prefix, shape in self.by_prefix:
+            if path == prefix or path.startswith(prefix + "/"):
+                return shape
+        return openai_error
 
 
 class BodyError(HTTPException):
@@ -177,19 +174,20 @@ def to_api_error(request: Request, exc: Exception) -> APIError:
     return APIError(500, "The server had an internal error; the server log has the details.", "server_error")
 
 
-async def _handle(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, ClientDisconnected):
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    error = to_api_error(request, exc)
-    if error.status >= 500 and not isinstance(exc, APIError | EngineOverloadedError | EngineDeadError):
-        # Starlette re-raises it after this handler answers, so the server logs the traceback as well.
-        log.error("%s %s failed: %r", request.method, request.url.path, exc)
-    else:
-        log.info("%s %s -> %d: %s", request.method, request.url.path, error.status, error.detail.message)
-    return error.response(is_anthropic_path(request.url.path))
+def install_error_handlers(app: FastAPI, shapes: ErrorShapes) -> None:
+    """Every exception answered as its status and body, in the shape of the API whose route it is."""
 
+    async def _handle(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, ClientDisconnected):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        error = to_api_error(request, exc)
+        if error.status >= 500 and not isinstance(exc, APIError | EngineOverloadedError | EngineDeadError):
+            # Starlette re-raises it after this handler answers, so the server logs the traceback as well.
+            log.error("%s %s failed: %r", request.method, request.url.path, exc)
+        else:
+            log.info("%s %s -> %d: %s", request.method, request.url.path, error.status, error.detail.message)
+        return error.response(shapes.for_path(request.url.path))
 
-def install_error_handlers(app: FastAPI) -> None:
     for exc_class in (
         APIError,
         ClientDisconnected,

@@ -17,7 +17,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.http.auth import authenticate, check_admin_key
-from kvserve.server.http.errors import RETRY_AFTER_S, APIError, is_anthropic_path
+from kvserve.server.http.errors import RETRY_AFTER_S, APIError, ErrorShapes
 from kvserve.server.http.tenants import Tenants
 
 log = logging.getLogger("kvserve.server")
@@ -113,12 +113,15 @@ class RequestGate:
         tenants: Tenants,
         in_flight: InFlightLimiter,
         max_bytes: int,
+        shapes: ErrorShapes | None = None,
     ) -> None:
         self.app = app
         self.access = access
         self.tenants = tenants
         self.in_flight = in_flight
         self.max_bytes = max_bytes
+        # OpenAI's shape on every path unless told otherwise.
+        self.shapes = shapes or ErrorShapes()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -140,7 +143,7 @@ class RequestGate:
                     self.in_flight.take(caller.tenant.name)
                     tenant = caller.tenant.name
         except APIError as error:
-            await _refuse(error, scope, receive, send)
+            await _refuse(error, self.shapes, scope, receive, send)
             return
         held = tenant is not None
 
@@ -179,7 +182,7 @@ class RequestGate:
                 "--max-request-bytes); send a shorter prompt.",
                 code="request_too_large",
             )
-            await _refuse(error, scope, receive, send)
+            await _refuse(error, self.shapes, scope, receive, send)
             return
         replayed = False
 
@@ -221,7 +224,7 @@ class RequestGate:
                 return
 
 
-async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+async def _refuse(error: APIError, shapes: ErrorShapes, scope: Scope, receive: Receive, send: Send) -> None:
     path: str = scope["path"]
     log.info("%s %s -> %d: %s", scope["method"], path, error.status, error.detail.message)
-    await error.response(is_anthropic_path(path))(scope, receive, send)
+    await error.response(shapes.for_path(path))(scope, receive, send)
