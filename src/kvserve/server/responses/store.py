@@ -40,7 +40,7 @@ log = logging.getLogger("kvserve.server")
 ID_PREFIX = "resp_"
 ID_BYTES = 24
 # What an entry costs beside its fields' objects: the HeldResponse itself, its float, and its nodes in
-# the tenant's and the server's LRU orders (tests/server/test_responses_store.py measures it).
+# the tenant's and the server's LRU orders (tests/server/responses/test_responses_store.py measures it).
 ENTRY_OVERHEAD = 640
 # A held response as the backends keep it: expires_at, then the lengths of the id, the tenant, the
 # response and the replay record; then those bytes, then the token ids (int32, little-endian).
