@@ -57,7 +57,7 @@ WORKSPACE = os.path.join(tempfile.gettempdir(), "kvserve-agents-workspace")
 RUNS = 2
 # The reply's expected length in tokens, sampled at temperature 1 (see the module's docstring).
 MEAN_REPLY_TOKENS = 24
-# kvserve's line for a finished request (server/serving.py); a request may write several (n, batches).
+# kvserve's line for a finished request (server/openai/serving.py); a request may write several (n, batches).
 _LOG_LINE = re.compile(r"kvserve\.server: (\S+): prompt (\d+) tokens \((\d+) cached\)")
 
 

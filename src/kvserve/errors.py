@@ -28,13 +28,19 @@ class KernelAbiError(KVServeError, RuntimeError):
 class InvalidRequestError(KVServeError, ValueError):
     """A request can never be served as asked (bad sampling value, prompt too long, ...).
 
-    `param` names the offending field so that the server can report it OpenAI-style.
+    `param` names the offending field so that the server can report it OpenAI-style, and `code`, when
+    there is one, is the machine-readable reason a client may branch on. The server answers every one
+    with a 400 (server/http/errors.py): it is the server's one type for a request refused as sent.
     """
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        if code is not None:
+            self.code = code
 
 
 class EngineOverloadedError(KVServeError):

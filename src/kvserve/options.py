@@ -11,7 +11,7 @@ from kvserve.errors import ConfigError
 from kvserve.flags import option
 
 # Kept here, below the server, so that the command line offers them without importing it; the server's
-# registries (server/tool_formats, server/chat_setup.py) hold the same names.
+# registries (server/tool_formats, server/core/chat_setup.py) hold the same names.
 TOOL_CALL_FORMATS = ("auto", "generic", "phi4", "mistral", "hermes", "llama3_json")
 REASONING_PARSERS = ("auto", "off", "think")
 
@@ -39,7 +39,7 @@ class ServerOptions:
     one request, CORS and the dashboard. The keys never show in the repr.
 
     `api_key` is the one key of a single-tenant server; `api_key_file` names tenants' keys (it wins
-    over `api_key` for tenancy, see server/tenants.py); `admin_key` opens the admin routes and every
+    over `api_key` for tenancy, see server/http/tenants.py); `admin_key` opens the admin routes and every
     namespace's dashboard. `tenant_secret_file` is the secret replicas share (default: this server's
     own, in its cache folder); `kv_remote`, the URL of the Redis tier they share, needs it: it reaches
     EngineConfig.kv_remote together with that secret once `serve` has read it. Its password comes from
@@ -47,7 +47,7 @@ class ServerOptions:
     line shows it). `launch_nonce` is set by `kvserve serve` when `kvserve cluster` started it (from the
     environment, kvserve.credentials): GET /identity proves with it that this is the replica it spawned.
     `preparation_threads` prepare requests off the event loop, at most `max_preparing_per_tenant` of
-    them for one tenant at once (server/preparation.py). `served_model_name` holds the names a request's
+    them for one tenant at once (server/core/preparation.py). `served_model_name` holds the names a request's
     `model` may be (one string counts as one name): the first is the one answers show, the others are
     aliases (vLLM's meaning). `shutdown_grace_s` is how long requests in flight get after SIGTERM.
     """

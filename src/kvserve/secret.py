@@ -1,6 +1,6 @@
 """The server secret: 32 random bytes, kept in the cache folder, from which every keyed hash is derived.
 
-Tenant namespaces are HMACs under it (server/tenants.py), and the blocks that the disk and Redis tiers
+Tenant namespaces are HMACs under it (server/http/tenants.py), and the blocks that the disk and Redis tiers
 store are sealed (encrypted and authenticated, cache/block_seal.py) under keys derived from it
 (`derive_key(secret, DISK_TIER_SEAL_PURPOSE)`), so that whoever lacks the secret can neither read a
 stored block nor have one served. It is kept across restarts, so that namespaces, and the KV written

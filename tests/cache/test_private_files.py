@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.errors import KVServeError
-from kvserve.server.tenants import load_or_create_secret
+from kvserve.server.http.tenants import load_or_create_secret
 
 SECRET = "tenant-secret"
 

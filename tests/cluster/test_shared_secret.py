@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.secret import SecretError, load_or_create_secret, read_secret
-from kvserve.server.tenants import Tenant, Tenants
+from kvserve.server.http.tenants import Tenant, Tenants
 from tests.cluster.cluster_harness import secret_file
 
 

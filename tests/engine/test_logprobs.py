@@ -314,7 +314,7 @@ def test_legacy_top_logprobs_keep_the_likeliest_of_tokens_sharing_a_text(default
     """Regression: the legacy top_logprobs dict is keyed by token text, and pieces of a UTF-8 character
     all read U+FFFD; the less likely piece's logprob used to overwrite the likelier one's."""
     from kvserve.engine.logprobs import TokenLogprob
-    from kvserve.server.logprobs import LogprobRenderer
+    from kvserve.server.openai.logprobs import LogprobRenderer
 
     tokenizer = default_model.tokenizer
     first, second = [t for t in range(4096) if tokenizer.token_text(t) == "\ufffd"][:2]

@@ -25,7 +25,7 @@ from kvserve.errors import EngineOverloadedError, InvalidRequestError
 from kvserve.model.loader import LoadedModel
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
-from kvserve.server.tenants import Tenants, load_or_create_secret
+from kvserve.server.http.tenants import Tenants, load_or_create_secret
 from tests.harness import Spec, drive, engine_with_blocks, gate_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -2,7 +2,7 @@
 (and without the retention the same flood evicts it), a tenant over its budget trims its own oldest
 retention while another tenant's stays, retentions end on the manager's clock, and retained blocks give
 way, as many as needed, when a request could not run otherwise. check() runs after every step
-(`drive`). The server's side is tests/server/test_retention_metrics.py."""
+(`drive`). The server's side is tests/server/cache_api/test_retention_metrics.py."""
 
 import math
 from typing import Any

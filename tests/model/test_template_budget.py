@@ -15,8 +15,8 @@ from kvserve.model import template_budget
 from kvserve.model.loader import load_default_tokenizer
 from kvserve.model.template_budget import TemplateBudgetError
 from kvserve.model.tokenizer import TemplateArgs, Tokenizer
-from kvserve.server.chat_setup import chat_setup
-from kvserve.server.tool_formats import GENERIC
+from kvserve.server.core.chat_setup import chat_setup
+from kvserve.server.core.tool_formats import GENERIC
 
 FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 CHAT = [{"role": "user", "content": "Hi"}]

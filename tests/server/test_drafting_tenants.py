@@ -21,7 +21,7 @@ from kvserve.engine.factory import build_parts
 from kvserve.model.loader import LoadedModel
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
-from kvserve.server.tenants import Tenants, load_or_create_secret
+from kvserve.server.http.tenants import Tenants, load_or_create_secret
 from tests.engine.test_drafting_tenants import PROMPT, SMALL_BOUNDS
 from tests.harness import RowClock
 

@@ -19,7 +19,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
-from kvserve.server.tenants import Tenants, load_or_create_secret
+from kvserve.server.http.tenants import Tenants, load_or_create_secret
 
 CLIENTS = 64
 TENANTS = 4

@@ -27,7 +27,7 @@ def encode_chat(
 ) -> list[int]:
     """Token ids of a conversation, earlier replies spliced in as their generated ids; a conversation
     the template cannot render is an InvalidRequestError on `messages`. `known_reply` replaces the
-    reply memory's lookup (a stored conversation's own ids: server/responses_store.py).
+    reply memory's lookup (a stored conversation's own ids: server/responses/store.py).
 
     A template is a program run over the client's data (its messages, tools and template variables): a
     variable of an unexpected type makes a template raise TypeError or the like, which is the request's

@@ -18,7 +18,7 @@ from kvserve.model.template_budget import template_budget
 
 # One message of a conversation as the chat template takes it: {"role": ..., "content": ...}, and for a
 # template that knows them, "tool_call_id", "name" or "reasoning_content". The server's request model of
-# a message is server/protocol.py's ChatMessage.
+# a message is server/openai/protocol.py's ChatMessage.
 MessageDict = dict[str, Any]
 
 

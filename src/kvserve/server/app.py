@@ -1,4 +1,7 @@
-"""The FastAPI app: routes, lifespan, `create_app` around an AsyncEngine, and `serve` for the CLI."""
+"""The FastAPI app, the server's composition root: `create_app` builds the context around an AsyncEngine
+and mounts each API's routers (server/openai, server/responses, server/anthropic, server/cache_api) by the
+access their routes ask; the server's own routes (health, identity, version, metrics) are here; `serve`
+runs it for the CLI."""
 
 import asyncio
 import dataclasses
@@ -11,7 +14,7 @@ from contextlib import asynccontextmanager, suppress
 from typing import Annotated
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import FastAPI, Query, Response
 from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -20,51 +23,27 @@ from kvserve.config import EngineConfig
 from kvserve.credentials import identity_proof, read_kv_remote_password, url_with_password
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
-from kvserve.engine.validation import check_vocabulary
 from kvserve.model.heap import release_startup_pages
 from kvserve.options import ServerOptions
 from kvserve.secret import read_secret
-from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, TokenCount
-from kvserve.server.anthropic_serving import MessagesFormat, respond_messages
-from kvserve.server.auth import ADMIN_TENANT, cache_namespace, caller, stats_scope
-from kvserve.server.cache_views import cache_status
-from kvserve.server.chat_setup import chat_setup, read_chat_template
-from kvserve.server.context import ServerContext, check_model
-from kvserve.server.dashboard import ASSETS, CacheStatsResponse, Dashboard, StatsHistory, asset
-from kvserve.server.errors import APIError, install_error_handlers
-from kvserve.server.formats import ChatFormat, CompletionFormat
-from kvserve.server.json_body import JSONBounds, bounded_route
-from kvserve.server.logprobs import LogprobRenderer
-from kvserve.server.metrics import ServerMetrics
-from kvserve.server.middleware import Access, InFlightLimiter, RequestGate, route_access
-from kvserve.server.pinning import check_pinning_on, pin_prefix, unpin
-from kvserve.server.plan import chat_plan, completion_plan, messages_plan, messages_tokens, pin_plan
-from kvserve.server.preparation import PreparationPool
-from kvserve.server.prompts import PromptGuard, chat_prompt, prompt_batch, text_prompt
-from kvserve.server.protocol import (
-    CacheStatus,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    PinDeleted,
-    PinInfo,
-    PinRequest,
-    SamplingRequest,
-    TokenizeRequest,
-    TokenizeResponse,
-)
-from kvserve.server.request_id import RequestIdMiddleware
-from kvserve.server.responses_persist import DiskBackend, RedisBackend
-from kvserve.server.responses_protocol import InputItemList, ResponseDeleted, ResponsesRequest
-from kvserve.server.responses_serving import item_list, respond_responses, unknown_response
-from kvserve.server.responses_serving import prepare as prepare_response
-from kvserve.server.responses_store import Backend, ResponseStore, StoreLimits
-from kvserve.server.serving import respond
-from kvserve.server.tenants import Tenants, load_or_create_secret
-from kvserve.server.unsupported import check_chat, check_completion
+from kvserve.server.anthropic import routes as anthropic_routes
+from kvserve.server.anthropic.errors import ERROR_SHAPE as ANTHROPIC_ERRORS
+from kvserve.server.cache_api import routes as cache_routes
+from kvserve.server.cache_api.dashboard import Dashboard, StatsHistory
+from kvserve.server.core.chat_setup import chat_setup, read_chat_template
+from kvserve.server.core.context import Context, ServerContext
+from kvserve.server.core.preparation import PreparationPool
+from kvserve.server.core.prompts import PromptGuard
+from kvserve.server.http.errors import APIError, ErrorShapes, install_error_handlers
+from kvserve.server.http.metrics import ServerMetrics
+from kvserve.server.http.middleware import InFlightLimiter, RequestGate, route_access
+from kvserve.server.http.request_id import RequestIdMiddleware
+from kvserve.server.http.routing import Routers
+from kvserve.server.http.tenants import Tenants, load_or_create_secret
+from kvserve.server.openai import routes as openai_routes
+from kvserve.server.responses import routes as responses_routes
+from kvserve.server.responses.persist import DiskBackend, RedisBackend
+from kvserve.server.responses.store import Backend, ResponseStore, StoreLimits
 
 log = logging.getLogger("kvserve.server")
 
@@ -72,25 +51,23 @@ log = logging.getLogger("kvserve.server")
 HEALTH_TIMEOUT_S = 10
 
 
-def _context(request: Request) -> ServerContext:
-    context: ServerContext = request.app.state.context
-    return context
+# The server's own routes (health, identity, version, metrics); each API brings its own.
+ROUTES = Routers()
+# Every router, with the access its routes ask (server/http/routing.py), mounted in this order.
+ROUTERS = tuple(
+    pair
+    for routes in (
+        ROUTES,
+        openai_routes.ROUTES,
+        responses_routes.ROUTES,
+        anthropic_routes.ROUTES,
+        cache_routes.ROUTES,
+    )
+    for pair in routes.by_access()
+)
 
 
-Context = Annotated[ServerContext, Depends(_context)]
-
-
-# Each router's routes ask one access of their callers, checked by the gate (server/middleware.py)
-# before the app reads a byte of the body: `api`'s take a key and one of its tenant's in-flight slots,
-# and parse their bodies with bounds (server/json_body.py).
-public = APIRouter()
-keyed = APIRouter()
-api = APIRouter(route_class=bounded_route(JSONBounds()))
-admin = APIRouter()
-ROUTERS = ((public, Access.OPEN), (keyed, Access.KEY), (api, Access.TENANT), (admin, Access.ADMIN))
-
-
-@public.get("/health")
+@ROUTES.public.get("/health")
 async def health(ctx: Context) -> Response:
     if ctx.async_engine.failure is not None:
         raise APIError(503, f"The {ctx.async_engine.failure}.", "server_error", code="engine_failed")
@@ -108,7 +85,7 @@ _CHALLENGE_HEX = r"^([0-9a-fA-F]{2}){16,64}$"
 
 # Open, as /health is (the launcher may hold no tenant key), and useless without the nonce: only a
 # server that `kvserve cluster` started with one has it (ServerOptions.launch_nonce).
-@public.get("/identity", include_in_schema=False)
+@ROUTES.public.get("/identity", include_in_schema=False)
 async def identity(
     ctx: Context, challenge: Annotated[str, Query(pattern=_CHALLENGE_HEX)]
 ) -> dict[str, object]:
@@ -119,243 +96,22 @@ async def identity(
     return {"pid": pid, "proof": identity_proof(nonce, bytes.fromhex(challenge), pid)}
 
 
-@keyed.get("/version")
+@ROUTES.keyed.get("/version")
 async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-@keyed.get("/v1/models")
-async def models(ctx: Context) -> ModelList:
-    return ModelList(
-        data=[ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=ctx.max_model_len)]
-    )
-
-
 # Every tenant's rows (names, cached tokens request by request): the operator's view, so the admin key's
 # once the server has keys (see check_admin_key).
-@admin.get("/metrics")
+@ROUTES.admin.get("/metrics")
 async def metrics(ctx: Context) -> Response:
     return Response(await ctx.metrics.exposition(ctx.async_engine), media_type=CONTENT_TYPE_LATEST)
 
 
-@admin.post("/reset_prefix_cache")
+@ROUTES.admin.post("/reset_prefix_cache")
 async def reset_prefix_cache(ctx: Context) -> dict[str, int]:
     """Drop every cached block no request is using (as vLLM's route does, for benchmark clients)."""
     return {"freed_blocks": await ctx.async_engine.reset_prefix_cache()}
-
-
-def _include_usage(body: SamplingRequest) -> bool:
-    return body.stream_options is not None and body.stream_options.include_usage
-
-
-# A request's route checks what its body alone decides, reserves room in the engine's queue for all its
-# sequences before any work (the door refuses what is over the cap or cannot fit), then builds its plan
-# in one trip off the event loop: templating, tokenizing, a vocabulary-wide logit_bias and a grammar's
-# compile all grow with the request, and the loop serves every stream. The trip is a preparation job of
-# the caller's tenant (server/preparation.py): one tenant's slow preparations never queue another's.
-@api.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
-    check_model(ctx, body.model)
-    check_chat(body)
-    namespace = cache_namespace(request, body.cache_salt)
-    tenant = caller(request).tenant.name
-    with ctx.async_engine.reserve(tenant, 1, body.n) as room:
-        plan = await ctx.preparation.run(tenant, chat_plan, ctx, body, namespace)
-        fmt = ChatFormat(
-            LogprobRenderer(ctx.async_engine.tokenizer),
-            body.logprobs,
-            ctx.chat.tools.layout if body.tools else None,
-            ctx.chat.reasoning,
-            plan.opens_reasoning,
-            plan.tool_names,
-        )
-        return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
-
-
-@api.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
-    check_model(ctx, body.model)
-    check_completion(body)
-    fmt = CompletionFormat(LogprobRenderer(ctx.async_engine.tokenizer), body.logprobs is not None, body.echo)
-    namespace = cache_namespace(request, body.cache_salt)
-    # A batch's size is known from the body alone, before anything is done per prompt.
-    num_prompts = len(prompt_batch(body.prompt))
-    tenant = caller(request).tenant.name
-    with ctx.async_engine.reserve(tenant, num_prompts, body.n) as room:
-        plan = await ctx.preparation.run(tenant, completion_plan, ctx, body, namespace)
-        return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
-
-
-# The Responses API: one more plan builder (responses_plan) over chat's prompt, tools and constraints,
-# and its own writer (server/responses_serving.py); its stored responses are the tenant's alone.
-@api.post("/v1/responses")
-async def responses(body: ResponsesRequest, request: Request, ctx: Context) -> Response:
-    check_model(ctx, body.model)
-    namespace = cache_namespace(request)
-    tenant = caller(request).tenant.name
-    with ctx.async_engine.reserve(tenant, 1, 1) as room:
-        prepared = await ctx.preparation.run(tenant, prepare_response, ctx, body, namespace, tenant)
-        return await respond_responses(ctx, request, body, prepared, room, tenant)
-
-
-@api.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request, ctx: Context) -> Response:
-    tenant = caller(request).tenant.name
-    stored = await ctx.preparation.run(tenant, ctx.responses.get, tenant, response_id)
-    if stored is None:
-        raise unknown_response(response_id)
-    # The very bytes the POST answered: nothing is parsed or written on the event loop.
-    return Response(stored.response, media_type="application/json")
-
-
-@api.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request, ctx: Context) -> ResponseDeleted:
-    tenant = caller(request).tenant.name
-    if not await ctx.preparation.run(tenant, ctx.responses.delete, tenant, response_id):
-        raise unknown_response(response_id)
-    return ResponseDeleted(id=response_id)
-
-
-@api.get("/v1/responses/{response_id}/input_items", response_model=InputItemList)
-async def response_input_items(
-    response_id: str,
-    request: Request,
-    ctx: Context,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
-    after: Annotated[str | None, Query(max_length=256)] = None,
-) -> Response:
-    tenant = caller(request).tenant.name
-    page = await ctx.preparation.run(tenant, item_list, ctx, tenant, response_id, limit, order, after)
-    if page is None:
-        raise unknown_response(response_id)
-    return Response(page, media_type="application/json")
-
-
-# Anthropic's Messages API: the same path as a chat completion (one prompt, one sample), its own plan
-# builder and answer shape; errors on these routes take Anthropic's shape (server/errors.py).
-@api.post("/v1/messages")
-async def messages(body: MessagesRequest, request: Request, ctx: Context) -> Response:
-    check_model(ctx, body.model)
-    namespace = cache_namespace(request)
-    tenant = caller(request).tenant.name
-    with ctx.async_engine.reserve(tenant, 1, 1) as room:
-        plan = await ctx.preparation.run(tenant, messages_plan, ctx, body, namespace)
-        fmt = MessagesFormat(
-            ctx.async_engine.tokenizer,
-            ctx.chat.tools.layout if plan.tool_names is not None else None,
-            plan.tool_names,
-            ctx.chat.reasoning,
-            plan.opens_reasoning,
-            tuple(body.stop_sequences or ()),
-        )
-        return await respond_messages(ctx, request, fmt, plan, room, body.stream)
-
-
-@api.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request, ctx: Context) -> TokenCount:
-    """The prompt a message request with this body would prefill, in tokens."""
-    check_model(ctx, body.model)
-    tenant = caller(request).tenant.name
-    tokens = await ctx.preparation.run(tenant, messages_tokens, ctx, body, cache_namespace(request))
-    return TokenCount(input_tokens=len(tokens))
-
-
-@api.get("/v1/cache/stats")
-async def cache_stats(request: Request, ctx: Context) -> CacheStatsResponse:
-    """The prefix cache and the requests now, and the counters' history (the dashboard's data): all
-    namespaces for the admin key (or a server without keys), only its own for a tenant's key."""
-    dashboard: Dashboard = request.app.state.dashboard
-    namespace = stats_scope(request)
-
-    def label(namespace: str) -> str:
-        return ctx.tenants.label(namespace, [ADMIN_TENANT])
-
-    if namespace is None:
-        return await dashboard.stats(ctx.async_engine, ctx.model_name, label=label)
-    totals = ctx.metrics.tenant_prefix_cache_totals(caller(request).tenant.name)
-    return await dashboard.stats(ctx.async_engine, ctx.model_name, namespace, totals, label)
-
-
-# The page and its scripts are a static shell with no data in them: everything shown comes from
-# /v1/cache/stats, which needs a key when keys are set (the page asks for one on a 401).
-@public.get("/dashboard")
-async def dashboard_page() -> Response:
-    return Response(asset("dashboard.html"), media_type="text/html")
-
-
-@public.get("/dashboard/{name}")
-async def dashboard_asset(name: str) -> Response:
-    if name not in ASSETS:
-        raise APIError(404, f"No dashboard file {name!r}.", code="not_found")
-    return Response(asset(name), media_type=ASSETS[name])
-
-
-@api.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request, ctx: Context) -> TokenizeResponse:
-    check_model(ctx, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "Send either 'prompt' (a string) or 'messages' (a chat), not both or neither.")
-    if body.messages is not None:
-        namespace = cache_namespace(request, body.cache_salt)
-        tokens = await ctx.preparation.run(
-            caller(request).tenant.name,
-            chat_prompt,
-            ctx.async_engine,
-            ctx.prompt_guard,
-            body.messages,
-            namespace,
-            body.add_generation_prompt,
-            None,
-            ctx.chat,
-        )
-    else:
-        prompt = body.prompt or ""
-        ctx.prompt_guard.check([prompt], "prompt")
-        tokens = await ctx.preparation.run(
-            caller(request).tenant.name,
-            text_prompt,
-            ctx.async_engine.tokenizer,
-            prompt,
-            body.add_special_tokens,
-        )
-    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len)
-
-
-@api.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeResponse:
-    check_model(ctx, body.model)
-    tokenizer = ctx.async_engine.tokenizer
-    check_vocabulary(tokenizer.vocab_size, body.tokens, "tokens")
-    # Special tokens are kept so that detokenize(tokenize(text)) gives the text back.
-    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
-
-
-@api.post("/v1/cache/pin")
-async def pin(body: PinRequest, request: Request, ctx: Context) -> PinInfo:
-    check_model(ctx, body.model)
-    # First, so that a server with pinning off does no work for a pin.
-    check_pinning_on(ctx)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(
-            400, "Send either 'prompt' (text or token ids) or 'messages' (a chat), not both or neither."
-        )
-    plan = await ctx.preparation.run(
-        caller(request).tenant.name, pin_plan, ctx, body, cache_namespace(request)
-    )
-    return await pin_prefix(ctx, caller(request).tenant.name, plan, body.ttl_s)
-
-
-@api.delete("/v1/cache/pin/{pin_id}")
-async def delete_pin(pin_id: str, request: Request, ctx: Context) -> PinDeleted:
-    await unpin(ctx, cache_namespace(request), pin_id)
-    return PinDeleted(id=pin_id)
-
-
-@api.get("/v1/cache")
-async def cache(request: Request, ctx: Context) -> CacheStatus:
-    whole_pool = stats_scope(request) is None
-    return cache_status(await ctx.async_engine.cache_view(cache_namespace(request), whole_pool))
 
 
 def response_backend(config: EngineConfig, limits: StoreLimits) -> Backend | None:
@@ -429,10 +185,11 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         prompt_guard=PromptGuard(async_engine.max_model_len, async_engine.tokenizer.max_token_chars()),
         preparation=preparation,
         chat=chat,
-        responses=ResponseStore(limits, response_backend(async_engine.config, limits)),
     )
+    app.state.responses = ResponseStore(limits, response_backend(async_engine.config, limits))
     app.state.dashboard = dashboard
-    install_error_handlers(app)
+    shapes = ErrorShapes((ANTHROPIC_ERRORS,))
+    install_error_handlers(app, shapes)
     for router, _ in ROUTERS:
         app.include_router(router)
     # Inside CORS, so that its refusals carry CORS headers and preflights never reach it.
@@ -442,6 +199,7 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
         tenants=tenants,
         in_flight=app.state.context.in_flight,
         max_bytes=options.max_request_bytes,
+        shapes=shapes,
     )
     if options.allowed_origins:
         app.add_middleware(

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: protocol, conversion to the neutral request, stream writer."""

@@ -1,0 +1,1 @@
+"""The cache's own endpoints: status views, pins and the dashboard."""

@@ -1,0 +1,182 @@
+"""What a request's replies are made of, whichever API shapes them: each choice as it grows, the
+ids every chunk repeats, the token counts, and a reply parsed into its think block, content and tool
+calls (whole, or piece by piece as it streams).
+
+An API's writer (server/openai/formats.py, server/anthropic/serving.py, server/responses/serving.py)
+shapes these into its own objects; the parse is the same for all of them.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from kvserve.engine.logprobs import TokenLogprob
+from kvserve.engine.outputs import PromptOutputs, SampleOutput
+from kvserve.server.core.plan import PlannedPrompt
+from kvserve.server.core.reasoning import ReasoningStream, split
+from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
+from kvserve.server.core.tool_formats.stream import CallStream
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice as it grows: sample `sample` of its prompt's outputs, which the deltas fold into (the
+    text and logprobs so far, the prompt's logprobs once computed)."""
+
+    index: int
+    prompt: PlannedPrompt
+    outputs: PromptOutputs
+    sample: int
+
+    @property
+    def output(self) -> SampleOutput:
+        return self.outputs.samples[self.sample]
+
+    @property
+    def text(self) -> str:
+        return self.output.text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.output.logprobs
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        return self.outputs.prompt_logprobs
+
+
+@dataclass(frozen=True)
+class ResponseIds:
+    """What every chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+@dataclass(frozen=True)
+class TokenUsage:
+    """A response's token counts: each prompt once, however many samples share it, with the tokens
+    the prefix cache held before the request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class OutputFormat(Protocol):
+    """How one API shapes a response of choices, whole or as stream chunks (server/openai/serving.py)."""
+
+    id_prefix: str
+
+    def opening(self, ids: ResponseIds, choices: Sequence[Choice]) -> list[BaseModel]: ...
+
+    def chunk(
+        self,
+        ids: ResponseIds,
+        choice: Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        finish_reason: str | None,
+    ) -> BaseModel: ...
+
+    def usage_chunk(self, ids: ResponseIds, usage: TokenUsage) -> BaseModel: ...
+
+    def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: TokenUsage) -> BaseModel: ...
+
+    def reply_part(self, choice: Choice) -> str | None:
+        """What of a finished choice's text its client sends back as content, when that is not the
+        whole text (a reasoning reply without its think block)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ParsedReply:
+    """A finished reply: its think block, its content (None for a reply of calls, or an empty one
+    with reasoning on), its calls (None when it is not made of calls) and its finish reason ("tool_calls"
+    for a reply that ended in calls)."""
+
+    content: str | None
+    reasoning: str | None
+    calls: list[ParsedCall] | None
+    finish_reason: str | None
+
+
+@dataclass
+class _ChoiceStream:
+    """One streamed choice's parsers: its think block first, then its calls or content."""
+
+    reasoning: ReasoningStream | None
+    calls: CallStream | None
+
+
+class ReplyParser:
+    """With `tools` (the server's call layout), replies made of tool calls are calls; with
+    `reasoning`, a reply's think block is reasoning, streamed before the content. `opened`: the prompt
+    opened the block. A reply whose calls name a function not among `tool_names` (possible only
+    unconstrained) is content. A streamed piece is a delta in OpenAI's chat shape (`reasoning_content`,
+    `content`, `tool_calls`), which the other APIs' writers read."""
+
+    def __init__(
+        self,
+        tools: CallLayout | None = None,
+        reasoning: bool = False,
+        opened: bool = False,
+        tool_names: frozenset[str] | None = None,
+    ) -> None:
+        self._tools = tools
+        self._names = tool_names
+        self._reasoning = reasoning
+        self._opened = opened
+        self._streams: dict[int, _ChoiceStream] = {}
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """Choice `index`'s next piece of text as a delta, and its finish reason."""
+        stream = self._streams.setdefault(
+            index,
+            _ChoiceStream(
+                ReasoningStream(self._opened) if self._reasoning else None,
+                CallStream(self._tools) if self._tools is not None else None,
+            ),
+        )
+        reasoning, body = ("", text) if stream.reasoning is None else stream.reasoning.push(text)
+        if finish_reason is not None and stream.reasoning is not None:
+            more_reasoning, more_body = stream.reasoning.finish()
+            reasoning += more_reasoning
+            body += more_body
+        delta: dict[str, Any] = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+        if stream.calls is not None:
+            delta.update(stream.calls.push(body))
+            if finish_reason == "stop" and stream.calls.num_calls > 0:
+                finish_reason = "tool_calls"
+        elif body:
+            delta["content"] = body
+        return delta, finish_reason
+
+    def reply_part(self, text: str) -> str | None:
+        """The content after a finished reply's think block, when it has one and content."""
+        if not self._reasoning:
+            return None
+        parts = split(text, self._opened)
+        return parts.content if parts.reasoning is not None and parts.content else None
+
+    def whole(self, text: str, finish_reason: str | None) -> ParsedReply:
+        parts = split(text, self._opened) if self._reasoning else None
+        reasoning = None if parts is None else parts.reasoning
+        body = text if parts is None else parts.content
+        content = body if body or not self._reasoning else None
+        layout = self._tools
+        if layout is not None and finish_reason == "stop":
+            calls = layout.parse_calls(body, self._names)
+            if calls is not None:
+                return ParsedReply(None, reasoning, calls, "tool_calls")
+        elif layout is not None and finish_reason == "length" and layout.is_call_text(body):
+            # Cut short while calling: the calls it completed, never the markup of the unfinished one.
+            return ParsedReply(None, reasoning, layout.complete_calls(body), "length")
+        return ParsedReply(content, reasoning, None, finish_reason)

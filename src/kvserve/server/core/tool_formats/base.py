@@ -1,0 +1,24 @@
+"""The interface every tool-call format implements: a `ToolFormat` names its call layout, the markers
+that identify its chat templates, and how its tools reach the template."""
+
+from dataclasses import dataclass
+
+from kvserve.server.core.tool_formats.layout import CallLayout
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's way of calling tools.
+
+    `in_template`: the chat template renders the tools (passed as its `tools` variable), the calls
+    (as the assistant's text, written with `layout`) and the results (`tool` messages); otherwise the
+    generic format puts all three in the messages' text. `markers`: text in a template's source that
+    marks it as this format's (the first format with a marker in the source wins). `tools_in_system`:
+    the template reads the tools as a JSON text on the system message (`tools` key), as Phi-4-mini's
+    does, besides its `tools` variable."""
+
+    name: str
+    layout: CallLayout
+    markers: tuple[str, ...] = ()
+    in_template: bool = True
+    tools_in_system: bool = False

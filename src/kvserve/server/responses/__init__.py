@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: protocol, conversion, stream writer, and its store with persistence."""
