@@ -6,7 +6,7 @@ parsed and then refused by name (server/anthropic/convert.py) rather than failin
 message about every member. A tool result's content is a string or a list of blocks that hold no
 further content: the nesting ends there. The fields that change nothing here (`metadata`,
 `context_management`, `service_tier`, `output_config.effort`, a thinking budget) are parsed and
-ignored; README.md lists them.
+ignored; docs/api.md lists them.
 """
 
 from typing import Annotated, Any, Literal
@@ -90,7 +90,7 @@ class MessagesRequest(MessagesBase):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
-    # Accepted without effect (README, *Anthropic Messages API*).
+    # Accepted without effect (docs/api.md, *Anthropic Messages API*).
     metadata: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None
     service_tier: str | None = None

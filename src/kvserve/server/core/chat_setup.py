@@ -1,5 +1,5 @@
 """How this server talks to its model in chat: the template, the tool-call format and the reasoning
-parser, chosen once at startup from the options and the template itself (README, *Tools*).
+parser, chosen once at startup from the options and the template itself (docs/api.md, *Tools*).
 
 `--chat-template FILE` replaces the tokenizer's template. `--tool-call-format auto` renders a probe
 conversation with one tool and, when the tool's name shows in the text, takes the format whose markers

@@ -4,7 +4,7 @@ grammar that constrains the reply to it.
 The format is the server's (server/core/chat_setup.py, one of server/tool_formats). A template that renders
 tools gets them as its `tools` variable, the calls as the assistant's text written exactly as the
 constrained model writes them, and the results as `tool` messages. Otherwise tools travel as text in
-the generic format (README.md, *Tools*):
+the generic format (docs/api.md, *Tools*):
 
 - the tools are listed in the system prompt, one JSON object per line (`TOOLS_HEADER` and `CALL_HOWTO`);
 - a call is one line, `<tool_call>{"name": "NAME", "arguments": ARGS}</tool_call>`, where ARGS is

@@ -8,7 +8,7 @@ refuses nesting over 200 levels. So the bytes are counted first, in one linear p
 (`[` and `{`) and values (each value but the first of a container follows a comma, so values are at most
 commas + containers + 1) outside strings. Counting bytes is C-speed; strings are masked out (a regex,
 also linear) only when the raw counts, which include the strings' own commas and brackets, are over a
-bound. `docs/design.md` (*Limits on one request*) states the memory this bounds.
+bound. `docs/security.md` (*Limits on one request*) states the memory this bounds.
 """
 
 import re
@@ -35,7 +35,7 @@ class JSONBounds:
 
     A value costs up to about 130 bytes while it is parsed and read (pydantic-core's tree and the
     Python object, for a short distinct string), so the values bound the memory of a body the bytes do
-    not (docs/design.md, *Limits on one request*). 100,000 token-id prompts (a batch the sequence cap
+    not (docs/security.md, *Limits on one request*). 100,000 token-id prompts (a batch the sequence cap
     refuses by name) are 100,001 arrays and 300,002 values; a vocabulary-wide logit_bias of 262,144
     entries is 262,146 values."""
 

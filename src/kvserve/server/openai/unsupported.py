@@ -3,7 +3,7 @@
 Ignoring them would answer a different question than the one asked (an image, audio, a legacy
 function call), so each is a 400 naming the field. Structured outputs and tools are served
 (server/core/structured.py, server/core/tools.py). Fields that change nothing here (`user`, `store`,
-`metadata`, ...) are ignored; README.md lists them.
+`metadata`, ...) are ignored; docs/api.md lists them.
 """
 
 from kvserve.errors import InvalidRequestError

@@ -14,10 +14,10 @@ message with those calls (its calls render back as the exact text generated, ser
 follows it. Every `function_call_output` must answer a call of the conversation (this request's or a stored
 response's). Function tools become chat tools; a `namespace` group is flattened to its functions; tool types
 that only OpenAI runs (`web_search`, `file_search`, `code_interpreter`, ...) are dropped with a warning in
-the log (README, *Responses API*). A response lists the tools offered, with the fields acted on, and nothing
-else of them (`response_tools`): what the server ignores is neither echoed nor stored. An `additional_tools`
-item (Codex sends its tools so, in `input`) adds its tools to the request's and renders nothing itself, its
-id no more than any item's id, so that a resent conversation renders the same prompt.
+the log (docs/api.md, *Responses API*). A response lists the tools offered, with the fields acted on,
+and nothing else of them (`response_tools`): what the server ignores is neither echoed nor stored.
+An `additional_tools` item (Codex sends its tools so, in `input`) adds its tools to the request's and renders
+nothing itself, its id no more than any item's id, so that a resent conversation renders the same prompt.
 
 A `custom` tool (OpenAI's freeform tools: the call's input is free text) is offered to the model as a
 function taking one string, {"input": "..."}: its call is constrained as any function call is, to that

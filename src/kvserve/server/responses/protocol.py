@@ -3,7 +3,7 @@
 As in server/core/messages.py, requests ignore fields they do not know, and fields that change nothing here
 (`include`, `reasoning.effort`, `reasoning.summary`, `reasoning.context`, `text.verbosity`,
 `prompt_cache_key`, `client_metadata`, `user`, `service_tier`, `truncation`) are parsed and left
-without effect (README, *Responses API*). Input items are one permissive model: which fields
+without effect (docs/api.md, *Responses API*). Input items are one permissive model: which fields
 an item needs depends on its `type`, and server/responses/convert.py checks them, naming the item.
 Responses carry OpenAI's field names, the ones always null here included, because clients index them.
 """
