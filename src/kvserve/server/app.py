@@ -253,13 +253,12 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
         server.should_exit = True
 
     async_engine.on_failure = stop_on_engine_failure
-    # Started: the library code and constants that only loading and startup ran leave the resident set
-    # (about 70 MiB, mostly torch's operator registrations); what serving runs comes back on first use.
+    # Started: the library code and constants that only loading and startup ran (mostly torch's operator
+    # registrations) leave the resident set; what serving runs comes back on first use.
     release_startup_pages()
     # What startup made lives as long as the process (the model's and the tokenizer's objects, the
-    # libraries' modules: about 200,000 objects); frozen out of the collector's reach, a full collection no
-    # longer walks them on every step's garbage (136 ms each with a 262,144-token vocabulary loaded,
-    # streams stalling behind it).
+    # libraries' modules); frozen out of the collector's reach, a full collection no longer walks them on
+    # every step's garbage, with streams stalling behind it (docs/benchmarks.md has the cost).
     gc.freeze()
     with suppress(KeyboardInterrupt):
         server.run()

@@ -1,14 +1,13 @@
 """Request bodies parsed with bounds, straight from the bytes.
 
-A route's body model is validated from the bytes in pydantic's JSON mode (`model_validate_json`): fields
-the model does not know are skipped without a Python object made for them (the standard json module made
-a dict or list for every `{}` of an ignored field, 210 MB for an 8 MiB body of them). pydantic-core still
-parses the whole body into its own tree before validating (about 35 bytes a value, freed at once), and
-refuses nesting over 200 levels. So the bytes are counted first, in one linear pass: JSON containers
-(`[` and `{`) and values (each value but the first of a container follows a comma, so values are at most
-commas + containers + 1) outside strings. Counting bytes is C-speed; strings are masked out (a regex,
-also linear) only when the raw counts, which include the strings' own commas and brackets, are over a
-bound. `docs/security.md` (*Limits on one request*) states the memory this bounds.
+A route's body model is validated from the bytes in pydantic's JSON mode (`model_validate_json`): fields the
+model does not know are skipped without a Python object made for them (the standard json module made a dict
+or list for every `{}` of an ignored field). pydantic-core still parses the whole body into its own tree
+before validating (freed at once), and refuses nesting over 200 levels. So the bytes are counted first, in
+one linear pass: JSON containers (`[` and `{`) and values (each value but the first of a container follows a
+comma, so values are at most commas + containers + 1) outside strings. Counting bytes is C-speed; strings
+are masked out (a regex, also linear) only when the raw counts, which include the strings' own commas and
+brackets, are over a bound. `docs/security.md` (*Limits on one request*) states the memory this bounds.
 """
 
 import re
@@ -33,9 +32,9 @@ M = TypeVar("M", bound=BaseModel)
 class JSONBounds:
     """The most containers (arrays and objects) and values (containers and scalars) one body may hold.
 
-    A value costs up to about 130 bytes while it is parsed and read (pydantic-core's tree and the
-    Python object, for a short distinct string), so the values bound the memory of a body the bytes do
-    not (docs/security.md, *Limits on one request*). 100,000 token-id prompts (a batch the sequence cap
+    Each value costs pydantic-core's tree node and a Python object while it is parsed and read, so the
+    values bound the memory of a body the bytes do not (docs/security.md, *Limits on one request*, has
+    the cost per value). 100,000 token-id prompts (a batch the sequence cap
     refuses by name) are 100,001 arrays and 300,002 values; a vocabulary-wide logit_bias of 262,144
     entries is 262,146 values."""
 
