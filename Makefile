@@ -45,8 +45,15 @@ deps:
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends redis-server; \
 	fi
 
+# Two tiers. `make test` is what CI runs: lint, then every test. `make test-fast` is for while you work:
+# the unit and property tests, with no server, Redis, SMG or default model (a few minutes on 2 cores). A
+# test needs no marker to land in its tier: tests/conftest.py marks it `slow` when it or its fixtures
+# reach one of those. KVSERVE_LONG_TESTS=1 adds the long randomized searches to either.
 test: lint deps
 	$(BIN)/pytest -q
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow and not browser"
 
 # The dashboard in a real headless Chromium; installs Debian's chromium and chromium-driver when missing.
 test-browser: install
