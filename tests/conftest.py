@@ -3,6 +3,7 @@
 import inspect
 import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -197,13 +198,26 @@ def redis_server(redis_session: RedisServer) -> RedisServer:
 
 
 # Tiers: `make test-fast` runs `-m "not slow"`, the unit and property tests. A test is marked slow here, at
-# collection, when it reaches a server, Redis, SMG or the default model: through a fixture (one of
-# SLOW_FIXTURES, or any fixture built on one), or by naming one of _SLOW_CALLS in its body, its fixtures or
-# the test helpers they call. So a new test falls into its tier by what it uses; `@pytest.mark.slow` by
-# hand is only for a test slow by other means.
+# collection, when it reaches a server, Redis, SMG, the default model or any child process: through a
+# fixture (one of SLOW_FIXTURES, or any fixture built on one), or by naming one of _SLOW_CALLS in its body,
+# its fixtures or the test helpers they call. So a new test falls into its tier by what it uses;
+# `@pytest.mark.slow` by hand is only for a test slow by other means.
 SLOW_FIXTURES = frozenset({"default_model", "serve_app", "redis_session"})
-_SLOW_CALLS: tuple[object, ...] = (server_process, RedisProcess, Cluster, run_until_interrupted, _serve)
+_SLOW_CALLS: tuple[object, ...] = (
+    server_process,
+    RedisProcess,
+    Cluster,
+    run_until_interrupted,
+    _serve,
+    subprocess.Popen,
+    subprocess.run,
+    subprocess.call,
+    subprocess.check_call,
+    subprocess.check_output,
+)
+# Modules whose attributes a test names as `module.attribute` (co_names holds both names).
 _OWN_CODE = ("tests", "benchmarks")
+_LOOKED_INTO = (*_OWN_CODE, "subprocess")
 
 
 def _names_slow_call(code: CodeType, namespace: dict[str, Any], seen: set[CodeType]) -> bool:
@@ -213,7 +227,7 @@ def _names_slow_call(code: CodeType, namespace: dict[str, Any], seen: set[CodeTy
     seen.add(code)
     values = [namespace[name] for name in code.co_names if name in namespace]
     # `helpers.server_process`: the attribute's name is in co_names beside the module's.
-    modules = [v for v in values if isinstance(v, ModuleType) and v.__name__.startswith(_OWN_CODE)]
+    modules = [v for v in values if isinstance(v, ModuleType) and v.__name__.startswith(_LOOKED_INTO)]
     values += [getattr(m, name) for m in modules for name in code.co_names if hasattr(m, name)]
     for value in values:
         if any(
@@ -232,20 +246,36 @@ def _names_slow_call(code: CodeType, namespace: dict[str, Any], seen: set[CodeTy
     return any(_names_slow_call(c, namespace, seen) for c in nested)
 
 
+def _fixture_functions(item: pytest.Item, names: set[str]) -> list[Any]:
+    """The functions of the fixtures `names` and of every fixture they use; `names` grows to that closure."""
+    manager = getattr(getattr(item, "session", None), "_fixturemanager", None)
+    functions: list[Any] = []
+    pending = list(names)
+    while manager is not None and pending:
+        for fixture in manager.getfixturedefs(pending.pop(), item) or ():
+            functions.append(fixture.func)
+            new = set(fixture.argnames) - names
+            names |= new
+            pending += new
+    return functions
+
+
 def is_slow(item: pytest.Item) -> bool:
     """Whether `item` belongs to the slow tier (see SLOW_FIXTURES)."""
     if item.get_closest_marker("slow") is not None:
         return True
-    names = getattr(item, "fixturenames", ())
+    function = inspect.unwrap(getattr(item, "function", None) or (lambda: None))
+    names = set(getattr(item, "fixturenames", ()))
+    if "getfixturevalue" in function.__code__.co_names:
+        # `request.getfixturevalue("name")`: the fixtures it may ask for are its string constants.
+        names |= {c for c in function.__code__.co_consts if isinstance(c, str) and c.isidentifier()}
+    functions = [function, *_fixture_functions(item, names)]
     if SLOW_FIXTURES.intersection(names):
         return True
-    functions = [getattr(item, "function", None)]
-    fixture_defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    functions += [d.func for name in names for d in fixture_defs.get(name, ())]
     seen: set[CodeType] = set()
     return any(
         isinstance(f, FunctionType) and _names_slow_call(f.__code__, f.__globals__, seen)
-        for f in map(inspect.unwrap, filter(None, functions))
+        for f in map(inspect.unwrap, functions)
     )
 
 

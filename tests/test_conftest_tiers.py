@@ -1,6 +1,8 @@
 """The tiers of tests/conftest.py: a test is slow by what it reaches (a fixture built on a server, Redis or
-the default model, or a slow call in its body or in the helpers it calls), and fast otherwise."""
+the default model, or a server, Redis, SMG or child process started in its body or in the helpers it
+calls), and fast otherwise."""
 
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -41,6 +43,14 @@ def starts_redis_in_a_closure() -> Callable[[], RedisProcess]:
     return lambda: RedisProcess()
 
 
+def runs_a_child_process() -> None:
+    subprocess.run(["true"], check=True)
+
+
+def asks_for_the_default_model(request: pytest.FixtureRequest) -> None:
+    request.getfixturevalue("default_model")
+
+
 def adds() -> int:
     return free_port() + 1
 
@@ -49,6 +59,8 @@ def test_a_test_is_slow_by_what_it_reaches() -> None:
     assert slow(FakeItem(starts_a_server))
     assert slow(FakeItem(calls_a_helper_that_starts_one))
     assert slow(FakeItem(starts_redis_in_a_closure))
+    assert slow(FakeItem(runs_a_child_process))
+    assert slow(FakeItem(asks_for_the_default_model))
     assert slow(FakeItem(adds, fixturenames=("make_engine", "default_model")))
     assert slow(FakeItem(adds, markers=["slow"]))
 
