@@ -46,9 +46,9 @@ deps:
 	fi
 
 # Two tiers. `make test` is what CI runs: lint, then every test. `make test-fast` is for while you work:
-# the unit and property tests, with no server, Redis, SMG or default model (a few minutes on 2 cores). A
-# test needs no marker to land in its tier: tests/conftest.py marks it `slow` when it or its fixtures
-# reach one of those. KVSERVE_LONG_TESTS=1 adds the long randomized searches to either.
+# the unit and property tests, with no server, Redis, SMG, default model or child process (under 3
+# minutes on 2 cores). A test needs no marker to land in its tier: tests/conftest.py marks it `slow` when
+# it or its fixtures reach one of those. KVSERVE_LONG_TESTS=1 adds the long randomized searches to either.
 test: lint deps
 	$(BIN)/pytest -q
 
