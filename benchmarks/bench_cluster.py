@@ -21,14 +21,14 @@ import httpx
 from matplotlib.figure import Figure
 
 from benchmarks.common import RESULTS, write_results
-from kvserve.bench.client import RequestResult, Target, stream_chat
-from kvserve.bench.metrics_scrape import parse_samples
-from kvserve.bench.report import summarize
-from kvserve.bench.runner import run_workload
-from kvserve.bench.tokens import local_counter, text_of_tokens, text_only
-from kvserve.bench.workloads import MultiturnSpec, SharedPrefixSpec, Workload, multiturn, shared_prefix
 from kvserve.cluster.launch import Cluster, ClusterConfig
 from kvserve.cluster.redis_process import free_port
+from kvserve_bench.client import RequestResult, Target, stream_chat
+from kvserve_bench.metrics_scrape import parse_samples
+from kvserve_bench.report import summarize
+from kvserve_bench.runner import run_workload
+from kvserve_bench.tokens import local_counter, text_of_tokens, text_only
+from kvserve_bench.workloads import MultiturnSpec, SharedPrefixSpec, Workload, multiturn, shared_prefix
 
 THREADS = 2
 SERVE_ARGS = ["--kv-cache-memory", "256MiB"]

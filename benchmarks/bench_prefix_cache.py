@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 from benchmarks.common import RESULTS, default_model, make_engine, setup_threads, write_results
-from kvserve.bench.tokens import text_of_tokens
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import MessageDict, Tokenizer
+from kvserve_bench.tokens import text_of_tokens
 
 
 def counter(tok: Tokenizer) -> Any:

@@ -1,12 +1,15 @@
 """Shared fixtures: the default model is loaded once per test session and shared by every engine."""
 
+import inspect
 import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
 import pytest
@@ -14,9 +17,12 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
+from kvserve.cluster.launch import Cluster, run_until_interrupted
+from kvserve.cluster.redis_process import RedisProcess
 from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel, load_model
+from tests.helpers import server_process
 from tests.model.family_cases import FAMILY_KINDS
 from tests.redis_server import RedisServer
 
@@ -189,3 +195,91 @@ def redis_server(redis_session: RedisServer) -> RedisServer:
     client.flushall()
     client.close()
     return redis_session
+
+
+# Tiers: `make test-fast` runs `-m "not slow"`, the unit and property tests. A test is marked slow here, at
+# collection, when it reaches a server, Redis, SMG, the default model or any child process: through a
+# fixture (one of SLOW_FIXTURES, or any fixture built on one), or by naming one of _SLOW_CALLS in its body,
+# its fixtures or the test helpers they call. So a new test falls into its tier by what it uses;
+# `@pytest.mark.slow` by hand is only for a test slow by other means.
+SLOW_FIXTURES = frozenset({"default_model", "serve_app", "redis_session"})
+_SLOW_CALLS: tuple[object, ...] = (
+    server_process,
+    RedisProcess,
+    Cluster,
+    run_until_interrupted,
+    _serve,
+    subprocess.Popen,
+    subprocess.run,
+    subprocess.call,
+    subprocess.check_call,
+    subprocess.check_output,
+)
+# Modules whose attributes a test names as `module.attribute` (co_names holds both names).
+_OWN_CODE = ("tests", "benchmarks")
+_LOOKED_INTO = (*_OWN_CODE, "subprocess")
+
+
+def _names_slow_call(code: CodeType, namespace: dict[str, Any], seen: set[CodeType]) -> bool:
+    """Whether `code` (with its nested functions, and the test helpers it calls) names a slow call."""
+    if code in seen:
+        return False
+    seen.add(code)
+    values = [namespace[name] for name in code.co_names if name in namespace]
+    # `helpers.server_process`: the attribute's name is in co_names beside the module's.
+    modules = [v for v in values if isinstance(v, ModuleType) and v.__name__.startswith(_LOOKED_INTO)]
+    values += [getattr(m, name) for m in modules for name in code.co_names if hasattr(m, name)]
+    for value in values:
+        if any(
+            value is call or (isinstance(value, type) and isinstance(call, type) and issubclass(value, call))
+            for call in _SLOW_CALLS
+        ):
+            return True
+        function = inspect.unwrap(value) if callable(value) else None
+        if (
+            isinstance(function, FunctionType)
+            and function.__module__.startswith(_OWN_CODE)
+            and _names_slow_call(function.__code__, function.__globals__, seen)
+        ):
+            return True
+    nested = (c for c in code.co_consts if isinstance(c, CodeType))
+    return any(_names_slow_call(c, namespace, seen) for c in nested)
+
+
+def _fixture_functions(item: pytest.Item, names: set[str]) -> list[Any]:
+    """The functions of the fixtures `names` and of every fixture they use; `names` grows to that closure."""
+    manager = getattr(getattr(item, "session", None), "_fixturemanager", None)
+    functions: list[Any] = []
+    pending = list(names)
+    while manager is not None and pending:
+        for fixture in manager.getfixturedefs(pending.pop(), item) or ():
+            functions.append(fixture.func)
+            new = set(fixture.argnames) - names
+            names |= new
+            pending += new
+    return functions
+
+
+def is_slow(item: pytest.Item) -> bool:
+    """Whether `item` belongs to the slow tier (see SLOW_FIXTURES)."""
+    if item.get_closest_marker("slow") is not None:
+        return True
+    function = inspect.unwrap(getattr(item, "function", None) or (lambda: None))
+    names = set(getattr(item, "fixturenames", ()))
+    if "getfixturevalue" in function.__code__.co_names:
+        # `request.getfixturevalue("name")`: the fixtures it may ask for are its string constants.
+        names |= {c for c in function.__code__.co_consts if isinstance(c, str) and c.isidentifier()}
+    functions = [function, *_fixture_functions(item, names)]
+    if SLOW_FIXTURES.intersection(names):
+        return True
+    seen: set[CodeType] = set()
+    return any(
+        isinstance(f, FunctionType) and _names_slow_call(f.__code__, f.__globals__, seen)
+        for f in map(inspect.unwrap, functions)
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)

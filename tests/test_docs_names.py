@@ -1,10 +1,11 @@
 """The names that README.md and docs/*.md cite exist in the tree, and both stay short.
 
 Citation style the docs keep (checked here, all inside backticks):
-- a file: `src/...`, `tests/...`, `benchmarks/...` from the repository root; any other path, such as
-  `engine/engine.py` or `model/kernels/kvserve.h`, is under src/kvserve/;
+- a file: `src/...`, `tests/...`, `benchmarks/...`, `bench/...` from the repository root; any other
+  path, such as `engine/engine.py` or `model/kernels/kvserve.h`, is under src/kvserve/;
 - a name in a file: `engine/engine.py:Engine.step` (a function, class, method or class attribute);
-- a test: `tests/engine/test_door.py::test_name` or a bare `test_name` defined in some test file;
+- a test: `tests/engine/test_async_engine_door.py::test_name`, or a bare `test_name` defined in a test
+  file;
 - a class member: `Engine.step`, `EngineConfig.secret` (the class defined under src/kvserve/);
 - a module: `kvserve.cluster.router`, and `python -m MODULE` commands;
 - a make target: `make NAME`, in backticks or at the start of a line (in a code block).
@@ -25,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "kvserve"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-ROOTED = ("src/", "tests/", "benchmarks/", "docs/", ".ci/")
+ROOTED = ("src/", "tests/", "benchmarks/", "bench/", "docs/", ".ci/")
 MAX_README_LINES = 420
 MAX_DESIGN_LINES = 650
 

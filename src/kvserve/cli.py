@@ -205,9 +205,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command in sub.choices:
         return parser
     try:
-        from kvserve.bench.cli import add_bench_arguments, run_bench
-    except ImportError:
-        pass
+        from kvserve_bench.cli import add_bench_arguments, run_bench
+    except ModuleNotFoundError:
+        pass  # the benchmark is not installed: `main` says how to install it when asked for
     else:
         bench = sub.add_parser("bench", help="benchmark OpenAI-compatible servers on prefix-heavy workloads")
         add_bench_arguments(bench)
@@ -226,9 +226,23 @@ def named_command(argv: Sequence[str]) -> str | None:
     return None
 
 
+def bench_not_installed() -> str | None:
+    """Why `kvserve bench` cannot run here, and how to install it; None when it can. The benchmark is a
+    package of its own (bench/), so that serving installs no plotting or progress-bar libraries."""
+    try:
+        import kvserve_bench.cli  # noqa: F401
+    except ModuleNotFoundError as e:
+        return f"kvserve bench is not installed ({e}): pip install -e ./bench in a kvserve checkout"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(named_command(argv)).parse_args(argv)
+    command = named_command(argv)
+    if command == "bench" and (missing := bench_not_installed()) is not None:
+        print(f"kvserve: error: {missing}", file=sys.stderr)
+        return 2
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

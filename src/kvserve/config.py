@@ -352,7 +352,7 @@ class EngineConfig:
     @property
     def kv_cache_dtype(self) -> str:
         """The KV cache's dtype: `kv_dtype`, where "auto" is float16 under float32 compute (half the bytes
-        per cached token; the greedy replies are float32's, see tests/model/test_kv_float16.py) and the
+        per cached token; the greedy replies are float32's, see tests/model/test_kv_quant_float16.py) and the
         compute dtype otherwise (float64 reference runs stay exact)."""
         if self.kv_dtype != "auto":
             return self.kv_dtype

@@ -2,7 +2,7 @@
 
 import argparse
 
-from kvserve.bench.cli import add_bench_arguments, run_bench
+from kvserve_bench.cli import add_bench_arguments, run_bench
 
 
 def bench(*argv: str) -> int:

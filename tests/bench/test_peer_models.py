@@ -18,6 +18,10 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 
+# Slow by hand (tests/conftest.py cannot see it): writing each shape's files and converting them at load
+# takes about a minute of `make test-fast` for benchmark files that serving never reads.
+pytestmark = pytest.mark.slow
+
 # use_more_bits of 8 layers: the first eighth, the last eighth, and every third between.
 MORE_BITS = {0, 3, 6, 7}
 

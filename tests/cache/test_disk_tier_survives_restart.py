@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from kvserve.bench.tokens import text_of_tokens
 from kvserve.model.loader import load_default_tokenizer
+from kvserve_bench.tokens import text_of_tokens
 from tests.helpers import free_port, server_process
 
 SYSTEM_TOKENS = 2000

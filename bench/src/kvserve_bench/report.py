@@ -12,10 +12,10 @@ from typing import Any
 
 from rich.table import Table
 
-from kvserve.bench.client import RequestResult
-from kvserve.bench.metrics_scrape import SpeculationDelta
-from kvserve.bench.runner import TargetRun
-from kvserve.bench.workloads import Workload
+from kvserve_bench.client import RequestResult
+from kvserve_bench.metrics_scrape import SpeculationDelta
+from kvserve_bench.runner import TargetRun
+from kvserve_bench.workloads import Workload
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.bench.client import RequestResult, Target, stream_chat
 from kvserve.cluster.launch import Cluster, ClusterConfig
 from kvserve.cluster.redis_process import free_port
+from kvserve_bench.client import RequestResult, Target, stream_chat
 from tests.cluster.cluster_harness import MODEL, system_prompt
 
 

@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from kvserve.bench.errors import BenchError
+from kvserve_bench.errors import BenchError
 
 _CHUNK_CHARS = 1 << 20
 

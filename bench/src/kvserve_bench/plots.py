@@ -12,8 +12,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from kvserve.bench.report import TargetSummary, TurnSummary
-from kvserve.bench.runner import TargetRun
+from kvserve_bench.report import TargetSummary, TurnSummary
+from kvserve_bench.runner import TargetRun
 
 
 def plot_ttft(title: str, runs: Sequence[TargetRun], summaries: Sequence[TargetSummary], path: Path) -> None:

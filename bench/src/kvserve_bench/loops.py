@@ -9,8 +9,8 @@ still counts: the three copies are then of the span as it starts at that point. 
 
 from collections.abc import Iterable, Sequence
 
-from kvserve.bench.client import RequestResult
-from kvserve.bench.tokens import TokenIds
+from kvserve_bench.client import RequestResult
+from kvserve_bench.tokens import TokenIds
 
 LOOP_MIN_SPAN = 8
 LOOP_REPEATS = 3

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
 
-from kvserve.bench.errors import BenchError
-from kvserve.bench.tokens import WORDS, TokenCounter, text_of_tokens
 from kvserve.flags import option
+from kvserve_bench.errors import BenchError
+from kvserve_bench.tokens import WORDS, TokenCounter, text_of_tokens
 
 # How many conversations at the head of the ShareGPT file the sharegpt workload draws from.
 _SHAREGPT_POOL = 2000
@@ -326,7 +326,7 @@ CODE_EDIT_ASK = (
 
 def code_edit_source() -> str:
     """The file the code-edit workload edits: 1,327 tokens of the default model's tokenizer."""
-    return resources.files("kvserve.bench.data").joinpath(CODE_EDIT_FILE).read_text()
+    return resources.files("kvserve_bench.data").joinpath(CODE_EDIT_FILE).read_text()
 
 
 def code_edit(spec: CodeEditSpec) -> Workload:

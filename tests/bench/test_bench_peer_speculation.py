@@ -17,12 +17,12 @@ from benchmarks.bench_peer import (
     target_args,
 )
 
-from kvserve.bench import workloads
-from kvserve.bench.client import RequestResult, Target
-from kvserve.bench.metrics_scrape import SpeculationDelta
-from kvserve.bench.report import report_data, summarize
-from kvserve.bench.runner import TargetRun
-from kvserve.bench.workloads import RepeatSpec, Workload
+from kvserve_bench import workloads
+from kvserve_bench.client import RequestResult, Target
+from kvserve_bench.metrics_scrape import SpeculationDelta
+from kvserve_bench.report import report_data, summarize
+from kvserve_bench.runner import TargetRun
+from kvserve_bench.workloads import RepeatSpec, Workload
 
 
 def test_copy_workloads_run_on_kvserve_and_llama_cpp_with_and_without_speculation() -> None:

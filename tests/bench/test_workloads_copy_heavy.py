@@ -15,25 +15,25 @@ from fastapi import FastAPI
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserve.bench import workloads
-from kvserve.bench.client import RequestResult, Target
-from kvserve.bench.errors import BenchError
-from kvserve.bench.loops import LOOP_MIN_SPAN, loop_span
-from kvserve.bench.metrics_scrape import SpeculationDelta, parse_samples, speculation_delta
-from kvserve.bench.report import (
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.engine import Engine
+from kvserve.model.loader import load_default_tokenizer
+from kvserve.options import ServerOptions
+from kvserve.server.app import create_app
+from kvserve_bench import workloads
+from kvserve_bench.client import RequestResult, Target
+from kvserve_bench.errors import BenchError
+from kvserve_bench.loops import LOOP_MIN_SPAN, loop_span
+from kvserve_bench.metrics_scrape import SpeculationDelta, parse_samples, speculation_delta
+from kvserve_bench.report import (
     acceptance_cell,
     accepted_length_cell,
     figure_value,
     markdown,
     summarize,
 )
-from kvserve.bench.runner import TargetRun
-from kvserve.bench.workloads import AgentLoopSpec, CodeEditSpec, RepeatSpec
-from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.engine import Engine
-from kvserve.model.loader import load_default_tokenizer
-from kvserve.options import ServerOptions
-from kvserve.server.app import create_app
+from kvserve_bench.runner import TargetRun
+from kvserve_bench.workloads import AgentLoopSpec, CodeEditSpec, RepeatSpec
 from tests.bench.cli_runs import bench, targets
 
 # ---------------------------------------------------------------------------------------------------------

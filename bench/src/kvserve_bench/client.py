@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from kvserve.bench.errors import BenchError
+from kvserve_bench.errors import BenchError
 
 
 @dataclass(frozen=True)

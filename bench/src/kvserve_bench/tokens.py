@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import httpx
 
-from kvserve.bench.client import Target
-from kvserve.bench.errors import BenchError
+from kvserve_bench.client import Target
+from kvserve_bench.errors import BenchError
 
 TokenCounter = Callable[[str], int]
 # A text's token ids (special tokens the tokenizer adds included).

@@ -15,14 +15,14 @@ import matplotlib.image
 import pytest
 from PIL import Image
 
-from kvserve.bench import workloads
-from kvserve.bench.client import parse_target
-from kvserve.bench.errors import BenchError
-from kvserve.bench.metrics_scrape import parse_samples, prefix_cache_delta
-from kvserve.bench.report import Distribution, percentile
-from kvserve.bench.sharegpt import iter_dataset, iter_objects
-from kvserve.bench.tokens import text_of_tokens, text_only
-from kvserve.bench.workloads import MultiturnSpec, SharedPrefixSpec, SharegptSpec
+from kvserve_bench import workloads
+from kvserve_bench.client import parse_target
+from kvserve_bench.errors import BenchError
+from kvserve_bench.metrics_scrape import parse_samples, prefix_cache_delta
+from kvserve_bench.report import Distribution, percentile
+from kvserve_bench.sharegpt import iter_dataset, iter_objects
+from kvserve_bench.tokens import text_of_tokens, text_only
+from kvserve_bench.workloads import MultiturnSpec, SharedPrefixSpec, SharegptSpec
 from tests.bench.cli_runs import bench, targets
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.bench.client import RequestResult, Target, retryable, stream_chat
-from kvserve.bench.errors import BenchError
-from kvserve.bench.metrics_scrape import (
+from kvserve_bench.client import RequestResult, Target, retryable, stream_chat
+from kvserve_bench.errors import BenchError
+from kvserve_bench.metrics_scrape import (
     PrefixCacheDelta,
     SpeculationDelta,
     prefix_cache_delta,
     scrape,
     speculation_delta,
 )
-from kvserve.bench.workloads import Conversation, Message, Workload
+from kvserve_bench.workloads import Conversation, Message, Workload
 
 # Text of the warm-up request, which no workload text starts with (those are lowercase words).
 _WARMUP_TEXT = "Say hello."

@@ -11,7 +11,7 @@ from typing import IO
 
 import httpx
 
-from kvserve.bench.errors import BenchError
+from kvserve_bench.errors import BenchError
 
 _HOST = "127.0.0.1"
 

@@ -23,17 +23,19 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvserve.bench import workloads
-from kvserve.bench.client import Target, connect, parse_target
-from kvserve.bench.errors import BenchError
-from kvserve.bench.loops import mark_greedy_loops
-from kvserve.bench.plots import is_multi_turn, plot_cached_fraction, plot_latency_per_turn, plot_ttft
-from kvserve.bench.report import TargetSummary, markdown, report_data, rich_table, summarize, write_json
-from kvserve.bench.runner import run_workload
-from kvserve.bench.servers import local_servers
-from kvserve.bench.sharegpt import iter_dataset
-from kvserve.bench.tokens import TokenCounter, choose_tokenizer, text_only
-from kvserve.bench.workloads import (
+from kvserve.config import EngineConfig
+from kvserve.flags import add_flags, from_flags, to_argv
+from kvserve_bench import workloads
+from kvserve_bench.client import Target, connect, parse_target
+from kvserve_bench.errors import BenchError
+from kvserve_bench.loops import mark_greedy_loops
+from kvserve_bench.plots import is_multi_turn, plot_cached_fraction, plot_latency_per_turn, plot_ttft
+from kvserve_bench.report import TargetSummary, markdown, report_data, rich_table, summarize, write_json
+from kvserve_bench.runner import run_workload
+from kvserve_bench.servers import local_servers
+from kvserve_bench.sharegpt import iter_dataset
+from kvserve_bench.tokens import TokenCounter, choose_tokenizer, text_only
+from kvserve_bench.workloads import (
     AgentLoopSpec,
     CodeEditSpec,
     MultiturnSpec,
@@ -42,8 +44,6 @@ from kvserve.bench.workloads import (
     SharegptSpec,
     Workload,
 )
-from kvserve.config import EngineConfig
-from kvserve.flags import add_flags, from_flags, to_argv
 
 # The headline comparison of `make bench`: sized to take a few minutes on 2 CPU cores with the 135M model.
 COMPARE_MULTITURN = MultiturnSpec(

@@ -22,7 +22,7 @@ from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import PagedAttentionKernel
 from kvserve.model.runner import ModelRunner, SequenceChunk
 from tests.model.attention_cases import Case, cases, inputs, reference
-from tests.model.test_kv_float16 import chat_prompts, greedy
+from tests.model.test_kv_quant_float16 import chat_prompts, greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

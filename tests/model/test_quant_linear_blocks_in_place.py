@@ -15,7 +15,7 @@ from kvserve.model.loader import LoadedModel
 from kvserve.model.quant_blocks import Q4_0, Q4_1, Q8_0, QuantizedWeight
 from kvserve.model.quant_linear import QuantLinear
 from kvserve.model.runner import ModelRunner
-from tests.model.test_quantized_blocks import gguf_blocks, random_weight
+from tests.model.test_quant_blocks_native_kernel import gguf_blocks, random_weight
 
 
 def _own_copy(model: LoadedModel) -> LoadedModel:

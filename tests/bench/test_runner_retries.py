@@ -5,10 +5,10 @@ import asyncio
 
 import httpx
 
-from kvserve.bench.client import Target, retryable
-from kvserve.bench.report import summarize
-from kvserve.bench.runner import TargetRun, _Driver
-from kvserve.bench.workloads import Conversation, Workload
+from kvserve_bench.client import Target, retryable
+from kvserve_bench.report import summarize
+from kvserve_bench.runner import TargetRun, _Driver
+from kvserve_bench.workloads import Conversation, Workload
 from tests.helpers import free_port
 
 

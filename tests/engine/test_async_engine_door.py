@@ -69,14 +69,14 @@ def url(
 
 def test_a_chat_request_of_n_samples_is_checked_once(
     checks: list[int],
-    make_engine: Callable[..., Engine],
+    make_tiny_engine: Callable[..., Engine],
     serve_app: Callable[[FastAPI], AbstractContextManager[str]],
 ) -> None:
     """It was checked seven times: once by the route, then per sample by AsyncEngine.generate and again
-    by Engine.add_request. (The default model: a chat template's role names are beyond the tiny one's
-    vocabulary.)"""
+    by Engine.add_request. (The tiny full-vocabulary model: a chat template's role names are beyond the
+    4,096-token one's vocabulary.)"""
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 3, "temperature": 1.0}
-    with serve_app(create_app(AsyncEngine(make_engine(max_model_len=256)), ServerOptions())) as url:
+    with serve_app(create_app(AsyncEngine(make_tiny_engine(max_model_len=256)), ServerOptions())) as url:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 3
