@@ -550,7 +550,6 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
         "at most 4",
     ),
     ("a negative max_tokens", {"messages": [USER], "max_tokens": -1}, "max_tokens"),
-    ("a zero max_tokens", {"messages": [USER], "max_tokens": 0}, "max_tokens"),
     ("a huge max_tokens", {"messages": [USER], "max_tokens": 10**12}, "max_tokens"),
     ("a tool role", {"messages": [{"role": "tool", "content": "x"}]}, "role"),
     ("a tool_use in a user turn", {"messages": [{**CALL, "role": "user"}]}, "user turn"),

@@ -5,10 +5,11 @@ place its defaults and its max_tokens rule live.
 Defaults: temperature and top_p 1, no top_k, unless given; `stop_sequences` are the stop strings;
 `output_config.format` (a JSON schema) is the output constraint.
 
-max_tokens: required, between 1 and MAX_MAX_TOKENS (else a 400); clamped to the room the prompt leaves
+max_tokens: required, between 0 and MAX_MAX_TOKENS (else a 400); clamped to the room the prompt leaves
 in the context (`OverContext.CLAMP`), as a client that asks for its model's whole output budget expects
 to be served, the reply ending `max_tokens` there; a prompt that fills the context is refused for its
-length.
+length. 0 is a pre-warm, as Anthropic's: the prompt is computed and kept (its breakpoints retained as
+for any request), and the answer has no content, stop_reason `max_tokens` and the usage of the write.
 
 The chat path (server/core/prompts.py, server/core/tools.py) then renders it exactly as it renders a chat
 completion, so both APIs share the template, the tool format, the constraint and the reply memory:
@@ -391,8 +392,8 @@ def _output_format(body: MessagesRequest) -> StructuredOutputs | None:
 def messages_plan(ctx: ServerContext, body: MessagesRequest, namespace: str) -> RequestPlan:
     """An Anthropic message's plan: the request rendered as a chat and planned as one, under the
     module's defaults and max_tokens rule, and where its cache breakpoints fall."""
-    if not 1 <= body.max_tokens <= MAX_MAX_TOKENS:
-        raise InvalidRequestError(f"max_tokens must be between 1 and {MAX_MAX_TOKENS}", "max_tokens")
+    if not 0 <= body.max_tokens <= MAX_MAX_TOKENS:
+        raise InvalidRequestError(f"max_tokens must be between 0 and {MAX_MAX_TOKENS}", "max_tokens")
     chat = anthropic_chat(body, ctx.chat.reasoning)
     token_ids = _tokens(ctx, chat, chat.messages, namespace, True)
     params = SamplingParams(

@@ -14,6 +14,10 @@ retentions hold, in whole blocks and within the tenant's budget), then `input_to
 add up to the prompt. A stream's `message_start` goes out before the retention is made, so its figure
 is the most the breakpoints could keep; `message_delta`, whose usage clients take as final, counts what
 was kept.
+
+A pre-warm (max_tokens 0) runs the same path: the prompt is computed, its blocks published and its
+breakpoints retained; the answer has no content blocks (a stream none between `message_start` and
+`message_delta`), stop_reason `max_tokens`, and the usage of the write.
 """
 
 import asyncio
@@ -286,7 +290,8 @@ async def _events(
                     continue
                 for event in reply.push(delta.text, delta.finished):
                     yield event
-        for event in reply.end():
+        # A pre-warm (max_tokens 0) has no content block, not even an empty one.
+        for event in [] if plan.prewarm else reply.end():
             yield event
         remember_parts(ctx, fmt.reply_part, [g], plan.namespace)
         stop_reason, stop_sequence = fmt.stop(g.choice, reply.made_calls)
@@ -333,7 +338,7 @@ async def respond_messages(
     remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
     kept = await _retain(ctx, plan)
     (choice,) = choices
-    content, calls = fmt.content(choice)
+    content, calls = ([], False) if plan.prewarm else fmt.content(choice)
     stop_reason, stop_sequence = fmt.stop(choice, calls)
     result = MessageResponse(
         id=ids.id,

@@ -73,6 +73,12 @@ class RequestPlan:
     def n(self) -> int:
         return len(self.samples)
 
+    @property
+    def prewarm(self) -> bool:
+        """A chat asked for no reply (max_tokens 0): its prompt is computed and kept in the cache, as
+        any prompt is, and answered with usage alone."""
+        return all(p.checked.max_tokens == 0 for p in self.prompts)
+
 
 def plan_prompts(
     ctx: ServerContext, token_ids: list[list[int]], params: SamplingParams, namespace: str
