@@ -17,7 +17,7 @@ def _request(max_tokens: int | None, rule: OverContext) -> ChatRequest:
 
 
 @given(
-    asked=st.none() | st.integers(1, 10 * MAX_MODEL_LEN),
+    asked=st.none() | st.integers(0, 10 * MAX_MODEL_LEN),
     prompt=st.integers(1, MAX_MODEL_LEN),
     rule=st.sampled_from(OverContext),
 )

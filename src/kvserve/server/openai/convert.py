@@ -8,9 +8,12 @@ OpenAI's and vLLM's dialects (server/core/structured.py). A chat's tools and too
 shapes (server/core/tools.py).
 
 max_tokens:
-- chat: `max_completion_tokens`, else `max_tokens`; below 1 is a 400 (only completions' echo has a use
-  for a reply of no tokens); unset is "up to the context"; a prompt plus max_tokens over the context is
-  refused by the engine's check (a 400), never cut (`OverContext.REFUSE`).
+- chat: `max_completion_tokens`, else `max_tokens`; below 0 is a 400; unset is "up to the context"; a
+  prompt plus max_tokens over the context is refused by the engine's check (a 400), never cut
+  (`OverContext.REFUSE`). 0 is a pre-warm, the equivalent of Anthropic's `max_tokens: 0`: the prompt is
+  computed and kept in the cache like any request's, and each choice is an empty assistant message
+  (content "") with finish_reason `length`; usage shows the prompt and what of it the cache held
+  (`prompt_tokens_details.cached_tokens`), `completion_tokens` 0.
 - text completions: 16 unless given (OpenAI's legacy default), an explicit null is "up to the context";
   0 computes only the prompt (an echo's logprobs); over the context the engine refuses it too.
 """
@@ -94,8 +97,8 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", "top_logprobs")
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise InvalidRequestError("max_tokens must be at least 1.", "max_tokens")
+    if max_tokens is not None and max_tokens < 0:
+        raise InvalidRequestError("max_tokens must be at least 0.", "max_tokens")
     tools = tool_use(body)
     kwargs = template_kwargs(body.chat_template_kwargs)
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)

@@ -4,9 +4,13 @@ its defaults and its max_output_tokens rule live.
 Defaults: temperature and top_p 1 unless given; every other sampling value the engine's default (no
 top_k, no penalties, one sample); the text format is the output constraint (`response_format`).
 
-max_output_tokens: below 1 is a 400 (`check_fields`); unset is "up to the context"; a prompt plus
+max_output_tokens: below 0 is a 400 (`check_fields`); unset is "up to the context"; a prompt plus
 max_output_tokens over the context is not refused: the reply may fill the room the prompt leaves
-(`OverContext.FILL`), and a reply cut there is `incomplete` with reason max_output_tokens.
+(`OverContext.FILL`), and a reply cut there is `incomplete` with reason max_output_tokens. 0 is a
+pre-warm, the equivalent of Anthropic's `max_tokens: 0`: the prompt is computed and kept in the cache
+like any request's, and the response is `incomplete` (reason max_output_tokens) with no output items;
+usage shows the prompt and what of it the cache held (`input_tokens_details.cached_tokens`). Stored, it
+keeps the conversation without a reply, so that a request continuing it reads the pre-warmed prompt.
 
 Items become chat messages: `developer` is a system message, a run of `function_call` items one assistant
 message with those calls (its calls render back as the exact text generated, server/core/tools.py), a
@@ -347,8 +351,8 @@ def response_format(text: TextFormat | None) -> dict[str, Any] | None:
 
 def check_fields(body: ResponsesRequest) -> None:
     """What the body alone decides: the bounds of metadata and max_output_tokens."""
-    if body.max_output_tokens is not None and body.max_output_tokens < 1:
-        raise InvalidRequestError("max_output_tokens must be at least 1", "max_output_tokens")
+    if body.max_output_tokens is not None and body.max_output_tokens < 0:
+        raise InvalidRequestError("max_output_tokens must be at least 0", "max_output_tokens")
     metadata = body.metadata or {}
     if len(metadata) > MAX_METADATA_KEYS or any(
         len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in metadata.items()

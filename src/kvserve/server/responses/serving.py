@@ -10,6 +10,7 @@ response.created, response.in_progress, then for each item output_item.added, it
 (reasoning_text, output_text, function_call_arguments) and their .done events (a custom tool call's
 input comes whole, as one response.custom_tool_call_input.delta and its .done, when the call ends),
 output_item.done, and last response.completed (response.incomplete when cut at max_output_tokens). A
+pre-warm (max_output_tokens 0) has no output item, whole or streamed. A
 stored response keeps the conversation with its reply and the exact token ids
 (server/responses/store.py); a stream is stored once it has ended whole. The response is written to JSON
 once, off the event loop when stored: the POST (or the stream's last event) answers those bytes, and a
@@ -246,7 +247,9 @@ class _Run:
         """Its conversation with the reply appended, and its exact ids when the reply's ids stand for
         its text, kept; the response's JSON as kept."""
         assistant = reply.assistant()
-        messages = [*self.prepared.messages, assistant]
+        # A pre-warm has no reply: the conversation it keeps ends with its input.
+        prewarm = self.prepared.plan.prewarm
+        messages = [*self.prepared.messages] if prewarm else [*self.prepared.messages, assistant]
         stored = StoredResponse(
             id=self.id,
             tenant=tenant,
@@ -255,7 +258,7 @@ class _Run:
             input_items=input_items(self.body),
             messages=messages,
         )
-        continuation = self._continuation(assistant)
+        continuation = None if prewarm else self._continuation(assistant)
         if continuation is not None:
             stored.continuation_ids = list(continuation.ids)
             stored.continuation_content = continuation.content
@@ -329,8 +332,10 @@ def item_list(
 
 def _whole_reply(run: _Run) -> _Reply:
     """The finished reply's items, parsed whole (as a chat completion's: server/core/output.py)."""
-    parsed = run.parser.whole(run.choice.text, run.choice.finish_reason)
     reply = _Reply(run.prepared.custom_tools)
+    if run.prepared.plan.prewarm:
+        return reply
+    parsed = run.parser.whole(run.choice.text, run.choice.finish_reason)
     if parsed.reasoning is not None:
         reply.reasoning = ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text=parsed.reasoning)])
     for call in parsed.calls or ():
@@ -546,8 +551,8 @@ async def _events(
                         yield event
         for event in writer.close():
             yield event
-        if writer.reply.message is None and not writer.reply.calls:
-            # An empty reply is still one message, as the whole response has.
+        if writer.reply.message is None and not writer.reply.calls and not run.prepared.plan.prewarm:
+            # An empty reply is still one message, as the whole response has (a pre-warm has none).
             writer.reply.message = OutputMessage(id=_item_id("msg"), content=[OutputText(text="")])
         response = run.response(writer.reply, generation, run.status())
         data = await run.answer(response, writer.reply, tenant)
