@@ -8,8 +8,9 @@ Defaults: temperature and top_p 1, no top_k, unless given; `stop_sequences` are 
 max_tokens: required, between 0 and MAX_MAX_TOKENS (else a 400); clamped to the room the prompt leaves
 in the context (`OverContext.CLAMP`), as a client that asks for its model's whole output budget expects
 to be served, the reply ending `max_tokens` there; a prompt that fills the context is refused for its
-length. 0 is a pre-warm, as Anthropic's: the prompt is computed and kept (its breakpoints retained as
-for any request), and the answer has no content, stop_reason `max_tokens` and the usage of the write.
+length, unless it is a pre-warm's. 0 is a pre-warm, as Anthropic's: the prompt is computed and kept
+(its breakpoints retained as for any request), and the answer has no content, stop_reason `max_tokens`
+and the usage of the write.
 
 The chat path (server/core/prompts.py, server/core/tools.py) then renders it exactly as it renders a chat
 completion, so both APIs share the template, the tool format, the constraint and the reply memory:
