@@ -189,3 +189,30 @@ def test_a_bad_breakpoint_marker_is_a_400_naming_its_part(server: Server) -> Non
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages[0].content[0].prompt_cache_breakpoint"
+
+
+def test_a_stream_reports_the_write_once_the_reply_is_out(server: Server) -> None:
+    client = _client(server)
+    messages: list[Any] = [
+        {"role": "system", "content": [_system_part(True)]},
+        {"role": "user", "content": "Hi"},
+    ]
+    chunks = client.chat.completions.create(
+        model=NAME, max_tokens=2, messages=messages, stream=True, stream_options={"include_usage": True}
+    )
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details is not None
+    assert 64 < (usage[0].prompt_tokens_details.cache_write_tokens or 0) < usage[0].prompt_tokens
+    items: list[Any] = [{"role": "user", "content": "Where is my parcel? " * 20}]
+    events = client.responses.create(
+        model=NAME,
+        max_output_tokens=2,
+        input=items,
+        store=False,
+        stream=True,
+        extra_body={"prompt_cache_retention": "24h"},
+    )
+    # Two tokens end the reply early: its last event is response.incomplete.
+    (final,) = [e.response for e in events if e.type in ("response.completed", "response.incomplete")]
+    assert final.usage is not None
+    assert final.usage.input_tokens - 32 < final.usage.input_tokens_details.cache_write_tokens
