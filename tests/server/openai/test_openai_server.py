@@ -175,7 +175,7 @@ def test_sse_framing_and_usage_fields(server: Server) -> None:
     whole = httpx.post(
         f"{server.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1}, timeout=60
     )
-    assert whole.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert whole.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0}
 
 
 ANY_PARAM = "(not checked)"

@@ -6,7 +6,7 @@ they are), and Anthropic's and the Responses API's requests are converted to the
 server/core/tools.py) renders them.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,8 @@ class ContentPart(RequestModel):
 
     type: str
     text: str | None = None
+    # OpenAI's breakpoint marker, checked by server/core/prompt_cache.py.
+    prompt_cache_breakpoint: Any = None
 
 
 class FunctionCall(RequestModel):

@@ -68,6 +68,8 @@ class TokenUsage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # What the request's cache breakpoints kept past the cached tokens (server/core/retention.py).
+    cache_write_tokens: int = 0
 
 
 class OutputFormat(Protocol):

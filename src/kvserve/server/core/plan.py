@@ -65,8 +65,8 @@ class RequestPlan:
     opens_reasoning: bool = False
     # A chat's tools, by name: only calls of these are its replies' tool calls.
     tool_names: frozenset[str] | None = None
-    # Where an Anthropic request's cache breakpoints fall, first to last: the prefixes to keep, for the
-    # retention that keeps them.
+    # Where a request's cache breakpoints fall (Anthropic's or OpenAI's), first to last: the prefixes
+    # to keep, for the retention that keeps them.
     breakpoints: tuple[CacheBreakpoint, ...] = ()
 
     @property

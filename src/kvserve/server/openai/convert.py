@@ -19,12 +19,15 @@ max_tokens:
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 from kvserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.server.core.context import ServerContext
+from kvserve.server.core.messages import ChatMessage
 from kvserve.server.core.plan import PlannedPrompt, RequestPlan, chat_plan, plan_prompts
-from kvserve.server.core.prompts import prompt_batch, template_kwargs, text_prompt
+from kvserve.server.core.prompt_cache import cache_breakpoints, cache_policy, chat_markers
+from kvserve.server.core.prompts import chat_prompt, prompt_batch, template_kwargs, text_prompt
 from kvserve.server.core.request import ChatRequest
 from kvserve.server.core.structured import structured_outputs
 from kvserve.server.core.tools import ToolUse, offered_tools
@@ -106,7 +109,26 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
 
 
 def chat_completion_plan(ctx: ServerContext, body: ChatCompletionRequest, namespace: str) -> RequestPlan:
-    return chat_plan(ctx, chat_request(body), namespace)
+    """A chat's plan, with the breakpoints its cache fields ask for (server/core/prompt_cache.py)."""
+    policy = cache_policy(body.prompt_cache_retention, body.prompt_cache_key, body.prompt_cache_options)
+    request = chat_request(body)
+    markers = chat_markers(request.messages, policy)
+
+    def render(messages: Sequence[ChatMessage]) -> list[int]:
+        return chat_prompt(
+            ctx.async_engine,
+            ctx.prompt_guard,
+            messages,
+            namespace,
+            False,
+            request.tools,
+            ctx.chat,
+            request.template_kwargs,
+        )
+
+    plan = chat_plan(ctx, request, namespace)
+    breakpoints = cache_breakpoints(policy, markers, plan.prompts[0].token_ids, render)
+    return dataclasses.replace(plan, breakpoints=breakpoints)
 
 
 def completion_plan(ctx: ServerContext, body: CompletionRequest, namespace: str) -> RequestPlan:

@@ -35,7 +35,9 @@ def openai_usage(usage: TokenUsage) -> Usage:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=usage.cached_tokens, cache_write_tokens=usage.cache_write_tokens
+        ),
     )
 
 

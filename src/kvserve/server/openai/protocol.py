@@ -82,6 +82,10 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     # Variables for the chat template (e.g. {"enable_thinking": false}), checked by server/core/prompts.py.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Checked by server/core/prompt_cache.py.
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
     # The legacy function-calling fields, refused by name.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -131,6 +135,8 @@ class DetokenizeRequest(OpenAIRequest):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
+    # What this request computed that its cache breakpoints keep (server/core/prompt_cache.py).
+    cache_write_tokens: int = 0
 
 
 class Usage(BaseModel):

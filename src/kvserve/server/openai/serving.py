@@ -7,6 +7,7 @@ of them in server/core/generation.py, which the Responses API's writer shares).
 """
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
@@ -26,8 +27,9 @@ from kvserve.server.core.generation import (
     start,
     usage,
 )
-from kvserve.server.core.output import OutputFormat, ResponseIds
+from kvserve.server.core.output import OutputFormat, ResponseIds, TokenUsage
 from kvserve.server.core.plan import RequestPlan
+from kvserve.server.core.retention import retain_plan, written_tokens
 from kvserve.server.http.errors import ErrorResponse, to_api_error
 
 log = logging.getLogger("kvserve.server")
@@ -72,6 +74,13 @@ async def _merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _usage(ctx: ServerContext, plan: RequestPlan, generations: Sequence[Generation]) -> TokenUsage:
+    """The usage once the plan's breakpoints are held (after the reply, as Anthropic's are)."""
+    kept = await retain_plan(ctx, plan)
+    written = written_tokens(generations[0].choice, kept)
+    return dataclasses.replace(usage(generations), cache_write_tokens=written)
+
+
 def _sse(data: str) -> str:
     return f"data: {data}\n\n"
 
@@ -83,7 +92,7 @@ async def _events(
     fmt: OutputFormat,
     ids: ResponseIds,
     include_usage: bool,
-    namespace: str,
+    plan: RequestPlan,
 ) -> AsyncGenerator[str, None]:
     # OpenAI's chunks carry "usage": null until the last one when usage is asked for, and no key otherwise.
     exclude = None if include_usage else {"usage"}
@@ -100,9 +109,10 @@ async def _events(
                     chunk = fmt.chunk(ids, g.choice, delta.text, held, delta.finish_reason)
                     yield _sse(chunk.model_dump_json(exclude=exclude))
                     held.clear()
-        remember_parts(ctx, fmt.reply_part, generations, namespace)
+        remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
+        counted = await _usage(ctx, plan, generations)
         if include_usage:
-            yield _sse(fmt.usage_chunk(ids, usage(generations)).model_dump_json())
+            yield _sse(fmt.usage_chunk(ids, counted).model_dump_json())
     except Exception as exc:
         # The status line is long gone: the error can only travel as an event.
         error = to_api_error(request, exc)
@@ -125,9 +135,9 @@ async def respond(
     of chunks. A stream's last chunk carries the usage when `include_usage`."""
     ids, generations = await start(ctx, request, fmt.id_prefix, plan, room)
     if stream:
-        events = _events(ctx, request, generations, fmt, ids, include_usage, plan.namespace)
+        events = _events(ctx, request, generations, fmt, ids, include_usage, plan)
         return EventStreamResponse(events, generations)
     choices = await cancel_on_disconnect(request, run_all(generations))
     remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
-    result = fmt.response(ids, choices, usage(generations))
+    result = fmt.response(ids, choices, await _usage(ctx, plan, generations))
     return Response(result.model_dump_json(), media_type="application/json")

@@ -31,6 +31,7 @@ string). A `custom_tool_call` item is that call (the input as the JSON object's 
 InvalidRequestError, whose param names the item or tool.
 """
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,7 +43,8 @@ from kvserve.errors import InvalidRequestError
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.messages import ChatMessage, FunctionCall, ToolCall
 from kvserve.server.core.plan import RequestPlan, rendered_chat_plan
-from kvserve.server.core.prompts import Continuation, continued_chat_prompt
+from kvserve.server.core.prompt_cache import CachePolicy, Marker, cache_breakpoints, cache_policy, marker_ttl
+from kvserve.server.core.prompts import Continuation, chat_prompt, continued_chat_prompt
 from kvserve.server.core.request import ChatRequest, OverContext
 from kvserve.server.core.structured import structured_outputs
 from kvserve.server.core.tools import ToolUse, offered_tools
@@ -95,6 +97,36 @@ def _required(value: str | None, param: str, kind: str) -> str:
     if not isinstance(value, str):
         raise InvalidRequestError(f"{param} is missing: a {kind} item needs it", param)
     return value
+
+
+def input_markers(
+    items: str | Sequence[InputItem],
+    instructions: Sequence[ChatMessage],
+    history: Sequence[ChatMessage],
+    policy: CachePolicy,
+) -> list[Marker]:
+    """The breakpoints the content parts of input items carry, first to last. Each keeps the
+    conversation through its whole item (an item's parts are joined into one message's text)."""
+    if isinstance(items, str):
+        return []
+    found: list[Marker] = []
+    for i, item in enumerate(items):
+        if isinstance(item.content, str) or item.content is None:
+            continue
+        where = f"input[{i}].content"
+        ttls = [
+            marker_ttl(part.prompt_cache_breakpoint, f"{where}[{j}].prompt_cache_breakpoint", policy)
+            for j, part in enumerate(item.content)
+        ]
+        marked = [t for t in ttls if t is not None]
+        if marked:
+            try:
+                cut = input_messages(items[: i + 1], history)
+            except InvalidRequestError:
+                # The input cut at this item is not a conversation of its own: the marker keeps nothing.
+                continue
+            found.append(Marker((*instructions, *history, *cut), max(marked)))
+    return found
 
 
 def known_call_ids(messages: Iterable[ChatMessage]) -> set[str]:
@@ -396,6 +428,7 @@ def responses_plan(
     first, its tools and text format as chat's, and max_output_tokens under its rule (the module's
     docstring). An error on the prompt names `input`."""
     check_fields(body)
+    policy = cache_policy(body.prompt_cache_retention, body.prompt_cache_key, body.prompt_cache_options)
     listed = chat_tools(body.tools, body.input)
     history = previous.messages if previous is not None else ()
     conversation = (*history, *input_messages(body.input, history))
@@ -424,6 +457,12 @@ def responses_plan(
     )
     request = ChatRequest(messages, params, tools, over_context=OverContext.FILL, prompt_param="input")
     plan = rendered_chat_plan(ctx, request, token_ids, namespace)
+
+    def render(cut: Sequence[ChatMessage]) -> list[int]:
+        return chat_prompt(ctx.async_engine, ctx.prompt_guard, cut, namespace, False, tools, ctx.chat, {})
+
+    markers = input_markers(body.input, instructions, history, policy)
+    plan = dataclasses.replace(plan, breakpoints=cache_breakpoints(policy, markers, token_ids, render))
     return ResponsesPlan(
         plan, conversation, prompt_text, tools, listed.custom, tuple(response_tools(body.tools))
     )

@@ -2,7 +2,7 @@
 
 As in server/core/messages.py, requests ignore fields they do not know, and fields that change nothing here
 (`include`, `reasoning.effort`, `reasoning.summary`, `reasoning.context`, `text.verbosity`,
-`prompt_cache_key`, `client_metadata`, `user`, `service_tier`, `truncation`) are parsed and left
+`client_metadata`, `user`, `service_tier`, `truncation`) are parsed and left
 without effect (docs/api.md, *Responses API*). Input items are one permissive model: which fields
 an item needs depends on its `type`, and server/responses/convert.py checks them, naming the item.
 Responses carry OpenAI's field names, the ones always null here included, because clients index them.
@@ -31,6 +31,8 @@ class InputPart(RequestModel):
 
     type: str
     text: str | None = None
+    # OpenAI's breakpoint marker, checked by server/core/prompt_cache.py.
+    prompt_cache_breakpoint: Any = None
 
 
 Parts = Annotated[list[InputPart], Field(max_length=MAX_CONTENT_PARTS)]
@@ -95,7 +97,10 @@ class ResponsesRequest(RequestModel):
     # Accepted without effect.
     include: Annotated[list[str], Field(max_length=64)] | None = None
     reasoning: ReasoningConfig | None = None
-    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    # Checked by server/core/prompt_cache.py.
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
     metadata: dict[str, str] | None = None
     client_metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -155,6 +160,7 @@ OutputItem = OutputMessage | FunctionCallItem | CustomToolCallItem | ReasoningIt
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):

@@ -36,6 +36,7 @@ from kvserve.server.core.generation import EventStreamResponse, Generation, canc
 from kvserve.server.core.messages import ChatMessage, FunctionCall, ToolCall
 from kvserve.server.core.output import Choice, ReplyParser
 from kvserve.server.core.prompts import Continuation
+from kvserve.server.core.retention import retain_plan, written_tokens
 from kvserve.server.core.tool_formats.stream import new_call_id
 from kvserve.server.core.tools import conversation
 from kvserve.server.http.errors import APIError, to_api_error
@@ -181,6 +182,8 @@ class _Run:
         (prompt,) = plan.prompts
         self.choice = Choice(0, prompt, PromptOutputs.start(len(prompt.token_ids), 1), 0)
         self.log_id: str = getattr(request.state, "request_id", self.id)
+        # The prompt's first tokens this request's cache breakpoints hold, once its reply is out.
+        self.kept = 0
 
     def generation(self, room: Reservation) -> Generation:
         plan = self.prepared.plan
@@ -224,7 +227,9 @@ class _Run:
         reasoning_tokens = len(self.ctx.async_engine.tokenizer.encode(reasoning, False)) if reasoning else 0
         return ResponseUsage(
             input_tokens=counted.prompt_tokens,
-            input_tokens_details=InputTokensDetails(cached_tokens=counted.cached_tokens),
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=counted.cached_tokens, cache_write_tokens=written_tokens(self.choice, self.kept)
+            ),
             output_tokens=counted.completion_tokens,
             output_tokens_details=OutputTokensDetails(
                 reasoning_tokens=min(reasoning_tokens, counted.completion_tokens)
@@ -554,6 +559,7 @@ async def _events(
         if writer.reply.message is None and not writer.reply.calls and not run.prepared.plan.prewarm:
             # An empty reply is still one message, as the whole response has (a pre-warm has none).
             writer.reply.message = OutputMessage(id=_item_id("msg"), content=[OutputText(text="")])
+        run.kept = await retain_plan(run.ctx, run.prepared.plan)
         response = run.response(writer.reply, generation, run.status())
         data = await run.answer(response, writer.reply, tenant)
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
@@ -588,6 +594,7 @@ async def respond_responses(
         return EventStreamResponse(_events(run, request, generation, tenant), [generation])
     await cancel_on_disconnect(request, generation.run())
     reply = _whole_reply(run)
+    run.kept = await retain_plan(ctx, prepared.plan)
     response = run.response(reply, generation, run.status())
     data = await run.answer(response, reply, tenant)
     return Response(data, media_type="application/json")
