@@ -35,6 +35,8 @@ def test_each_field_alone() -> None:
     assert cache_policy(None, None, {}).whole_prompt_ttl_s == TTL_S["30m"]
     assert cache_policy(None, None, {"mode": "explicit"}).whole_prompt_ttl_s is None
     assert cache_policy(None, None, {"mode": "explicit", "ttl": "12h"}).default_ttl_s == TTL_S["12h"]
+    assert cache_policy(None, None, {"prewarm": True}).prewarm
+    assert not cache_policy(None, None, {"prewarm": False}).prewarm
 
 
 def test_24h_holds_the_whole_prompt_whatever_the_mode() -> None:
@@ -52,6 +54,7 @@ def test_24h_holds_the_whole_prompt_whatever_the_mode() -> None:
         (None, None, [], "prompt_cache_options"),
         (None, None, {"mode": None}, "prompt_cache_options.mode"),
         (None, None, {"ttl": 1800}, "prompt_cache_options.ttl"),
+        (None, None, {"prewarm": "yes"}, "prompt_cache_options.prewarm"),
     ],
 )
 def test_a_bad_field_is_refused_by_name(retention: object, key: object, options: object, param: str) -> None:

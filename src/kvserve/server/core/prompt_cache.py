@@ -6,7 +6,8 @@ their rules live (server/core/retention.py makes the retentions, cache/retention
   the tenant's retention budget, whatever `prompt_cache_options.mode` says.
 - `prompt_cache_options`: `mode` `implicit` (the default) puts one breakpoint at the prompt's end,
   `explicit` none; `ttl` (`30m`, or `12h`) is every breakpoint's TTL unless its own says otherwise.
-  Its other keys (`comparison_response_id`, `prewarm`) are not read here.
+  `prewarm: true` makes the request a pre-warm (max_tokens 0: the prompt computed and kept, no
+  output), as OpenAI documents it. Its other keys (`comparison_response_id`) are not read here.
 - `prompt_cache_breakpoint` on a content part (`{"mode": "explicit", "ttl": ...}`, both optional)
   retains the prompt up to that part, for its TTL; the latest four are written (three with the
   implicit one), as OpenAI writes them, the older ones ignored.
@@ -38,10 +39,11 @@ MODES = ("implicit", "explicit")
 @dataclass(frozen=True)
 class CachePolicy:
     """What a request's cache fields ask: a breakpoint at the prompt's end (its TTL, or None), and the
-    TTL of a part's breakpoint that names none."""
+    TTL of a part's breakpoint that names none; whether the request only pre-warms the cache."""
 
     whole_prompt_ttl_s: float | None = None
     default_ttl_s: float = TTL_S["30m"]
+    prewarm: bool = False
 
 
 def _ttl(value: Any, param: str) -> float:
@@ -76,10 +78,15 @@ def cache_policy(retention: Any, key: Any, options: Any) -> CachePolicy:
             "prompt_cache_options.mode",
         )
     ttl = _ttl(options.get("ttl") or "30m", "prompt_cache_options.ttl")
+    prewarm = options.get("prewarm", False)
+    if not isinstance(prewarm, bool):
+        raise InvalidRequestError(
+            "prompt_cache_options.prewarm must be a boolean", "prompt_cache_options.prewarm"
+        )
     # A minimum lifetime and a maximum retention policy, independent as OpenAI documents them: the
     # implicit breakpoint is held for the longer.
     implicit = max(ttl, retained or 0.0) if mode == "implicit" else retained
-    return CachePolicy(implicit, ttl)
+    return CachePolicy(implicit, ttl, prewarm)
 
 
 def marker_ttl(marker: Any, param: str, policy: CachePolicy) -> float | None:

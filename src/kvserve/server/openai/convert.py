@@ -13,7 +13,8 @@ max_tokens:
   (`OverContext.REFUSE`). 0 is a pre-warm, the equivalent of Anthropic's `max_tokens: 0`: the prompt is
   computed and kept in the cache like any request's, and each choice is an empty assistant message
   (content "") with finish_reason `length`; usage shows the prompt and what of it the cache held
-  (`prompt_tokens_details.cached_tokens`), `completion_tokens` 0.
+  (`prompt_tokens_details.cached_tokens`), `completion_tokens` 0. `prompt_cache_options.prewarm: true`
+  (OpenAI's own spelling) is the same pre-warm whatever max_tokens says.
 - text completions: 16 unless given (OpenAI's legacy default), an explicit null is "up to the context";
   0 computes only the prompt (an echo's logprobs); over the context the engine refuses it too.
 """
@@ -112,6 +113,8 @@ def chat_completion_plan(ctx: ServerContext, body: ChatCompletionRequest, namesp
     """A chat's plan, with the breakpoints its cache fields ask for (server/core/prompt_cache.py)."""
     policy = cache_policy(body.prompt_cache_retention, body.prompt_cache_key, body.prompt_cache_options)
     request = chat_request(body)
+    if policy.prewarm:
+        request = dataclasses.replace(request, params=dataclasses.replace(request.params, max_tokens=0))
     markers = chat_markers(request.messages, policy)
 
     def render(messages: Sequence[ChatMessage]) -> list[int]:

@@ -11,6 +11,7 @@ pre-warm, the equivalent of Anthropic's `max_tokens: 0`: the prompt is computed 
 like any request's, and the response is `incomplete` (reason max_output_tokens) with no output items;
 usage shows the prompt and what of it the cache held (`input_tokens_details.cached_tokens`). Stored, it
 keeps the conversation without a reply, so that a request continuing it reads the pre-warmed prompt.
+`prompt_cache_options.prewarm: true` (OpenAI's own spelling) is the same pre-warm.
 
 Items become chat messages: `developer` is a system message, a run of `function_call` items one assistant
 message with those calls (its calls render back as the exact text generated, server/core/tools.py), a
@@ -450,7 +451,7 @@ def responses_plan(
         previous.continuation if previous is not None else None,
     )
     params = SamplingParams(
-        max_tokens=body.max_output_tokens,
+        max_tokens=0 if policy.prewarm else body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         structured_outputs=structured_outputs(text_format),
