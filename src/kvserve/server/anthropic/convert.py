@@ -52,6 +52,7 @@ from kvserve.server.anthropic.protocol import (
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.messages import ChatMessage, ContentPart, FunctionCall, ToolCall
 from kvserve.server.core.plan import CacheBreakpoint, RequestPlan, rendered_chat_plan
+from kvserve.server.core.prompt_cache import breakpoint_at
 from kvserve.server.core.prompts import chat_prompt
 from kvserve.server.core.request import ChatRequest, OverContext
 from kvserve.server.core.tools import ToolUse, offered_tools
@@ -342,37 +343,17 @@ def messages_tokens(ctx: ServerContext, body: MessagesBase, namespace: str) -> l
     return _tokens(ctx, chat, chat.messages, namespace, True)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _breakpoints(
     ctx: ServerContext, chat: AnthropicChat, token_ids: list[int], namespace: str
 ) -> tuple[CacheBreakpoint, ...]:
-    """Each breakpoint's offset in the prompt: its conversation rendered on its own, followed by an
-    empty user turn (some templates refuse a conversation without a user query, and a turn after it
-    makes every template close the breakpoint's), and compared with the whole prompt token by token.
-    The offset is where the two part, at the block's end give or take the few tokens of markup both
-    share; it is always a prefix of the prompt."""
-    found: list[CacheBreakpoint] = []
-    for b in chat.breakpoints:
-        if not b.messages:
-            continue
-        try:
-            ids = _tokens(ctx, chat, [*b.messages, ChatMessage(role="user", content="")], namespace, False)
-        except InvalidRequestError:
-            # A template that cannot render the conversation cut at this block: the breakpoint keeps
-            # nothing, and the request goes on.
-            continue
-        tokens = _common_prefix(ids, token_ids)
-        if tokens:
-            found.append(CacheBreakpoint(tokens, b.ttl_s))
-    return tuple(sorted(found, key=lambda b: b.tokens))
+    """Each breakpoint's offset in the prompt, found as every API finds it
+    (server/core/prompt_cache.py:breakpoint_at)."""
+
+    def render(messages: Sequence[ChatMessage]) -> list[int]:
+        return _tokens(ctx, chat, messages, namespace, False)
+
+    found = (breakpoint_at(b.messages, b.ttl_s, token_ids, render) for b in chat.breakpoints)
+    return tuple(sorted((b for b in found if b is not None), key=lambda b: b.tokens))
 
 
 def _output_format(body: MessagesRequest) -> StructuredOutputs | None:

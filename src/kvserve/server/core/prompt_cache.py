@@ -146,11 +146,29 @@ def cache_breakpoints(
     if policy.whole_prompt_ttl_s is not None:
         found.append(CacheBreakpoint(len(token_ids), policy.whole_prompt_ttl_s))
     for marker in list(markers)[len(found) - MAX_WRITTEN_BREAKPOINTS :]:
-        try:
-            ids = render([*marker.messages, ChatMessage(role="user", content="")])
-        except InvalidRequestError:
-            continue
-        tokens = _common_prefix(ids, token_ids)
-        if tokens:
-            found.append(CacheBreakpoint(tokens, marker.ttl_s))
+        at = breakpoint_at(marker.messages, marker.ttl_s, token_ids, render)
+        if at is not None:
+            found.append(at)
     return tuple(sorted(found, key=lambda b: b.tokens))
+
+
+def breakpoint_at(
+    messages: Sequence[ChatMessage],
+    ttl_s: float,
+    token_ids: Sequence[int],
+    render: Callable[[Sequence[ChatMessage]], list[int]],
+) -> CacheBreakpoint | None:
+    """A breakpoint at the end of `messages` (a conversation cut at its block), every API's the same
+    way: the cut rendered on its own, followed by an empty user turn (some templates refuse a
+    conversation without a user query, and a turn after it makes every template close the cut's),
+    compared with the whole prompt token by token. The offset is where the two part, at the block's
+    end give or take the few tokens of markup both share; it is always a prefix of the prompt. None
+    when nothing is shared, or when the template cannot render the cut (the request goes on)."""
+    if not messages:
+        return None
+    try:
+        ids = render([*messages, ChatMessage(role="user", content="")])
+    except InvalidRequestError:
+        return None
+    tokens = _common_prefix(ids, token_ids)
+    return CacheBreakpoint(tokens, ttl_s) if tokens else None
