@@ -329,8 +329,10 @@ def test_an_8_mib_body_of_ignored_objects_costs_about_its_bytes(server: Gated) -
     post(server, "/v1/chat/completions", body, key=False)()
     keyless, r = peak_growth(post(server, "/v1/chat/completions", body, key=False))
     assert r.status_code == 401
-    # The client in this process copies the body as it sends it: less than that is the server's share.
-    assert keyless < len(body), keyless
+    # The client in this process copies the body as it sends it; a server that read the body would hold
+    # a second copy at least. Half a copy of slack for what other threads of this process allocate
+    # meanwhile (it was 0.5 MB over one copy once in a full run).
+    assert keyless < 1.5 * len(body), keyless
     keyed, r = peak_growth(post(server, "/v1/chat/completions", body))
     assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_complex", r.text
     assert keyed < growth_bound(body, 0), keyed
