@@ -297,16 +297,20 @@ def _status(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
-def peak_growth(send: Callable[[], T]) -> tuple[int, T]:
+def peak_growth(send: Callable[[], T], tries: int = 3) -> tuple[int, T]:
     """How far the process's resident set rose above where it stood while `send` ran: freed memory is
-    first given back to the system, so that the request's own is counted again."""
-    gc.collect()
-    _LIBC.malloc_trim(0)
-    start = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    response = send()
-    return _status("VmHWM") - start, response
+    first given back to the system, so that the request's own is counted again. The least of `tries`
+    sends: other threads of this process (a full run's) only ever add to a measure."""
+    growths = []
+    for _ in range(tries):
+        gc.collect()
+        _LIBC.malloc_trim(0)
+        start = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        response = send()
+        growths.append(_status("VmHWM") - start)
+    return min(growths), response
 
 
 # One client for every measured request: a new one loads its CA certificates (megabytes) each time.
@@ -329,10 +333,8 @@ def test_an_8_mib_body_of_ignored_objects_costs_about_its_bytes(server: Gated) -
     post(server, "/v1/chat/completions", body, key=False)()
     keyless, r = peak_growth(post(server, "/v1/chat/completions", body, key=False))
     assert r.status_code == 401
-    # The client in this process copies the body as it sends it; a server that read the body would hold
-    # a second copy at least. Half a copy of slack for what other threads of this process allocate
-    # meanwhile (it was 0.5 MB over one copy once in a full run).
-    assert keyless < 1.5 * len(body), keyless
+    # The client in this process copies the body as it sends it: less than that is the server's share.
+    assert keyless < len(body), keyless
     keyed, r = peak_growth(post(server, "/v1/chat/completions", body))
     assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_complex", r.text
     assert keyed < growth_bound(body, 0), keyed

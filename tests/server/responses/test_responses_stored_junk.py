@@ -125,8 +125,9 @@ def test_junk_is_neither_echoed_nor_stored_nor_held(server: Server) -> None:
     # the control: the process holds other things too, and only the difference is the junk's.
     _held_by_a_pair(server.url, [])
     control, _, _ = _held_by_a_pair(server.url, [])
+    # The least of two: what other threads of a full run allocate meanwhile only adds to a measure.
     held, whole, final = _held_by_a_pair(server.url, JUNK)
-    held -= control
+    held = min(held, _held_by_a_pair(server.url, JUNK)[0]) - control
     # Before: the junk was kept as parsed objects in response.tools, tool_choice and the input items,
     # about 50 MB a response.
     assert held < 2 * 2**20, held
