@@ -61,11 +61,11 @@ class KVCache:
         # With one id space a block id names both groups' block of the same positions.
         self.shared_ids = bool(counts[1]) and num_sliding_blocks is None
         shape = (counts[0], num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = huge_pages.empty(shape, dtype, device).zero_()
-        self.v = huge_pages.empty(shape, dtype, device).zero_()
+        self.k = huge_pages.zeros(shape, dtype, device)
+        self.v = huge_pages.zeros(shape, dtype, device)
         sliding = (counts[1], self.num_sliding_blocks * block_size, num_kv_heads, head_dim)
-        self.sliding_k = huge_pages.empty(sliding, dtype, device).zero_() if counts[1] else self.k[:0]
-        self.sliding_v = huge_pages.empty(sliding, dtype, device).zero_() if counts[1] else self.v[:0]
+        self.sliding_k = huge_pages.zeros(sliding, dtype, device) if counts[1] else self.k[:0]
+        self.sliding_v = huge_pages.zeros(sliding, dtype, device) if counts[1] else self.v[:0]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's K and V caches [slots, kv_heads, head_dim], in its group's slots."""

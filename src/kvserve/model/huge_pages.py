@@ -3,7 +3,7 @@
 A decode reads the KV pool's blocks wherever they sit in hundreds of MiB, a few KiB per block and KV head,
 and the weights as one stream of about 100 MB per token: with 4 KiB pages nearly every block costs a TLB
 miss. Linux's transparent huge pages are commonly enabled only for memory that asks (`madvise` mode), so
-`empty` asks before the first touch, which is when the kernel chooses the page size (docs/benchmarks.md
+`zeros` asks before the first touch, which is when the kernel chooses the page size (docs/benchmarks.md
 has what it gains). Elsewhere (no Linux, no huge pages, another device) the buffers are
 plain ones.
 """
@@ -50,16 +50,18 @@ def advise(tensor: torch.Tensor) -> bool:
     return last > first and madvise(first, last - first, _MADV_HUGEPAGE) == 0
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """`torch.empty`, with huge pages asked for before anything touches the memory (zeroed, as fresh
-    pages are, when they are fresh). A CPU buffer of a huge page or more is a private anonymous mapping
-    of its own, advised before the tensor exists: memory from the allocator may have been touched before
-    (a heap span, or a mapping the allocator kept), and touched pages keep their size."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`torch.zeros`, with huge pages asked for before anything touches the memory. A CPU buffer of a
+    huge page or more is a private anonymous mapping of its own, advised before the tensor exists (memory
+    from the allocator may have been touched before, and touched pages keep their size). Its fresh pages
+    read as zeros without being written, so they are committed only as they are first written: a pool
+    sized for the worst case costs neither the start-up time of zeroing it nor its resident memory until
+    it fills (docs/benchmarks.md, Resident memory)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < _HUGE or _madvise() is None:
         tensor = torch.empty(shape, dtype=dtype, device=device)
         advise(tensor)
-        return tensor
+        return tensor.zero_()
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer.madvise(mmap.MADV_HUGEPAGE)
     # The tensor holds the mapping: it is unmapped when the last view of it goes.
