@@ -16,6 +16,7 @@ import numpy as np
 
 from kvserve.model.gguf_file import ARRAY, GgufFile
 from kvserve.model.mlp import GatedMlp, Mlp
+from kvserve.model.recurrent import RecurrentMixer
 from kvserve.model.spec import MAX_CONTEXT_LENGTH, ModelConfig, integer
 from kvserve.model.weights import ModelWeights, Rows
 
@@ -58,6 +59,8 @@ def gated_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, p
 
 
 MlpBuilder = Callable[[ModelWeights, ModelConfig, LayerTensors, str], Mlp]
+# A layer's recurrent mixer (Qwen3.5's Gated DeltaNet) by layer index, or None where the layer attends.
+RecurrentBuilder = Callable[[ModelWeights, ModelConfig, int], RecurrentMixer | None]
 
 
 class GgufMetadata:
@@ -225,3 +228,6 @@ class Family:
     # llama.cpp's graph of this architecture divides its rope frequencies by a `rope_freqs.weight` tensor
     # where the file has one (how its converter writes Llama 3's scaling; gguf-py's ROPE_FREQS).
     gguf_rope_freqs: bool = False
+    # The recurrent layers' mixers (None: every layer attends); an attention layer's step takes
+    # `ModelConfig.attention_output_gate` and `partial_rotary_factor` (kvserve.model.gated_attention).
+    recurrent_layer: RecurrentBuilder | None = None
