@@ -100,3 +100,35 @@ def run_in_calls(
     bounds = [0, *cuts, x.shape[0]]
     pairs = itertools.pairwise(bounds)
     return torch.cat([layer.forward(x[a:b], rows_of([b - a], [slot]), pool.states) for a, b in pairs])
+
+
+def _tile(t: torch.Tensor, dim: int, k_heads: int, per_k: int, width: int) -> torch.Tensor:
+    """The value heads of t along `dim` from grouped by key head to tiled (how llama.cpp stores them)."""
+    shape = list(t.shape)
+    split = t.reshape(*shape[:dim], k_heads, per_k, width, *shape[dim + 1 :])
+    return split.transpose(dim, dim + 1).reshape(shape)
+
+
+def llamacpp_layout(state: dict[str, torch.Tensor], hf: Qwen3_5TextConfig) -> dict[str, torch.Tensor]:
+    """A DeltaNet layer's tensors (its module's state dict) as llama.cpp's converter writes them, by the
+    GGUF's names after `blk.N.`: value heads tiled, A as -exp(A_log), the convolution [C, K]."""
+    sd = {k: v.detach().clone() for k, v in state.items()}
+    nk, nv = hf.linear_num_key_heads, hf.linear_num_value_heads
+    dk, dv, r = hf.linear_key_head_dim, hf.linear_value_head_dim, nv // nk
+    q, k, v = sd["in_proj_qkv.weight"].split([nk * dk, nk * dk, nv * dv])
+    cq, ck, cv = sd["conv1d.weight"].squeeze(1).split([nk * dk, nk * dk, nv * dv])
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return _tile(t.unsqueeze(1), 0, nk, r, 1).squeeze(1)
+
+    return {
+        "attn_qkv.weight": torch.cat((q, k, _tile(v, 0, nk, r, dv))),
+        "attn_gate.weight": _tile(sd["in_proj_z.weight"], 0, nk, r, dv),
+        "ssm_alpha.weight": _tile(sd["in_proj_a.weight"], 0, nk, r, 1),
+        "ssm_beta.weight": _tile(sd["in_proj_b.weight"], 0, nk, r, 1),
+        "ssm_out.weight": _tile(sd["out_proj.weight"], 1, nk, r, dv),
+        "ssm_dt.bias": heads(sd["dt_bias"]),
+        "ssm_a": heads(-sd["A_log"].exp()),
+        "ssm_conv1d.weight": torch.cat((cq, ck, _tile(cv, 0, nk, r, dv))),
+        "ssm_norm.weight": sd["norm.weight"],
+    }

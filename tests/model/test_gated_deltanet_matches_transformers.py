@@ -3,14 +3,18 @@ a prompt in one call, the same prompt in several calls carrying the state (cuts 
 multiples of 64), decode steps one row at a time, several sequences of different lengths in one batch with
 their own slots, and llama.cpp's tiled order of the value heads."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from kvserve.model.families import qwen3_5
 from kvserve.model.gated_deltanet import GatedDeltaNet, gated_deltanet
 from tests.model.deltanet_cases import (
     HIDDEN,
     Pool,
     kvserve_layer,
+    llamacpp_layout,
     model_config,
     reference_layer,
     rows_of,
@@ -106,13 +110,6 @@ def test_sequences_of_different_lengths_in_one_batch(layers: tuple[object, Gated
         close(pool.conv[slots[j]], alone.conv[slots[j]])
 
 
-def _tile(t: torch.Tensor, dim: int, k_heads: int, per_k: int, width: int) -> torch.Tensor:
-    """The value heads of t along `dim` from grouped by key head to tiled (how llama.cpp stores them)."""
-    shape = list(t.shape)
-    split = t.reshape(*shape[:dim], k_heads, per_k, width, *shape[dim + 1 :])
-    return split.transpose(dim, dim + 1).reshape(shape)
-
-
 def test_value_heads_in_llamacpp_tiled_order(layers: tuple[object, GatedDeltaNet]) -> None:
     """The weights as llama.cpp's converter writes them (value heads tiled, A as -exp(A_log), the
     convolution [C, K]) give the same outputs."""
@@ -120,27 +117,12 @@ def test_value_heads_in_llamacpp_tiled_order(layers: tuple[object, GatedDeltaNet
     hf = text_config()
     config = model_config(hf)
     assert config.deltanet is not None
-    from dataclasses import replace
-
     tiled = replace(config, deltanet=replace(config.deltanet, v_heads_tiled=True))
-    sd = {k: v.detach().clone() for k, v in reference.state_dict().items()}  # type: ignore[attr-defined]
-    nk, nv, dk, dv = 2, 4, 8, 8
-    r = nv // nk
-    q, k, v = sd["in_proj_qkv.weight"].split([nk * dk, nk * dk, nv * dv])
-    conv = sd.pop("conv1d.weight").squeeze(1)
-    cq, ck, cv = conv.split([nk * dk, nk * dk, nv * dv])
-    gguf = {
-        "in_proj_qkv.weight": torch.cat((q, k, _tile(v, 0, nk, r, dv))),
-        "in_proj_z.weight": _tile(sd["in_proj_z.weight"], 0, nk, r, dv),
-        "in_proj_a.weight": _tile(sd["in_proj_a.weight"], 0, nk, r, 1),
-        "in_proj_b.weight": _tile(sd["in_proj_b.weight"], 0, nk, r, 1),
-        "out_proj.weight": _tile(sd["out_proj.weight"], 1, nk, r, dv),
-        "dt_bias": _tile(sd["dt_bias"].unsqueeze(1), 0, nk, r, 1).squeeze(1),
-        "A": _tile(-sd["A_log"].exp().unsqueeze(1), 0, nk, r, 1).squeeze(1),
-        "conv1d.weight": torch.cat((cq, ck, _tile(cv, 0, nk, r, dv))),
-        "norm.weight": sd["norm.weight"],
-    }
-    layer = gated_deltanet(weights_of(gguf), tiled, "model.layers.0.")
+    gguf = llamacpp_layout(reference.state_dict(), hf)  # type: ignore[attr-defined]
+    # Under the names the family maps llama.cpp's onto.
+    names = {v: k for k, v in qwen3_5.GGUF_LAYER.items()}
+    tensors = {k.removeprefix("linear_attn."): gguf[names[k]] for k in names if names[k] in gguf}
+    layer = gated_deltanet(weights_of(tensors), tiled, "model.layers.0.")
     x = prompt(100)
     out = run_in_calls(layer, x, [70, 71], Pool.for_layer(layer), 0)
     close(out, expected(reference, x))

@@ -1,0 +1,134 @@
+"""A Qwen3.5 GGUF as llama.cpp's converter writes it (arch `qwen35`, its ssm.* keys, the DeltaNet's tensors
+tiled by value head): the family's config from the metadata, the tensors under the family's names, and the
+layer built from the file, F32 against transformers' layer to 1e-5 and Q8_0 through the native block
+products against the same file's float values."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import quantize
+
+from kvserve.config import default_cache_dir
+from kvserve.model.families.base import GgufMetadata
+from kvserve.model.families.qwen3_5 import QWEN3_5
+from kvserve.model.gated_deltanet import gated_deltanet
+from kvserve.model.gguf_file import open_gguf
+from kvserve.model.gguf_weights import GgufBlocks, GgufTensors, GgufWeights, check_against_config
+from kvserve.model.quant_linear import QuantLinear
+from kvserve.model.spec import ModelConfig
+from kvserve.model.weights import ModelWeights
+from tests.model.deltanet_cases import HIDDEN, Pool, llamacpp_layout, reference_layer, rows_of, text_config
+
+MATRICES = ("attn_qkv.weight", "attn_gate.weight", "ssm_alpha.weight", "ssm_beta.weight", "ssm_out.weight")
+
+
+def write_gguf(path: Path, qtype: gguf.GGMLQuantizationType, recurrent_array: bool = False) -> None:
+    hf = text_config()
+    layer = llamacpp_layout(reference_layer(hf).state_dict(), hf)
+    w = gguf.GGUFWriter(str(path), "qwen35")
+    w.add_block_count(4)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(48)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e7)
+    w.add_rope_dimension_count(4)
+    w.add_rope_dimension_sections([1, 1, 0, 0])
+    w.add_vocab_size(64)
+    w.add_ssm_conv_kernel(4)
+    w.add_ssm_state_size(8)
+    w.add_ssm_group_count(2)
+    w.add_ssm_time_step_rank(4)
+    w.add_ssm_inner_size(32)
+    if recurrent_array:
+        w.add_array("qwen35.attention.recurrent_layers", [True, False, True, False])
+    else:
+        w.add_full_attention_interval(4)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(64)])
+    w.add_tensor("token_embd.weight", np.zeros((64, HIDDEN), dtype=np.float32))
+    for name, t in layer.items():
+        data = t.numpy().astype(np.float32)
+        if name in MATRICES and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(f"blk.0.{name}", quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"blk.0.{name}", data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def read(path: Path, weight_dtype: str) -> tuple[ModelConfig, ModelWeights]:
+    file = open_gguf(str(path))
+    meta = GgufMetadata(file)
+    assert QWEN3_5.gguf_config is not None
+    config = QWEN3_5.config(QWEN3_5.gguf_config(meta))
+    tensors = GgufTensors(file, QWEN3_5, (config.num_heads, config.num_kv_heads))
+    weights = ModelWeights(
+        GgufWeights(tensors), GgufBlocks(tensors), torch.device("cpu"), torch.float32, weight_dtype,
+        default_cache_dir(), False, 1.0,
+    )  # fmt: skip
+    return config, weights
+
+
+def test_config_from_the_metadata(tmp_path: Path) -> None:
+    for array in (False, True):
+        path = tmp_path / f"m{array}.gguf"
+        write_gguf(path, gguf.GGMLQuantizationType.F32, recurrent_array=array)
+        config, _ = read(path, "gguf")
+        dn = config.deltanet
+        assert dn is not None and dn.v_heads_tiled
+        assert dn.layers == ((True, True, True, False) if not array else (True, False, True, False))
+        sizes = (dn.num_k_heads, dn.num_v_heads, dn.k_head_dim, dn.v_head_dim, dn.conv_kernel)
+        assert sizes == (2, 4, 8, 8, 4)
+        assert config.rotary_dim == 4 and config.head_dim == 16 and config.attention_output_gate
+
+
+def test_a_layer_from_an_f32_file_matches_transformers(tmp_path: Path) -> None:
+    path = tmp_path / "f32.gguf"
+    write_gguf(path, gguf.GGMLQuantizationType.F32)
+    config, weights = read(path, "gguf")
+    layer = gated_deltanet(weights, config, "model.layers.0.")
+    x = torch.randn(90, HIDDEN, generator=torch.Generator().manual_seed(7))
+    out = layer.forward(x, rows_of([90], [0]), Pool.for_layer(layer).states)
+    with torch.no_grad():
+        expected = reference_layer(text_config())(x.unsqueeze(0))[0]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_q8_0_file_runs_its_blocks_natively(tmp_path: Path) -> None:
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, gguf.GGMLQuantizationType.Q8_0)
+    config, weights = read(path, "gguf")
+    native = gated_deltanet(weights, config, "model.layers.0.")
+    if not isinstance(native.qkv, QuantLinear):
+        pytest.skip("the native block kernels cannot be built here")
+    assert all(isinstance(p, QuantLinear) for p in (native.z, native.a, native.b, native.out))
+    _, floats = read(path, "float32")
+    reference = gated_deltanet(floats, config, "model.layers.0.")
+    x = torch.randn(70, HIDDEN, generator=torch.Generator().manual_seed(8))
+    out = native.forward(x, rows_of([70], [0]), Pool.for_layer(native).states)
+    want = reference.forward(x, rows_of([70], [0]), Pool.for_layer(reference).states)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_files_shapes_are_checked_against_the_config(tmp_path: Path) -> None:
+    path = tmp_path / "f32.gguf"
+    write_gguf(path, gguf.GGMLQuantizationType.F32)
+    file = open_gguf(str(path))
+    config, _ = read(path, "gguf")
+    # The DeltaNet's attn_qkv is its own q, k and v, not the attention's.
+    check_against_config(file, GgufMetadata(file), config)
+    assert config.deltanet is not None
+    wrong = replace(config, deltanet=replace(config.deltanet, k_head_dim=4))
+    with pytest.raises(Exception, match="attn_qkv"):
+        check_against_config(file, GgufMetadata(file), wrong)
