@@ -115,8 +115,8 @@ def llamacpp_layout(state: dict[str, torch.Tensor], hf: Qwen3_5TextConfig) -> di
     sd = {k: v.detach().clone() for k, v in state.items()}
     nk, nv = hf.linear_num_key_heads, hf.linear_num_value_heads
     dk, dv, r = hf.linear_key_head_dim, hf.linear_value_head_dim, nv // nk
-    q, k, v = sd["in_proj_qkv.weight"].split([nk * dk, nk * dk, nv * dv])
-    cq, ck, cv = sd["conv1d.weight"].squeeze(1).split([nk * dk, nk * dk, nv * dv])
+    q, k, v = torch.split(sd["in_proj_qkv.weight"], [nk * dk, nk * dk, nv * dv])
+    cq, ck, cv = torch.split(sd["conv1d.weight"].squeeze(1), [nk * dk, nk * dk, nv * dv])
 
     def heads(t: torch.Tensor) -> torch.Tensor:
         return _tile(t.unsqueeze(1), 0, nk, r, 1).squeeze(1)

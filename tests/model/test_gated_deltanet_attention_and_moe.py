@@ -100,7 +100,7 @@ def moe_weights(block: Qwen3_5MoeSparseMoeBlock, prefix: str = "model.layers.0.m
 @pytest.mark.parametrize("rows", [1, 9])
 def test_moe_block_with_its_shared_expert_matches_transformers(rows: int) -> None:
     hf = Qwen3_5MoeTextConfig(**MOE)
-    block = Qwen3_5MoeSparseMoeBlock(hf).float().eval()
+    block = Qwen3_5MoeSparseMoeBlock(hf).float().eval()  # type: ignore[no-untyped-call]
     randomize(block, 2, scale=0.3)
     raw = {**hf.to_dict(), "architectures": ["Qwen3_5MoeForCausalLM"]}
     config = qwen3_5.QWEN3_5_MOE.config(raw)
