@@ -19,6 +19,9 @@ from kvserve.model.shared_expert import SharedExpertMoe
 from kvserve.model.weights import ModelWeights
 from tests.model.deltanet_cases import TEXT, model_config, text_config
 
+# Tiny layers: one thread avoids a hand-off per small op.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # The multimodal rope's sections, which give text the plain rope.
 ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 2]}
 

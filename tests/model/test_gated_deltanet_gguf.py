@@ -23,6 +23,9 @@ from kvserve.model.spec import ModelConfig
 from kvserve.model.weights import ModelWeights
 from tests.model.deltanet_cases import HIDDEN, Pool, llamacpp_layout, reference_layer, rows_of, text_config
 
+# Tiny layers: one thread avoids a hand-off per small op.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MATRICES = ("attn_qkv.weight", "attn_gate.weight", "ssm_alpha.weight", "ssm_beta.weight", "ssm_out.weight")
 
 
@@ -119,6 +122,33 @@ def test_a_q8_0_file_runs_its_blocks_natively(tmp_path: Path) -> None:
     out = native.forward(x, rows_of([70], [0]), Pool.for_layer(native).states)
     want = reference.forward(x, rows_of([70], [0]), Pool.for_layer(reference).states)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sequences_bits_do_not_depend_on_its_batch(tmp_path: Path) -> None:
+    """With the native block products (each row's product the same bits in any batch), a sequence's rows
+    and state are the same bits alone as beside others: a decode, a 100-row and a 7-row prompt."""
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, gguf.GGMLQuantizationType.Q8_0)
+    config, weights = read(path, "gguf")
+    layer = gated_deltanet(weights, config, "model.layers.0.")
+    if not isinstance(layer.qkv, QuantLinear):
+        pytest.skip("the native block kernels cannot be built here")
+    gen = torch.Generator().manual_seed(9)
+    history = torch.randn(30, HIDDEN, generator=gen)
+    seqs = [torch.randn(n, HIDDEN, generator=gen) for n in (1, 100, 7)]
+
+    def run(chosen: list[int]) -> dict[int, tuple[torch.Tensor, ...]]:
+        pool = Pool.for_layer(layer)
+        layer.forward(history, rows_of([30], [0]), pool.states)
+        x = torch.cat([seqs[j] for j in chosen])
+        out = layer.forward(x, rows_of([seqs[j].shape[0] for j in chosen], chosen), pool.states)
+        parts = torch.split(out, [seqs[j].shape[0] for j in chosen])
+        return {j: (part, pool.delta[j], pool.conv[j]) for j, part in zip(chosen, parts, strict=True)}
+
+    together = run([0, 1, 2])
+    for alone in (run([0]), run([1]), run([2]), run([0, 2])):
+        for j, found in alone.items():
+            assert all(torch.equal(a, b) for a, b in zip(found, together[j], strict=True))
 
 
 def test_the_files_shapes_are_checked_against_the_config(tmp_path: Path) -> None:

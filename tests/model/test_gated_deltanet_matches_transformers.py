@@ -23,6 +23,9 @@ from tests.model.deltanet_cases import (
     weights_of,
 )
 
+# Tiny layers: one thread avoids a hand-off per small op.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

@@ -27,6 +27,7 @@ takes the recurrence itself, for all such sequences at once, written back into t
 """
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,13 +43,31 @@ CHUNK = 64
 L2_EPS = 1e-6
 
 
+# The elements torch's vectorized elementwise loops take per iteration, at most (AVX-512: two vectors of
+# 16 floats); past the last whole iteration it computes exp, sigmoid and the like with scalar functions of
+# other last bits.
+_LANES = 32
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) elementwise, each row's bits the same in any batch: rows [T, n] (n not a multiple of _LANES)
+    are padded to whole iterations, so a row never straddles the loop's tail (which row lands there
+    depends on how many rows the batch has)."""
+    width = x.shape[-1]
+    if width % _LANES == 0:
+        return fn(x)
+    padded = F.pad(x, (0, -width % _LANES))
+    return fn(padded)[..., :width]
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., D] over its last dimension times `weight` [D], then times silu(gate)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps) * F.silu(gate)
+    silu = rowwise(F.silu, gate.reshape(gate.shape[0], -1)).view(gate.shape)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps) * silu
 
 
 class GatedDeltaNet:
@@ -100,20 +119,20 @@ class GatedDeltaNet:
         q = self._per_value_head(l2_normalize(q.view(n, c.num_k_heads, c.k_head_dim))) * c.k_head_dim**-0.5
         k = self._per_value_head(l2_normalize(k.view(n, c.num_k_heads, c.k_head_dim)))
         v = v.reshape(n, c.num_v_heads, c.v_head_dim)
-        beta = torch.sigmoid(self.b(x, decodes).float())
-        g = self.decay * F.softplus(self.a(x, decodes).float() + self.dt_bias)
+        beta = rowwise(torch.sigmoid, self.b(x, decodes).float())
+        g = self.decay * rowwise(F.softplus, self.a(x, decodes).float() + self.dt_bias)
         o = torch.empty_like(v)
         single = [j for j, length in enumerate(lengths) if length == 1]
-        multi = [j for j, length in enumerate(lengths) if length > 1]
         if single:
             at = rows.starts[single]
             slots = rows.slots[single]
             o[at] = recurrent_step(q[at], k[at], v[at], g[at], beta[at], delta_state, slots)
-        if multi:
-            spans = [(starts[j], lengths[j]) for j in multi]
-            o_multi = chunked_delta_rule(q, k, v, g, beta, spans, delta_state, rows.slots[multi])
-            for (start, length), part in zip(spans, o_multi, strict=True):
-                o[start : start + length] = part
+        # Each longer sequence on its own: its bits depend on its rows alone, not on the batch's others.
+        for j, length in enumerate(lengths):
+            if length > 1:
+                span = slice(starts[j], starts[j] + length)
+                qj, kj, vj, gj, bj = (t[span] for t in (q, k, v, g, beta))
+                o[span] = chunked_delta_rule(qj, kj, vj, gj, bj, delta_state, rows.slots[j : j + 1])
         z = self.z(x, decodes).float().view(n, c.num_v_heads, c.v_head_dim)
         normed = gated_rms_norm(o, z, self.norm, self.eps).to(x.dtype)
         return self.out(normed.view(n, c.value_dim), decodes)
@@ -150,7 +169,7 @@ class GatedDeltaNet:
             out.addcmul_(buffer[place - width + i], self.conv[:, i])
         last = (rows.starts[1:] + width * order).unsqueeze(1) + torch.arange(width, device=device)
         conv_state.index_copy_(0, rows.slots, buffer[last].transpose(1, 2).to(conv_state.dtype))
-        return F.silu(out)
+        return rowwise(F.silu, out)
 
 
 def recurrent_step(
@@ -164,11 +183,13 @@ def recurrent_step(
 ) -> torch.Tensor:
     """One token of each of n sequences: q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H]; `state`
     [slots, H, Dk, Dv] is updated in place at `slots`. Returns o [n, H, Dv]."""
-    s = state[slots] * torch.exp(g)[..., None, None]
-    predicted = torch.einsum("nhkv,nhk->nhv", s, k)
+    # Products and sums over k_head_dim per output, not batched matmuls (whose kernel, hence whose last
+    # bits, changes with the number of sequences).
+    s = state[slots] * rowwise(torch.exp, g)[..., None, None]
+    predicted = (s * k.unsqueeze(-1)).sum(dim=-2)
     s.add_(k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2))
     state.index_copy_(0, slots, s)
-    return torch.einsum("nhkv,nhk->nhv", s, q)
+    return (s * q.unsqueeze(-1)).sum(dim=-2)
 
 
 def chunked_delta_rule(
@@ -177,35 +198,26 @@ def chunked_delta_rule(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    spans: list[tuple[int, int]],
     state: torch.Tensor,
-    slots: torch.Tensor,
-) -> list[torch.Tensor]:
-    """The delta rule over the rows [start, start + length) of each span (one sequence each, in
-    chunks of CHUNK), from and back into `state` at `slots`. q, k [T, H, Dk], v [T, H, Dv], g, beta
-    [T, H]. Returns each span's o [length, H, Dv].
+    slot: torch.Tensor,
+) -> torch.Tensor:
+    """The delta rule over one sequence's rows, in chunks of CHUNK, from and back into `state` at `slot`
+    (a one-element index). q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H]. Returns o [T, H, Dv].
 
-    The sequences are padded at their ends to the same number of chunks: a padded row has k = v = 0,
-    beta = 0 and g = 0, so it writes nothing and decays nothing, and each sequence's state after the
-    last chunk is its state after its last row."""
-    seqs = len(spans)
-    heads, dv = v.shape[1], v.shape[2]
-    chunks = max(-(-length // CHUNK) for _, length in spans)
-    padded = chunks * CHUNK
-    index = torch.cat([torch.arange(s, s + n) for s, n in spans]).to(q.device)
-    dest = torch.cat([torch.arange(j * padded, j * padded + n) for j, (_, n) in enumerate(spans)]).to(
-        q.device
-    )
+    The rows are padded at the end to whole chunks: a padded row has k = v = 0, beta = 0 and g = 0, so it
+    writes nothing and decays nothing, and the state after the last chunk is the state after the last
+    row."""
+    length, heads, dv = v.shape
+    chunks = -(-length // CHUNK)
+    pad = chunks * CHUNK - length
 
     def layout(x: torch.Tensor) -> torch.Tensor:
-        """Rows of x [T, H, ...] -> [seqs, H, chunks, CHUNK, ...], zero past each sequence's end."""
-        out = x.new_zeros((seqs * padded, *x.shape[1:]))
-        out[dest] = x[index]
-        out = out.view(seqs, chunks, CHUNK, *x.shape[1:])
-        return out.permute(0, 3, 1, 2, *range(4, out.dim())).contiguous()
+        """Rows of x [T, H, ...] -> [H, chunks, CHUNK, ...], zero past the end."""
+        padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+        return padded.view(chunks, CHUNK, *x.shape[1:]).movedim(2, 0).contiguous()
 
     qc, kc, vc, gc, bc = (layout(t) for t in (q, k, v, g, beta))
-    decay = gc.cumsum(dim=-1)  # G: [seqs, H, chunks, CHUNK]
+    decay = gc.cumsum(dim=-1)  # G: [H, chunks, CHUNK]
     diff = decay.unsqueeze(-1) - decay.unsqueeze(-2)  # G_t - G_s at [t, s]
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
     pair_decay = diff.masked_fill(~causal, float("-inf")).exp()
@@ -218,16 +230,15 @@ def chunked_delta_rule(
     q_decayed = qc * decay.exp().unsqueeze(-1)
     last = decay[..., -1:]
     k_tail = kc * (last - decay).exp().unsqueeze(-1)
-    chunk_decay = last.exp().unsqueeze(-1)  # [seqs, H, chunks, 1, 1]
-    s = state[slots].to(torch.float32)
+    chunk_decay = last.exp().unsqueeze(-1)  # [H, chunks, 1, 1]
+    s = state[slot[0]].to(torch.float32)
     out = torch.empty_like(vc)
     for i in range(chunks):
-        u = values[:, :, i] - reads[:, :, i] @ s
-        out[:, :, i] = q_decayed[:, :, i] @ s + attn[:, :, i] @ u
-        s = s * chunk_decay[:, :, i] + k_tail[:, :, i].transpose(-1, -2) @ u
-    state.index_copy_(0, slots, s.to(state.dtype))
-    rows = out.permute(0, 2, 3, 1, 4).reshape(seqs, padded, heads, dv)
-    return [rows[j, :n] for j, (_, n) in enumerate(spans)]
+        u = values[:, i] - reads[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + attn[:, i] @ u
+        s = s * chunk_decay[:, i] + k_tail[:, i].transpose(-1, -2) @ u
+    state.index_copy_(0, slot, s.unsqueeze(0).to(state.dtype))
+    return out.movedim(0, 2).reshape(chunks * CHUNK, heads, dv)[:length]
 
 
 # A layer's tensors in a Hugging Face checkpoint, after `model.layers.{i}.`. A GGUF's are mapped onto
