@@ -24,6 +24,11 @@ A strictly lower triangular: U = (I + A)^-1 V_beta - (I + A)^-1 W S0, and then
   S_end = exp(G_end) S0 + sum_s exp(G_end - G_s) k_s u_s^T.
 Every exponent is of a decay summed forwards (<= 0), so nothing overflows. A one-row sequence (a decode)
 takes the recurrence itself, for all such sequences at once, written back into the pool's slots.
+
+A sequence's rows and state are the same bits alone or in any batch, where the products are (the native
+block products are): each longer sequence is chunked on its own, the step sums per output instead of
+running batched matmuls, and the elementwise gates run on rows padded to whole vector iterations
+(`rowwise`).
 """
 
 import itertools
