@@ -2,18 +2,22 @@
 the gated full attention (q_proj's output gate, q/k norms of (1 + w), partial rope through kvserve's rope
 tables) and the MoE block with its shared expert; and the families' configs."""
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from transformers import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5TextRotaryEmbedding
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
+from kvserve.errors import ModelLoadError
 from kvserve.model.families import qwen3_5
 from kvserve.model.families.base import LayerTensors
 from kvserve.model.gated_attention import gate_output, gated_qkv, split_gated_qkv
+from kvserve.model.loader import load_weights
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 from kvserve.model.shared_expert import SharedExpertMoe
 from kvserve.model.weights import ModelWeights
@@ -158,3 +162,19 @@ def test_loading_is_refused_by_name_until_the_forward_pass_runs_it() -> None:
     for arch in ("qwen35", "qwen35moe"):
         with pytest.raises(ValueError, match="not yet served"):
             family_for_gguf(arch)
+
+
+def test_a_multimodal_checkpoints_text_model_is_read_under_the_text_names(tmp_path: Path) -> None:
+    """The released checkpoints (`Qwen3_5ForConditionalGeneration`) hold the text model under
+    `model.language_model.`: read as `model.`, the rest as stored; two tensors under one name refused."""
+    one = torch.ones(2)
+    names = ("model.language_model.layers.0.a", "lm_head.weight", "mtp.fc.weight")
+    save_file({name: torch.ones(2) for name in names}, tmp_path / "a.safetensors")
+    weights = load_weights(str(tmp_path), qwen3_5.QWEN3_5.hf_prefixes)
+    assert sorted(weights) == ["lm_head.weight", "model.layers.0.a", "mtp.fc.weight"]
+    torch.testing.assert_close(weights["model.layers.0.a"], one)
+    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text_config().to_dict()}
+    assert qwen3_5.QWEN3_5.config(nested) == model_config(text_config())
+    save_file({"model.layers.0.a": one}, tmp_path / "b.safetensors")
+    with pytest.raises(ModelLoadError, match="both read as"):
+        load_weights(str(tmp_path), qwen3_5.QWEN3_5.hf_prefixes)

@@ -231,3 +231,6 @@ class Family:
     # The recurrent layers' mixers (None: every layer attends); an attention layer's step takes
     # `ModelConfig.attention_output_gate` and `partial_rotary_factor` (kvserve.model.gated_attention).
     recurrent_layer: RecurrentBuilder | None = None
+    # A checkpoint's tensor-name prefixes read as others (Qwen3.5's multimodal checkpoints hold the text
+    # model under `model.language_model.`); names under no key are read as they are.
+    hf_prefixes: Mapping[str, str] = field(default_factory=dict)

@@ -47,6 +47,9 @@ from kvserve.model.spec import (
 from kvserve.model.weights import ModelWeights
 
 TENSORS = LayerTensors(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+# The released checkpoints are the multimodal model's: its text model's tensors under
+# `model.language_model.` (the vision tower's and the multi-token-prediction head's are not read).
+MULTIMODAL = {"model.language_model.": "model."}
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 # The most taps of the DeltaNet's convolution a config may claim (the released models: 4).
@@ -249,7 +252,7 @@ def _moe_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, pr
 
 QWEN3_5 = Family(
     name="qwen3_5",
-    hf_architectures=("Qwen3_5ForCausalLM",),
+    hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     config=_config,
     tensors=TENSORS,
     norm_offset=1.0,
@@ -259,11 +262,12 @@ QWEN3_5 = Family(
     gguf_global=GGUF_GLOBAL,
     gguf_tokenizer_as="qwen3",
     recurrent_layer=recurrent_layer,
+    hf_prefixes=MULTIMODAL,
 )
 
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe",
-    hf_architectures=("Qwen3_5MoeForCausalLM",),
+    hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     config=_moe_config,
     tensors=TENSORS,
     mlp=_moe_mlp,
@@ -274,4 +278,5 @@ QWEN3_5_MOE = Family(
     gguf_global=GGUF_GLOBAL,
     gguf_tokenizer_as="qwen3",
     recurrent_layer=recurrent_layer,
+    hf_prefixes=MULTIMODAL,
 )
