@@ -29,7 +29,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MATRICES = ("attn_qkv.weight", "attn_gate.weight", "ssm_alpha.weight", "ssm_beta.weight", "ssm_out.weight")
 
 
-def write_gguf(path: Path, qtype: gguf.GGMLQuantizationType, recurrent_array: bool = False) -> None:
+def write_gguf(
+    path: Path,
+    qtype: gguf.GGMLQuantizationType,
+    recurrent_array: bool = False,
+    overrides: dict[str, object] | None = None,
+) -> None:
+    """A one-DeltaNet-layer file of `reference_layer`'s weights; `overrides` replace metadata values."""
     hf = text_config()
     layer = llamacpp_layout(reference_layer(hf).state_dict(), hf)
     w = gguf.GGUFWriter(str(path), "qwen35")
@@ -55,6 +61,12 @@ def write_gguf(path: Path, qtype: gguf.GGMLQuantizationType, recurrent_array: bo
         w.add_array("qwen35.attention.recurrent_layers", [True, False, True, False])
     else:
         w.add_full_attention_interval(4)
+    for key, value in (overrides or {}).items():
+        # Written again, a key's value replaces the first.
+        if isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            w.add_uint32(key, int(value))  # type: ignore[call-overload]
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(64)])
     w.add_tensor("token_embd.weight", np.zeros((64, HIDDEN), dtype=np.float32))
@@ -162,3 +174,35 @@ def test_the_files_shapes_are_checked_against_the_config(tmp_path: Path) -> None
     wrong = replace(config, deltanet=replace(config.deltanet, k_head_dim=4))
     with pytest.raises(Exception, match="attn_qkv"):
         check_against_config(file, GgufMetadata(file), wrong)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("qwen35.ssm.group_count", 3, "multiple"),
+        ("qwen35.ssm.inner_size", 30, "whole heads"),
+        ("qwen35.ssm.time_step_rank", 0, "whole heads"),
+        ("qwen35.ssm.conv_kernel", 1 << 20, "linear_conv_kernel_dim"),
+        ("qwen35.attention.recurrent_layers", [True, False], "layer_types"),
+        ("qwen35.full_attention_interval", 0, "full_attention_interval"),
+    ],
+)
+def test_hostile_metadata_for_the_new_layers_is_one_clear_error(
+    tmp_path: Path, key: str, value: object, message: str
+) -> None:
+    path = tmp_path / "m.gguf"
+    write_gguf(path, gguf.GGMLQuantizationType.F32, overrides={key: value})
+    meta = GgufMetadata(open_gguf(str(path)))
+    assert QWEN3_5.gguf_config is not None
+    with pytest.raises(ValueError, match=message):
+        QWEN3_5.config(QWEN3_5.gguf_config(meta))
+
+
+def test_a_state_of_another_shape_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "f32.gguf"
+    write_gguf(path, gguf.GGMLQuantizationType.F32)
+    config, weights = read(path, "gguf")
+    layer = gated_deltanet(weights, config, "model.layers.0.")
+    pool = Pool.for_layer(layer)
+    with pytest.raises(ValueError, match="state of shapes"):
+        layer.forward(torch.zeros(2, HIDDEN), rows_of([2], [0]), (pool.conv[:, :, :2], pool.delta))

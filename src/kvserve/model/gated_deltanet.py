@@ -113,6 +113,13 @@ class GatedDeltaNet:
         """x [T, hidden] -> [T, hidden]; each sequence's slots of `states` (its conv window and delta-rule
         state) are read and left holding the state after its last row."""
         c = self.config
+        if len(states) != 2 or any(
+            s.dim() != len(shape) + 1 or tuple(s.shape[1:]) != shape
+            for s, shape in zip(states, self.spec.shapes, strict=False)
+        ):
+            found = [tuple(s.shape[1:]) for s in states]
+            expected = list(self.spec.shapes)
+            raise ValueError(f"a Gated DeltaNet state of shapes {found} per slot, not {expected}")
         conv_state, delta_state = states
         starts = rows.starts.tolist()
         lengths = [e - s for s, e in itertools.pairwise(starts)]
