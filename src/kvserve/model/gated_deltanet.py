@@ -23,12 +23,12 @@ A strictly lower triangular: U = (I + A)^-1 V_beta - (I + A)^-1 W S0, and then
   o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t . k_s) u_s,
   S_end = exp(G_end) S0 + sum_s exp(G_end - G_s) k_s u_s^T.
 Every exponent is of a decay summed forwards (<= 0), so nothing overflows. A one-row sequence (a decode)
-takes the recurrence itself, for all such sequences at once, written back into the pool's slots.
+takes the recurrence itself, in place on its slot of the pool (no copy of its state).
 
 A sequence's rows and state are the same bits alone or in any batch, where the products are (the native
-block products are): each longer sequence is chunked on its own, the step sums per output instead of
-running batched matmuls, and the elementwise gates run on rows padded to whole vector iterations
-(`rowwise`).
+block products are): each longer sequence is chunked on its own, each decode stepped on its own (calls of
+the same shapes whatever the batch), and the elementwise gates run on rows padded to whole vector
+iterations (`rowwise`).
 """
 
 import itertools
@@ -194,14 +194,21 @@ def recurrent_step(
     slots: torch.Tensor,
 ) -> torch.Tensor:
     """One token of each of n sequences: q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H]; `state`
-    [slots, H, Dk, Dv] is updated in place at `slots`. Returns o [n, H, Dv]."""
-    # Products and sums over k_head_dim per output, not batched matmuls (whose kernel, hence whose last
-    # bits, changes with the number of sequences).
-    s = state[slots] * rowwise(torch.exp, g)[..., None, None]
-    predicted = (s * k.unsqueeze(-1)).sum(dim=-2)
-    s.add_(k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2))
-    state.index_copy_(0, slots, s)
-    return (s * q.unsqueeze(-1)).sum(dim=-2)
+    [slots, H, Dk, Dv] is updated in place at `slots`. Returns o [n, H, Dv].
+
+    Sequence by sequence on its slot itself: no copy of the states, and each sequence's products are
+    calls of the same shapes whatever the batch (a batched matmul over every sequence could take
+    another kernel, hence other last bits, for another number of sequences)."""
+    decay = rowwise(torch.exp, g)
+    out = torch.empty_like(v)
+    for j, slot in enumerate(slots.tolist()):
+        s = state[slot]  # [H, Dk, Dv], a view into the pool
+        s.mul_(decay[j].view(-1, 1, 1))
+        predicted = torch.bmm(k[j].unsqueeze(1), s).squeeze(1)
+        written = predicted.neg_().add_(v[j]).mul_(beta[j].unsqueeze(-1))
+        s.baddbmm_(k[j].unsqueeze(2), written.unsqueeze(1))
+        out[j] = torch.bmm(q[j].unsqueeze(1), s).squeeze(1)
+    return out
 
 
 def chunked_delta_rule(
