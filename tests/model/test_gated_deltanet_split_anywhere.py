@@ -20,6 +20,9 @@ from tests.model.deltanet_cases import (
 # Tiny layers: one thread avoids a hand-off per small op.
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# Each call's chunks round differently (a chunk reading a carried state cancels larger terms): against a
+# float64 run, a split sequence's outputs (a few units) were seen 2e-5 off where one call's were 4e-6.
+TOL = 5e-5
 _LAYER: list[GatedDeltaNet] = []
 
 
@@ -46,6 +49,6 @@ def test_splitting_a_sequence_anywhere_changes_nothing(split: tuple[int, list[in
     whole, parts = Pool.for_layer(mixer, slots=2), Pool.for_layer(mixer, slots=2)
     expected = mixer.forward(x, rows_of([length], [1]), whole.states)
     out = run_in_calls(mixer, x, cuts, parts, 1)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(parts.delta, whole.delta, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(parts.conv, whole.conv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expected, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(parts.delta, whole.delta, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(parts.conv, whole.conv, atol=TOL, rtol=TOL)
