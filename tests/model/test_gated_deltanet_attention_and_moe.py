@@ -41,8 +41,9 @@ def randomize(module: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
             p.copy_(scale * torch.randn_like(p))
 
 
-def test_gated_attention_matches_transformers() -> None:
-    hf = text_config(head_dim=32, rope_parameters=ROPE)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_attention_matches_transformers(bias: bool) -> None:
+    hf = text_config(head_dim=32, rope_parameters=ROPE, attention_bias=bias)
     hf._attn_implementation = "eager"
     reference = Qwen3_5Attention(hf, 3).float().eval()  # type: ignore[arg-type]
     randomize(reference, 0)
@@ -56,6 +57,7 @@ def test_gated_attention_matches_transformers() -> None:
     q_norm = weights.norm(prefix + "q_norm.weight", 32)
     k_norm = weights.norm(prefix + "k_norm.weight", 32)
     o_weight = weights.tensor(prefix + "o_proj.weight")
+    o_bias = weights.tensor(prefix + "o_proj.bias") if bias else None
 
     n, heads, kv_heads, eps = 20, 4, 2, config.rms_norm_eps
     x = torch.randn(n, hf.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -70,7 +72,7 @@ def test_gated_attention_matches_transformers() -> None:
     attn = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
     )
-    out = F.linear(gate_output(attn.transpose(0, 1).reshape(n, heads * 32), gate), o_weight)
+    out = F.linear(gate_output(attn.transpose(0, 1).reshape(n, heads * 32), gate), o_weight, o_bias)
 
     cos, sin = Qwen3_5TextRotaryEmbedding(hf)(x, positions.unsqueeze(0))
     mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
@@ -78,7 +80,7 @@ def test_gated_attention_matches_transformers() -> None:
         expected, _ = reference(x.unsqueeze(0), (cos, sin), mask)
     close(out, expected[0])
     # Without the gate the output differs: the test sees it.
-    ungated = F.linear(attn.transpose(0, 1).reshape(n, heads * 32), o_weight)
+    ungated = F.linear(attn.transpose(0, 1).reshape(n, heads * 32), o_weight, o_bias)
     assert not torch.allclose(ungated, expected[0], atol=1e-3)
 
 

@@ -15,12 +15,17 @@ from kvserve.model.weights import ModelWeights, Rows
 def gated_qkv(weights: ModelWeights, config: ModelConfig, prefix: str, names: tuple[str, str, str]) -> Linear:
     """The layer's q (with its gate), k and v products as one matmul: rows [2 * heads * head_dim,
     kv_heads * head_dim, kv_heads * head_dim] of the checkpoint's q_proj, k_proj and v_proj (`names`,
-    after `prefix`, before `.weight`)."""
+    after `prefix`, before `.weight`), with their biases where `attention_bias` says so."""
     q_rows = 2 * config.num_heads * config.head_dim
     kv_rows = config.num_kv_heads * config.head_dim
     rows = (q_rows, kv_rows, kv_rows)
     parts = [Rows(prefix + name + ".weight", n) for name, n in zip(names, rows, strict=True)]
-    return weights.linear(parts, config.hidden_size)
+    bias = None
+    if config.attention_bias:
+        bias = torch.cat(
+            [weights.tensor(prefix + name + ".bias", (n,)) for name, n in zip(names, rows, strict=True)]
+        )
+    return weights.linear(parts, config.hidden_size, bias)
 
 
 def split_gated_qkv(
