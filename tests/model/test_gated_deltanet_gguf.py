@@ -14,7 +14,7 @@ from gguf.quants import quantize
 
 from kvserve.config import default_cache_dir
 from kvserve.model.families.base import GgufMetadata
-from kvserve.model.families.qwen3_5 import QWEN3_5
+from kvserve.model.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from kvserve.model.gated_deltanet import gated_deltanet
 from kvserve.model.gguf_file import open_gguf
 from kvserve.model.gguf_weights import GgufBlocks, GgufTensors, GgufWeights, check_against_config
@@ -34,11 +34,13 @@ def write_gguf(
     qtype: gguf.GGMLQuantizationType,
     recurrent_array: bool = False,
     overrides: dict[str, object] | None = None,
+    arch: str = "qwen35",
+    extra: dict[str, np.ndarray] | None = None,
 ) -> None:
     """A one-DeltaNet-layer file of `reference_layer`'s weights; `overrides` replace metadata values."""
     hf = text_config()
     layer = llamacpp_layout(reference_layer(hf).state_dict(), hf)
-    w = gguf.GGUFWriter(str(path), "qwen35")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(4)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -58,7 +60,7 @@ def write_gguf(
     w.add_ssm_time_step_rank(4)
     w.add_ssm_inner_size(32)
     if recurrent_array:
-        w.add_array("qwen35.attention.recurrent_layers", [True, False, True, False])
+        w.add_array(f"{arch}.attention.recurrent_layers", [True, False, True, False])
     else:
         w.add_full_attention_interval(4)
     for key, value in (overrides or {}).items():
@@ -70,6 +72,8 @@ def write_gguf(
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(64)])
     w.add_tensor("token_embd.weight", np.zeros((64, HIDDEN), dtype=np.float32))
+    for name, array in (extra or {}).items():
+        w.add_tensor(name, array)
     for name, t in layer.items():
         data = t.numpy().astype(np.float32)
         if name in MATRICES and qtype != gguf.GGMLQuantizationType.F32:
@@ -206,3 +210,24 @@ def test_a_state_of_another_shape_is_refused(tmp_path: Path) -> None:
     pool = Pool.for_layer(layer)
     with pytest.raises(ValueError, match="state of shapes"):
         layer.forward(torch.zeros(2, HIDDEN), rows_of([2], [0]), (pool.conv[:, :, :2], pool.delta))
+
+
+@pytest.mark.parametrize("shared_key", [True, False])
+def test_moe_config_from_the_metadata(tmp_path: Path, shared_key: bool) -> None:
+    """qwen35moe's expert keys; without the shared expert's key, its size is its tensors'."""
+    keys: dict[str, object] = {
+        "qwen35moe.expert_count": 4,
+        "qwen35moe.expert_used_count": 2,
+        "qwen35moe.expert_feed_forward_length": 12,
+    }
+    if shared_key:
+        keys["qwen35moe.expert_shared_feed_forward_length"] = 20
+    shared_up = {"blk.0.ffn_up_shexp.weight": np.zeros((20, HIDDEN), dtype=np.float32)}
+    path = tmp_path / "moe.gguf"
+    write_gguf(path, gguf.GGMLQuantizationType.F32, overrides=keys, arch="qwen35moe", extra=shared_up)
+    meta = GgufMetadata(open_gguf(str(path)))
+    assert QWEN3_5_MOE.gguf_config is not None
+    config = QWEN3_5_MOE.config(QWEN3_5_MOE.gguf_config(meta))
+    assert config.moe is not None and config.deltanet is not None and config.deltanet.v_heads_tiled
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.expert_intermediate_size) == (4, 2, 12)
+    assert config.moe.shared_expert_intermediate_size == 20 and config.moe.norm_topk_prob

@@ -167,7 +167,8 @@ def _moe_config(raw: Mapping[str, Any]) -> ModelConfig:
     layers = layer_count(text)
     # Every layer is sparse and the chosen experts' weights always renormalized; there is no dense MLP,
     # so intermediate_size (which the config lacks) is the experts'.
-    moe_fields = {**text, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+    defaults = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512}
+    moe_fields = {**defaults, **text, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
     moe = moe_config(moe_fields, layers)
     shared = integer(text.get("shared_expert_intermediate_size", 512), "shared_expert_intermediate_size")
     if not 0 <= shared <= MAX_INTERMEDIATE_SIZE:
@@ -216,7 +217,12 @@ def _gguf_moe(meta: GgufMetadata) -> dict[str, Any]:
     config["num_experts"] = meta.require("{arch}.expert_count")
     config["num_experts_per_tok"] = meta.require("{arch}.expert_used_count")
     config["moe_intermediate_size"] = meta.require("{arch}.expert_feed_forward_length")
-    config["shared_expert_intermediate_size"] = meta.get("{arch}.expert_shared_feed_forward_length", 0)
+    shared = meta.get("{arch}.expert_shared_feed_forward_length")
+    if shared is None:
+        # No key: the shared expert's size is its tensors' (none: no shared expert).
+        up = meta.file.tensors.get("blk.0.ffn_up_shexp.weight")
+        shared = up.dims[1] if up is not None and len(up.dims) == 2 else 0
+    config["shared_expert_intermediate_size"] = shared
     return config
 
 
