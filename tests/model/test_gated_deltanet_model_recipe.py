@@ -3,8 +3,9 @@ assemble them, against transformers' own model's logits to 1e-4: a 70-token prom
 64-token chunk), then one token at a time. The recipe here is the contract for the Transformer's
 per-layer dispatch:
 
-- per layer: x = rms_norm(h) with (1 + w) weights; a DeltaNet layer's mixer (the family's
-  `recurrent_layer`) or the gated attention; h += that; h = mlp.add(rms_norm(h), h) (post norm (1 + w));
+- per layer: x = rms_norm(h) with (1 + w) weights; a DeltaNet layer's mixer (`qwen3_5.mixer`, where
+  `GatedDeltaNetConfig.layers` says) or the gated attention; h += that; then
+  h = mlp.add(rms_norm(h), h) (the post norm (1 + w) too);
 - the gated attention: `gated_qkv` -> `split_gated_qkv` -> q/k norms ((1 + w)) over the q heads then the
   k heads -> rope on the first `rotary_dim` dimensions -> attention (scale head_dim ** -0.5) ->
   `gate_output` -> o_proj;
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+from kvserve.model.families import qwen3_5
 from kvserve.model.families.base import Family
 from kvserve.model.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from kvserve.model.gated_attention import gate_output, gated_qkv, split_gated_qkv
@@ -66,14 +68,13 @@ class Recipe:
         self.norm = w.norm("model.norm.weight", c.hidden_size)
         self.lm_head = w.linear([Rows("lm_head.weight", c.vocab_size)], c.hidden_size)
         self.rope = RotaryEmbedding(c, 256, torch.device("cpu"), torch.float32)
-        assert family.recurrent_layer is not None
+        assert c.deltanet is not None
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            recurrent = family.recurrent_layer(w, c, i)
             mixer: GatedDeltaNet | Attention
-            if isinstance(recurrent, GatedDeltaNet):
-                mixer = recurrent
+            if c.deltanet.layers[i]:
+                mixer = qwen3_5.mixer(w, c, p)
             else:
                 mixer = Attention(
                     gated_qkv(w, c, p, QKV),

@@ -75,6 +75,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return F.rms_norm(x, (x.shape[-1],), weight, eps) * silu
 
 
+def deltanet_state_spec(config: GatedDeltaNetConfig) -> StateSpec:
+    """A layer's state per sequence: its convolution window [conv_dim, K - 1] and its delta-rule state
+    [num_v_heads, k_head_dim, v_head_dim], float32."""
+    c = config
+    shapes = ((c.conv_dim, c.conv_kernel - 1), (c.num_v_heads, c.k_head_dim, c.v_head_dim))
+    return StateSpec(shapes=shapes, dtype=torch.float32)
+
+
 class GatedDeltaNet:
     """One Gated DeltaNet layer (a `RecurrentMixer`). Products: `qkv` (hidden -> conv_dim), `z` (hidden ->
     value_dim), `b` and `a` (hidden -> num_v_heads), `out` (value_dim -> hidden). Tensors: `conv` [conv_dim,
@@ -104,10 +112,7 @@ class GatedDeltaNet:
         self.decay = decay.float()
         self.dt_bias = dt_bias.float()
         self.norm = norm.float()
-        self.spec = StateSpec(
-            shapes=((c.conv_dim, c.conv_kernel - 1), (c.num_v_heads, c.k_head_dim, c.v_head_dim)),
-            dtype=torch.float32,
-        )
+        self.spec = deltanet_state_spec(c)
 
     def forward(self, x: torch.Tensor, rows: SequenceRows, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; each sequence's slots of `states` (its conv window and delta-rule

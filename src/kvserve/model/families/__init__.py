@@ -18,6 +18,16 @@ from kvserve.model.families.smollm3 import SMOLLM3
 from kvserve.model.spec import ModelConfig
 
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3, PHI3, GEMMA3)
+
+
+def family_named(name: str) -> Family:
+    """The family whose ModelConfig.architecture is `name`."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"unknown model family {name!r}")
+
+
 # Families whose layers are built but which the forward pass does not run yet (their recurrent layers
 # await the Transformer's per-layer dispatch): recognized in both formats and refused by name.
 PENDING: tuple[Family, ...] = (QWEN3_5, QWEN3_5_MOE)
@@ -29,14 +39,6 @@ def _refuse_pending(family: Family) -> None:
             f"the {family.name} family (recurrent Gated DeltaNet layers) is recognized but not yet served: "
             "its layers await the forward pass's recurrent-layer dispatch"
         )
-
-
-def family_named(name: str) -> Family:
-    """The family whose ModelConfig.architecture is `name`."""
-    for family in FAMILIES:
-        if family.name == name:
-            return family
-    raise ValueError(f"unknown model family {name!r}")
 
 
 def family_for_gguf(architecture: str) -> Family:

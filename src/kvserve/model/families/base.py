@@ -16,7 +16,6 @@ import numpy as np
 
 from kvserve.model.gguf_file import ARRAY, GgufFile
 from kvserve.model.mlp import GatedMlp, Mlp
-from kvserve.model.recurrent import RecurrentMixer
 from kvserve.model.spec import MAX_CONTEXT_LENGTH, ModelConfig, integer
 from kvserve.model.weights import ModelWeights, Rows
 
@@ -59,8 +58,6 @@ def gated_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, p
 
 
 MlpBuilder = Callable[[ModelWeights, ModelConfig, LayerTensors, str], Mlp]
-# A layer's recurrent mixer (Qwen3.5's Gated DeltaNet) by layer index, or None where the layer attends.
-RecurrentBuilder = Callable[[ModelWeights, ModelConfig, int], RecurrentMixer | None]
 
 
 class GgufMetadata:
@@ -216,6 +213,9 @@ class Family:
     # Norm weights are stored as w and multiply by (norm_offset + w) (Gemma: 1). A GGUF stores
     # norm_offset + w (llama.cpp adds it when it converts), read as it is.
     norm_offset: float = 0.0
+    # A checkpoint's tensor-name prefixes read as others (Qwen3.5's multimodal checkpoints hold the text
+    # model under `model.language_model.`); names under no key are read as they are.
+    hf_prefixes: Mapping[str, str] = field(default_factory=dict)
     # llama.cpp's `general.architecture` names this family reads, and its config.json from the metadata.
     gguf_architectures: tuple[str, ...] = ()
     gguf_config: Callable[[GgufMetadata], dict[str, Any]] | None = None
@@ -228,9 +228,3 @@ class Family:
     # llama.cpp's graph of this architecture divides its rope frequencies by a `rope_freqs.weight` tensor
     # where the file has one (how its converter writes Llama 3's scaling; gguf-py's ROPE_FREQS).
     gguf_rope_freqs: bool = False
-    # The recurrent layers' mixers (None: every layer attends); an attention layer's step takes
-    # `ModelConfig.attention_output_gate` and `partial_rotary_factor` (kvserve.model.gated_attention).
-    recurrent_layer: RecurrentBuilder | None = None
-    # A checkpoint's tensor-name prefixes read as others (Qwen3.5's multimodal checkpoints hold the text
-    # model under `model.language_model.`); names under no key are read as they are.
-    hf_prefixes: Mapping[str, str] = field(default_factory=dict)

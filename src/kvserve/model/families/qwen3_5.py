@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from kvserve.errors import ModelLoadError
 from kvserve.model.families.base import (
     GGUF_GLOBAL,
@@ -30,9 +32,10 @@ from kvserve.model.families.base import (
     gguf_common_config,
 )
 from kvserve.model.families.qwen3_moe import moe_config, moe_mlp
-from kvserve.model.gated_deltanet import DECAY, GatedDeltaNet, gated_deltanet
+from kvserve.model.gated_deltanet import DECAY, GatedDeltaNet, deltanet_state_spec, gated_deltanet
 from kvserve.model.mlp import GatedMlp, Mlp
 from kvserve.model.moe import SparseMoe
+from kvserve.model.recurrent import StateSpec
 from kvserve.model.shared_expert import SharedExpertMoe
 from kvserve.model.spec import (
     MAX_HEAD_DIM,
@@ -226,12 +229,23 @@ def _gguf_moe(meta: GgufMetadata) -> dict[str, Any]:
     return config
 
 
-def recurrent_layer(weights: ModelWeights, config: ModelConfig, layer: int) -> GatedDeltaNet | None:
-    """The layer's Gated DeltaNet, or None where the layer attends."""
+# The per-layer mixer's name a hybrid config gives a Gated DeltaNet layer (beside "attention").
+MIXER_GATED_DELTANET = "gated_deltanet"
+
+
+def mixer(weights: ModelWeights, config: ModelConfig, prefix: str) -> GatedDeltaNet:
+    """The Gated DeltaNet of the layer at `prefix` (`model.layers.{i}.`), which
+    `GatedDeltaNetConfig.layers` says is one."""
+    return gated_deltanet(weights, config, prefix)
+
+
+def state_spec(config: ModelConfig, layer: int, dtype: torch.dtype) -> StateSpec:
+    """A DeltaNet layer's state per sequence as the config makes it (the layer's own `spec`): float32
+    whatever the compute dtype, as the recurrence runs."""
     c = config.deltanet
     if c is None or not c.layers[layer]:
-        return None
-    return gated_deltanet(weights, config, f"model.layers.{layer}.")
+        raise ValueError(f"layer {layer} of the {config.architecture} config is not a Gated DeltaNet layer")
+    return deltanet_state_spec(c)
 
 
 def _moe_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix: str) -> Mlp:
@@ -267,7 +281,6 @@ QWEN3_5 = Family(
     gguf_layer=GGUF_LAYER,
     gguf_global=GGUF_GLOBAL,
     gguf_tokenizer_as="qwen3",
-    recurrent_layer=recurrent_layer,
     hf_prefixes=MULTIMODAL,
 )
 
@@ -283,6 +296,5 @@ QWEN3_5_MOE = Family(
     gguf_layer=GGUF_MOE_LAYER,
     gguf_global=GGUF_GLOBAL,
     gguf_tokenizer_as="qwen3",
-    recurrent_layer=recurrent_layer,
     hf_prefixes=MULTIMODAL,
 )
