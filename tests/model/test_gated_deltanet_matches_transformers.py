@@ -129,3 +129,12 @@ def test_value_heads_in_llamacpp_tiled_order(layers: tuple[object, GatedDeltaNet
     x = prompt(100)
     out = run_in_calls(layer, x, [70, 71], Pool.for_layer(layer), 0)
     close(out, expected(reference, x))
+
+
+def test_the_family_sizes_the_state_as_the_layer_holds_it(layers: tuple[object, GatedDeltaNet]) -> None:
+    _, layer = layers
+    config = model_config(text_config())
+    assert qwen3_5.state_spec(config, 0, torch.bfloat16) == layer.spec
+    assert layer.spec.shapes == ((64, 3), (4, 8, 8)) and layer.spec.dtype == torch.float32
+    with pytest.raises(ValueError, match="not a Gated DeltaNet layer"):
+        qwen3_5.state_spec(config, 3, torch.float32)
