@@ -247,12 +247,18 @@ def check_against_config(file: GgufFile, meta: GgufMetadata, config: ModelConfig
         f"head_count {c.num_heads}, head_count_kv {c.num_kv_heads}, head_dim {c.head_dim} and "
         f"embedding_length {c.hidden_size}"
     )
+    # A gated attention's q rows hold the gate's too; a Gated DeltaNet layer's attn_qkv is its own q, k, v.
+    q_rows = 2 * q if c.attention_output_gate else q
+    dn = c.deltanet
     for i in range(c.num_layers):
         p = f"blk.{i}."
-        expect(p + "attn_q.weight", (c.hidden_size, q), heads)
+        expect(p + "attn_q.weight", (c.hidden_size, q_rows), heads)
         expect(p + "attn_k.weight", (c.hidden_size, kv), heads)
         expect(p + "attn_v.weight", (c.hidden_size, kv), heads)
-        expect(p + "attn_qkv.weight", (c.hidden_size, q + 2 * kv), heads)
+        if dn is not None and dn.layers[i]:
+            expect(p + "attn_qkv.weight", (c.hidden_size, dn.conv_dim), "the ssm.* sizes")
+        else:
+            expect(p + "attn_qkv.weight", (c.hidden_size, q + 2 * kv), heads)
         expect(p + "attn_output.weight", (q, c.hidden_size), heads)
 
 

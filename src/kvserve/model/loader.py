@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.families import config_from_hf, family_for_gguf
+from kvserve.model.families import config_from_hf, family_for_gguf, family_named
 from kvserve.model.families.base import Family, GgufMetadata
 from kvserve.model.finite_weights import check_gguf, check_tensor
 from kvserve.model.gguf_file import GgufFile, open_gguf
@@ -116,17 +116,17 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     fallback, so they are not kept in memory (the model fingerprint reads each once).
     """
 
-    def __init__(self, files: dict[str, str]) -> None:
-        """`files`: the file that holds each tensor, by name."""
+    def __init__(self, files: dict[str, tuple[str, str]]) -> None:
+        """`files`: the file that holds each tensor and the tensor's name there, by the name it is read as."""
         self._files = files
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import SafetensorError, safe_open
 
-        path = self._files[name]
+        path, stored = self._files[name]
         try:
             with safe_open(path, framework="pt") as f:
-                tensor: torch.Tensor = f.get_tensor(name)
+                tensor: torch.Tensor = f.get_tensor(stored)
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(path, f"corrupt or unreadable safetensors file ({e})") from None
         check_tensor(path, name, tensor)
@@ -139,23 +139,37 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return len(self._files)
 
 
-def load_weights(model_dir: str) -> LazyWeights:
-    """The model's tensors: each file's header is checked now, every tensor read when used."""
+def load_weights(model_dir: str, prefixes: Mapping[str, str] | None = None) -> LazyWeights:
+    """The model's tensors: each file's header is checked now, every tensor read when used. A name
+    starting with a key of `prefixes` is read as that key's value followed by the rest (the family's
+    `Family.hf_prefixes`); two tensors read under one name are refused."""
     from safetensors import SafetensorError, safe_open
 
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(model_dir, "no *.safetensors weight files (pickled .bin weights are not loaded)")
-    where: dict[str, str] = {}
+    where: dict[str, tuple[str, str]] = {}
     for name in files:
         path = os.path.join(model_dir, name)
         try:
             # Opening checks the header against the file's size: a truncated file is refused here.
             with safe_open(path, framework="pt") as f:
-                where.update(dict.fromkeys(f.keys(), path))
+                stored = list(f.keys())
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(path, f"corrupt or unreadable safetensors file ({e})") from None
+        for key in stored:
+            served = _renamed(key, prefixes or {})
+            if served in where and where[served][1] != key:
+                raise ModelLoadError(path, f"tensors {where[served][1]} and {key} are both read as {served}")
+            where[served] = (path, key)
     return LazyWeights(where)
+
+
+def _renamed(name: str, prefixes: Mapping[str, str]) -> str:
+    for stored, served in prefixes.items():
+        if name.startswith(stored):
+            return served + name[len(stored) :]
+    return name
 
 
 def load_tokenizer(
@@ -221,7 +235,7 @@ def load_model(path: str | None, cache_dir: str) -> LoadedModel:
         name=model_name(path),
         path=source,
         config=config,
-        weights=load_weights(source),
+        weights=load_weights(source, family_named(config.architecture).hf_prefixes),
         tokenizer=load_tokenizer(source, config),
     )
 

@@ -45,6 +45,40 @@ class MoeConfig:
     expert_intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
+    # The shared expert beside the routed ones (Qwen3.5-MoE): a SwiGLU MLP of this size whose output is
+    # scaled by sigmoid(x . shared_expert_gate) and added to theirs; 0: none.
+    shared_expert_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Qwen3.5's Gated DeltaNet layers (kvserve.model.gated_deltanet): `layers` says for each layer
+    whether it is one (else it is a gated full-attention layer). Queries and keys have `num_k_heads`
+    heads of `k_head_dim`, values `num_v_heads` of `v_head_dim` (a multiple of the key heads: each key
+    head serves num_v_heads // num_k_heads value heads); a depthwise causal convolution of `conv_kernel`
+    taps runs over q, k and v. `v_heads_tiled`: the value heads' order in the weights is llama.cpp's
+    (value head p reads key head p % num_k_heads) rather than Hugging Face's (p // (num_v // num_k))."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    layers: tuple[bool, ...]
+    v_heads_tiled: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels the convolution runs over: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -83,6 +117,11 @@ class ModelConfig:
     scale_embeddings: bool = False
     # The mixture-of-experts MLP of the sparse layers; None: every layer's MLP is dense.
     moe: MoeConfig | None = None
+    # Qwen3.5's linear-attention layers; None: every layer attends.
+    deltanet: GatedDeltaNetConfig | None = None
+    # The attention layers' q_proj also yields a gate per query dimension (its rows per head: the query's
+    # head_dim, then the gate's), and the attention output is multiplied by sigmoid(gate) before o_proj.
+    attention_output_gate: bool = False
     # Per-pair divisors of the global rope's frequencies, on top of `rope_scaling`: a GGUF's rope_freqs
     # tensor (llama.cpp's form of Llama 3's scaling), applied as llama.cpp does; empty: none.
     rope_freq_factors: tuple[float, ...] = ()

@@ -213,6 +213,9 @@ class Family:
     # Norm weights are stored as w and multiply by (norm_offset + w) (Gemma: 1). A GGUF stores
     # norm_offset + w (llama.cpp adds it when it converts), read as it is.
     norm_offset: float = 0.0
+    # A checkpoint's tensor-name prefixes read as others (Qwen3.5's multimodal checkpoints hold the text
+    # model under `model.language_model.`); names under no key are read as they are.
+    hf_prefixes: Mapping[str, str] = field(default_factory=dict)
     # llama.cpp's `general.architecture` names this family reads, and its config.json from the metadata.
     gguf_architectures: tuple[str, ...] = ()
     gguf_config: Callable[[GgufMetadata], dict[str, Any]] | None = None

@@ -40,7 +40,7 @@ GGUF_LAYER = {
 }
 
 
-def _moe(raw: Mapping[str, Any], layers: int) -> MoeConfig:
+def moe_config(raw: Mapping[str, Any], layers: int) -> MoeConfig:
     # transformers' defaults where a field is absent; its save_pretrained writes num_experts as
     # num_local_experts.
     experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))
@@ -74,7 +74,7 @@ def _config(raw: Mapping[str, Any]) -> ModelConfig:
         "qwen3_moe",
         sliding_window=sliding,
         windows=windows(raw, layers, sliding),
-        moe=_moe(raw, layers),
+        moe=moe_config(raw, layers),
     )
 
 
@@ -91,7 +91,7 @@ def _gguf_config(meta: GgufMetadata) -> dict[str, Any]:
     return config
 
 
-def _mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix: str) -> Mlp:
+def moe_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix: str) -> Mlp:
     """The layer's MoE block, or its dense MLP where the layer is not sparse. `prefix` is
     `model.layers.{i}.`. The router's rows are the experts the weights hold: a count other than the
     config's, or an expert past it, is refused here, before any expert loads."""
@@ -134,7 +134,7 @@ QWEN3_MOE = Family(
     hf_architectures=("Qwen3MoeForCausalLM",),
     config=_config,
     tensors=TENSORS,
-    mlp=_mlp,
+    mlp=moe_mlp,
     gguf_architectures=("qwen3moe",),
     gguf_config=_gguf_config,
     gguf_layer=GGUF_LAYER,
