@@ -197,9 +197,24 @@ static ALWAYS_INLINE __m256i sum_lanes8(const __m256i v[8])
  * L2 cache; its outputs' sub-blocks are widened once per chunk. */
 #define Q16_CHUNK_BYTES (1 << 20)
 
+#if HAVE_AVX512_VBMI
+/* Sub-block j's quants as 32 int16 in one register, plus `q16_bias(type)`: the byte-permute decoding's
+ * biased bytes widened (Q8_0's bytes are its quants), one operation more than the bytes. */
+static ALWAYS_INLINE int q16_bias(int type) { return type == TYPE_Q8_0 ? 0 : quant_bias(type); }
+
+static ALWAYS_INLINE __m512i q16_quants(int type, const uint8_t *row, int64_t j)
+{
+    if (type == TYPE_Q8_0)
+        return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + 34 * j + 2)));
+    return _mm512_cvtepu8_epi16(x86_biased(type, row, j));
+}
+#endif
+
 /* One int16 row x `cols` outputs (a decode; Q16_ROW_COLS, or 1 for the last outputs), decoded from the
  * file: per sub-block each output's quants times the row's by pairs (vpmaddwd), the eight outputs' lanes
- * summed into one lane each, and their float chains side by side in one vector. res[c]. */
+ * summed into one lane each, and their float chains side by side in one vector. res[c]. With AVX-512
+ * VBMI the quants are the byte-permute decoding's, biased (quant_bias): the bias times the row's sum over
+ * the sub-block (or half) is taken off the integer sums, exactly (at most 32 * 255 * 32767 < 2^31). */
 static ALWAYS_INLINE void q16_row_tile(int type, int cols, const uint8_t *w, size_t rs, int64_t ns,
                                        const int16_t *xq, const float *dx, const float *sx, int64_t ss,
                                        float *res)
@@ -213,13 +228,30 @@ static ALWAYS_INLINE void q16_row_tile(int type, int cols, const uint8_t *w, siz
      * constant: decode.h's bit positions and scales fold). */
     const int spb = TYPE_INFO[type].elems == QK_K ? 8 : 1;
     const size_t ub = sub_offset(type, spb);
-    for (int64_t u = 0; u < ns / spb; u++)
+    /* The scales of the types super_scales reads, a super-block's for every output ahead of its sub-blocks
+     * (the same values as sub_scales, in fewer operations). */
+    const int together = type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+    float sd[Q16_ROW_COLS][16], sm[Q16_ROW_COLS][16];
+    for (int64_t u = 0; u < ns / spb; u++) {
+        for (int c = 0; together && c < cols; c++)
+            super_scales(type, w + c * rs + u * ub, sd[c], sm[c]);
 #pragma GCC unroll 8
         for (int j = 0; j < spb; j++) {
             const int64_t s = u * spb + j;
             prefetch_tile(next, s, step);
+#if HAVE_AVX512_VBMI
+            const __m512i x16 = _mm512_loadu_si512((const void *)(xq + s * QK));
+            /* The row's sums over each half, for the bias. */
+            int32_t x_sum[2] = {0, 0};
+            if (q16_bias(type)) {
+                const __m512i pairs = _mm512_madd_epi16(x16, _mm512_set1_epi16(1));
+                x_sum[0] = _mm512_mask_reduce_add_epi32(0x00ff, pairs);
+                x_sum[1] = _mm512_mask_reduce_add_epi32(0xff00, pairs);
+            }
+#else
             const __m256i x_lo = _mm256_loadu_si256((const __m256i *)(xq + s * QK));
             const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(xq + s * QK + 16));
+#endif
             __m256i lo[Q16_ROW_COLS], hi[Q16_ROW_COLS];
             float d0[Q16_ROW_COLS] = {0}, d1[Q16_ROW_COLS] = {0};
             for (int c = 0; c < Q16_ROW_COLS; c++) {
@@ -227,14 +259,28 @@ static ALWAYS_INLINE void q16_row_tile(int type, int cols, const uint8_t *w, siz
                 if (c >= cols)
                     continue;
                 const uint8_t *row = w + c * rs + u * ub;
+#if HAVE_AVX512_VBMI
+                const __m512i products = _mm512_madd_epi16(q16_quants(type, row, j), x16);
+                lo[c] = _mm512_castsi512_si256(products);
+                hi[c] = _mm512_extracti64x4_epi64(products, 1);
+#else
                 __m128i q_lo, q_hi;
                 x86_quants(type, row, j, &q_lo, &q_hi);
                 lo[c] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q_lo), x_lo);
                 hi[c] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q_hi), x_hi);
+#endif
                 if (!split)
                     lo[c] = _mm256_add_epi32(lo[c], hi[c]);
                 float d[2], m[2];
-                sub_scales(type, row, j, d, m);
+                if (together) {
+                    const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
+                    d[0] = sd[c][k];
+                    d[1] = sd[c][k1];
+                    m[0] = sm[c][k];
+                    m[1] = sm[c][k1];
+                } else {
+                    sub_scales(type, row, j, d, m);
+                }
                 d0[c] = d[0];
                 d1[c] = d[1];
                 if (has_offset(type) && split)
@@ -242,13 +288,21 @@ static ALWAYS_INLINE void q16_row_tile(int type, int cols, const uint8_t *w, siz
                 else if (has_offset(type))
                     offset[c] = fmaf(m[0], sx[s * ss], offset[c]);
             }
+            __m256i sum_lo = sum_lanes8(lo), sum_hi = split ? sum_lanes8(hi) : _mm256_setzero_si256();
+#if HAVE_AVX512_VBMI
+            if (q16_bias(type) && split) {
+                sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * x_sum[0]));
+                sum_hi = _mm256_sub_epi32(sum_hi, _mm256_set1_epi32(q16_bias(type) * x_sum[1]));
+            } else if (q16_bias(type)) {
+                sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * (x_sum[0] + x_sum[1])));
+            }
+#endif
             const __m256 x_scale = _mm256_set1_ps(dx[s * ss]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(lo)), _mm256_mul_ps(_mm256_loadu_ps(d0), x_scale),
-                                  acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lo), _mm256_mul_ps(_mm256_loadu_ps(d0), x_scale), acc);
             if (split)
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(hi)),
-                                      _mm256_mul_ps(_mm256_loadu_ps(d1), x_scale), acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_hi), _mm256_mul_ps(_mm256_loadu_ps(d1), x_scale), acc);
         }
+    }
     float lanes[Q16_ROW_COLS];
     _mm256_storeu_ps(lanes, acc);
     for (int c = 0; c < cols; c++)
