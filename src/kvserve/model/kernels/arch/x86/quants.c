@@ -351,8 +351,21 @@ static ALWAYS_INLINE void q16_widen(int type, int cols, const uint8_t *w, size_t
         }                                                                                                \
     } while (0)
 
+/* int32 lanes plus the products of a's and b's int16 pairs: one vpdpwssd where the build has VNNI for
+ * 256-bit registers (AVX-VNNI, or AVX-512 VNNI with VL), else a multiply-add of pairs and an addition. */
+static ALWAYS_INLINE __m256i dot_pairs8(__m256i acc, __m256i a, __m256i b)
+{
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#elif HAVE_AVX512_VNNI && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 /* Eight int16 rows (one per lane; half a group of xt) x `cols` widened outputs: per sub-block and pair k,
- * the rows' pairs times output c's pair broadcast (vpmaddwd), added in int32; then each output's float
+ * the rows' pairs times output c's pair broadcast (dot_pairs8), added in int32; then each output's float
  * chain for the eight rows side by side. res[c * 8 + l]. */
 static ALWAYS_INLINE void q16_group8(int type, int cols, const int32_t *wb, const float *db, const float *mb,
                                      int64_t ns, const int32_t *xt, const float *dx, const float *sx,
@@ -372,8 +385,7 @@ static ALWAYS_INLINE void q16_group8(int type, int cols, const int32_t *wb, cons
             for (int k = h * per; k < (h + 1) * per; k++) {
                 const __m256i xk = _mm256_loadu_si256((const __m256i *)(xs + k * Q16_GROUP));
                 for (int c = 0; c < cols; c++)
-                    sum[c] = _mm256_add_epi32(
-                        sum[c], _mm256_madd_epi16(xk, _mm256_set1_epi32(wb[(c * ns + s) * (QK / 2) + k])));
+                    sum[c] = dot_pairs8(sum[c], xk, _mm256_set1_epi32(wb[(c * ns + s) * (QK / 2) + k]));
             }
             for (int c = 0; c < cols; c++)
                 acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]),
