@@ -317,24 +317,44 @@ static ALWAYS_INLINE void q16_widen(int type, int cols, const uint8_t *w, size_t
 {
     const int spb = TYPE_INFO[type].elems == QK_K ? 8 : 1;
     const size_t ub = sub_offset(type, spb);
+    const int together = type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+    const int split = split_scales(type);
     for (int c = 0; c < cols; c++)
-        for (int64_t u = 0; u < ns / spb; u++)
+        for (int64_t u = 0; u < ns / spb; u++) {
+            /* As in q16_row_tile: the K-quants' scales a super-block at a time. */
+            float sd[16], sm[16] = {0};
+            if (together)
+                super_scales(type, w + c * rs + u * ub, sd, sm);
 #pragma GCC unroll 8
             for (int j = 0; j < spb; j++) {
                 const int64_t s = u * spb + j, at = (c * ns + s) * 2;
                 const uint8_t *row = w + c * rs + u * ub;
+                int32_t *to = wb + (c * ns + s) * (QK / 2);
+#if HAVE_AVX512_VBMI
+                _mm512_storeu_si512((void *)to,
+                                    _mm512_sub_epi16(q16_quants(type, row, j), _mm512_set1_epi16((short)q16_bias(type))));
+#else
                 __m128i q_lo, q_hi;
                 x86_quants(type, row, j, &q_lo, &q_hi);
-                int32_t *to = wb + (c * ns + s) * (QK / 2);
                 _mm256_storeu_si256((__m256i *)to, _mm256_cvtepi8_epi16(q_lo));
                 _mm256_storeu_si256((__m256i *)(to + 8), _mm256_cvtepi8_epi16(q_hi));
+#endif
                 float d[2], m[2];
-                sub_scales(type, row, j, d, m);
+                if (together) {
+                    const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
+                    d[0] = sd[k];
+                    d[1] = sd[k1];
+                    m[0] = sm[k];
+                    m[1] = sm[k1];
+                } else {
+                    sub_scales(type, row, j, d, m);
+                }
                 db[at] = d[0];
                 db[at + 1] = d[1];
                 mb[at] = m[0];
                 mb[at + 1] = m[1];
             }
+        }
 }
 
 /* Output c's offset term for the lanes' rows: m times the rows' sums, in sub-block order. */
@@ -802,20 +822,25 @@ void q16_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, in
             for (int64_t t = t0; t < t1; t += Q16_GROUP) {
                 const int32_t *xt = p->xt + t / Q16_GROUP * ns * (QK / 2) * Q16_GROUP;
                 const int64_t n_rows = t1 - t < Q16_GROUP ? t1 - t : Q16_GROUP;
-                if (groups16) {
+                if (groups16 && n_rows > Q16_GROUP / 2) {
                     (cols > 1 ? k->group16 : k->group16_one)(wb, db, mb, ns, xt, p->dx + t, p->sx + t, ss, res);
                     for (int c = 0; c < cols; c++)
                         for (int64_t r = 0; r < n_rows; r++)
                             store(p, t + r, o + c, res[c * Q16_GROUP + r]);
                     continue;
                 }
-                for (int64_t h = 0; h < n_rows; h += Q16_GROUP / 2) {
-                    (cols > 1 ? k->group8 : k->group8_one)(wb, db, mb, ns, xt + h, p->dx + t + h, p->sx + t + h,
-                                                           ss, res);
-                    for (int c = 0; c < cols; c++)
-                        for (int64_t r = h; r < n_rows && r < h + Q16_GROUP / 2; r++)
-                            store(p, t + r, o + c, res[c * (Q16_GROUP / 2) + r - h]);
-                }
+                /* Half groups (the AVX2 tiles, or a last group of at most half a group's rows), Q16_COLS
+                 * outputs at a time of the `cols` widened. */
+                for (int64_t h = 0; h < n_rows; h += Q16_GROUP / 2)
+                    for (int c0 = 0, n; c0 < cols; c0 += n) {
+                        n = cols - c0 < Q16_COLS ? 1 : Q16_COLS;
+                        (n > 1 ? k->group8 : k->group8_one)(wb + c0 * ns * (QK / 2), db + 2 * c0 * ns,
+                                                            mb + 2 * c0 * ns, ns, xt + h, p->dx + t + h,
+                                                            p->sx + t + h, ss, res);
+                        for (int c = 0; c < n; c++)
+                            for (int64_t r = h; r < n_rows && r < h + Q16_GROUP / 2; r++)
+                                store(p, t + r, o + c0 + c, res[c * (Q16_GROUP / 2) + r - h]);
+                    }
             }
             o += cols;
         }
