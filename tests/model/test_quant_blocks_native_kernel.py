@@ -261,10 +261,11 @@ def test_fused_ops_are_the_op_after_the_product(name: str) -> None:
     assert torch.equal(linear.mul(x, other), plain * other)
 
 
-def test_the_thread_count_does_not_change_a_bit() -> None:
+@pytest.mark.parametrize("int16", [True, False])
+def test_the_thread_count_does_not_change_a_bit(int16: bool) -> None:
     blocks = gguf_blocks(random_weight(300, 576), Q4_1)
-    linear = QuantLinear(blocks, None, default_cache_dir())
-    x = rows(6, 576)
+    linear = QuantLinear(blocks, None, default_cache_dir(), int16=int16)
+    x = rows(21, 576)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
