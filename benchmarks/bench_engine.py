@@ -3,7 +3,7 @@
 Same weights, same process, interleaved. Against transformers (both float32): prefill tokens/s (512 and
 2048 tokens), single-stream decode tokens/s, and kvserve's aggregate decode tokens/s at batch 8 and 32.
 Then the same kvserve measures for each `weight_dtype` (float32, float16, int8, q8_0 and gguf, the GGUF's
-own blocks; gguf also with `decode_activations` int16, the decode rows' integer products), with
+own blocks, with int16 activations by default; gguf also with `activations` float32, the exact mode), with
 ratios to float32 and gguf's to float16; every mode runs the default float16 KV cache.
 Run: `make bench-engine` (writes benchmarks/results/engine.{json,md}).
 """
@@ -79,10 +79,10 @@ def ours_batch_decode(engine: Engine, batch: int, new_tokens: int, seed: int) ->
     return tokens / (time.perf_counter() - decode_start)
 
 
-# Each mode's engine settings: the weight dtypes, and gguf's int16 decode rows beside its default.
+# Each mode's engine settings: the weight dtypes, and gguf's float32 activations beside its int16 default.
 MODES: dict[str, dict[str, str]] = {
     **{d: {"weight_dtype": d} for d in ("float32", "float16", "int8", "q8_0", "gguf")},
-    "gguf, int16 decodes": {"weight_dtype": "gguf", "decode_activations": "int16"},
+    "gguf, float32 activations": {"weight_dtype": "gguf", "activations": "float32"},
 }
 
 

@@ -18,7 +18,7 @@ peer-speculation gathers the time per output token, the acceptance and the targe
 llama-server runs with `--metrics`, so its acceptance is read from its counters. Results and plots go to
 benchmarks/results/peer-*. Run: `make bench-peer`.
 Never part of `make test` or CI. `--workloads` runs some of them; `--kvserve-args` adds serve flags (for
-example "--decode-activations int16") and `--results` sends that run's reports elsewhere.
+example "--activations float32") and `--results` sends that run's reports elsewhere.
 """
 
 import argparse

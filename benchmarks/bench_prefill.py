@@ -1,11 +1,14 @@
-"""The gguf weights' blocked product for prefill: its AVX-512 tiles against the AVX2 ones, in one run.
+"""The gguf weights' blocked product for prefill: int16 activations (the default) against float32 ones
+(the exact mode), each on its AVX-512 tiles and its AVX2 ones, in one run.
 
 On the default model (gguf weights): GMAC/s of each distinct product of a layer at 512 rows, on 1 and 2
-threads, and the prefill tokens/s of fresh 512- and 2,000-token prompts in process (time to the first
-token of a request alone). The two kinds of tile give the same bits; `QuantLinear.wide` switches between
-them, and the two alternate run by run so that a shared machine's load hits both alike. fbgemm's float16
-GEMM on the same shapes is the yardstick. Where the build has no AVX-512 tiles both columns are AVX2.
-Run: `make bench-prefill` (writes benchmarks/results/prefill.{json,md}).
+threads (1 thread: the thread's CPU time, which a shared machine's load does not inflate), and the prefill
+tokens/s of fresh 512- and 2,000-token prompts in process (time to the first token of a request alone) in
+each activation mode. The two kinds of tile give the same bits; `QuantLinear.wide` switches between them,
+`QuantLinear.int16` between the modes, and the paths alternate run by run so that a shared machine's load
+hits them alike. fbgemm's float16 GEMM on the same shapes is the yardstick. Where the build has no
+AVX-512 tiles the AVX-512 columns are AVX2. Run: `make bench-prefill` (writes
+benchmarks/results/prefill.{json,md}).
 """
 
 import random
@@ -22,7 +25,9 @@ from kvserve.model.linear import make_linear
 from kvserve.model.quant_linear import QuantLinear
 
 ROWS = 512
-PATHS = ("avx2", "avx512")
+# (activations, tiles): int16 or float32 activations, on the AVX-512 tiles or the AVX2 ones.
+PATHS = ("int16 avx512", "int16 avx2", "float32 avx512", "float32 avx2")
+MODES = ("int16", "float32")
 
 
 def quant_linears(engine: Engine) -> list[QuantLinear]:
@@ -38,18 +43,25 @@ def quant_linears(engine: Engine) -> list[QuantLinear]:
     return found
 
 
-def set_wide(engine: Engine, wide: bool) -> None:
+def set_path(linear: QuantLinear, path: str) -> None:
+    linear.int16 = path.startswith("int16")
+    linear.wide = path.endswith("avx512")
+
+
+def set_mode(engine: Engine, mode: str) -> None:
     for p in quant_linears(engine):
-        p.wide = wide
+        set_path(p, f"{mode} avx512")
 
 
-def best_seconds(fn: Any, x: torch.Tensor, repeats: int) -> float:
+def best_seconds(fn: Any, x: torch.Tensor, repeats: int, threads: int) -> float:
+    """The best of `repeats` runs: the calling thread's CPU time on one thread, else wall time."""
+    clock = time.thread_time if threads == 1 else time.perf_counter
     fn(x)
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn(x)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times)
 
 
@@ -67,26 +79,29 @@ def product_gmacs(engine: Engine, threads: int) -> dict[str, dict[str, float]]:
         row: dict[str, float] = {}
         for _ in range(2):
             for path in PATHS:
-                linear.wide = path == "avx512"
-                row[path] = max(row.get(path, 0.0), macs / best_seconds(linear, x, 3))
-        linear.wide = True
+                set_path(linear, path)
+                row[path] = max(row.get(path, 0.0), macs / best_seconds(linear, x, 3, threads))
+        set_path(linear, "int16 avx512")
         fp16 = make_linear(linear.weight.dequantize(), None, "float16")
-        row["fbgemm_float16"] = macs / best_seconds(fp16, x, 3)
+        row["fbgemm_float16"] = macs / best_seconds(fp16, x, 3, threads)
         results[f"{name} {n_in}x{n_out}"] = row
     return results
 
 
-def prefill_tokens_per_s(engine: Engine, tokens: int, repeats: int) -> dict[str, float]:
+def prefill_tokens_per_s(engine: Engine, tokens: int, repeats: int, threads: int) -> dict[str, float]:
+    """Tokens/s of a fresh prompt alone in each mode: on one thread by the process's CPU time (a loaded
+    machine's other work does not count), else by the time to the first token."""
     rng = random.Random(tokens)
-    times: dict[str, list[float]] = {p: [] for p in PATHS}
+    times: dict[str, list[float]] = {m: [] for m in MODES}
     for i in range(repeats):
-        for path in PATHS:
-            set_wide(engine, path == "avx512")
+        for mode in MODES:
+            set_mode(engine, mode)
             ids = [rng.randrange(100, 49000) for _ in range(tokens)]
-            ttft, _, _ = timed_request(engine, f"p{tokens}-{i}-{path}", ids, SamplingParams(max_tokens=1))
-            times[path].append(ttft)
-    set_wide(engine, True)
-    return {p: tokens / statistics.median(t) for p, t in times.items()}
+            cpu = time.process_time()
+            ttft, _, _ = timed_request(engine, f"p{tokens}-{i}-{mode}", ids, SamplingParams(max_tokens=1))
+            times[mode].append(time.process_time() - cpu if threads == 1 else ttft)
+    set_mode(engine, "int16")
+    return {m: tokens / statistics.median(t) for m, t in times.items()}
 
 
 def main() -> None:
@@ -94,28 +109,30 @@ def main() -> None:
     engine = make_engine(default_model(), threads=threads, enable_prefix_caching=False)
     gmacs = {t: product_gmacs(engine, t) for t in (1, 2)}
     torch.set_num_threads(threads)
-    prefill = {n: prefill_tokens_per_s(engine, n, 3 if n <= 512 else 2) for n in (512, 2000)}
+    prefill = {n: prefill_tokens_per_s(engine, n, 3 if n <= 512 else 2, threads) for n in (512, 2000)}
     lines = [
-        f"Blocked product of the default model's gguf weights at {ROWS} rows (GMAC/s, best of 3), "
-        "AVX2 tiles against AVX-512 tiles (the same bits), fbgemm float16 as the yardstick.",
+        f"Blocked product of the default model's gguf weights at {ROWS} rows (GMAC/s, best of 3), int16 "
+        "and float32 activations on the AVX-512 and AVX2 tiles (each mode's two the same bits), fbgemm "
+        "float16 as the yardstick.",
         "",
-        "| product | threads | AVX2 tiles | AVX-512 tiles | fbgemm float16 |",
-        "|---|---:|---:|---:|---:|",
+        "| product | threads | " + " | ".join(PATHS) + " | fbgemm float16 |",
+        "|---|---:|" + "---:|" * (len(PATHS) + 1),
     ]
     for t, rows in gmacs.items():
         for name, r in rows.items():
-            lines.append(
-                f"| {name} | {t} | {r['avx2']:.1f} | {r['avx512']:.1f} | {r['fbgemm_float16']:.1f} |"
-            )
+            cells = " | ".join(f"{r[p]:.1f}" for p in (*PATHS, "fbgemm_float16"))
+            lines.append(f"| {name} | {t} | {cells} |")
     lines += [
         "",
-        f"Prefill of a fresh prompt alone, {threads} thread(s), tokens/s (median time to first token):",
+        f"Prefill of a fresh prompt alone, {threads} thread(s), tokens/s (median "
+        + ("CPU time" if threads == 1 else "time to first token")
+        + "):",
         "",
-        "| prompt tokens | AVX2 tiles | AVX-512 tiles | ratio |",
+        "| prompt tokens | int16 | float32 | ratio |",
         "|---:|---:|---:|---:|",
     ]
     for n, r in prefill.items():
-        lines.append(f"| {n} | {r['avx2']:.0f} | {r['avx512']:.0f} | {r['avx512'] / r['avx2']:.2f}x |")
+        lines.append(f"| {n} | {r['int16']:.0f} | {r['float32']:.0f} | {r['int16'] / r['float32']:.2f}x |")
     write_results(
         "prefill",
         {"threads": threads, "rows": ROWS, "gmac_per_s": gmacs, "prefill_tokens_per_s": prefill},

@@ -87,7 +87,7 @@ def main() -> None:
     block_size = engine.config.block_size
     config = engine.config
     fingerprint = model_fingerprint(
-        model, config.weight_dtype, config.decode_activations, block_size, config.kv_cache_dtype
+        model, config.weight_dtype, config.activations, block_size, config.kv_cache_dtype
     )
     block_bytes = io.read_block(0).numel() * dtype.itemsize
     engine.close()

@@ -1,11 +1,12 @@
 """One decode row through every matrix of a GGUF, at the file's real shapes and types, read in place.
 
-For each weight matrix of the file (the head included), one float32 row through its native product: the
-build's own choice (the row tile where the type takes it) and the AVX2 tiles (`wide=False`), one path
-through every matrix, then the other, the order alternating, so that a shared machine's load hits both
-alike and every matrix comes from memory. Times are the calling thread's CPU time (one thread by
+For each weight matrix of the file (the head included), one float32 row through its native product, three
+ways: int16 activations (the default) on the build's own tiles, int16 on the AVX2 tiles (`wide=False`), and
+float32 activations (the exact mode, the row tile where the type takes it); one way through every matrix,
+then the next, the order rotating, so that a shared machine's load hits each alike and every matrix comes
+from memory. Times are the calling thread's CPU time (one thread by
 default: a busy machine deschedules the thread, which wall time would count), the median per matrix kind.
-Reports each kind's time, GB/s of its blocks and the two paths' ratio, and a decode step's products
+Reports each kind's time, GB/s of its blocks and the ratios to the default, and a decode step's products
 summed (each kind times its count).
 
 Run: `python -m benchmarks.bench_row_products /tmp/bench_models/gemma3-270m.gguf [--threads 1] [--reps
@@ -24,7 +25,7 @@ from kvserve.model.gguf_file import F32, open_gguf
 from kvserve.model.quant_blocks import QuantizedWeight, type_name
 from kvserve.model.quant_linear import QuantLinear
 
-PATHS = ("default", "AVX2 tiles")
+PATHS = ("int16", "int16 AVX2 tiles", "float32")
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Kind:
     qtype: int
     shape: tuple[int, int]
     nbytes: int
-    products: list[tuple[QuantLinear, QuantLinear]] = field(default_factory=list)
+    products: list[tuple[QuantLinear, ...]] = field(default_factory=list)
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PATHS})
 
 
@@ -52,7 +53,13 @@ def kinds(path: str) -> list[Kind]:
             (name, t.qtype, (n_out, n_in)), Kind(name, t.qtype, (n_out, n_in), w.data.numel())
         )
         cache = default_cache_dir()
-        kind.products.append((QuantLinear(w, None, cache), QuantLinear(w, None, cache, wide=False)))
+        kind.products.append(
+            (
+                QuantLinear(w, None, cache, int16=True),
+                QuantLinear(w, None, cache, int16=True, wide=False),
+                QuantLinear(w, None, cache),
+            )
+        )
     return list(found.values())
 
 
@@ -61,7 +68,7 @@ def measure(all_kinds: list[Kind], reps: int) -> None:
     again only after all the others (more than the last-level cache), so from memory as in a step."""
     gen = torch.Generator().manual_seed(0)
     for rep in range(reps):
-        for i in (0, 1) if rep % 2 == 0 else (1, 0):
+        for i in [(rep + j) % len(PATHS) for j in range(len(PATHS))]:
             for kind in all_kinds:
                 x = torch.randn(1, kind.shape[1], generator=gen)
                 for pair in kind.products:
@@ -72,18 +79,22 @@ def measure(all_kinds: list[Kind], reps: int) -> None:
 
 def report(all_kinds: list[Kind]) -> None:
     step = dict.fromkeys(PATHS, 0.0)
-    print(f"{'matrix':24s} {'type':6s} {'shape':>13s}  n   default us  GB/s   AVX2 us  ratio")
+    print(f"{'matrix':24s} {'type':6s} {'shape':>13s}  n   int16 us  GB/s  AVX2 x  float32 x")
     for k in all_kinds:
         us = {p: statistics.median(k.times[p]) * 1e6 for p in PATHS}
         for p in PATHS:
             step[p] += us[p] * len(k.products)
         shape = f"{k.shape[0]}x{k.shape[1]}"
         print(
-            f"{k.name:24s} {type_name(k.qtype):6s} {shape:>13s} {len(k.products):2d} {us[PATHS[0]]:12.1f} "
-            f"{k.nbytes / us[PATHS[0]] / 1e3:5.1f} {us[PATHS[1]]:9.1f} {us[PATHS[1]] / us[PATHS[0]]:6.2f}"
+            f"{k.name:24s} {type_name(k.qtype):6s} {shape:>13s} {len(k.products):2d} {us[PATHS[0]]:10.1f} "
+            f"{k.nbytes / us[PATHS[0]] / 1e3:5.1f} {us[PATHS[1]] / us[PATHS[0]]:7.2f} "
+            f"{us[PATHS[2]] / us[PATHS[0]]:9.2f}"
         )
-    row, avx2 = step[PATHS[0]] / 1e3, step[PATHS[1]] / 1e3
-    print(f"a decode step's products: default {row:.2f} ms, AVX2 tiles {avx2:.2f} ms ({avx2 / row:.2f}x)")
+    ms = {p: step[p] / 1e3 for p in PATHS}
+    print(
+        f"a decode step's products: int16 {ms[PATHS[0]]:.2f} ms, int16 AVX2 tiles {ms[PATHS[1]]:.2f} ms, "
+        f"float32 {ms[PATHS[2]]:.2f} ms ({ms[PATHS[2]] / ms[PATHS[0]]:.2f}x)"
+    )
 
 
 def main() -> None:

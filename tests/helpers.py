@@ -14,7 +14,6 @@ import httpx
 import torch
 
 from kvserve.config import default_cache_dir
-from kvserve.model.linear import Linear
 from kvserve.model.loader import tokenizer_dir
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 
@@ -96,28 +95,6 @@ def server_process(argv: list[str], port: int) -> Iterator[tuple[subprocess.Pope
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-class AllDecodes(Linear):
-    """`inner` with every row of every call a decode row (int16 activations where the product has them)."""
-
-    def __init__(self, inner: Linear) -> None:
-        self.inner = inner
-
-    def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self.inner(x, x.shape[0])
-
-    def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self.inner.silu(x, x.shape[0])
-
-    def gelu_tanh(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self.inner.gelu_tanh(x, x.shape[0])
-
-    def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self.inner.add(x, other, x.shape[0])
-
-    def mul(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self.inner.mul(x, other, x.shape[0])
 
 
 class Clock:

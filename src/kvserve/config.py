@@ -48,7 +48,7 @@ def format_bytes(value: int) -> str:
 # float64 is for reference runs (exact enough that batch shapes never flip a greedy token).
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16", "float64")
 WEIGHT_DTYPES = ("gguf", "q8_0", "float32", "float16", "int8")
-DECODE_ACTIVATIONS = ("int16", "float32")
+ACTIVATIONS = ("int16", "float32")
 KV_DTYPES = ("auto", *COMPUTE_DTYPES, "q8_0")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 SPECULATIVE = ("suffix", "off")
@@ -143,14 +143,13 @@ class EngineConfig:
         "float32 (exact), float16 (half the bytes) or int8 (per-channel); default %(default)s",
         choices=WEIGHT_DTYPES,
     )
-    decode_activations: str = option(
-        "float32",
-        "with gguf or q8_0 weights, the activations of decode rows (and of rows whose logits are taken): "
-        "float32 (the float32 model up to summation order) or int16 (quantized per block of 32, integer "
-        "products: faster layer products and nearly float32's predictions, as measured in "
-        "docs/benchmarks.md, but a reply can then depend on whether its prompt was cached); "
-        "default %(default)s",
-        choices=DECODE_ACTIVATIONS,
+    activations: str = option(
+        "int16",
+        "with gguf or q8_0 weights, the activations of every row of the integer blocks' products: int16 "
+        "(quantized per block of 32, exact integer products: nearly float32's predictions, as measured in "
+        "docs/benchmarks.md, at about twice the speed) or float32 (the exact mode: the float32 model up "
+        "to summation order); a row's bits never depend on its batch either way; default %(default)s",
+        choices=ACTIVATIONS,
     )
     kv_dtype: str = option(
         "auto",
@@ -334,8 +333,8 @@ class EngineConfig:
             ),
             (self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}"),
             (
-                self.decode_activations in DECODE_ACTIVATIONS,
-                f"decode_activations must be one of {', '.join(DECODE_ACTIVATIONS)}",
+                self.activations in ACTIVATIONS,
+                f"activations must be one of {', '.join(ACTIVATIONS)}",
             ),
             (self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}"),
             (

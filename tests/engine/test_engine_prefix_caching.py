@@ -178,3 +178,33 @@ def test_replies_cut_by_max_tokens_are_remembered_but_not_those_cut_by_a_stop_st
     text = "".join(d.text for _ in range(14) for d in engine.step())
     assert text == full[: full.index(stop)]
     assert engine.replies.lookup("", text) is None
+
+
+def greedy_with_logprobs(engine: Engine, rid: str, ids: list[int], n: int) -> list[tuple[int, float]]:
+    engine.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0))
+    out: list[tuple[int, float]] = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            out += [(lp.token_id, lp.logprob) for lp in delta.logprobs]
+    return out
+
+
+def test_a_reply_computed_by_decode_rows_reads_back_as_its_prefill_would_bit_for_bit(
+    make_tiny_engine: Callable[..., Engine],
+) -> None:
+    """The next turn's prompt holds the reply, whose KV the decode rows wrote: from the cache, it gives the
+    next reply the same tokens with the same log probabilities, to the bit, as prefilling it afresh. The
+    native q8_0 products in int16 mode (the default), whose decode and prefill rows are the same integer
+    products; the same in the float32 mode."""
+    for activations in ("int16", "float32"):
+        settings = {"weight_dtype": "q8_0", "activations": activations, "block_size": 16}
+        warm = make_tiny_engine(**settings)
+        tok = warm.tokenizer
+        prompt = tok.encode(SYSTEM)
+        reply = [t for t, _ in greedy_with_logprobs(warm, "a", prompt, 40)]
+        follow = [*prompt, *reply, *tok.encode(" And on Sunday?")]
+        cached = greedy_with_logprobs(warm, "b", follow, 12)
+        assert warm.stats().cache_hits >= len(prompt) + len(reply) - 16
+        fresh = make_tiny_engine(enable_prefix_caching=False, **settings)
+        cold = greedy_with_logprobs(fresh, "b", follow, 12)
+        assert cached == cold, activations

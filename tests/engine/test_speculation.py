@@ -83,9 +83,9 @@ def test_greedy_tokens_and_logprobs_are_bitwise_those_without_speculation(
     tiny_model: LoadedModel, activations: str
 ) -> None:
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=3)
-    plain = _run(_engine(tiny_model, "off", decode_activations=activations), params)
-    engine = _engine(tiny_model, "suffix", decode_activations=activations)
-    oracle = OracleDrafter(_engine(tiny_model, "off", decode_activations=activations), seed=3)
+    plain = _run(_engine(tiny_model, "off", activations=activations), params)
+    engine = _engine(tiny_model, "suffix", activations=activations)
+    oracle = OracleDrafter(_engine(tiny_model, "off", activations=activations), seed=3)
     engine.scheduler.drafter = oracle
     drafted = _run(engine, params, oracle)
     assert drafted == plain

@@ -76,7 +76,7 @@ def test_the_fingerprint_tells_the_kv_dtypes_apart(default_model: LoadedModel) -
     )
 
 
-def test_the_fingerprint_tells_the_decode_activations_apart(default_model: LoadedModel) -> None:
+def test_the_fingerprint_tells_the_activations_apart(default_model: LoadedModel) -> None:
     assert model_fingerprint(default_model, "gguf", "int16", 16, "float16") != model_fingerprint(
         default_model, "gguf", "float32", 16, "float16"
     )
@@ -107,7 +107,7 @@ def test_float16_kv_keeps_the_float32_greedy_replies(
     # Decode rows in float32, so that only the KV dtype differs: with int16 decodes as well, a near tie
     # on one of these replies falls the other way (their agreement rate is test_weight_dtype_quality's).
     prompts = chat_prompts(default_model)
-    settings = {"enable_prefix_caching": False, "decode_activations": "float32"}
+    settings = {"enable_prefix_caching": False, "activations": "float32"}
     half = greedy(make_engine(kv_dtype="float16", **settings), prompts, 48)
     full = greedy(make_engine(kv_dtype="float32", **settings), prompts, 48)
     assert half == full

@@ -15,7 +15,6 @@ from kvserve.config import default_cache_dir
 from kvserve.model.linear import Float32Linear, Fp16Linear, Int8Linear, Linear, make_linear
 from kvserve.model.quant_blocks import Q4_0, Q4_1, Q8_0, QuantizedWeight
 from kvserve.model.quant_linear import QuantLinear, make_block_linear
-from tests.helpers import AllDecodes
 
 # (in, out) of the default model's products: qkv, o, gate and up, down, and the tied lm_head.
 SHAPES = {
@@ -51,7 +50,7 @@ MODES: dict[str, Compare] = {
     "gguf-Q8_0": bitwise,
     "gguf-Q4_0": bitwise,
     "gguf-Q4_1": bitwise,
-    # Every row a decode row: int16 activations.
+    # int16 activations.
     "q8_0/int16": bitwise,
     "gguf-Q8_0/int16": bitwise,
     "gguf-Q4_0/int16": bitwise,
@@ -63,12 +62,11 @@ BLOCK_MODES = {"q8_0", *GGUF_TYPES}
 
 def build(mode: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
     """`mode`'s Linear; "gguf-<type>" runs blocks made by the gguf package's own quantizer, and
-    "<mode>/int16" takes every row as a decode row."""
+    "<mode>/int16" takes every row with int16 activations."""
     int16 = mode.endswith("/int16")
     mode = mode.removesuffix("/int16")
     if mode == "q8_0":
-        linear: Linear = make_block_linear(w, b, None, "q8_0", default_cache_dir(), int16)
-        return AllDecodes(linear) if int16 else linear
+        return make_block_linear(w, b, None, "q8_0", default_cache_dir(), int16)
     if mode in GGUF_TYPES:
         import numpy as np
         from gguf import GGMLQuantizationType
@@ -76,8 +74,7 @@ def build(mode: str, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
 
         data = quantize(w.numpy(), GGMLQuantizationType(GGUF_TYPES[mode]))
         blocks = QuantizedWeight(GGUF_TYPES[mode], torch.from_numpy(np.ascontiguousarray(data)), w.shape[1])
-        quant = QuantLinear(blocks, b, default_cache_dir(), int16_decodes=int16)
-        return AllDecodes(quant) if int16 else quant
+        return QuantLinear(blocks, b, default_cache_dir(), int16=int16)
     return make_linear(w, b, mode)
 
 

@@ -16,7 +16,6 @@ from kvserve.model.mlp import GatedMlp
 from kvserve.model.moe import SparseMoe, route
 from kvserve.model.quant_blocks import quantize_q8_0
 from kvserve.model.quant_linear import QuantLinear
-from tests.helpers import AllDecodes
 
 HIDDEN = 64
 EXPERT_SIZE = 96
@@ -76,7 +75,7 @@ def ours(block: Any, make: Any, norm_topk_prob: bool) -> SparseMoe:
 
 
 def q8_0_linear(w: torch.Tensor, int16: bool = False) -> Linear:
-    return QuantLinear(quantize_q8_0(w), None, default_cache_dir(), int16_decodes=int16)
+    return QuantLinear(quantize_q8_0(w), None, default_cache_dir(), int16=int16)
 
 
 def dequantized(block: Any) -> Any:
@@ -147,17 +146,14 @@ def test_a_rows_output_is_the_same_bits_alone_or_in_any_batch(int16: bool) -> No
         torch.set_num_threads(threads)
 
 
-def test_decode_rows_take_the_int16_products_and_prefill_rows_the_float_ones() -> None:
+def test_decode_rows_and_prefill_rows_take_the_same_int16_products() -> None:
     block = reference_block(True)
     moe = ours(block, lambda w: q8_0_linear(w, True), True)
-    as_decodes = ours(block, lambda w: AllDecodes(q8_0_linear(w, True)), True)
-    as_prefill = ours(block, q8_0_linear, True)
+    as_float = ours(block, q8_0_linear, True)
     x = hidden_states()
-    decodes = 9
-    mixed = moe(x, decodes)
-    assert torch.equal(mixed[:decodes], as_decodes(x[:decodes]))
-    assert torch.equal(mixed[decodes:], as_prefill(x[decodes:]))
-    assert not torch.equal(mixed[:decodes], as_prefill(x[:decodes]))
+    mixed = moe(x, 9)
+    assert torch.equal(mixed, moe(x, 0)) and torch.equal(mixed, moe(x, x.shape[0]))
+    assert not torch.equal(mixed, as_float(x, 9))
 
 
 class Unread(Linear):

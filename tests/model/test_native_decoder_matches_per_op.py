@@ -36,7 +36,7 @@ def test_a_decode_step_through_the_native_decoder_equals_the_per_op_path(
     multiple of 32: its own tiny model)."""
     model: LoadedModel = request.getfixturevalue("tiny_q8_model" if kv_dtype == "q8_0" else "tiny_model")
     runner = ModelRunner(
-        model, 64, 4, 256, "cpu", "float32", "q8_0", "native", kv_dtype=kv_dtype, int16_decodes=int16
+        model, 64, 4, 256, "cpu", "float32", "q8_0", "native", kv_dtype=kv_dtype, int16_activations=int16
     )
     decoder = runner.transformer.decoder
     assert decoder is not None
@@ -55,7 +55,7 @@ def test_a_decode_step_through_the_native_decoder_equals_the_per_op_path(
 
 @pytest.mark.parametrize("int16", [False, True], ids=["float32 decodes", "int16 decodes"])
 def test_a_decode_through_the_native_decoder_is_batch_invariant(tiny_model: LoadedModel, int16: bool) -> None:
-    runner = ModelRunner(tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native", int16_decodes=int16)
+    runner = ModelRunner(tiny_model, 64, 4, 256, "cpu", "float32", "q8_0", "native", int16_activations=int16)
     decodes = prefilled_decodes(runner, [30, 7, 52, 12], seed=5)
     batch = runner.execute(ForwardBatch(decodes=list(decodes))).sampled
     for i, d in enumerate(decodes):
@@ -258,7 +258,7 @@ def test_a_decode_step_through_the_native_decoder_equals_the_per_op_step(
         "q8_0",
         "native",
         kv_dtype=kv_dtype,
-        int16_decodes=int16,
+        int16_activations=int16,
         num_sliding_blocks=len(blocks) if own else None,
     )
     transformer = runner.transformer

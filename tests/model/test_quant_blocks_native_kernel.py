@@ -133,52 +133,55 @@ def test_rows_dequantize_natively_to_the_gguf_package_values_bit_for_bit(name: s
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
-def test_every_path_gives_the_same_bits_and_each_row_its_bits_alone(name: str) -> None:
-    """Float rows and int16 decode rows; 131 outputs (32 column tiles and three outputs outside any); 37
-    rows take the AVX-512 tiles (six 6-row tiles and a 1-row one) where the build has them, 9 the AVX2
+@pytest.mark.parametrize("int16", [True, False])
+def test_every_path_gives_the_same_bits_and_each_row_its_bits_alone(name: str, int16: bool) -> None:
+    """Both activation modes; 131 outputs (the int16 tiles' 8- and 4-output tiles and three outputs one at a
+    time, the float tiles' 32 column tiles and three outputs outside any). int16: 37 rows take three groups
+    of 16 rows (AVX-512) or six halves (AVX2), the last padded, 9 one group, 3 the one-row tiles. float32:
+    37 rows take the AVX-512 tiles (six 6-row tiles and a 1-row one) where the build has them, 9 the AVX2
     ones (eight rows, then one)."""
     qtype = ALL[name]
     for n_in in row_lengths(qtype)[:: 4 if row_unit(qtype) == QK else 2]:
         blocks = random_blocks(qtype, 131, n_in, seed=n_in)
         bias = torch.randn(131)
         paths = [
-            QuantLinear(blocks, bias, default_cache_dir(), int16_decodes=True, portable=p == 1, wide=p != 2)
+            QuantLinear(blocks, bias, default_cache_dir(), int16=int16, portable=p == 1, wide=p != 2)
             for p in (0, 2, 1)
         ]
-        for n_rows, decodes in ((37, 0), (9, 0), (9, 4), (3, 3)):
+        for n_rows in (37, 9, 3):
             x = rows(n_rows, n_in)
-            out = paths[0](x, decodes)
+            out = paths[0](x)
             for other in paths[1:]:
-                assert torch.equal(out, other(x, decodes)), (n_in, n_rows, decodes)
-            for i in (0, decodes, n_rows - 1):
-                if i < n_rows:
-                    assert torch.equal(out[i], paths[0](x[i : i + 1], 1 if i < decodes else 0)[0])
+                assert torch.equal(out, other(x)), (n_in, n_rows)
+            for i in (0, n_rows // 2, n_rows - 1):
+                assert torch.equal(out[i], paths[0](x[i : i + 1])[0])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_rows_property(data: st.DataObject) -> None:
-    """Any type, width, batch and split of decode and float rows: the tiles a batch falls into (eight,
-    four or one rows per output, AVX-512 tiles of one to six rows, row chunks sized to the L1 cache for
-    wide inputs) give the bits of the portable path and of each row alone."""
+    """Any type, width, batch and activation mode: the tiles a batch falls into (int16: one-row tiles, or
+    groups of rows padded to 16, row chunks sized to the L2 cache; float32: eight, four or one rows per
+    output, AVX-512 tiles of one to six rows, row chunks sized to the L1 cache) give the bits of the
+    portable path and of each row alone."""
     qtype = ALL[data.draw(st.sampled_from(sorted(ALL)), label="type")]
     n_in = row_unit(qtype) * data.draw(st.integers(1, 60 if row_unit(qtype) == QK else 8), label="units")
     n_out = data.draw(st.integers(1, 40), label="outputs")
     n_rows = data.draw(st.integers(1, 60), label="rows")
-    decodes = data.draw(st.sampled_from([0, 0, 1, n_rows]), label="decodes")
+    int16 = data.draw(st.booleans(), label="int16")
     seed = data.draw(st.integers(0, 2**16), label="seed")
     gen = torch.Generator().manual_seed(seed)
     blocks = random_blocks(qtype, n_out, n_in, seed)
     bias = torch.randn(n_out, generator=gen)
     x = torch.randn(n_rows, n_in, generator=gen) * torch.logspace(-3, 3, n_rows).unsqueeze(1)
-    fast = QuantLinear(blocks, bias, default_cache_dir(), int16_decodes=True)
-    out = fast(x, decodes)
+    fast = QuantLinear(blocks, bias, default_cache_dir(), int16=int16)
+    out = fast(x)
     if fast.vectorized:
         for kw in ({"wide": False}, {"portable": True}):
-            other = QuantLinear(blocks, bias, default_cache_dir(), int16_decodes=True, **kw)
-            assert torch.equal(out, other(x, decodes))
+            other = QuantLinear(blocks, bias, default_cache_dir(), int16=int16, **kw)
+            assert torch.equal(out, other(x))
     for i in data.draw(st.lists(st.integers(0, n_rows - 1), min_size=1, max_size=4), label="probes"):
-        assert torch.equal(out[i], fast(x[i : i + 1], 1 if i < decodes else 0)[0])
+        assert torch.equal(out[i], fast(x[i : i + 1])[0])
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
@@ -207,7 +210,7 @@ def test_blocks_the_gguf_package_quantizes_work_alike(name: str) -> None:
 
 def test_a_product_of_parts_of_different_types_is_its_parts_run_one_by_one() -> None:
     """q, k and v as a Q4_K_M file gives them (Q5_0, Q4_K, Q6_K), with one bias over all three: one call
-    writes each part's outputs at its columns, float rows and int16 rows, with every fused op."""
+    writes each part's outputs at its columns, in both activation modes, with every fused op."""
     parts = [
         random_blocks(Q5_0, 37, 256, 1),
         random_blocks(Q4_K, 10, 256, 2),
@@ -219,19 +222,20 @@ def test_a_product_of_parts_of_different_types_is_its_parts_run_one_by_one() -> 
     bias = torch.randn(68)
     x, other = rows(9, 256), rows(9, 68, seed=2)
     for portable in (False, True):
-        whole = QuantLinear(joined, bias, default_cache_dir(), int16_decodes=True, portable=portable)
-        ones = [
-            QuantLinear(p, b, default_cache_dir(), int16_decodes=True, portable=portable)
-            for p, b in zip(parts, (bias[:37], bias[37:47], bias[47:]), strict=True)
-        ]
-        for decodes in (0, 4, 9):
-            assert torch.equal(whole(x, decodes), torch.cat([o(x, decodes) for o in ones], dim=1))
-            split = (other[:, :37], other[:, 37:47], other[:, 47:])
-            assert torch.equal(
-                whole.add(x, other, decodes),
-                torch.cat([o.add(x, s, decodes) for o, s in zip(ones, split, strict=True)], dim=1),
-            )
-            assert torch.equal(whole.silu(x, decodes), torch.cat([o.silu(x, decodes) for o in ones], dim=1))
+        for int16 in (False, True):
+            whole = QuantLinear(joined, bias, default_cache_dir(), int16=int16, portable=portable)
+            ones = [
+                QuantLinear(p, b, default_cache_dir(), int16=int16, portable=portable)
+                for p, b in zip(parts, (bias[:37], bias[37:47], bias[47:]), strict=True)
+            ]
+            for n in (1, 9):
+                assert torch.equal(whole(x[:n]), torch.cat([o(x[:n]) for o in ones], dim=1))
+                split = (other[:n, :37], other[:n, 37:47], other[:n, 47:])
+                assert torch.equal(
+                    whole.add(x[:n], other[:n]),
+                    torch.cat([o.add(x[:n], s) for o, s in zip(ones, split, strict=True)], dim=1),
+                )
+                assert torch.equal(whole.silu(x[:n]), torch.cat([o.silu(x[:n]) for o in ones], dim=1))
     index = torch.tensor([67, 0, 40, 37, 46, 47])
     assert torch.equal(whole.rows(index), joined.dequantize()[index])
     assert torch.equal(joined.dequantize(), torch.cat([reference(p) for p in parts]))
@@ -257,10 +261,11 @@ def test_fused_ops_are_the_op_after_the_product(name: str) -> None:
     assert torch.equal(linear.mul(x, other), plain * other)
 
 
-def test_the_thread_count_does_not_change_a_bit() -> None:
+@pytest.mark.parametrize("int16", [True, False])
+def test_the_thread_count_does_not_change_a_bit(int16: bool) -> None:
     blocks = gguf_blocks(random_weight(300, 576), Q4_1)
-    linear = QuantLinear(blocks, None, default_cache_dir())
-    x = rows(6, 576)
+    linear = QuantLinear(blocks, None, default_cache_dir(), int16=int16)
+    x = rows(21, 576)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -353,11 +358,11 @@ def test_a_gguf_files_k_quant_and_q4_1_tensors_load_as_the_files_blocks(tmp_path
     assert isinstance(down_linear, QuantLinear) and down_linear.weight.qtype == Q4_1
 
 
-# ---- Decode rows with int16 activations -------------------------------------------------------------
+# ---- int16 activations ---------------------------------------------------------------------------------
 
 
 def q16_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, n_in] as the kernel quantizes a decode row, dequantized: per block of 32, d = max|x| /
+    """x [rows, n_in] as the kernel quantizes a row, dequantized: per block of 32, d = max|x| /
     32767 and q = x * (32767 / max|x|) rounded to nearest even, all in float32; returned as q * d in
     float64, the exact value the integer products stand for."""
     blocks = x.reshape(-1, QK)
@@ -384,13 +389,13 @@ INTEGER = sorted(n for n, t in ALL.items() if t not in (F32, F16, BF16))
 
 
 @pytest.mark.parametrize("name", INTEGER)
-@pytest.mark.parametrize("n_rows", [1, 4, 9])
+@pytest.mark.parametrize("n_rows", [1, 4, 37])
 def test_int16_rows_are_the_product_of_their_quantized_activations(name: str, n_rows: int) -> None:
     blocks = random_blocks(ALL[name], 131, 512)
     bias = torch.randn(131) * 0.1
-    linear = QuantLinear(blocks, bias, default_cache_dir(), int16_decodes=True)
+    linear = QuantLinear(blocks, bias, default_cache_dir(), int16=True)
     x = rows(n_rows, 512)
-    ours = linear(x, n_rows).double()
+    ours = linear(x).double()
     m = offsets(blocks).double()
     x16 = q16_activations(x)
     exact = F.linear(x16, reference(blocks).double() - m, bias.double()) + F.linear(x.double(), m)
@@ -403,31 +408,61 @@ def test_int16_rows_are_the_product_of_their_quantized_activations(name: str, n_
 
 
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
-def test_float_types_run_their_decode_rows_as_float_rows(name: str) -> None:
+def test_float_types_run_their_rows_as_float_rows_in_int16_mode(name: str) -> None:
     blocks = random_blocks(ALL[name], 40, 128)
-    linear = QuantLinear(blocks, None, default_cache_dir(), int16_decodes=True)
     x = rows(5, 128)
-    assert torch.equal(linear(x, 5), linear(x))
+    exact = QuantLinear(blocks, None, default_cache_dir())(x)
+    assert torch.equal(QuantLinear(blocks, None, default_cache_dir(), int16=True)(x), exact)
 
 
-def test_without_int16_decodes_every_row_is_a_float_row() -> None:
+def test_decode_rows_are_no_different_from_prefill_rows_in_either_mode() -> None:
+    """`decodes` changes nothing: a decode row and a prefill row of the same values have the same bits."""
     blocks = gguf_blocks(random_weight(64, 128), Q4_1)
-    linear = QuantLinear(blocks, None, default_cache_dir())
     x = rows(5, 128)
-    assert torch.equal(linear(x, 5), linear(x))
-    assert not torch.equal(
-        QuantLinear(blocks, None, default_cache_dir(), int16_decodes=True)(x, 5), linear(x)
-    )
+    int16, exact = (QuantLinear(blocks, None, default_cache_dir(), int16=mode) for mode in (True, False))
+    for linear in (int16, exact):
+        assert torch.equal(linear(x, 5), linear(x)) and torch.equal(linear(x, 2), linear(x))
+    assert not torch.equal(int16(x), exact(x))
 
 
-def test_a_non_finite_activation_makes_its_int16_row_not_finite() -> None:
+@pytest.mark.parametrize("n_rows", [3, 9])
+def test_a_non_finite_activation_makes_its_int16_row_not_finite(n_rows: int) -> None:
     blocks = gguf_blocks(random_weight(64, 128), Q8_0)
-    linear = QuantLinear(blocks, None, default_cache_dir(), int16_decodes=True)
-    x = rows(3, 128)
+    linear = QuantLinear(blocks, None, default_cache_dir(), int16=True)
+    x = rows(n_rows, 128)
     x[0, 40] = float("inf")
     x[1, 3] = float("nan")
-    out = linear(x, 3)
-    assert not out[0].isfinite().any() and not out[1].isfinite().any() and out[2].isfinite().all()
+    out = linear(x)
+    assert not out[0].isfinite().any() and not out[1].isfinite().any() and out[2:].isfinite().all()
     if linear.vectorized:
-        portable = QuantLinear(blocks, None, default_cache_dir(), int16_decodes=True, portable=True)
-        assert torch.equal(out[2], portable(x, 3)[2])
+        portable = QuantLinear(blocks, None, default_cache_dir(), int16=True, portable=True)
+        assert torch.equal(out[2:], portable(x)[2:])
+
+
+@pytest.fixture(scope="module")
+def avx2_library() -> Any:
+    """The products' library built without AVX-512 (-mno-avx512f, its own build key): the AVX2 tiles a
+    machine without AVX-512 runs, on this one."""
+    import dataclasses
+
+    from kvserve.model.kernel_abi import LINEAR
+    from kvserve.model.native_build import load_kernel
+
+    flags = (*LINEAR.compile_flags, "-mno-avx512f")
+    return load_kernel(dataclasses.replace(LINEAR, compile_flags=flags), default_cache_dir())
+
+
+@pytest.mark.parametrize("int16", [True, False])
+def test_a_build_without_avx512_gives_the_same_bits(avx2_library: Any, int16: bool) -> None:
+    """Every type, rows of the one-row tiles, of one group and of several, in both activation modes."""
+    for name in sorted(ALL):
+        qtype = ALL[name]
+        for n_in in row_lengths(qtype)[:: 5 if row_unit(qtype) == QK else 2]:
+            blocks = random_blocks(qtype, 21, n_in, seed=n_in)
+            bias = torch.randn(21)
+            ours = QuantLinear(blocks, bias, default_cache_dir(), int16=int16)
+            theirs = QuantLinear(blocks, bias, default_cache_dir(), int16=int16)
+            theirs.lib = avx2_library
+            for n_rows in (1, 3, 9, 37):
+                x = rows(n_rows, n_in)
+                assert torch.equal(ours(x), theirs(x)), (name, n_in, n_rows)

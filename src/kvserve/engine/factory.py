@@ -81,7 +81,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         config.attention,
         config.cache_dir,
         config.kv_cache_dtype,
-        config.decode_activations == "int16",
+        config.activations == "int16",
         num_sliding_blocks or None,
     )
     if loaded_here:
@@ -212,7 +212,7 @@ def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) 
     fingerprint = model_fingerprint(
         model,
         config.weight_dtype,
-        config.decode_activations,
+        config.activations,
         config.block_size,
         config.kv_cache_dtype,
         config.cache_dir,

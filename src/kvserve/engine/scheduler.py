@@ -263,9 +263,9 @@ class Scheduler:
             self.kv.sliding_table(request.kv),
         )
         # The decode path is for one generated token after computed context; any other chunk is a prefill
-        # chunk, a prompt's last token after a cache hit included. Decode rows take int16 activations
-        # (EngineConfig.decode_activations), so a prompt token must run as a prefill row whether or not
-        # the rest of its prompt was cached: otherwise a cache hit would change the logits it samples from.
+        # chunk, a prompt's last token after a cache hit included: a prompt token runs as a prefill row
+        # whether or not the rest of its prompt was cached, so a cache hit cannot change how the logits it
+        # samples from are computed.
         if n == 1 and start >= request.num_prompt_tokens and sample:
             step.decodes.append((request, chunk))
         else:

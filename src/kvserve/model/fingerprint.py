@@ -15,12 +15,12 @@ _GGUF_READING = b"gguf-in-place-1"
 def model_fingerprint(
     model: LoadedModel,
     weight_dtype: str,
-    decode_activations: str,
+    activations: str,
     block_size: int,
     kv_dtype: str,
     cache_dir: str | None = None,
 ) -> bytes:
-    """A digest of the weights, the architecture, the weight precision, the decode rows' activations,
+    """A digest of the weights, the architecture, the weight precision, the products' activations,
     the block size and the KV dtype: any change to one of them changes every cache key.
 
     The weights, because two checkpoints with the same config would otherwise share keys and serve each
@@ -30,7 +30,7 @@ def model_fingerprint(
     """
     h = hashlib.blake2b(digest_size=32)
     h.update(repr(model.config).encode())
-    h.update(f"|{weight_dtype}|{decode_activations}|{block_size}|{kv_dtype}|".encode())
+    h.update(f"|{weight_dtype}|{activations}|{block_size}|{kv_dtype}|".encode())
     if isinstance(model.weights, GgufWeights):
         h.update(_GGUF_READING)
         h.update(file_digest(model.weights.file.path, cache_dir))

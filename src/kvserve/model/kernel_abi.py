@@ -17,7 +17,7 @@ import torch
 
 from kvserve.errors import KernelAbiError
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -150,7 +150,7 @@ LINEAR = KernelLibrary(
     ("abi.c", "quants.c", "arch/x86/quants.c", "matmul.c", "decoder.c"),
     ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11"),
     {
-        "quant_linear": Function(_C, [_P, _P, _P, _P, _I, _C, _C, _C, _I]),
+        "quant_linear": Function(_C, [_P, _P, _P, _P, _I, _C, _C, _C, _C]),
         "quant_linear_vectorized": Function(_C, []),
         "dequantize_rows": Function(_C, [_C, _P, _I, _I, _P, _I, _P, _C]),
         "quant_type_supported": Function(_C, [_C]),

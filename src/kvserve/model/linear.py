@@ -80,8 +80,8 @@ class Linear(ABC):
     """y = x @ weight.T + bias, plus the op that follows it in the model.
 
     `decodes`: the first `decodes` rows of x are one-token rows (decodes, or rows whose logits are taken).
-    A Linear may compute those another way than the rest (the native blocks give them int16 activations),
-    but always the same way for such a row, so its output still does not depend on its batch.
+    Every Linear computes them as it computes any other row (the native blocks' int16 activations take
+    every row), so a row's output depends neither on its batch nor on whether it is a decode.
     """
 
     @abstractmethod

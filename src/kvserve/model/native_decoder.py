@@ -102,7 +102,7 @@ class NativeDecoder:
         # The experts' product arrays, which the layer structs point into.
         self._expert_arrays: list[ctypes.Array[QLinearStruct]] = []
         structs = [self._layer(layer) for layer in layers]
-        modes = {p.int16_decodes for layer in layers for p in self._products(layer)}
+        modes = {p.int16 for layer in layers for p in self._products(layer)}
         if len(modes) > 1:
             raise KernelUnavailableError("the native decoder runs every product with one activation mode")
         self._layers = (DecoderLayerStruct * len(structs))(*structs)

@@ -58,9 +58,10 @@ class QuantLinear(Linear):
     `weight` is one matrix or several parts of any types over the same inputs (QuantizedParts: q, k and v
     of different types), run in one native call with their outputs side by side. The product keeps a
     reference to the caller's tensors and reads them where they are (never writing them: they may be the
-    file's mapping). `int16_decodes`: the decode rows (`decodes`, see Linear) run with int16 activations,
-    about twice as fast as widening every quant to float32 (kernels/quants.c says how, docs/benchmarks.md what
-    it costs in accuracy); False computes every row in float32. `portable` forces the kernel's portable
+    file's mapping). `int16`: every row runs with int16 activations, faster than widening every quant to
+    float32 (kernels/quants.c says how, docs/benchmarks.md what it costs in accuracy); False computes every
+    row in float32 (the exact mode). Either way a row's bits depend neither on its batch nor on whether it
+    is a decode (`decodes` is ignored). `portable` forces the kernel's portable
     path (tests compare it with the vector path); `wide` False keeps a batch on the AVX2 tiles where the
     build also has AVX-512 ones (the same bits; for tests and benchmarks).
     """
@@ -70,7 +71,7 @@ class QuantLinear(Linear):
         weight: Blocks,
         bias: torch.Tensor | None,
         cache_dir: str,
-        int16_decodes: bool = False,
+        int16: bool = False,
         portable: bool = False,
         wide: bool = True,
     ) -> None:
@@ -86,7 +87,7 @@ class QuantLinear(Linear):
         self.bias = None if bias is None else bias.detach().float().contiguous()
         if self.bias is not None and self.bias.shape != (weight.out_features,):
             raise ValueError(f"bias of shape {tuple(self.bias.shape)} for {weight.out_features} outputs")
-        self.int16_decodes = int16_decodes
+        self.int16 = int16
         self.portable = portable
         self.wide = wide
         self.struct = self._struct()
@@ -134,7 +135,7 @@ class QuantLinear(Linear):
         """Whether the kernel was built with its AVX2 path."""
         return bool(self.lib.quant_linear_vectorized())
 
-    def _run(self, x: torch.Tensor, op: int, other: torch.Tensor | None, decodes: int) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, op: int, other: torch.Tensor | None) -> torch.Tensor:
         n_in, n_out = self.weight.in_features, self.weight.out_features
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != n_in:
             raise ValueError(f"expected float32 CPU input [..., {n_in}], got {x.dtype} {tuple(x.shape)}")
@@ -151,7 +152,7 @@ class QuantLinear(Linear):
             op,
             torch.get_num_threads(),
             1 if self.portable else 0 if self.wide else 2,
-            min(decodes, rows.shape[0]) if self.int16_decodes else 0,
+            1 if self.int16 else 0,
         )
         if status == -2:
             raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
@@ -161,23 +162,23 @@ class QuantLinear(Linear):
         return out.view(*x.shape[:-1], n_out)
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self._run(x, OP_NONE, None, decodes)
+        return self._run(x, OP_NONE, None)
 
     def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self._run(x, OP_SILU, None, decodes)
+        return self._run(x, OP_SILU, None)
 
     def gelu_tanh(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         """The product, then the native decoder's own gelu (`gelu_tanh_rows`), so that both paths'
         activation is one function."""
-        out = self._run(x, OP_NONE, None, decodes)
+        out = self._run(x, OP_NONE, None)
         self.lib.gelu_tanh_rows(out.data_ptr(), out.data_ptr(), out.numel())
         return out
 
     def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self._run(x, OP_ADD, other, decodes)
+        return self._run(x, OP_ADD, other)
 
     def mul(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self._run(x, OP_MUL, other, decodes)
+        return self._run(x, OP_MUL, other)
 
 
 def make_block_linear(
@@ -186,7 +187,7 @@ def make_block_linear(
     blocks: Blocks | None,
     weight_dtype: str,
     cache_dir: str,
-    int16_decodes: bool = False,
+    int16: bool = False,
 ) -> Linear:
     """The Linear of a block mode: "gguf" (the file's own `blocks`) or "q8_0" (`weight` quantized now).
 
@@ -204,7 +205,7 @@ def make_block_linear(
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return make_linear(blocks.dequantize().to(weight.device, weight.dtype), bias, "float32")
     try:
-        return QuantLinear(blocks, bias, cache_dir, int16_decodes)
+        return QuantLinear(blocks, bias, cache_dir, int16)
     except KernelUnavailableError as e:
         log.warning("quantized weights fall back to float16: %s", e)
         return make_linear(weight, bias, "float16")

@@ -98,12 +98,12 @@ class ModelRunner:
         attention: str = "auto",
         cache_dir: str | None = None,
         kv_dtype: str | None = None,
-        int16_decodes: bool = False,
+        int16_activations: bool = False,
         num_sliding_blocks: int | None = None,
     ):
         """`dtype` is the compute dtype, `kv_dtype` the KV cache's (default: `dtype`), `weight_dtype` the
-        storage of the linear weights; `int16_decodes` gives the native products' decode and logits rows
-        int16 activations (EngineConfig.decode_activations). `num_sliding_blocks` sizes the sliding
+        storage of the linear weights; `int16_activations` gives the native products' rows int16
+        activations (EngineConfig.activations). `num_sliding_blocks` sizes the sliding
         layers' group (default `num_blocks`, sharing the global group's ids).
 
         `attention` picks the attention backend for decode rows and prefill rows (`attention_backend`);
@@ -135,7 +135,7 @@ class ModelRunner:
             self.attention,
             model.quantized,
             cache_dir,
-            int16_decodes,
+            int16_activations,
             model.norms_hold_offset,
             # No sequence outgrows the global pool: the rope tables hold no position past it.
             min(max_model_len, num_blocks * block_size),

@@ -93,13 +93,13 @@ class Transformer:
         attention: AttentionBackend,
         quantized: Mapping[str, QuantizedWeight] | None = None,
         cache_dir: str = "",
-        int16_decodes: bool = False,
+        int16_activations: bool = False,
         norms_hold_offset: bool = False,
         rope_rows: int | None = None,
     ) -> None:
         """`attention`: the backend every layer attends through; `quantized`: the file's blocks by weight
-        name, for weight_dtype "gguf"; `cache_dir` holds the native kernels; `int16_decodes`: the native
-        products take decode and logits rows with int16 activations (EngineConfig.decode_activations);
+        name, for weight_dtype "gguf"; `cache_dir` holds the native kernels; `int16_activations`: the native
+        products take every row with int16 activations (EngineConfig.activations);
         `norms_hold_offset`: the norm weights hold the family's norm_offset already (a GGUF's do);
         `rope_rows`: the positions the rope tables hold (default `max_positions`)."""
         self.config = config
@@ -107,7 +107,9 @@ class Transformer:
         family = family_named(config.architecture)
         blocks: Mapping[str, QuantizedWeight] = quantized if quantized is not None else {}
         norm_offset = 0.0 if norms_hold_offset else family.norm_offset
-        w = ModelWeights(weights, blocks, device, dtype, weight_dtype, cache_dir, int16_decodes, norm_offset)
+        w = ModelWeights(
+            weights, blocks, device, dtype, weight_dtype, cache_dir, int16_activations, norm_offset
+        )
         c = config
         hidden, head_dim = c.hidden_size, c.head_dim
         self.q_size = c.num_heads * head_dim

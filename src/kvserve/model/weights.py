@@ -48,7 +48,7 @@ class ModelWeights:
         dtype: torch.dtype,
         weight_dtype: str,
         cache_dir: str,
-        int16_decodes: bool,
+        int16_activations: bool,
         norm_offset: float = 0.0,
     ) -> None:
         self.tensors = tensors
@@ -57,7 +57,7 @@ class ModelWeights:
         self.dtype = dtype
         self.weight_dtype = weight_dtype
         self.cache_dir = cache_dir
-        self.int16_decodes = int16_decodes
+        self.int16_activations = int16_activations
         self.norm_offset = norm_offset
 
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -99,11 +99,13 @@ class ModelWeights:
         if native and joined is not None:
             # The float weights are read only for a fallback: not at all where the kernel runs.
             try:
-                return QuantLinear(joined, bias, self.cache_dir, self.int16_decodes)
+                return QuantLinear(joined, bias, self.cache_dir, self.int16_activations)
             except KernelUnavailableError:
                 pass
         floats = [self._float(p, in_features) for p in parts]
         weight = torch.cat(floats) if len(floats) > 1 else floats[0]
         if self.weight_dtype not in ("gguf", "q8_0"):
             return make_linear(weight, bias, self.weight_dtype)
-        return make_block_linear(weight, bias, joined, self.weight_dtype, self.cache_dir, self.int16_decodes)
+        return make_block_linear(
+            weight, bias, joined, self.weight_dtype, self.cache_dir, self.int16_activations
+        )

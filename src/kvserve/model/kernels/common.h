@@ -38,6 +38,14 @@
 #define HAVE_AVX512_VBMI 0
 #endif
 
+/* AVX-512 VNNI: the int16 tiles' products of pairs added into int32 in one instruction (vpdpwssd); without
+ * it, a multiply-add of pairs then an addition, the same integers. */
+#if HAVE_AVX512 && defined(__AVX512VNNI__)
+#define HAVE_AVX512_VNNI 1
+#else
+#define HAVE_AVX512_VNNI 0
+#endif
+
 #if defined(__F16C__)
 #define HAVE_F16C 1
 #else

@@ -42,7 +42,7 @@ void rms_norm_rows(const float *x, const float *weight, float *out, int64_t rows
 static int run_linear(const struct decoder *m, const struct qlinear *l, const float *x, const float *other,
                       float *out, int64_t rows, int op, int threads)
 {
-    return quant_linear(l, x, other, out, rows, op, threads, 0, m->q16 ? rows : 0);
+    return quant_linear(l, x, other, out, rows, op, threads, 0, (int)m->q16);
 }
 
 /* Rotates pairs (i, i + rot / 2) of the first `rot` dimensions of each head; the rest pass through. */

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define KVSERVE_ABI_VERSION 5
+#define KVSERVE_ABI_VERSION 6
 
 /* The weight types the products read: ggml's type ids (quants.h and decode.h hold the layouts). */
 enum {
@@ -90,11 +90,11 @@ struct qlinear {
 };
 
 /* x: [rows, n_in] float32, contiguous; other: [rows, l->n_out] for OP_ADD and OP_MUL, else NULL; out:
- * [rows, l->n_out]. The first `q16_rows` rows (decodes) run with int16 activations (float types: float
- * rows always). `portable` 1 forces the portable path, 2 the AVX2 tiles without the AVX-512 ones (for
+ * [rows, l->n_out]. `int16` 1: every row runs with int16 activations (the float types' parts: float32
+ * always); 0: float32 activations. `portable` 1 forces the portable path, 2 the AVX2 tiles without the AVX-512 ones (for
  * tests). Returns 0, -1 for an unknown type or shape, -2 when out of memory. */
 int quant_linear(const struct qlinear *l, const float *x, const float *other, float *out, int64_t rows, int op,
-                 int threads, int portable, int64_t q16_rows);
+                 int threads, int portable, int int16);
 /* 1 when this build has the AVX2 path. */
 int quant_linear_vectorized(void);
 /* Rows index[0, n) of a [n_rows, n_in] matrix of `type` (layout as struct qpart's) dequantized into out
@@ -141,7 +141,7 @@ struct decoder {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, rotary_dim, block_size;
     /* The caches' KV_TYPE_*. */
     int64_t kv_type;
-    /* 1: the products take the rows with int16 activations (they are all decodes). */
+    /* 1: the products take the rows with int16 activations (quant_linear's `int16`). */
     int64_t q16;
     double eps, scale;
     const struct decoder_layer *layers;

@@ -1,9 +1,10 @@
 /* The products' entry point: one call per product of one or more parts (q, k and v of different types),
- * the activations' int16 quants and sums per 16 computed once for every part, the outputs split between
- * OpenMP threads, each output summed by one thread by the portable reference (quants.c) or the x86 tiles
- * (arch/x86/quants.c). Also the rows' dequantization (embedding lookups). */
+ * the activations' int16 quants (row by row, and by group of rows) and sums per 16 computed once for every
+ * part, the outputs split between OpenMP threads, each output summed by one thread by the portable
+ * reference (quants.c) or the x86 tiles (arch/x86/quants.c). Also the rows' dequantization (embedding lookups). */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "quants.h"
 
@@ -11,11 +12,24 @@ int quant_linear_vectorized(void) { return HAVE_AVX2; }
 
 int quant_type_supported(int type) { return type_known(type); }
 
+/* Row t's quants again by group of Q16_GROUP rows (struct product's xt); the padding rows' stay 0. */
+static void group_rows(const int16_t *xq, int64_t rows, int64_t n_in, int32_t *xt)
+{
+    const int64_t ns = n_in / QK;
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t g = t / Q16_GROUP, l = t % Q16_GROUP;
+        for (int64_t s = 0; s < ns; s++)
+            for (int k = 0; k < QK / 2; k++)
+                memcpy(&xt[((g * ns + s) * (QK / 2) + k) * Q16_GROUP + l], xq + t * n_in + s * QK + 2 * k,
+                       sizeof(int32_t));
+    }
+}
+
 int quant_linear(const struct qlinear *l, const float *x, const float *other, float *out, int64_t rows, int op,
-                 int threads, int portable, int64_t q16_rows)
+                 int threads, int portable, int int16)
 {
     const int64_t n_in = l->n_in, ns = n_in / QK;
-    if (l->n_parts < 1 || l->n_parts > QLINEAR_PARTS || q16_rows < 0 || q16_rows > rows || rows < 0)
+    if (l->n_parts < 1 || l->n_parts > QLINEAR_PARTS || rows < 0)
         return -1;
     int offsets16 = 0, offsets32 = 0, integer = 0;
     int64_t total = 0;
@@ -30,18 +44,22 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
     }
     if (total != l->n_out)
         return -1;
-    if (!integer)
-        q16_rows = 0;
-    /* One allocation: the rows' sums per 32 and per 16 (where a part has offsets), then the int16 rows'
-     * scales and quants. */
-    const size_t sx32_n = offsets32 ? (size_t)(rows * ns) : 0, sx16_n = offsets16 ? (size_t)(rows * 2 * ns) : 0;
-    const size_t dx_n = (size_t)(q16_rows * ns);
-    float *scratch =
-        malloc(sizeof(float) * (sx32_n + sx16_n + dx_n) + sizeof(int16_t) * (size_t)(q16_rows * n_in) + 1);
+    const int q16 = int16 && integer && rows > 0;
+    const int grouped = q16 && rows >= Q16_GROUP_MIN;
+    /* The rows as the sums and scales lay them out: padded to a whole group in int16 mode. */
+    const int64_t ss = q16 ? (rows + Q16_GROUP - 1) / Q16_GROUP * Q16_GROUP : rows;
+    /* One zeroed allocation: the rows' sums per 32 and per 16 (where a part has offsets), the int16 rows'
+     * scales, then their quants (row by row, and by group where `grouped`). */
+    const size_t sx32_n = offsets32 ? (size_t)(ss * ns) : 0, sx16_n = offsets16 ? (size_t)(ss * 2 * ns) : 0;
+    const size_t dx_n = q16 ? (size_t)(ss * ns) : 0, xq_n = q16 ? (size_t)(rows * n_in) : 0;
+    const size_t xt_n = grouped ? (size_t)(ss * n_in / 2) : 0;
+    float *scratch = calloc(1, sizeof(float) * (sx32_n + sx16_n + dx_n) + sizeof(int32_t) * xt_n +
+                                   sizeof(int16_t) * xq_n + 1);
     if (!scratch)
         return -2;
     float *sx32 = scratch, *sx16 = sx32 + sx32_n, *dx = sx16 + sx16_n;
-    int16_t *xq = (int16_t *)(dx + dx_n);
+    int32_t *xt = (int32_t *)(dx + dx_n);
+    int16_t *xq = (int16_t *)(xt + xt_n);
     for (int size = QK; size >= QK / 2; size /= 2) {
         float *sx = size == QK ? (sx32_n ? sx32 : NULL) : (sx16_n ? sx16 : NULL);
         for (int64_t t = 0; sx && t < rows; t++)
@@ -50,11 +68,13 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
                 float s = 0;
                 for (int j = 0; j < size; j++)
                     s += xb[j];
-                sx[u * rows + t] = s;
+                sx[u * ss + t] = s;
             }
     }
-    for (int64_t t = 0; t < q16_rows; t++)
-        quantize_q16(x + t * n_in, ns, xq + t * n_in, dx + t * ns);
+    for (int64_t t = 0; q16 && t < rows; t++)
+        quantize_q16(x + t * n_in, ns, xq + t * n_in, dx + t, ss);
+    if (grouped)
+        group_rows(xq, rows, n_in, xt);
     struct product p[QLINEAR_PARTS];
     /* Runs of CHUNK_TILES column tiles of one part: runs_before[i] is the runs of the parts before i. */
     int64_t runs_before[QLINEAR_PARTS + 1] = {0}, column = 0;
@@ -63,10 +83,10 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
         const int type = (int)q->type;
         p[i] = (struct product){.type = type, .w = q->w, .row_bytes = (size_t)row_bytes(type, n_in), .ns = ns,
                                 .n_in = n_in, .n_out = q->n_out, .rows = rows, .x = x,
-                                .sx = split_scales(type) ? sx16 : sx32,
+                                .sx = split_scales(type) ? sx16 : sx32, .ss = ss,
                                 .bias = q->bias, .other = other ? other + column : NULL, .out = out + column,
-                                .out_stride = l->n_out, .op = op,
-                                .q16_rows = is_float_type(type) ? 0 : q16_rows, .xq = xq, .dx = dx};
+                                .out_stride = l->n_out, .op = op, .q16 = q16 && !is_float_type(type),
+                                .xq = xq, .xt = grouped ? xt : NULL, .dx = dx};
         const int64_t tiles = (q->n_out + COL_TILE - 1) / COL_TILE;
         runs_before[i + 1] = runs_before[i] + (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
         column += q->n_out;
@@ -88,9 +108,9 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
         const int64_t o1 = o1e < pp->n_out ? o1e : pp->n_out;
 #if HAVE_AVX2
         if (portable != 1) {
-            if (pp->q16_rows > 0)
-                q16_range(pp, o0, o1);
-            if (rows > pp->q16_rows)
+            if (pp->q16)
+                q16_range(pp, rows, o0, o1, portable != 2);
+            else
                 vector_range(pp, rows, o0, o1, portable != 2);
         } else
 #endif

@@ -52,22 +52,20 @@ static float scalar_dot(int type, const uint8_t *w, int64_t ns, const float *x, 
     return lane_sum(acc) + offset;
 }
 
-/* ---- Decode rows: int16 activations ------------------------------------------------------------------
+/* ---- int16 activations ------------------------------------------------------------------------------
  *
- * A decode row uses each weight once, so the float path's cost is widening every quant to float32 (about
- * two dozen operations per block of 32). A decode row's activations are instead quantized once per block
- * to int16 (dx = max |x| / 32767, q = x * (32767 / max |x|) rounded to nearest even), and each half's
- * sum of weight quants times activation quants is exact in int32: per sub-block, lane l holds the products
- * of elements 2l, 2l + 1, 16 + 2l and 17 + 2l, and takes (float) their sum times d * dx by a fused
- * multiply-add (with a scale per 16: (float) the low half's two times d0 * dx, then the high half's two
- * times d1 * dx); the offset term and the final lane tree are the float path's. The float types have no integer quants: their rows always
- * take the float path. Integer sums have no order, so the bits are again the same for every
- * batch, tile, thread count and instruction set. int16 keeps 15 bits of each block's largest value
- * (llama.cpp's 8-bit activations keep 7; docs/benchmarks.md, Precision, measures what each costs). */
+ * Widening every quant to float32 costs about two dozen operations per block of 32, and a float fused
+ * multiply-add takes 8 (AVX2) or 16 (AVX-512) products at a time. The activations are instead quantized
+ * once per block to int16, and a multiply-add of int16 pairs (vpmaddwd, vpdpwssd) takes twice as many
+ * products, exactly. Each sub-block's sum over its 32 (or each half) is exact in int32 (at most 32 * 128 *
+ * 32767 < 2^31), so it has no order: the tiles sum it as they like (pairs per lane, lanes across outputs or
+ * rows) and only the float operations per sub-block are fixed (quants.h). int16 keeps 15 bits of each
+ * block's largest value (llama.cpp's 8-bit activations keep 7; docs/benchmarks.md, Precision, measures what
+ * each costs). The float types have no integer quants: their rows always take the float path. */
 
-/* Row x's nb blocks quantized: q [nb * 32] and dx [nb]. A block with a value that is not finite gets dx
- * NaN (and quants 0), so the row's outputs are NaN as the float path's would be. */
-void quantize_q16(const float *x, int64_t nb, int16_t *q, float *dx)
+/* Row x's nb blocks quantized: q [nb * 32] and block b's scale at dx[b * ds]. A block with a value that is
+ * not finite gets dx NaN (and quants 0), so the row's outputs are NaN as the float path's would be. */
+void quantize_q16(const float *x, int64_t nb, int16_t *q, float *dx, int64_t ds)
 {
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
@@ -80,12 +78,12 @@ void quantize_q16(const float *x, int64_t nb, int16_t *q, float *dx)
         }
         int16_t *qb = q + b * QK;
         if (!finite) {
-            dx[b] = NAN;
+            dx[b * ds] = NAN;
             memset(qb, 0, sizeof(int16_t) * QK);
             continue;
         }
         const float id = amax > 0 ? Q16_MAX / amax : 0.0f;
-        dx[b] = amax / Q16_MAX;
+        dx[b * ds] = amax / Q16_MAX;
         for (int j = 0; j < QK; j++) {
             const float v = nearbyintf(xb[j] * id);
             qb[j] = (int16_t)(v > Q16_MAX ? Q16_MAX : v < -Q16_MAX ? -Q16_MAX : v);
@@ -94,22 +92,23 @@ void quantize_q16(const float *x, int64_t nb, int16_t *q, float *dx)
 }
 
 static float scalar_dot_q16(int type, const uint8_t *w, int64_t ns, const int16_t *xq, const float *dx,
-                            const float *sx, int64_t ss)
+                            int64_t ds, const float *sx, int64_t ss)
 {
-    float acc[8] = {0}, offset = 0;
+    float acc = 0, offset = 0;
     int8_t q[QK];
     for (int64_t s = 0; s < ns; s++) {
         const int16_t *xb = xq + s * QK;
         sub_quants(type, w, s, q);
         float d[2], m[2];
         sub_scales(type, w, s, d, m);
-        for (int l = 0; l < 8; l++) {
-            const int32_t lo = q[2 * l] * xb[2 * l] + q[2 * l + 1] * xb[2 * l + 1];
-            const int32_t hi = q[16 + 2 * l] * xb[16 + 2 * l] + q[17 + 2 * l] * xb[17 + 2 * l];
-            if (split_scales(type))
-                acc[l] = fmaf((float)hi, d[1] * dx[s], fmaf((float)lo, d[0] * dx[s], acc[l]));
-            else
-                acc[l] = fmaf((float)(lo + hi), d[0] * dx[s], acc[l]);
+        int32_t half[2] = {0, 0};
+        for (int j = 0; j < QK; j++)
+            half[j / 16] += q[j] * xb[j];
+        if (split_scales(type)) {
+            acc = fmaf((float)half[0], d[0] * dx[s * ds], acc);
+            acc = fmaf((float)half[1], d[1] * dx[s * ds], acc);
+        } else {
+            acc = fmaf((float)(half[0] + half[1]), d[0] * dx[s * ds], acc);
         }
         if (has_offset(type) && split_scales(type)) {
             offset = fmaf(m[0], sx[2 * s * ss], offset);
@@ -118,7 +117,7 @@ static float scalar_dot_q16(int type, const uint8_t *w, int64_t ns, const int16_
             offset = fmaf(m[0], sx[s * ss], offset);
         }
     }
-    return lane_sum(acc) + offset;
+    return acc + offset;
 }
 
 void scalar_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1)
@@ -128,9 +127,8 @@ void scalar_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1)
             const uint8_t *w = row_of(p, o);
             const float *sx = p->sx + t;
             store(p, t, o,
-                  t < p->q16_rows ? scalar_dot_q16(p->type, w, p->ns, p->xq + t * p->n_in, p->dx + t * p->ns, sx,
-                                                   rows)
-                                  : scalar_dot(p->type, w, p->ns, p->x + t * p->n_in, sx, rows));
+                  p->q16 ? scalar_dot_q16(p->type, w, p->ns, p->xq + t * p->n_in, p->dx + t, p->ss, sx, p->ss)
+                         : scalar_dot(p->type, w, p->ns, p->x + t * p->n_in, sx, p->ss));
         }
 }
 

@@ -10,17 +10,27 @@
  * two halves); the others one per 32 (equal halves). The float types (F32, F16, BF16) decode to their
  * float values with d = 1 and m = 0.
  *
- * The weights are never requantized. For float rows the quants are widened to float32 in registers and
- * every product and sum is in float32 (int16 rows: see quants.c). Per sub-block, eight lanes l each sum
- * q * x over elements 8k + l (k = 0..3: one multiply, then three fused multiply-adds) and a lane's running
- * total takes d times that sum by a fused multiply-add; with a scale per 16 each half is summed apart
- * (k = 0, 1 and k = 2, 3) and the total takes d0 times the low sum, then d1 times the high one. The offset
- * term, m times the sum of x over the 32 (or over each half, low first, for Q2_K's offsets per 16), is
- * summed apart in sub-block order; the activations' sums per 32 and per 16 are computed once per product.
- * At the end the lanes are added in one fixed tree, then the offset term. That order is the same for every
- * output of every row, whatever the batch, the tile it falls in, the thread count or the instruction set:
- * a row's output is bitwise independent of the rest of its batch, and the AVX2, AVX-512 and portable paths
- * give the same bits (tests/model/test_quantized_blocks.py checks them). The library is compiled without
+ * The weights are never requantized. Two orders, one per activation mode (quant_linear's `int16`):
+ *
+ * int16 (the default; every row of an integer type): each row's activations are quantized per block of
+ * 32 (quants.c's `quantize_q16`: dx = max |x| / 32767, q = x * (32767 / max |x|) rounded to nearest even).
+ * Per sub-block, the sum of weight quants times activation quants over the 32 (over each half for the
+ * split_scales types) is exact in int32, so its order is free; an output's total takes (float) that sum
+ * times (d * dx) by a fused multiply-add, sub-block after sub-block (the low half's, then the high
+ * half's). One float chain per output and row: no lanes to add at the end.
+ *
+ * float32 (the exact mode, and every row of a float type): the quants are widened to float32 in
+ * registers. Per sub-block, eight lanes l each sum q * x over elements 8k + l (k = 0..3: one multiply,
+ * then three fused multiply-adds) and a lane's running total takes d times that sum by a fused
+ * multiply-add; with a scale per 16 each half is summed apart (k = 0, 1 and k = 2, 3) and the total takes
+ * d0 times the low sum, then d1 times the high one. At the end the lanes are added in one fixed tree.
+ *
+ * In both, the offset term, m times the sum of x over the 32 (or over each half, low first, for Q2_K's
+ * offsets per 16), is summed apart in sub-block order and added last; the activations' sums per 32 and
+ * per 16 are computed once per product. That order is the same for every output of every row, whatever
+ * the batch, the tile it falls in, the thread count or the instruction set: a row's output is bitwise
+ * independent of the rest of its batch, and the AVX2, AVX-512 and portable paths give the same bits
+ * (tests/model/test_quant_blocks_native_kernel.py checks them). The library is compiled without
  * -ffast-math and with -ffp-contract=off so that the compiler keeps exactly these operations.
  */
 #ifndef KVSERVE_QUANTS_H
@@ -35,8 +45,8 @@
 
 #define QK 32
 #define QK_K 256
-/* Rows per tile of one output: the int16 tiles and the float tiles' second size take ROW_TILE, the
- * float tiles FLOAT_ROW_TILE first (a vector of eight rows' offset terms). */
+/* Rows per tile of one output: the float tiles take FLOAT_ROW_TILE (a vector of eight rows' offset terms),
+ * then ROW_TILE. */
 #define ROW_TILE 4
 #define FLOAT_ROW_TILE 8
 /* Column tiles a thread takes at a time: 64 outputs, enough to amortize the hand-off. */
@@ -47,6 +57,11 @@
 #define L1_ROWS_BYTES 24576
 /* int16 activations keep 15 bits of each block's largest value. */
 #define Q16_MAX 32767.0f
+/* int16 rows are taken Q16_GROUP at a time (one row per lane) from Q16_GROUP_MIN rows on: their quants
+ * are then also laid out by group (`struct product`'s xt) and the rows padded to a whole group. Fewer rows
+ * take the one-row tiles. */
+#define Q16_GROUP 16
+#define Q16_GROUP_MIN 4
 
 /* A type's block: its bytes and the weights it holds (1 for the float types). */
 struct type_info {
@@ -103,17 +118,23 @@ struct product {
     size_t row_bytes;
     /* ns: sub-blocks of 32 per row. */
     int64_t ns, n_in, n_out, rows;
-    /* sx: the rows' sums of x per 32 (per 16 for split_scales types), row t's sum u at sx[u * rows + t]
-     * (a row tile's side by side). */
+    /* sx: the rows' sums of x per 32 (per 16 for split_scales types), row t's sum u at sx[u * ss + t]
+     * (a row tile's side by side; ss is the rows, padded to a whole group of Q16_GROUP in int16 mode,
+     * the padding's sums 0). */
     const float *x, *sx, *bias;
+    int64_t ss;
     /* other and out: row t's output o at [t * out_stride + o] (the part's columns of the whole product). */
     const float *other;
     float *out;
     int64_t out_stride;
     int op;
-    /* Rows [0, q16_rows) run with int16 activations: xq [q16_rows, n_in] and dx [q16_rows, ns]. */
-    int64_t q16_rows;
+    /* q16: every row runs with int16 activations: xq [rows, n_in], and row t's scale of sub-block s at
+     * dx[s * ss + t] (0 for the padding). From Q16_GROUP_MIN rows on, xt holds the quants again by group
+     * of Q16_GROUP rows: pair k (elements 2k, 2k + 1, as one int32) of sub-block s of row 16g + l at
+     * xt[((g * ns + s) * 16 + k) * 16 + l]; NULL below. */
+    int q16;
     const int16_t *xq;
+    const int32_t *xt;
     const float *dx;
 };
 
@@ -127,16 +148,17 @@ static inline void store(const struct product *p, int64_t t, int64_t o, float v)
 
 static inline const uint8_t *row_of(const struct product *p, int64_t o) { return p->w + (size_t)o * p->row_bytes; }
 
-/* quants.c: row x's ns sub-blocks quantized to int16, q [ns * 32] and dx [ns]. */
-INTERNAL void quantize_q16(const float *x, int64_t ns, int16_t *q, float *dx);
+/* quants.c: row x's ns sub-blocks quantized to int16, q [ns * 32] and sub-block s's scale at dx[s * ds]. */
+INTERNAL void quantize_q16(const float *x, int64_t ns, int16_t *q, float *dx, int64_t ds);
 /* quants.c: outputs [o0, o1) of every row, by the portable path. */
 INTERNAL void scalar_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1);
 /* quants.c: row `row` of the type dequantized into out [n_in]. */
 INTERNAL void dequantize_row(int type, const uint8_t *row, int64_t n_in, float *out);
 #if HAVE_AVX2
-/* arch/x86/quants.c: outputs [o0, o1) of the int16 rows, then of the float rows [q16_rows, rows) (`wide`:
- * whether to take the AVX-512 tiles where the build has them; the AVX2 tiles give the same bits). */
-INTERNAL void q16_range(const struct product *p, int64_t o0, int64_t o1);
+/* arch/x86/quants.c: outputs [o0, o1) of every row, int16 rows (q16_range) or float rows (vector_range)
+ * (`wide`: whether to take the AVX-512 tiles where the build has them; the AVX2 tiles give the same
+ * bits). */
+INTERNAL void q16_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide);
 INTERNAL void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide);
 #endif
 

@@ -176,62 +176,296 @@ static ALWAYS_INLINE void row_tile(int type, int cols, const uint8_t *w, size_t 
         res[c] = vector_total(acc[c], offset[c]);
 }
 
-/* ROWS int16 rows x COLS outputs, as `scalar_dot_q16` computes each; res[r * COLS + c]. */
-static ALWAYS_INLINE void q16_tile(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
-                                   const int16_t *xq, int64_t x_stride, const float *dx, const float *sx,
-                                   int64_t ss, float *res)
+/* ---- int16 rows (quants.c says how; quants.h the order). Each sub-block's integer sums are exact, so the
+ * tiles add them in whatever order suits them; the float operations per sub-block are the portable ones. */
+
+/* The sums of eight vectors' lanes, vector c's in lane c (exact integers). */
+static ALWAYS_INLINE __m256i sum_lanes8(const __m256i v[8])
+{
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i q = _mm256_hadd_epi32(h01, h23), r = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q, r, 0x20), _mm256_permute2x128_si256(q, r, 0x31));
+}
+
+/* Outputs of a one-row int16 tile, and of the group tiles (AVX2, AVX-512): as many as keep their sums and
+ * totals in registers. */
+#define Q16_ROW_COLS 8
+#define Q16_COLS 4
+#define Q16_WIDE_COLS 8
+/* Activation bytes of a chunk of rows: it is read again for every Q16_COLS outputs, so it should stay in the
+ * L2 cache; its outputs' sub-blocks are widened once per chunk. */
+#define Q16_CHUNK_BYTES (1 << 20)
+
+#if HAVE_AVX512_VBMI
+/* Sub-block j's quants as 32 int16 in one register, plus `q16_bias(type)`: the byte-permute decoding's
+ * biased bytes widened (Q8_0's bytes are its quants), one operation more than the bytes. */
+static ALWAYS_INLINE int q16_bias(int type) { return type == TYPE_Q8_0 ? 0 : quant_bias(type); }
+
+static ALWAYS_INLINE __m512i q16_quants(int type, const uint8_t *row, int64_t j)
+{
+    if (type == TYPE_Q8_0)
+        return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + 34 * j + 2)));
+    return _mm512_cvtepu8_epi16(x86_biased(type, row, j));
+}
+#endif
+
+/* One int16 row x `cols` outputs (a decode; Q16_ROW_COLS, or 1 for the last outputs), decoded from the
+ * file: per sub-block each output's quants times the row's by pairs (vpmaddwd), the eight outputs' lanes
+ * summed into one lane each, and their float chains side by side in one vector. res[c]. With AVX-512
+ * VBMI the quants are the byte-permute decoding's, biased (quant_bias): the bias times the row's sum over
+ * the sub-block (or half) is taken off the integer sums, exactly (at most 32 * 255 * 32767 < 2^31). */
+static ALWAYS_INLINE void q16_row_tile(int type, int cols, const uint8_t *w, size_t rs, int64_t ns,
+                                       const int16_t *xq, const float *dx, const float *sx, int64_t ss,
+                                       float *res)
 {
     const uint8_t *next = w + cols * rs;
     const size_t step = (cols * rs + (size_t)ns - 1) / (size_t)ns;
-    __m256 acc[ROW_TILE * COL_TILE];
-    float offset[ROW_TILE * COL_TILE];
-    for (int i = 0; i < rows * cols; i++) {
-        acc[i] = _mm256_setzero_ps();
-        offset[i] = 0;
-    }
+    const int split = split_scales(type);
+    __m256 acc = _mm256_setzero_ps();
+    float offset[Q16_ROW_COLS] = {0};
     /* The super-block types a super-block at a time, its eight sub-blocks unrolled (their place in it a
-     * constant: decode.h's bit positions and scales fold; faster, docs/benchmarks.md). */
+     * constant: decode.h's bit positions and scales fold). */
     const int spb = TYPE_INFO[type].elems == QK_K ? 8 : 1;
     const size_t ub = sub_offset(type, spb);
-    for (int64_t u = 0; u < ns / spb; u++)
+    /* The scales of the types super_scales reads, a super-block's for every output ahead of its sub-blocks
+     * (the same values as sub_scales, in fewer operations). */
+    const int together = type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+    float sd[Q16_ROW_COLS][16], sm[Q16_ROW_COLS][16];
+    for (int64_t u = 0; u < ns / spb; u++) {
+        for (int c = 0; together && c < cols; c++)
+            super_scales(type, w + c * rs + u * ub, sd[c], sm[c]);
 #pragma GCC unroll 8
         for (int j = 0; j < spb; j++) {
             const int64_t s = u * spb + j;
             prefetch_tile(next, s, step);
-            for (int c = 0; c < cols; c++) {
+#if HAVE_AVX512_VBMI
+            const __m512i x16 = _mm512_loadu_si512((const void *)(xq + s * QK));
+            /* The row's sums over each half, for the bias. */
+            int32_t x_sum[2] = {0, 0};
+            if (q16_bias(type)) {
+                const __m512i pairs = _mm512_madd_epi16(x16, _mm512_set1_epi16(1));
+                x_sum[0] = _mm512_mask_reduce_add_epi32(0x00ff, pairs);
+                x_sum[1] = _mm512_mask_reduce_add_epi32(0xff00, pairs);
+            }
+#else
+            const __m256i x_lo = _mm256_loadu_si256((const __m256i *)(xq + s * QK));
+            const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(xq + s * QK + 16));
+#endif
+            __m256i lo[Q16_ROW_COLS], hi[Q16_ROW_COLS];
+            float d0[Q16_ROW_COLS] = {0}, d1[Q16_ROW_COLS] = {0};
+            for (int c = 0; c < Q16_ROW_COLS; c++) {
+                lo[c] = hi[c] = _mm256_setzero_si256();
+                if (c >= cols)
+                    continue;
                 const uint8_t *row = w + c * rs + u * ub;
+#if HAVE_AVX512_VBMI
+                const __m512i products = _mm512_madd_epi16(q16_quants(type, row, j), x16);
+                lo[c] = _mm512_castsi512_si256(products);
+                hi[c] = _mm512_extracti64x4_epi64(products, 1);
+#else
                 __m128i q_lo, q_hi;
                 x86_quants(type, row, j, &q_lo, &q_hi);
-                const __m256i lo = _mm256_cvtepi8_epi16(q_lo), hi = _mm256_cvtepi8_epi16(q_hi);
+                lo[c] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q_lo), x_lo);
+                hi[c] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q_hi), x_hi);
+#endif
+                if (!split)
+                    lo[c] = _mm256_add_epi32(lo[c], hi[c]);
                 float d[2], m[2];
-                sub_scales(type, row, j, d, m);
-                for (int r = 0; r < rows; r++) {
-                    const int16_t *xb = xq + r * x_stride + s * QK;
-                    const float x_scale = dx[r * ns + s];
-                    const __m256i plo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb));
-                    const __m256i phi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 16)));
-                    __m256 *a = &acc[r * cols + c];
-                    if (split_scales(type)) {
-                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(d[0] * x_scale), *a);
-                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(d[1] * x_scale), *a);
-                    } else {
-                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)),
-                                             _mm256_set1_ps(d[0] * x_scale), *a);
-                    }
-                    if (has_offset(type)) {
-                        float *o = &offset[r * cols + c];
-                        if (split_scales(type))
-                            *o = fmaf(m[1], sx[(2 * s + 1) * ss + r], fmaf(m[0], sx[2 * s * ss + r], *o));
-                        else
-                            *o = fmaf(m[0], sx[s * ss + r], *o);
-                    }
+                if (together) {
+                    const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
+                    d[0] = sd[c][k];
+                    d[1] = sd[c][k1];
+                    m[0] = sm[c][k];
+                    m[1] = sm[c][k1];
+                } else {
+                    sub_scales(type, row, j, d, m);
                 }
+                d0[c] = d[0];
+                d1[c] = d[1];
+                if (has_offset(type) && split)
+                    offset[c] = fmaf(m[1], sx[(2 * s + 1) * ss], fmaf(m[0], sx[2 * s * ss], offset[c]));
+                else if (has_offset(type))
+                    offset[c] = fmaf(m[0], sx[s * ss], offset[c]);
             }
+            __m256i sum_lo = sum_lanes8(lo), sum_hi = split ? sum_lanes8(hi) : _mm256_setzero_si256();
+#if HAVE_AVX512_VBMI
+            if (q16_bias(type) && split) {
+                sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * x_sum[0]));
+                sum_hi = _mm256_sub_epi32(sum_hi, _mm256_set1_epi32(q16_bias(type) * x_sum[1]));
+            } else if (q16_bias(type)) {
+                sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * (x_sum[0] + x_sum[1])));
+            }
+#endif
+            const __m256 x_scale = _mm256_set1_ps(dx[s * ss]);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lo), _mm256_mul_ps(_mm256_loadu_ps(d0), x_scale), acc);
+            if (split)
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_hi), _mm256_mul_ps(_mm256_loadu_ps(d1), x_scale), acc);
         }
-    for (int i = 0; i < rows * cols; i++)
-        res[i] = vector_total(acc[i], offset[i]);
+    }
+    float lanes[Q16_ROW_COLS];
+    _mm256_storeu_ps(lanes, acc);
+    for (int c = 0; c < cols; c++)
+        res[c] = lanes[c] + offset[c];
 }
 
+/* `cols` outputs' sub-blocks widened to int16 once for the row groups of a chunk: output c's pair k of
+ * sub-block s (elements 2k, 2k + 1 as one int32) at wb[c * n_in / 2 + 16 s + k], its halves' scales and
+ * offsets at db and mb [(c * ns + s) * 2 + h]. */
+static ALWAYS_INLINE void q16_widen(int type, int cols, const uint8_t *w, size_t rs, int64_t ns, int32_t *wb,
+                                    float *db, float *mb)
+{
+    const int spb = TYPE_INFO[type].elems == QK_K ? 8 : 1;
+    const size_t ub = sub_offset(type, spb);
+    const int together = type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+    const int split = split_scales(type);
+    for (int c = 0; c < cols; c++)
+        for (int64_t u = 0; u < ns / spb; u++) {
+            /* As in q16_row_tile: the K-quants' scales a super-block at a time. */
+            float sd[16], sm[16] = {0};
+            if (together)
+                super_scales(type, w + c * rs + u * ub, sd, sm);
+#pragma GCC unroll 8
+            for (int j = 0; j < spb; j++) {
+                const int64_t s = u * spb + j, at = (c * ns + s) * 2;
+                const uint8_t *row = w + c * rs + u * ub;
+                int32_t *to = wb + (c * ns + s) * (QK / 2);
+#if HAVE_AVX512_VBMI
+                _mm512_storeu_si512((void *)to,
+                                    _mm512_sub_epi16(q16_quants(type, row, j), _mm512_set1_epi16((short)q16_bias(type))));
+#else
+                __m128i q_lo, q_hi;
+                x86_quants(type, row, j, &q_lo, &q_hi);
+                _mm256_storeu_si256((__m256i *)to, _mm256_cvtepi8_epi16(q_lo));
+                _mm256_storeu_si256((__m256i *)(to + 8), _mm256_cvtepi8_epi16(q_hi));
+#endif
+                float d[2], m[2];
+                if (together) {
+                    const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
+                    d[0] = sd[k];
+                    d[1] = sd[k1];
+                    m[0] = sm[k];
+                    m[1] = sm[k1];
+                } else {
+                    sub_scales(type, row, j, d, m);
+                }
+                db[at] = d[0];
+                db[at + 1] = d[1];
+                mb[at] = m[0];
+                mb[at + 1] = m[1];
+            }
+        }
+}
+
+/* Output c's offset term for the lanes' rows: m times the rows' sums, in sub-block order. */
+#define Q16_OFFSETS(SET1, LOAD, FMADD)                                                                   \
+    do {                                                                                                 \
+        for (int64_t s = 0; s < ns; s++) {                                                               \
+            const float *m = mb + (c * ns + s) * 2;                                                      \
+            if (split_scales(type)) {                                                                    \
+                off = FMADD(SET1(m[0]), LOAD(sx + 2 * s * ss), off);                                    \
+                off = FMADD(SET1(m[1]), LOAD(sx + (2 * s + 1) * ss), off);                              \
+            } else {                                                                                     \
+                off = FMADD(SET1(m[0]), LOAD(sx + s * ss), off);                                        \
+            }                                                                                            \
+        }                                                                                                \
+    } while (0)
+
+/* int32 lanes plus the products of a's and b's int16 pairs: one vpdpwssd where the build has VNNI for
+ * 256-bit registers (AVX-VNNI, or AVX-512 VNNI with VL), else a multiply-add of pairs and an addition. */
+static ALWAYS_INLINE __m256i dot_pairs8(__m256i acc, __m256i a, __m256i b)
+{
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#elif HAVE_AVX512_VNNI && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+/* Eight int16 rows (one per lane; half a group of xt) x `cols` widened outputs: per sub-block and pair k,
+ * the rows' pairs times output c's pair broadcast (dot_pairs8), added in int32; then each output's float
+ * chain for the eight rows side by side. res[c * 8 + l]. */
+static ALWAYS_INLINE void q16_group8(int type, int cols, const int32_t *wb, const float *db, const float *mb,
+                                     int64_t ns, const int32_t *xt, const float *dx, const float *sx,
+                                     int64_t ss, float *res)
+{
+    const int halves = split_scales(type) ? 2 : 1, per = (QK / 2) / halves;
+    __m256 acc[Q16_COLS];
+    for (int c = 0; c < cols; c++)
+        acc[c] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < ns; s++) {
+        const __m256 x_scale = _mm256_loadu_ps(dx + s * ss);
+        const int32_t *xs = xt + s * (QK / 2) * Q16_GROUP;
+        for (int h = 0; h < halves; h++) {
+            __m256i sum[Q16_COLS];
+            for (int c = 0; c < cols; c++)
+                sum[c] = _mm256_setzero_si256();
+            for (int k = h * per; k < (h + 1) * per; k++) {
+                const __m256i xk = _mm256_loadu_si256((const __m256i *)(xs + k * Q16_GROUP));
+                for (int c = 0; c < cols; c++)
+                    sum[c] = dot_pairs8(sum[c], xk, _mm256_set1_epi32(wb[(c * ns + s) * (QK / 2) + k]));
+            }
+            for (int c = 0; c < cols; c++)
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]),
+                                         _mm256_mul_ps(_mm256_set1_ps(db[(c * ns + s) * 2 + h]), x_scale), acc[c]);
+        }
+    }
+    for (int c = 0; c < cols; c++) {
+        __m256 off = _mm256_setzero_ps();
+        if (has_offset(type))
+            Q16_OFFSETS(_mm256_set1_ps, _mm256_loadu_ps, _mm256_fmadd_ps);
+        _mm256_storeu_ps(res + c * 8, _mm256_add_ps(acc[c], off));
+    }
+}
+
+#if HAVE_AVX512
+/* int32 lanes plus the products of a's and b's int16 pairs: one vpdpwssd with VNNI. */
+static ALWAYS_INLINE __m512i dot_pairs(__m512i acc, __m512i a, __m512i b)
+{
+#if HAVE_AVX512_VNNI
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* `q16_group8` on a whole group of Q16_GROUP rows in 16-lane registers: the same operations per lane.
+ * res[c * 16 + l]. */
+static ALWAYS_INLINE void q16_group16(int type, int cols, const int32_t *wb, const float *db, const float *mb,
+                                      int64_t ns, const int32_t *xt, const float *dx, const float *sx,
+                                      int64_t ss, float *res)
+{
+    const int halves = split_scales(type) ? 2 : 1, per = (QK / 2) / halves;
+    __m512 acc[Q16_WIDE_COLS];
+    for (int c = 0; c < cols; c++)
+        acc[c] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < ns; s++) {
+        const __m512 x_scale = _mm512_loadu_ps(dx + s * ss);
+        const int32_t *xs = xt + s * (QK / 2) * Q16_GROUP;
+        for (int h = 0; h < halves; h++) {
+            __m512i sum[Q16_WIDE_COLS];
+            for (int c = 0; c < cols; c++)
+                sum[c] = _mm512_setzero_si512();
+            for (int k = h * per; k < (h + 1) * per; k++) {
+                const __m512i xk = _mm512_loadu_si512((const void *)(xs + k * Q16_GROUP));
+                for (int c = 0; c < cols; c++)
+                    sum[c] = dot_pairs(sum[c], xk, _mm512_set1_epi32(wb[(c * ns + s) * (QK / 2) + k]));
+            }
+            for (int c = 0; c < cols; c++)
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[c]),
+                                         _mm512_mul_ps(_mm512_set1_ps(db[(c * ns + s) * 2 + h]), x_scale), acc[c]);
+        }
+    }
+    for (int c = 0; c < cols; c++) {
+        __m512 off = _mm512_setzero_ps();
+        if (has_offset(type))
+            Q16_OFFSETS(_mm512_set1_ps, _mm512_loadu_ps, _mm512_fmadd_ps);
+        _mm512_storeu_ps(res + c * 16, _mm512_add_ps(acc[c], off));
+    }
+}
+#endif
 
 /* The AVX-512 tile: up to WR rows x WP pairs of outputs (2 * WP of them: COL_TILE). Its WR * WP 16-lane
  * half sums and running totals stay in registers (24 of the 32); the decoded sub-blocks are read from a
@@ -378,8 +612,11 @@ static ALWAYS_INLINE void wide_rows(int type, int rows, const float *buf, int64_
 
 typedef void (*tile_fn)(const uint8_t *, size_t, int64_t, const float *, int64_t, const float *, int64_t,
                         float *);
-typedef void (*q16_fn)(const uint8_t *, size_t, int64_t, const int16_t *, int64_t, const float *, const float *,
-                       int64_t, float *);
+typedef void (*q16_row_fn)(const uint8_t *, size_t, int64_t, const int16_t *, const float *, const float *,
+                           int64_t, float *);
+typedef void (*q16_widen_fn)(int, const uint8_t *, size_t, int64_t, int32_t *, float *, float *);
+typedef void (*q16_group_fn)(const int32_t *, const float *, const float *, int64_t, const int32_t *,
+                             const float *, const float *, int64_t, float *);
 typedef void (*widen_fn)(const uint8_t *, size_t, int64_t, float *);
 typedef void (*wide_fn)(int, const float *, int64_t, const float *, int64_t, const float *, int64_t, float *);
 
@@ -387,8 +624,11 @@ typedef void (*wide_fn)(int, const float *, int64_t, const float *, int64_t, con
 struct tiles {
     /* Float rows: eight rows of one output, four rows, one row of COL_TILE outputs, one of one. */
     tile_fn rows8, rows4, cols, one;
-    /* int16 rows: ROW_TILE rows of one output, one row of COL_TILE outputs, one of one. */
-    q16_fn q16_rows, q16_cols, q16_one;
+    /* int16 rows: one row of Q16_ROW_COLS outputs, of one; the outputs widened; half a group of rows of
+     * Q16_COLS outputs, of one; a whole group of Q16_WIDE_COLS outputs, of one (NULL without AVX-512). */
+    q16_row_fn q16_row, q16_row_one;
+    q16_widen_fn q16_widen;
+    q16_group_fn group8, group8_one, group16, group16_one;
     /* AVX-512: COL_TILE outputs' sub-blocks decoded into the buffer, then 1..WR rows of them
      * from it. NULL where the build has no AVX-512. */
     widen_fn widen;
@@ -417,21 +657,50 @@ struct tiles {
         vector_tile(TYPE, 1, 1, w, rb, nb, x, xs, sx, ss, res);                                          \
     }
 #define DEFINE_Q16_TILES(NAME, TYPE)                                                                      \
-    static void NAME##_q16_rows(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,   \
-                                const float *dx, const float *sx, int64_t ss, float *res)                \
+    static void NAME##_q16_row(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, const float *dx, \
+                               const float *sx, int64_t ss, float *res)                                  \
     {                                                                                                    \
-        q16_tile(TYPE, ROW_TILE, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                  \
+        q16_row_tile(TYPE, Q16_ROW_COLS, w, rb, nb, x, dx, sx, ss, res);                                 \
     }                                                                                                    \
-    static void NAME##_q16_cols(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,   \
-                                const float *dx, const float *sx, int64_t ss, float *res)                \
+    static void NAME##_q16_row_one(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x,            \
+                                   const float *dx, const float *sx, int64_t ss, float *res)             \
     {                                                                                                    \
-        q16_tile(TYPE, 1, COL_TILE, w, rb, nb, x, xs, dx, sx, ss, res);                                  \
+        q16_row_tile(TYPE, 1, w, rb, nb, x, dx, sx, ss, res);                                            \
     }                                                                                                    \
-    static void NAME##_q16_one(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, int64_t xs,    \
-                               const float *dx, const float *sx, int64_t ss, float *res)                 \
+    static void NAME##_q16_widen(int cols, const uint8_t *w, size_t rb, int64_t nb, int32_t *wb,         \
+                                 float *db, float *mb)                                                   \
     {                                                                                                    \
-        q16_tile(TYPE, 1, 1, w, rb, nb, x, xs, dx, sx, ss, res);                                         \
+        q16_widen(TYPE, cols, w, rb, nb, wb, db, mb);                                                    \
+    }                                                                                                    \
+    static void NAME##_group8(const int32_t *wb, const float *db, const float *mb, int64_t nb,           \
+                              const int32_t *xt, const float *dx, const float *sx, int64_t ss, float *res) \
+    {                                                                                                    \
+        q16_group8(TYPE, Q16_COLS, wb, db, mb, nb, xt, dx, sx, ss, res);                                 \
+    }                                                                                                    \
+    static void NAME##_group8_one(const int32_t *wb, const float *db, const float *mb, int64_t nb,       \
+                                  const int32_t *xt, const float *dx, const float *sx, int64_t ss,       \
+                                  float *res)                                                            \
+    {                                                                                                    \
+        q16_group8(TYPE, 1, wb, db, mb, nb, xt, dx, sx, ss, res);                                        \
     }
+#if HAVE_AVX512
+#define DEFINE_Q16_WIDE_TILES(NAME, TYPE)                                                                 \
+    static void NAME##_group16(const int32_t *wb, const float *db, const float *mb, int64_t nb,          \
+                               const int32_t *xt, const float *dx, const float *sx, int64_t ss,          \
+                               float *res)                                                               \
+    {                                                                                                    \
+        q16_group16(TYPE, Q16_WIDE_COLS, wb, db, mb, nb, xt, dx, sx, ss, res);                           \
+    }                                                                                                    \
+    static void NAME##_group16_one(const int32_t *wb, const float *db, const float *mb, int64_t nb,      \
+                                   const int32_t *xt, const float *dx, const float *sx, int64_t ss,      \
+                                   float *res)                                                           \
+    {                                                                                                    \
+        q16_group16(TYPE, 1, wb, db, mb, nb, xt, dx, sx, ss, res);                                       \
+    }
+#define Q16_WIDE_TILES_OF(NAME) NAME##_group16, NAME##_group16_one
+#else
+#define Q16_WIDE_TILES_OF(NAME) NULL, NULL
+#endif
 #define DEFINE_ROW_TILE(NAME, TYPE)                                                                       \
     static void NAME##_row(const uint8_t *w, size_t rb, int64_t nb, const float *x, int64_t xs,          \
                            const float *sx, int64_t ss, float *res)                                      \
@@ -462,6 +731,9 @@ struct tiles {
 FOR_INTEGER_TYPES(DEFINE_TILES)
 FOR_FLOAT_TYPES(DEFINE_TILES)
 FOR_INTEGER_TYPES(DEFINE_Q16_TILES)
+#if HAVE_AVX512
+FOR_INTEGER_TYPES(DEFINE_Q16_WIDE_TILES)
+#endif
 #define FOR_ROW_TILED_TYPES(X)                                                                            \
     X(q2_k, TYPE_Q2_K)                                                                                   \
     X(q4_k, TYPE_Q4_K)                                                                                   \
@@ -489,10 +761,12 @@ FOR_FLOAT_TYPES(DEFINE_WIDE_TILES)
 
 /* Every type's tiles, indexed by the type's id (the float types have no int16 tiles). */
 #define INTEGER_TILES(NAME, TYPE)                                                                         \
-    [TYPE] = {NAME##_rows8, NAME##_rows4,    NAME##_cols,    NAME##_one,                                 \
-              NAME##_q16_rows, NAME##_q16_cols, NAME##_q16_one, WIDE_TILES_OF(NAME)},
+    [TYPE] = {NAME##_rows8,     NAME##_rows4,        NAME##_cols,   NAME##_one,                           \
+              NAME##_q16_row,   NAME##_q16_row_one,  NAME##_q16_widen,                                    \
+              NAME##_group8,    NAME##_group8_one,   Q16_WIDE_TILES_OF(NAME), WIDE_TILES_OF(NAME)},
 #define FLOAT_TILES(NAME, TYPE)                                                                           \
-    [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, WIDE_TILES_OF(NAME)},
+    [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, NULL, NULL, NULL, NULL,  \
+              WIDE_TILES_OF(NAME)},
 static const struct tiles TILES[TYPE_COUNT] = {FOR_INTEGER_TYPES(INTEGER_TILES) FOR_FLOAT_TYPES(FLOAT_TILES)};
 
 /* The row tile of a type, NULL where its decode rows take `vector_tile`. */
@@ -508,36 +782,70 @@ static tile_fn row_tile_of(int type)
     }
 }
 
-/* Four rows per output, the rest one at a time across four outputs. */
-void q16_range(const struct product *p, int64_t o0, int64_t o1)
+/* Fewer than Q16_GROUP_MIN rows: each row across Q16_ROW_COLS outputs at a time, decoded from the file.
+ * More: the rows by group (AVX-512: whole groups; AVX2: halves, the padding's skipped) across Q16_WIDE_COLS
+ * or Q16_COLS outputs at a time, widened once per chunk of rows; the last outputs one at a time. */
+void q16_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
 {
     const struct tiles *k = &TILES[p->type];
-    const int64_t rows = p->q16_rows, ns = p->ns, n = p->n_in;
-    float res[ROW_TILE * COL_TILE];
-    for (int64_t o = o0; o < o1;) {
-        const uint8_t *w = row_of(p, o);
-        const size_t rs = p->row_bytes;
-        int64_t t = 0;
-        if (o1 - o < COL_TILE || rows >= ROW_TILE) {
-            for (; t + ROW_TILE <= rows; t += ROW_TILE) {
-                k->q16_rows(w, rs, ns, p->xq + t * n, n, p->dx + t * ns, p->sx + t, p->rows, res);
-                for (int r = 0; r < ROW_TILE; r++)
-                    store(p, t + r, o, res[r]);
-            }
-            for (; t < rows; t++) {
-                k->q16_one(w, rs, ns, p->xq + t * n, n, p->dx + t * ns, p->sx + t, p->rows, res);
-                store(p, t, o, res[0]);
-            }
-            o += 1;
-        } else {
-            for (; t < rows; t++) {
-                k->q16_cols(w, rs, ns, p->xq + t * n, n, p->dx + t * ns, p->sx + t, p->rows, res);
-                for (int c = 0; c < COL_TILE; c++)
+    const int64_t ns = p->ns, n = p->n_in, ss = p->ss;
+    const size_t rs = p->row_bytes;
+    if (!p->xt) {
+        float res[Q16_ROW_COLS];
+        for (int64_t t = 0; t < rows; t++)
+            for (int64_t o = o0; o < o1;) {
+                const int cols = o + Q16_ROW_COLS <= o1 ? Q16_ROW_COLS : 1;
+                (cols > 1 ? k->q16_row : k->q16_row_one)(row_of(p, o), rs, ns, p->xq + t * n, p->dx + t,
+                                                          p->sx + t, ss, res);
+                for (int c = 0; c < cols; c++)
                     store(p, t, o + c, res[c]);
+                o += cols;
             }
-            o += COL_TILE;
+        return;
+    }
+    const int groups16 = wide && k->group16 != NULL;
+    const int most = groups16 ? Q16_WIDE_COLS : Q16_COLS;
+    int32_t *wb = malloc(sizeof(int32_t) * (size_t)(most * n / 2) + sizeof(float) * (size_t)(4 * most * ns));
+    if (!wb) {
+        scalar_range(p, rows, o0, o1);
+        return;
+    }
+    float *db = (float *)(wb + most * n / 2), *mb = db + 2 * most * ns;
+    float res[Q16_WIDE_COLS * Q16_GROUP];
+    int64_t chunk = Q16_CHUNK_BYTES / (n * (int64_t)sizeof(int16_t)) / Q16_GROUP * Q16_GROUP;
+    chunk = chunk < Q16_GROUP ? Q16_GROUP : chunk;
+    for (int64_t t0 = 0; t0 < rows; t0 += chunk) {
+        const int64_t t1 = t0 + chunk < rows ? t0 + chunk : rows;
+        for (int64_t o = o0; o < o1;) {
+            const int cols = o + most <= o1 ? most : 1;
+            k->q16_widen(cols, row_of(p, o), rs, ns, wb, db, mb);
+            for (int64_t t = t0; t < t1; t += Q16_GROUP) {
+                const int32_t *xt = p->xt + t / Q16_GROUP * ns * (QK / 2) * Q16_GROUP;
+                const int64_t n_rows = t1 - t < Q16_GROUP ? t1 - t : Q16_GROUP;
+                if (groups16 && n_rows > Q16_GROUP / 2) {
+                    (cols > 1 ? k->group16 : k->group16_one)(wb, db, mb, ns, xt, p->dx + t, p->sx + t, ss, res);
+                    for (int c = 0; c < cols; c++)
+                        for (int64_t r = 0; r < n_rows; r++)
+                            store(p, t + r, o + c, res[c * Q16_GROUP + r]);
+                    continue;
+                }
+                /* Half groups (the AVX2 tiles, or a last group of at most half a group's rows), Q16_COLS
+                 * outputs at a time of the `cols` widened. */
+                for (int64_t h = 0; h < n_rows; h += Q16_GROUP / 2)
+                    for (int c0 = 0, n; c0 < cols; c0 += n) {
+                        n = cols - c0 < Q16_COLS ? 1 : Q16_COLS;
+                        (n > 1 ? k->group8 : k->group8_one)(wb + c0 * ns * (QK / 2), db + 2 * c0 * ns,
+                                                            mb + 2 * c0 * ns, ns, xt + h, p->dx + t + h,
+                                                            p->sx + t + h, ss, res);
+                        for (int c = 0; c < n; c++)
+                            for (int64_t r = h; r < n_rows && r < h + Q16_GROUP / 2; r++)
+                                store(p, t + r, o + c0 + c, res[c * (Q16_GROUP / 2) + r - h]);
+                    }
+            }
+            o += cols;
         }
     }
+    free(wb);
 }
 
 void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
@@ -546,14 +854,14 @@ void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1,
     const tile_fn row = wide ? row_tile_of(p->type) : NULL;
     /* The decoded sub-blocks of COL_TILE outputs; without it (no AVX-512, or not `wide`), the AVX2 tiles. */
     const size_t buf_bytes = ((size_t)p->ns * WIDE_BLOCK * sizeof(float) + 63) / 64 * 64;
-    float *buf = wide && k->wide && rows - p->q16_rows >= WIDE_MIN ? aligned_alloc(64, buf_bytes) : NULL;
+    float *buf = wide && k->wide && rows >= WIDE_MIN ? aligned_alloc(64, buf_bytes) : NULL;
     /* Up to eight rows (the AVX-512 tile) x COL_TILE outputs. */
     float res[8 * COL_TILE];
     /* Rows in chunks, so that a chunk's activations stay in cache while the outputs' weights stream: for
      * the row tiles, as many rows as fit in the L1 data cache beside the blocks (at least one tile). */
     int64_t chunk = buf ? ROW_CHUNK : L1_ROWS_BYTES / (p->n_in * (int64_t)sizeof(float)) / ROW_TILE * ROW_TILE;
     chunk = chunk < ROW_TILE ? ROW_TILE : chunk > ROW_CHUNK ? ROW_CHUNK : chunk;
-    for (int64_t t0 = p->q16_rows; t0 < rows; t0 += chunk) {
+    for (int64_t t0 = 0; t0 < rows; t0 += chunk) {
         const int64_t t1 = t0 + chunk < rows ? t0 + chunk : rows;
         for (int64_t o = o0; o < o1;) {
             int64_t t = t0;
@@ -564,7 +872,7 @@ void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1,
                 k->widen(w, rs, p->ns, buf);
                 for (; t < t1;) {
                     const int n = t1 - t < WR ? (int)(t1 - t) : WR;
-                    k->wide(n, buf, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    k->wide(n, buf, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->ss, res);
                     for (int r = 0; r < n; r++)
                         for (int c = 0; c < COL_TILE; c++)
                             store(p, t + r, o + c, res[r * COL_TILE + c]);
@@ -578,26 +886,26 @@ void vector_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1,
                 for (; t + ROW_TILE <= t1;) {
                     const int n = t + FLOAT_ROW_TILE <= t1 ? FLOAT_ROW_TILE : ROW_TILE;
                     (n == FLOAT_ROW_TILE ? k->rows8 : k->rows4)(w, rs, p->ns, p->x + t * p->n_in, p->n_in,
-                                                                p->sx + t, p->rows, res);
+                                                                p->sx + t, p->ss, res);
                     for (int r = 0; r < n; r++)
                         store(p, t + r, o, res[r]);
                     t += n;
                 }
                 for (; t < t1; t++) {
-                    k->one(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    k->one(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->ss, res);
                     store(p, t, o, res[0]);
                 }
                 o += 1;
             } else if (row && o + ROW_COLS <= o1) {
                 for (; t < t1; t++) {
-                    row(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    row(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->ss, res);
                     for (int c = 0; c < ROW_COLS; c++)
                         store(p, t, o + c, res[c]);
                 }
                 o += ROW_COLS;
             } else {
                 for (; t < t1; t++) {
-                    k->cols(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->rows, res);
+                    k->cols(w, rs, p->ns, p->x + t * p->n_in, p->n_in, p->sx + t, p->ss, res);
                     for (int c = 0; c < COL_TILE; c++)
                         store(p, t, o + c, res[c]);
                 }
