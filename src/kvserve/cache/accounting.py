@@ -35,6 +35,9 @@ class Admission:
     hits: dict[str, int] = field(default_factory=dict)
     # The same copy in the sliding layers' group, where its ids are its own.
     sliding_copy: tuple[int, int] | None = None
+    # A hybrid model's tokens that the KV cache held but that are recomputed, for want of a state
+    # checkpoint nearer the match's end.
+    recomputed: int = 0
 
 
 @dataclass(frozen=True)

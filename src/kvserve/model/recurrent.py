@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from kvserve.model.spec import MIXER_ATTENTION, ModelConfig
+
 # The slot rows use when they belong to no sequence; never handed out by the cache.
 SCRATCH_SLOT = 0
 # A state copy whose source is this zeroes its destination (a sequence with no prior state).
@@ -132,6 +134,21 @@ class RecurrentState:
         tensors = [t for ts in self._layers for t in ts]
         for dst, src in zip(tensors, state, strict=True):
             dst[slot] = src.to(dst.device)
+
+
+def state_specs(config: ModelConfig, dtype: torch.dtype) -> list[StateSpec | None]:
+    """Each layer's recurrent state as the config makes it (None: an attention layer)."""
+    from kvserve.model.families import family_named
+
+    if not config.hybrid:
+        return [None] * config.num_layers
+    make = family_named(config.architecture).state_spec
+    if make is None:
+        raise StateShapeError(f"the {config.architecture} family names no recurrent state")
+    return [
+        None if config.mixer(i) == MIXER_ATTENTION else make(config, i, dtype)
+        for i in range(config.num_layers)
+    ]
 
 
 def sequence_rows(lengths: Sequence[int], slots: Sequence[int], decodes: int = 0) -> SequenceRows:

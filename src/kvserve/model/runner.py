@@ -6,11 +6,20 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvserve.config import COMPUTE_DTYPES, default_cache_dir
+from kvserve.errors import ModelLoadError
 from kvserve.model import kv_quant
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import KernelUnavailableError, NativeAttention, PagedAttentionKernel
-from kvserve.model.recurrent import SCRATCH_SLOT, RecurrentState, SequenceRows, sequence_rows
+from kvserve.model.recurrent import (
+    SCRATCH_SLOT,
+    ZERO,
+    RecurrentState,
+    SequenceRows,
+    StateSpec,
+    sequence_rows,
+    state_specs,
+)
 from kvserve.model.torch_attention import TorchAttention
 from kvserve.model.transformer import Transformer
 
@@ -162,13 +171,22 @@ class ModelRunner:
             [c.window(i) for i in attending] if c.windows else (),
             num_sliding_blocks,
         )
-        self.state = (
-            RecurrentState(self.transformer.state_specs(), num_state_slots, self.device) if c.hybrid else None
-        )
+        self.state = RecurrentState(self._specs(), num_state_slots, self.device) if c.hybrid else None
         try:
             self.transformer.attach_native_decoder(self.kv_cache)
         except KernelUnavailableError as e:
             log.info("decode steps run op by op: %s", e)
+
+    def _specs(self) -> list[StateSpec | None]:
+        """The layers' state specs as the config makes them; a mixer whose own disagrees is refused."""
+        specs = state_specs(self.transformer.config, self.dtype)
+        for i, (made, mixer) in enumerate(zip(specs, self.transformer.state_specs(), strict=True)):
+            if made != mixer:
+                raise ModelLoadError(
+                    f"model.layers.{i}",
+                    f"the layer's recurrent state {mixer} disagrees with its config's {made}",
+                )
+        return specs
 
     @staticmethod
     def _rows(batch: ForwardBatch) -> SequenceRows:
@@ -251,5 +269,10 @@ class ModelRunner:
     def _forward(
         self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        rows = self._rows(batch) if self.state is not None else None
+        rows = None
+        if self.state is not None:
+            rows = self._rows(batch)
+            # Rows of no sequence start from zeros, whatever the scratch slot held before.
+            if bool((rows.slots == SCRATCH_SLOT).any()):
+                self.state.apply([(ZERO, SCRATCH_SLOT)])
         return self.transformer.forward(input_ids, positions, meta, self.kv_cache, rows, self.state)

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvserve.model.gguf_file import ARRAY, GgufFile
 from kvserve.model.mlp import GatedMlp, Mlp
-from kvserve.model.recurrent import RecurrentMixer
+from kvserve.model.recurrent import RecurrentMixer, StateSpec
 from kvserve.model.spec import MAX_CONTEXT_LENGTH, ModelConfig, integer
 from kvserve.model.weights import ModelWeights, Rows
 
@@ -245,3 +246,6 @@ class Family:
     # A recurrent layer's mixer (ModelConfig.mixers names which layers), from its tensors under the
     # layer's prefix `model.layers.{i}.`; None: every layer of this family attends.
     mixer: MixerBuilder | None = None
+    # A recurrent layer's state as its config makes it (what the state pool is sized by; each mixer's
+    # own spec must agree).
+    state_spec: Callable[[ModelConfig, int, torch.dtype], StateSpec] | None = None

@@ -17,9 +17,11 @@ In a GGUF (llama.cpp's "lfm2"): `lfm2.attention.head_count_kv` is an array with 
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from kvserve.errors import ModelLoadError
 from kvserve.model.families.base import GGUF_GLOBAL, Family, GgufMetadata, LayerTensors, gguf_common_config
-from kvserve.model.recurrent import RecurrentMixer
+from kvserve.model.recurrent import RecurrentMixer, StateSpec
 from kvserve.model.short_conv import ShortConv
 from kvserve.model.spec import (
     MAX_CONV_KERNEL,
@@ -155,6 +157,11 @@ def _mixer(weights: ModelWeights, config: ModelConfig, prefix: str) -> Recurrent
     return ShortConv(in_proj, out_proj, weight, bias("conv", hidden), hidden)
 
 
+def _state_spec(config: ModelConfig, layer: int, dtype: torch.dtype) -> StateSpec:
+    """A conv layer's state: its last conv_kernel - 1 inputs per channel."""
+    return StateSpec(((config.hidden_size, config.conv_kernel - 1),), dtype)
+
+
 LFM2 = Family(
     name="lfm2",
     hf_architectures=("Lfm2ForCausalLM",),
@@ -166,4 +173,5 @@ LFM2 = Family(
     gguf_global=GGUF_FINAL,
     final_norm="model.embedding_norm.weight",
     mixer=_mixer,
+    state_spec=_state_spec,
 )
