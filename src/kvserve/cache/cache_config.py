@@ -35,9 +35,7 @@ class CacheConfig:
     def states(self) -> NoStatePool:
         if not self.live_state_slots:
             return NoStatePool()
-        return StatePool(
-            self.live_state_slots, self.state_checkpoint_slots if self.enable_prefix_caching else 0
-        )
+        return StatePool(self.live_state_slots, self.state_checkpoint_slots)
 
     def sliding(self) -> NoSlidingPool:
         if (self.num_sliding_blocks > 0) != (self.sliding_window is not None):

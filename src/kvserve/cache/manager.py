@@ -62,13 +62,13 @@ class KVCacheManager:
     - A block loaded from a lower tier is verified there first and is written before it joins the tree;
       the loader holds host tensors only (TierLoads).
     - A hybrid model's state slots (StatePool, state_pool.py): each is free, one running sequence's
-      live state or draft snapshot, or one checkpoint (in the tree at the node holding its last token, or
-      pending on its sequence until that block joins the tree). A live state always holds the state after
-      the sequence's `num_computed` tokens once the logged copies have run. A checkpoint at P holds the
-      state after exactly the tree's first P tokens of its path: it is made only from a live state at P,
-      and leaves with its node. An admission's match ends at a checkpoint (`MatchResult.checkpoint`): the
-      KV matched past it is recomputed and counted (`Admission.recomputed`). Lower tiers carry no state:
-      a hybrid model's hits come from memory alone.
+      live state, one draft's snapshot (in the checkpoints' share), or one checkpoint (in the tree at
+      the node holding its last token, or pending on its sequence until that block joins the tree). A
+      live state always holds the state after the sequence's `num_computed` tokens once the logged
+      copies have run. A checkpoint at P holds the state after exactly the tree's first P tokens of its
+      path: it is made only from a live state at P, and leaves with its node. An admission's match ends
+      at a checkpoint (`MatchResult.checkpoint`): the KV matched past it is recomputed and counted
+      (`Admission.recomputed`). Lower tiers carry no state: a hybrid model's hits come from memory.
     """
 
     def __init__(
@@ -321,19 +321,28 @@ class KVCacheManager:
         for _, slot in seq.pending:
             states.free_checkpoint(slot)
         seq.pending = []
-        for held in (seq.state_slot, seq.snapshot):
-            if held is not None:
-                states.free(held)
+        if seq.snapshot is not None:
+            states.free_checkpoint(seq.snapshot)
+        if seq.state_slot is not None:
+            states.free(seq.state_slot)
         seq.state_slot = seq.snapshot = None
 
     def snapshot_state(self, seq: SequenceBlocks) -> bool:
         """Before a step verifies draft rows: keep the sequence's live state aside, so that a rejection
-        can put it back (`restore_state`). Always true for a model with no recurrent layers."""
+        can put it back (`restore_state`). The snapshot takes a checkpoint slot (evicting the least
+        valuable checkpoint if need be): False, taking nothing, when there is none to take (no draft
+        then). Always true for a model with no recurrent layers."""
         states = self.states
         if not isinstance(states, StatePool):
             return True
         assert seq.state_slot is not None and seq.snapshot is None
-        seq.snapshot = states.live(seq.state_slot)
+        slot = states.checkpoint()
+        if slot is None and self.prefix_cache.evict_checkpoint():
+            slot = states.checkpoint()
+        if slot is None:
+            return False
+        states.copy(seq.state_slot, slot)
+        seq.snapshot = slot
         return True
 
     def restore_state(self, seq: SequenceBlocks, keep: bool) -> None:
@@ -345,7 +354,7 @@ class KVCacheManager:
         assert seq.state_slot is not None
         if not keep:
             states.copy(seq.snapshot, seq.state_slot)
-        states.free(seq.snapshot)
+        states.free_checkpoint(seq.snapshot)
         seq.snapshot = None
 
     def take_state_copies(self) -> list[tuple[int, int]]:
@@ -458,9 +467,10 @@ class KVCacheManager:
         entries = self.accounts.check(self.holds, self.holds.pinned_sliding())
         self.holds.check(entries)
         if isinstance(self.states, StatePool):
-            live = [s for seq in self.accounts.live for s in (seq.state_slot, seq.snapshot) if s is not None]
-            assert all(seq.state_slot is not None for seq in self.accounts.live), "a sequence without a state"
+            live = [seq.state_slot for seq in self.accounts.live if seq.state_slot is not None]
+            assert len(live) == len(self.accounts.live), "a running sequence without a state"
             checkpoints = [slot for seq in self.accounts.live for _, slot in seq.pending]
+            checkpoints += [seq.snapshot for seq in self.accounts.live if seq.snapshot is not None]
             if isinstance(self.prefix_cache, PrefixCache):
                 self.prefix_cache.check_checkpoints()
                 checkpoints += self.prefix_cache.checkpoint_slots()

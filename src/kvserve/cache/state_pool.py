@@ -9,11 +9,11 @@ and never handed out. Every other slot is, at any time, exactly one of:
 - a checkpoint: the state after the first P tokens of a prefix, in the prefix tree (at the node holding
   token P - 1), or pending on its sequence until that token's block joins the tree;
 - a draft's snapshot: a decoding sequence's state before its draft rows, kept for the step that
-  verifies them (a rejection restores it, see the scheduler's `after_step`).
+  verifies them (a rejection restores it, see the scheduler's `after_step`); it takes a checkpoint slot.
 
-The slots are `live_slots` (one per running sequence, and one snapshot each while speculation is on)
-plus `checkpoint_slots`: checkpoints, pending or in the tree, never take more than those, so a live slot
-or a snapshot is always free when a sequence needs one.
+The slots are `live_slots` (one per running sequence) plus `checkpoint_slots`: checkpoints and
+snapshots never take more than those, so a live slot is always free when a sequence is admitted. A
+sequence's state memory is thus its one live slot, plus the checkpoints the cache chose to keep.
 
 Copies are decided between steps and run by the runner before the next forward pass, in the order they
 were decided (`take_copies`). That order alone makes a slot safe to reuse at once: a copy out of a slot

@@ -168,16 +168,19 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
 
 
 def state_slots(config: EngineConfig, model: LoadedModel) -> tuple[int, int, int]:
-    """A hybrid model's state pool (cache/state_pool.py): its live slots (one per running sequence, and
-    one more each for a draft's snapshot while speculation is on), its checkpoint slots, and the bytes
-    they take with the model's scratch slot, out of --kv-cache-memory; (0, 0, 0) for any other model."""
+    """A hybrid model's state pool (cache/state_pool.py): its live slots (one per running sequence), its
+    checkpoint slots (drafts' snapshots take theirs there), and the bytes they take with the model's
+    scratch slot, out of --kv-cache-memory; (0, 0, 0) for any other model."""
     if not model.config.hybrid:
         return 0, 0, 0
     per_slot = sum(
         s.num_bytes for s in state_specs(model.config, TORCH_DTYPES[config.dtype]) if s is not None
     )
-    live = config.max_num_seqs * (2 if config.speculative != "off" else 1)
+    live = config.max_num_seqs
+    # Without the prefix cache the checkpoint slots serve drafts' snapshots only: one per sequence.
     checkpoints = config.state_checkpoints if config.enable_prefix_caching else 0
+    if config.speculative != "off" and not config.enable_prefix_caching:
+        checkpoints = live
     return live, checkpoints, (1 + live + checkpoints) * per_slot
 
 

@@ -281,9 +281,12 @@ class Scheduler:
                 if request.grammar is not None:
                     draft = draft[: request.grammar.allowed_prefix(draft)]
             assert request.kv is not None
-            if not draft or not self.kv.grow(request.kv, chunk.start + 1 + len(draft), speculative=True):
+            # A hybrid model's state is snapshotted first (no draft where no slot is left for it).
+            if not draft or not self.kv.snapshot_state(request.kv):
                 continue
-            self.kv.snapshot_state(request.kv)
+            if not self.kv.grow(request.kv, chunk.start + 1 + len(draft), speculative=True):
+                self.kv.restore_state(request.kv, keep=not rerun)
+                continue
             # The draft rows share the decode's tables, which must cover their positions too.
             chunk.block_table = request.kv.blocks
             chunk.sliding_table = self.kv.sliding_table(request.kv)

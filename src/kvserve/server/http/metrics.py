@@ -106,6 +106,13 @@ class EngineStatsCollector:
             ),
             (
                 CounterMetricFamily,
+                "kvserve_state_recomputed_tokens",
+                "Hybrid models: prompt tokens the prefix cache held but that were recomputed for want of "
+                "a recurrent-state checkpoint nearer the match's end.",
+                s.recomputed_tokens,
+            ),
+            (
+                CounterMetricFamily,
                 "kvserve_preemptions",
                 "Requests preempted for lack of KV memory.",
                 s.preemptions,
