@@ -285,7 +285,7 @@ class Scheduler:
             if not draft or not self.kv.snapshot_state(request.kv):
                 continue
             if not self.kv.grow(request.kv, chunk.start + 1 + len(draft), speculative=True):
-                self.kv.restore_state(request.kv, keep=not rerun)
+                self.kv.restore_state(request.kv, keep=True)
                 continue
             # The draft rows share the decode's tables, which must cover their positions too.
             chunk.block_table = request.kv.blocks
