@@ -199,7 +199,8 @@ class PrefixCache:
             best_node.last_access = now
         path, best_node, best = self._usable(path, best_node, best)
         if checkpointed:
-            return self._checkpointed(path, best_node, best, partial, now, record_hit)
+            root = self._roots[namespace]
+            return self._checkpointed(root, tokens, path, best_node, best, partial, now, record_hit)
         blocks = tuple(n.block for n in path)
         end = len(path) * bs + best
         window = self.sliding.window_blocks([n.sliding for n in path], end)
@@ -213,6 +214,8 @@ class PrefixCache:
 
     def _checkpointed(
         self,
+        root: _Node,
+        tokens: Sequence[int],
         path: list[_Node],
         partial: _Node | None,
         n_partial: int,
@@ -220,27 +223,37 @@ class PrefixCache:
         now: int,
         hit: bool,
     ) -> MatchResult:
-        """The match (full nodes `path`, then `n_partial` tokens of `partial`) cut back to its last state
-        checkpoint: the longest prefix P of it with a checkpoint at P; P is inside a node where the
-        checkpoint is (a partial block then, copied on write), unless `allow_partial` is False."""
+        """The match (full nodes `path` under `root`, then `n_partial` tokens of `partial`) cut back to
+        its last state checkpoint: the longest prefix P of it with a checkpoint at P. A checkpoint inside
+        a block may sit at any node that begins with the same tokens (the sequence that made it may have
+        gone on otherwise than this match): that node's block is then the partial block, copied on
+        write. `allow_partial` False: only checkpoints at a block's end count."""
         bs = self.block_size
         end = len(path) * bs + (n_partial if partial is not None else 0)
-        candidates: list[tuple[int, _Node]] = [(len(path), partial)] if partial is not None else []
-        candidates += [(j, path[j]) for j in range(len(path) - 1, -1, -1)]
-        for j, node in candidates:
-            limit = n_partial if node is partial else bs
-            ks = [k for k in node.checkpoints if k <= limit and (allow_partial or k == bs)]
-            if not ks:
+        top = len(path) if partial is not None else len(path) - 1
+        for j in range(top, -1, -1):
+            parent = path[j - 1] if j else root
+            limit = bs if j < len(path) else n_partial
+            level = tokens[j * bs : j * bs + limit]
+            best: tuple[int, _Node] | None = None
+            for child in parent.children.values():
+                if not child.checkpoints:
+                    continue
+                n = _common_prefix(child.tokens, level)
+                for k in child.checkpoints:
+                    if k <= n and (allow_partial or k == bs) and (best is None or k > best[0]):
+                        best = (k, child)
+            if best is None:
                 continue
-            k = max(ks)
+            k, node = best
             slot = node.checkpoints[k]
             self._checkpoint_use[slot] = now
             if hit:
                 self._record_hit(node)
-            full = path[:j] if k < bs else path[: j + 1]
-            window = self.sliding.window_blocks([n.sliding for n in full], j * bs + k)
-            blocks = tuple(n.block for n in full)
+            full = path[:j] + ([node] if k == bs else [])
             at = j * bs + k
+            window = self.sliding.window_blocks([n.sliding for n in full], at)
+            blocks = tuple(n.block for n in full)
             if k < bs:
                 return MatchResult(blocks, at, node.block, window, node.sliding, slot, end - at)
             return MatchResult(blocks, at, sliding=window, checkpoint=slot, recomputed=end - at)
