@@ -120,3 +120,136 @@ def test_a_state_of_another_shape_is_refused(lfm2: tuple[Any, Any]) -> None:
     with pytest.raises(StateShapeError, match="tensors"):
         runner.state.write_slot(1, good[:-1])
     runner.state.write_slot(1, good)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["F32", "Q8_0"])
+def test_an_lfm2_gguf_matches_transformers(tmp_path: Any, quantized: bool) -> None:
+    """llama.cpp's "lfm2" layout (per-layer KV head counts, `shortconv.*` tensors, the conv as [hidden,
+    L], `token_embd_norm` as the final norm) loads and matches transformers on the file's values; Q8_0
+    products run natively on the file's blocks, the conv layers' in_proj and out_proj included."""
+    import transformers
+
+    from kvserve.model.quant_linear import QuantLinear
+    from kvserve.model.short_conv import ShortConv
+    from tests.model.gguf_families import tiny_vocabulary, write_family_gguf
+
+    vocabulary = tiny_vocabulary("lfm2")
+    overrides = {
+        **LFM2,
+        "block_auto_adjust_ff_dim": False,
+        "intermediate_size": 256,
+        "vocab_size": len(vocabulary),
+        "bos_token_id": vocabulary.bos,
+        "eos_token_id": vocabulary.eos,
+        "pad_token_id": vocabulary.eos,
+    }
+    folder = save_tiny_model(str(tmp_path / "lfm2"), "lfm2", **overrides)
+    path = str(tmp_path / "lfm2.gguf")
+    reference = write_family_gguf(folder, path, "lfm2", quantized)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    missing, unexpected = theirs.load_state_dict(reference, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing)
+    ours = load_model(path, str(tmp_path / "cache"))
+    assert ours.config.architecture == "lfm2" and ours.config.attention_layers == (1,)
+    runner = ModelRunner(
+        ours,
+        64,
+        4,
+        512,
+        "cpu",
+        "float32",
+        "gguf" if quantized else "float32",
+        kv_dtype="float32",
+        num_state_slots=4,
+    )
+    conv = runner.transformer.layers[0].mixer
+    assert isinstance(conv, ShortConv)
+    if quantized:
+        assert isinstance(conv.in_proj, QuantLinear) and isinstance(conv.out_proj, QuantLinear)
+    prompt = random_prompt(37, seed=3, vocab=len(vocabulary))
+    logits, tokens = _run(runner, [prompt], 16, 6)
+    expected = hf_logits(theirs, prompt + tokens[0])[: len(prompt) + 6]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        greedy = theirs.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert tokens[0] == greedy[0, len(prompt) :].tolist()
+
+
+def test_a_mixer_whose_state_disagrees_with_the_config_is_refused(
+    lfm2: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvserve.model import runner as runner_module
+    from kvserve.model.recurrent import StateSpec
+
+    def wrong(config: Any, dtype: torch.dtype) -> list[StateSpec | None]:
+        return [
+            None if config.mixer(i) == "attention" else StateSpec(((7, 2),), dtype)
+            for i in range(config.num_layers)
+        ]
+
+    monkeypatch.setattr(runner_module, "state_specs", wrong)
+    with pytest.raises(ModelLoadError, match="disagrees with its config"):
+        _runner(lfm2[0])
+
+
+class _Meta:
+    """GGUF metadata as the families read it (GgufMetadata's calls), from a dict."""
+
+    arch = "lfm2"
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key.replace("{arch}", "lfm2"), default)
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"the GGUF metadata lacks {key}")
+        return value
+
+    def count(self, key: str) -> int | None:
+        return None
+
+    def has_tensor(self, name: str) -> bool:
+        return False
+
+
+_GOOD = {
+    "lfm2.attention.head_count": 4,
+    "lfm2.attention.head_count_kv": [0, 2, 0, 0],
+    "lfm2.embedding_length": 64,
+    "lfm2.feed_forward_length": 128,
+    "lfm2.block_count": 4,
+    "lfm2.vocab_size": 512,
+    "lfm2.shortconv.l_cache": 3,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({}, None),
+        ({"lfm2.attention.head_count_kv": [0, 2, 0]}, "each of the 4 layers"),
+        ({"lfm2.attention.head_count_kv": [0, 2, 0, 4]}, "one positive count"),
+        ({"lfm2.attention.head_count_kv": [0, 0, 0, 0]}, "one positive count"),
+        ({"lfm2.attention.head_count_kv": [0, "2", 0, 0]}, "must be an integer"),
+        ({"lfm2.shortconv.l_cache": None}, "lacks"),
+        ({"lfm2.shortconv.l_cache": 1}, "conv_L_cache must be 2 to 64"),
+        ({"lfm2.shortconv.l_cache": 1 << 30}, "conv_L_cache must be 2 to 64"),
+    ],
+)
+def test_hostile_lfm2_gguf_metadata_is_one_clear_error(change: dict[str, Any], error: str | None) -> None:
+    from kvserve.model.families import config_from_hf
+    from kvserve.model.families.lfm2 import LFM2
+
+    assert LFM2.gguf_config is not None
+    values = {k: v for k, v in {**_GOOD, **change}.items() if v is not None}
+    if error is None:
+        config = config_from_hf(LFM2.gguf_config(_Meta(values)))  # type: ignore[arg-type]
+        assert config.mixers == ("short_conv", "attention", "short_conv", "short_conv")
+        assert (config.num_kv_heads, config.conv_kernel, config.intermediate_size) == (2, 3, 128)
+        return
+    with pytest.raises(ValueError, match=error):
+        config_from_hf(LFM2.gguf_config(_Meta(values)))  # type: ignore[arg-type]
