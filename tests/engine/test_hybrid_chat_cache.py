@@ -84,3 +84,15 @@ def test_a_match_past_the_last_checkpoint_counts_what_it_recomputes(lfm2: Loaded
     _, cached, recomputed = _run(engine, "b", [*system, 17, 18, 19])
     assert (cached, recomputed) == (0, len(system))
     assert engine.stats().recomputed_tokens == len(system)
+
+
+def test_message_ends_are_checkpointed_without_being_named(lfm2: LoadedModel) -> None:
+    """A chat template closes each message with an end-of-turn token: the engine keeps the state after
+    each, so users sharing a system message share its computation though no caller named its end."""
+    engine = engine_with_blocks(lfm2, 200, 4, speculative="off")
+    (eos,) = engine.tokenizer.eos_token_ids
+    system = [*range(100, 129), eos]
+    assert engine.turn_ends([*system, 5, eos, 6]) == [30, 32]
+    for user in range(3):
+        _, cached, recomputed = _run(engine, f"u{user}", [*system, 1000 + user, 1100 + user])
+        assert (cached, recomputed) == ((0, 0) if user == 0 else (len(system), 0))

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.cache.manager import CacheUsage
@@ -170,7 +171,8 @@ class Engine:
         checkpoints: Sequence[int] = (),
     ) -> Request:
         """Queue a request; raises InvalidRequestError when it can never be served as asked.
-        `checkpoints`: prompt positions (message ends) where a hybrid model keeps its state.
+        `checkpoints`: prompt positions (breakpoints) where a hybrid model keeps its state, besides the
+        message ends it finds itself (`turn_ends`).
 
         One request is one sample: callers run `n > 1` as n requests with `params.for_sample(i)`, which
         share the prompt's KV through the prefix cache. A prompt that `validate_request` checked with
@@ -215,8 +217,17 @@ class Engine:
             grammar=None if checked.grammar is None else checked.grammar.start(),
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_model_len=self.max_model_len,
-            checkpoints=checkpoints,
+            checkpoints=[*checkpoints, *self.turn_ends(checked.token_ids)],
         )
+
+    def turn_ends(self, token_ids: Sequence[int]) -> list[int]:
+        """A hybrid model's message boundaries in a prompt: the positions just after each end-of-turn
+        token (the tokenizer's end-of-sequence ids, which chat templates close every message with), so
+        that another request sharing the messages before one resumes there. Empty for other models."""
+        if not self.kv.states.enabled or not self.tokenizer.eos_token_ids:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        return (np.flatnonzero(np.isin(ids, self.tokenizer.eos_token_ids)) + 1).tolist()  # type: ignore[no-any-return]
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks (they stay cached); False if it is unknown or done."""
