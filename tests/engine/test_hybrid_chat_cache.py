@@ -96,3 +96,25 @@ def test_message_ends_are_checkpointed_without_being_named(lfm2: LoadedModel) ->
     for user in range(3):
         _, cached, recomputed = _run(engine, f"u{user}", [*system, 1000 + user, 1100 + user])
         assert (cached, recomputed) == ((0, 0) if user == 0 else (len(system), 0))
+
+
+def test_the_door_passes_a_request_s_checkpoints(lfm2: LoadedModel) -> None:
+    """`AsyncEngine.generate`'s checkpoints (the server's cache breakpoints) reach the engine: a second
+    prompt sharing the first one's prefix up to a named position resumes there."""
+    import asyncio
+
+    from kvserve.engine.async_engine import AsyncEngine
+
+    door = AsyncEngine(engine_with_blocks(lfm2, 200, 4, speculative="off"))
+    shared = list(range(100, 127))
+
+    async def cached(prompt: list[int]) -> int:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        deltas = [d async for d in door.generate(prompt, params, checkpoints=[len(shared)])]
+        return deltas[-1].num_cached_tokens
+
+    try:
+        assert asyncio.run(cached([*shared, 7, 8])) == 0
+        assert asyncio.run(cached([*shared, 9, 10])) == len(shared)
+    finally:
+        door.shutdown()
