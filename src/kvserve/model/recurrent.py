@@ -10,6 +10,11 @@ runner applies the copies the cache asks for (`RecurrentState.apply`) before eac
 
 Slot 0 is scratch: rows with no sequence slot (the startup probe's) read and write it, and no cache
 decision ever points at it.
+
+A new recurrent family plugs in without touching the forward pass, the engine or the cache: a mixer
+kind in `kvserve.model.spec.MIXERS` named per layer by `ModelConfig.mixers`, and in its `Family` a
+`mixer` builder (the layer's RecurrentMixer from its weights) and a `state_spec` (the layer's StateSpec
+as the config makes it, which sizes the pool; a mixer whose own spec disagrees is refused at load).
 """
 
 from collections.abc import Sequence
