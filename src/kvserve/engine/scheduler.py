@@ -267,8 +267,9 @@ class Scheduler:
             )
             if request.max_model_len is not None:
                 limit = min(limit, request.max_model_len - request.num_tokens - 1)
-            # Every draft row may be accepted: none may run past a checkpoint position.
-            limit = self._room(request, chunk.start + 1, limit)
+            # Every draft row may be accepted: none may run past a checkpoint position (the decode's own
+            # end included, chunk.start + 1).
+            limit = min([limit, *(stop - chunk.start - 1 for stop in self._stops(request, chunk.start))])
             if limit <= 0:
                 continue
             # Tokens the grammar forces are drafted first: they are all but certain to be kept.
