@@ -118,3 +118,31 @@ def test_the_door_passes_a_request_s_checkpoints(lfm2: LoadedModel) -> None:
         assert asyncio.run(cached([*shared, 9, 10])) == len(shared)
     finally:
         door.shutdown()
+
+
+def test_drafts_stop_at_checkpoint_positions(lfm2: LoadedModel) -> None:
+    """With mostly right drafts and a checkpoint every 4 tokens, a reply of 24 tokens is checkpointed at
+    every multiple of 4 all the same: no draft runs past one, and no rejection loses one."""
+    from kvserve.cache.prefix_cache import PrefixCache
+    from tests.harness import OracleDrafter
+
+    engine = engine_with_blocks(lfm2, 200, 4, speculative="suffix", state_checkpoint_interval=4)
+    oracle = OracleDrafter(
+        engine_with_blocks(lfm2, 200, 4, speculative="off", enable_prefix_caching=False), 1
+    )
+    engine.scheduler.drafter = oracle
+    prompt = list(range(100, 110))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    oracle.added("r", prompt, params)
+    engine.add_request("r", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.kv.check()
+    assert engine.stats().spec_accepted_tokens > 0
+    tree = engine.kv.prefix_cache
+    assert isinstance(tree, PrefixCache)
+    ends = set()
+    for slot in tree.checkpoint_slots():
+        node, k = tree._checkpoints[slot]
+        ends.add(node.depth - len(node.tokens) + k)
+    assert set(range(4, 10 + 24, 4)) <= ends, sorted(ends)
