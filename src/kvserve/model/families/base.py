@@ -95,8 +95,11 @@ class GgufMetadata:
         return name in self.file.tensors
 
 
-def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str) -> dict[str, Any]:
-    """config.json fields every family reads the same way from llama.cpp's keys."""
+def gguf_common_config(
+    meta: GgufMetadata, hf_architecture: str, model_type: str, per_layer_kv: bool = False
+) -> dict[str, Any]:
+    """config.json fields every family reads the same way from llama.cpp's keys; `per_layer_kv`: the
+    KV head count may be one per layer (a hybrid's, 0 where a layer has no attention)."""
 
     def count(key: str, default: object = None) -> int:
         name = key.replace("{arch}", meta.arch)
@@ -111,7 +114,7 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
         "intermediate_size": count("{arch}.feed_forward_length"),
         "num_hidden_layers": count("{arch}.block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": _kv_heads(meta, n_head),
+        "num_key_value_heads": _kv_heads(meta, n_head, per_layer_kv),
         "rms_norm_eps": float(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(meta.get("{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": _context_length(meta),
@@ -134,12 +137,12 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
     return config
 
 
-def _kv_heads(meta: GgufMetadata, n_head: int) -> int:
-    """`{arch}.attention.head_count_kv`: one count, or (hybrid models) one per layer, 0 for a layer
-    without attention, whose positive counts must agree."""
+def _kv_heads(meta: GgufMetadata, n_head: int, per_layer: bool) -> int:
+    """`{arch}.attention.head_count_kv`: one count, or (`per_layer`, hybrid models) one per layer, 0 for
+    a layer without attention, whose positive counts must agree."""
     value = meta.get("{arch}.attention.head_count_kv", n_head)
     name = f"{meta.arch}.attention.head_count_kv"
-    if not isinstance(value, list):
+    if not per_layer or not isinstance(value, list):
         return integer(value, name)
     counts = {integer(v, name) for v in value} - {0}
     if len(counts) != 1:

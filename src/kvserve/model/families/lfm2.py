@@ -120,7 +120,7 @@ def _config(raw: Mapping[str, Any]) -> ModelConfig:
 
 def _gguf_config(meta: GgufMetadata) -> dict[str, Any]:
     kv = meta.get("{arch}.attention.head_count_kv")
-    config = gguf_common_config(meta, "Lfm2ForCausalLM", "lfm2")
+    config = gguf_common_config(meta, "Lfm2ForCausalLM", "lfm2", per_layer_kv=True)
     layers = config["num_hidden_layers"]
     if not isinstance(kv, list) or len(kv) != layers:
         raise ValueError(f"{meta.arch}.attention.head_count_kv must give each of the {layers} layers a count")
