@@ -40,7 +40,7 @@ before it (n samples, a retry), at the positions the request names (its messages
 `state_checkpoint_interval` tokens, and where it stops (the reply's end, a preemption). A chunk never runs
 past such a position, so the state is there after the step that reaches it. A draft never runs past one
 either; its sequence's state is snapshotted before the step, and a rejection puts it back: the accepted
-tokens then run again as the next step's chunk (their KV is written again with the same values, never
+tokens then run again as the next step's chunk (their KV is written again, the same tokens at the same positions, never
 into a published block), so the state is always the state after `num_computed` tokens.
 
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
