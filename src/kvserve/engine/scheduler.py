@@ -36,12 +36,13 @@ and the blocks its rejected tokens took are let go of after the step (`after_ste
 
 Hybrid models (recurrent layers beside attention): a sequence's recurrent state is kept as a
 checkpoint in the cache where a later request may resume: after the prompt's last token and the one
-before it (n samples, a retry), at the positions the request names (its messages' ends), every
-`state_checkpoint_interval` tokens, and where it stops (the reply's end, a preemption). A chunk never runs
-past such a position, so the state is there after the step that reaches it. A draft never runs past one
-either; its sequence's state is snapshotted before the step, and a rejection puts it back: the accepted
-tokens then run again as the next step's chunk (their KV is written again, the same tokens at the same positions, never
-into a published block), so the state is always the state after `num_computed` tokens.
+before it (n samples, a retry), at message ends and the positions the request names, every
+`state_checkpoint_interval` tokens, and where it stops (the reply's end, a preemption). A chunk never
+runs past such a position, so the state is there after the step that reaches it. A draft never runs
+past one either; its sequence's state is snapshotted before the step, and a rejection puts it back: the
+accepted tokens then run again as the next step's chunk (their KV written again, the same tokens at the
+same positions, never into a published block), so the state is always the one after `num_computed`
+tokens.
 
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
 request still prefilling waits for that prefill, then finds the shared part in the cache instead of
