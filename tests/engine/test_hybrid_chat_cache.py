@@ -78,12 +78,21 @@ def test_a_shared_system_prompt_is_computed_once(lfm2: LoadedModel) -> None:
 def test_a_match_past_the_last_checkpoint_counts_what_it_recomputes(lfm2: LoadedModel) -> None:
     """Without the boundary, a second user's prompt shares the system prompt's KV but no checkpoint
     there: the hit resumes from nothing and the shared tokens are counted as recomputed."""
+    from kvserve.server.http.metrics import EngineStatsCollector
+
     engine = engine_with_blocks(lfm2, 200, 4, speculative="off")
     system = list(range(100, 130))
     _run(engine, "a", [*system, 7, 8, 9])
     _, cached, recomputed = _run(engine, "b", [*system, 17, 18, 19])
     assert (cached, recomputed) == (0, len(system))
-    assert engine.stats().recomputed_tokens == len(system)
+    stats = engine.stats()
+    assert stats.recomputed_tokens == len(system)
+    assert 0 < stats.cache.num_state_checkpoints <= stats.cache.max_state_checkpoints
+    collector = EngineStatsCollector("m")
+    collector.stats = stats
+    values = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert values["kvserve_state_recomputed_tokens_total"] == len(system)
+    assert values["kvserve_state_checkpoints"] == stats.cache.num_state_checkpoints
 
 
 def test_message_ends_are_checkpointed_without_being_named(lfm2: LoadedModel) -> None:

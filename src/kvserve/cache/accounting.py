@@ -58,6 +58,9 @@ class CacheUsage:
     # retention), by reason (cache/retention.py: budget, server_cap, memory).
     retentions_dropped: dict[str, int] = field(default_factory=dict)
     retained_blocks_dropped: dict[str, int] = field(default_factory=dict)
+    # A hybrid model's recurrent-state checkpoints in the tree, and the slots they may take.
+    num_state_checkpoints: int = 0
+    max_state_checkpoints: int = 0
 
     @property
     def usage(self) -> float:

@@ -441,6 +441,8 @@ class KVCacheManager:
             max_retained=retentions.max_blocks,
             retentions_dropped=dict(retentions.dropped),
             retained_blocks_dropped=dict(retentions.dropped_blocks),
+            num_state_checkpoints=self.prefix_cache.num_checkpoints,
+            max_state_checkpoints=self.states.checkpoint_slots,
         )
 
     def namespace_usage(self, namespace: str) -> NamespaceUsage:

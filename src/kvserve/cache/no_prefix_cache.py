@@ -15,6 +15,7 @@ class NoPrefixCache:
     num_nodes = 0
     num_evicted = 0
     num_tombstoned = 0
+    num_checkpoints = 0
 
     def match(
         self,

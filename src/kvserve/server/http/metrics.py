@@ -167,6 +167,15 @@ class EngineStatsCollector:
                 c.num_retained,
             )
         )
+        if c.max_state_checkpoints:
+            families.append(
+                (
+                    GaugeMetricFamily,
+                    "kvserve_state_checkpoints",
+                    "Hybrid models: recurrent-state checkpoints the prefix cache holds.",
+                    c.num_state_checkpoints,
+                )
+            )
         if s.step_costs is not None:
             costs = s.step_costs
             families += [
