@@ -15,6 +15,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from kvserve.engine.factory import state_slots
 from kvserve.engine.grammar import StructuredOutputs
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
@@ -43,6 +44,8 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
         max_model_len=MAX_MODEL_LEN,
         **overrides,
     )
+    # A hybrid model's recurrent states come out of the same memory: add theirs.
+    config = replace(config, kv_cache_memory=config.kv_cache_memory + state_slots(config, model)[2])
     engine = Engine.from_config(config, model=model)
     # A sliding pool of its own (a sliding model, the prefix cache off) is taken only where the global
     # pool then holds at least the blocks that one pool would.

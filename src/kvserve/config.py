@@ -196,6 +196,17 @@ class EngineConfig:
     enable_prefix_caching: bool = option(
         True, "disable prefix caching (for baselines)", name="--no-prefix-cache"
     )
+    state_checkpoint_interval: int = option(
+        0,
+        "hybrid models: keep a checkpoint of the recurrent state every N tokens of a sequence, besides "
+        "the structural ones (prompt and reply ends, message boundaries); 0: only those "
+        "(default %(default)s)",
+    )
+    state_checkpoints: int = option(
+        256,
+        "hybrid models: recurrent-state checkpoints the prefix cache may keep, counted in "
+        "--kv-cache-memory (default %(default)s)",
+    )
     cache_aware_scheduling_bound: int = 32
     threads: int | None = option(None, "torch CPU threads (default: torch's choice)")
     single_token_threads: int | None = option(
@@ -320,6 +331,8 @@ class EngineConfig:
                 f"speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}",
             ),
             (self.max_sequences_per_request > 0, "max_sequences_per_request must be positive"),
+            (self.state_checkpoint_interval >= 0, "state_checkpoint_interval must be >= 0"),
+            (self.state_checkpoints >= 0, "state_checkpoints must be >= 0"),
             (self.cache_aware_scheduling_bound >= 0, "cache_aware_scheduling_bound must be >= 0"),
             (self.threads is None or self.threads > 0, "threads must be positive"),
             (

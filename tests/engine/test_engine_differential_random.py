@@ -100,6 +100,10 @@ class Case:
     speculative: str = "off"
     speculative_tokens: int = 8
     oracle_seed: int = 0
+    # Hybrid models: the state checkpoint interval (0: the structural ones only) and the checkpoints the
+    # cache may keep (tiny: they are evicted).
+    state_checkpoint_interval: int = 0
+    state_checkpoints: int = 256
 
 
 # A small alphabet makes accidental shared prefixes and partial-block hits common.
@@ -192,6 +196,9 @@ def cases(draw: st.DrawFn, sliding: bool = False, kv_dtypes: bool = False) -> Ca
         speculative=draw(st.sampled_from(["off", "suffix", "oracle", "oracle"])),
         speculative_tokens=draw(st.sampled_from([1, 2, 3, 8, 64])),
         oracle_seed=draw(st.integers(0, 2**16)),
+        # Every token, one block, several blocks, or only the structural checkpoints.
+        state_checkpoint_interval=draw(st.sampled_from([1, block_size, 3 * block_size, 0])),
+        state_checkpoints=draw(st.sampled_from([1, 2, 5, 256])),
     )
 
 
@@ -322,6 +329,19 @@ def test_each_family_matches_a_no_cache_engine(
     check_case(family_model(kind), family_references(kind), redis_session, case)
 
 
+@settings(SETTINGS, max_examples=max(EXAMPLES // 8, 1))
+@given(case=cases())
+def test_hybrid_model_matches_a_no_cache_engine(
+    family_model: Callable[[str], LoadedModel],
+    family_references: Callable[[str], Engine],
+    redis_session: RedisServer,
+    case: Case,
+) -> None:
+    """LFM2's hybrid (recurrent state beside attention): state checkpoints at every interval drawn,
+    tiny checkpoint pools that evict, speculation on and off, lower tiers (which a hybrid's hits skip)."""
+    check_case(family_model("lfm2-hybrid"), family_references("lfm2-hybrid"), redis_session, case)
+
+
 def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer, case: Case) -> None:
     """Run `case` on a fresh engine on `model` and check it against `reference`, its hits, its leaks
     and a sample of its cached blocks."""
@@ -344,6 +364,8 @@ def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer
             kv_disk=disk if case.disk_tier else None,
             kv_remote=redis_session.url if case.redis_tier else None,
             secret=REDIS_SECRET,
+            state_checkpoint_interval=case.state_checkpoint_interval,
+            state_checkpoints=case.state_checkpoints,
         )
         oracle = None
         if case.speculative == "oracle":
@@ -357,6 +379,8 @@ def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer
             tree = engine.kv.prefix_cache
             # A tombstoned sliding block makes a hit ending inside its window impossible, as an eviction does.
             lost = engine.stats().cache.num_evicted + (tree.num_tombstoned if tree is not None else 0)
+            # A hybrid model's hit needs a checkpoint: one evicted, skipped or given up loses it.
+            lost += engine.kv.checkpoint_misses + getattr(tree, "num_checkpoints_evicted", 0)
             assert_repeats_hit(case, run, lost)
             assert_no_leak(engine)
             if case.enable_prefix_caching:

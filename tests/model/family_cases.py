@@ -47,9 +47,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# LFM2's hybrid shape: gated short convolutions (recurrent state) around one attention layer.
+LFM2_HYBRID: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "layer_types": ["conv", "full_attention", "conv"],
+    "conv_L_cache": 3,
+    "block_auto_adjust_ff_dim": False,
+}
+
 # Every family beyond Llama for the randomized differential test: the parity tests' cases
 # (above), Gemma 3's window cut to 5 so that its sliding layers slide within the
-# workloads' prompts, and a Qwen3-MoE with a dense layer among the sparse ones.
+# workloads' prompts, a Qwen3-MoE with a dense layer among the sparse ones, and LFM2's hybrid.
 FAMILY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     **{name: CASES[name] for name in ("qwen3", "smollm3-nope", "phi3-longrope")},
     "gemma3-window-5": (CASES["gemma3"][0], {**CASES["gemma3"][1], "sliding_window": 5}),
@@ -63,6 +71,7 @@ FAMILY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [0],
         },
     ),
+    "lfm2-hybrid": ("lfm2", LFM2_HYBRID),
 }
 
 

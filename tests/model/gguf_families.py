@@ -27,6 +27,7 @@ ARCHES = {
     "phi3": MODEL_ARCH.PHI3,
     "gemma3": MODEL_ARCH.GEMMA3,
     "qwen3_moe": MODEL_ARCH.QWEN3MOE,
+    "lfm2": MODEL_ARCH.LFM2,
 }
 # Tiny tokenizers of a few hundred tokens, so that the files and their conversion stay small and fast:
 # a byte-level BPE (Qwen, SmolLM and Phi-4's kind) and, for Gemma, a sentencepiece vocabulary with byte
@@ -182,7 +183,12 @@ def write_hparams(writer: gguf.GGUFWriter, family: str, config: dict[str, Any]) 
     writer.add_block_count(n_layers)
     writer.add_feed_forward_length(int(config["intermediate_size"]))
     writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
+    if family == "lfm2":
+        # llama.cpp's hybrid form: a count per layer, 0 where the layer is a convolution.
+        writer.add_head_count_kv([n_kv if t == "full_attention" else 0 for t in config["layer_types"]])
+        writer.add_shortconv_l_cache(int(config["conv_L_cache"]))
+    else:
+        writer.add_head_count_kv(n_kv)
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     rope = config.get("rope_parameters") or {}
     if family == "gemma3":
@@ -296,6 +302,11 @@ def write_family_gguf(
             w = changed
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
+        if family == "lfm2" and name.endswith("conv.conv.weight"):
+            # llama.cpp's converter writes the depthwise kernel as [hidden, L].
+            writer.add_tensor(gguf_name, w.reshape(w.shape[0], w.shape[-1]))
+            reference[name] = torch.from_numpy(w)
+            continue
         stored = w + 1 if family == "gemma3" and name.endswith("norm.weight") else w
         data, kind, values = _encode(name, stored, quantized)
         if family in PERMUTED and name.endswith(

@@ -35,6 +35,9 @@ class Admission:
     hits: dict[str, int] = field(default_factory=dict)
     # The same copy in the sliding layers' group, where its ids are its own.
     sliding_copy: tuple[int, int] | None = None
+    # A hybrid model's tokens that the KV cache held but that are recomputed, for want of a state
+    # checkpoint nearer the match's end.
+    recomputed: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class CacheUsage:
     # retention), by reason (cache/retention.py: budget, server_cap, memory).
     retentions_dropped: dict[str, int] = field(default_factory=dict)
     retained_blocks_dropped: dict[str, int] = field(default_factory=dict)
+    # A hybrid model's recurrent-state checkpoints in the tree, and the slots they may take.
+    num_state_checkpoints: int = 0
+    max_state_checkpoints: int = 0
 
     @property
     def usage(self) -> float:

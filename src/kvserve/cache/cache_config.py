@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.loader import LOAD_BUDGET_S
 from kvserve.cache.sliding_pool import NO_SLIDING_POOL, NoSlidingPool, SlidingPool
+from kvserve.cache.state_pool import NoStatePool, StatePool
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,15 @@ class CacheConfig:
     max_retained_blocks: int = 0
     max_retained_blocks_per_namespace: int = 0
     load_budget_s: float = LOAD_BUDGET_S
+    # A hybrid model's recurrent-state slots (state_pool.py): live ones (0: no recurrent layers) and
+    # checkpoints.
+    live_state_slots: int = 0
+    state_checkpoint_slots: int = 0
+
+    def states(self) -> NoStatePool:
+        if not self.live_state_slots:
+            return NoStatePool()
+        return StatePool(self.live_state_slots, self.state_checkpoint_slots)
 
     def sliding(self) -> NoSlidingPool:
         if (self.num_sliding_blocks > 0) != (self.sliding_window is not None):

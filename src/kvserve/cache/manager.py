@@ -17,6 +17,7 @@ The concerns, each in its module, each an object that does nothing when its feat
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 # Admission, CacheUsage, NamespaceUsage and SequenceBlocks are part of the manager's API.
 from kvserve.cache.accounting import Admission as Admission
@@ -42,6 +43,7 @@ from kvserve.cache.prefix_cache import MatchResult, PrefixCache
 from kvserve.cache.retention import Retention, Retentions
 from kvserve.cache.sequence_blocks import SequenceBlocks as SequenceBlocks
 from kvserve.cache.sequence_blocks import blocks_for
+from kvserve.cache.state_pool import StatePool
 from kvserve.cache.tier_loads import NoTiers, TierLoads
 from kvserve.cache.tiers import TIER_MEMORY
 
@@ -59,6 +61,14 @@ class KVCacheManager:
       same call that found them; a tree node of a running sequence's window is never a tombstone).
     - A block loaded from a lower tier is verified there first and is written before it joins the tree;
       the loader holds host tensors only (TierLoads).
+    - A hybrid model's state slots (StatePool, state_pool.py): each is free, one running sequence's
+      live state, one draft's snapshot (in the checkpoints' share), or one checkpoint (in the tree at
+      the node holding its last token, or pending on its sequence until that block joins the tree). A
+      live state always holds the state after the sequence's `num_computed` tokens once the logged
+      copies have run. A checkpoint at P holds the state after exactly the tree's first P tokens of its
+      path: it is made only from a live state at P, and leaves with its node. An admission's match ends
+      at a checkpoint (`MatchResult.checkpoint`): the KV matched past it is recomputed and counted
+      (`Admission.recomputed`). Lower tiers carry no state: a hybrid model's hits come from memory.
     """
 
     def __init__(
@@ -74,9 +84,15 @@ class KVCacheManager:
         bs = self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks)
         self.sliding = config.sliding()
+        self.states = config.states()
         self.prefix_cache = (
-            PrefixCache(self.pool, bs, self.sliding) if config.enable_prefix_caching else NoPrefixCache()
+            PrefixCache(self.pool, bs, self.sliding, self.states)
+            if config.enable_prefix_caching
+            else NoPrefixCache()
         )
+        # A hybrid model's checkpoints lost: skipped for want of a slot (every checkpoint slot pending on a
+        # running sequence), or matches given up to whole blocks (a pool too full for a partial copy).
+        self.checkpoint_misses = 0
         self.max_pinned_blocks = config.max_pinned_blocks
         self.clock = clock
         retained = config.max_retained_blocks if config.enable_prefix_caching else 0
@@ -90,7 +106,10 @@ class KVCacheManager:
 
     def cached_prefix_len(self, namespace: str, tokens: Sequence[int]) -> int:
         """How many leading tokens the cache holds now (a hint for ordering; nothing is locked)."""
-        return self.prefix_cache.match(namespace, tokens, record_hit=False).num_tokens
+        checkpointed = self.states.enabled
+        return self.prefix_cache.match(
+            namespace, tokens, record_hit=False, checkpointed=checkpointed
+        ).num_tokens
 
     def start_load(
         self, namespace: str, tokens: Sequence[int], max_cached: int | None = None
@@ -99,7 +118,7 @@ class KVCacheManager:
         more, start reading those blocks off the engine thread and return the job. The request then
         waits until `load_ready(job)`, and `admit(..., load=job)` copies what arrived into the pool.
         None when there is nothing to read: admit at once. Reads nothing here, locks nothing."""
-        if not tokens:
+        if not tokens or self.states.enabled:
             return None
         prompt = tokens[: self._cache_limit(tokens, max_cached)]
         return self.tiers.start_load(namespace, prompt)
@@ -156,7 +175,8 @@ class KVCacheManager:
         arrived = self.tiers.take(load)
         seq = SequenceBlocks(namespace)
         prompt = tokens[: self._cache_limit(tokens, max_cached)]
-        match = self.prefix_cache.match(namespace, prompt)
+        states = self.states.enabled
+        match = self.prefix_cache.match(namespace, prompt, checkpointed=states)
         accounts.hold(seq, match)
         hits = {TIER_MEMORY: match.num_tokens}
         if self.tiers.land(seq, prompt, arrived, hits, load):
@@ -166,7 +186,7 @@ class KVCacheManager:
             accounts.hold_copy_source(seq, match)
             n = min(len(tokens) - match.num_tokens, budget)
             if accounts.extend(seq, match.num_tokens + n):
-                return accounts.admitted(seq, match.num_tokens, n, hits)
+                return self._live(accounts.admitted(seq, match.num_tokens, n, hits), match)
             # The copy source is one block more than the chunk itself needs; in a pool that can hold
             # the chunk but not both, give up the partial hit rather than never admitting.
             accounts.drop_copy_source(seq)
@@ -177,12 +197,31 @@ class KVCacheManager:
                 match = self.prefix_cache.match(namespace, prompt, record_hit=False, partial=False)
                 accounts.hold(seq, match)
                 hits[TIER_MEMORY] = match.num_tokens
+            elif states:
+                # Whole blocks only: the match ends at a checkpoint at a block's end, or is empty.
+                self.checkpoint_misses += 1
+                accounts.release_all(seq)
+                match = self.prefix_cache.match(namespace, prompt, False, partial=False, checkpointed=True)
+                accounts.hold(seq, match)
+                hits[TIER_MEMORY] = match.num_tokens
         cached = len(seq.blocks) * bs
         n = min(len(tokens) - cached, budget)
         if accounts.extend(seq, cached + n):
-            return accounts.admitted(seq, cached, n, hits)
+            return self._live(accounts.admitted(seq, cached, n, hits), match)
         accounts.release_all(seq)
         return None
+
+    def _live(self, admission: Admission, match: MatchResult) -> Admission:
+        """A hybrid model's admission takes its live state slot, holding the match's checkpoint (zeros
+        for an empty match), and counts the tokens matched past the checkpoint."""
+        if not self.states.enabled:
+            return admission
+        assert isinstance(self.states, StatePool)
+        seq = admission.seq
+        seq.state_slot = self.states.live(match.checkpoint if admission.num_cached_tokens else None)
+        return replace(
+            admission, recomputed=match.recomputed + match.num_tokens - admission.num_cached_tokens
+        )
 
     def grow(self, seq: SequenceBlocks, num_tokens: int, speculative: bool = False) -> bool:
         """Make `seq.blocks` cover `num_tokens` tokens; False, with nothing taken, if the pool cannot.
@@ -217,6 +256,7 @@ class KVCacheManager:
             )
             self.tiers.offer(seq.keys, seq.namespace, tokens, seq.blocks[:full], seq.num_published, sliding)
             seq.num_published = full
+            self._attach(seq, tokens, full * self.block_size)
         seq.num_computed = num_computed
         self.sliding.release_passed(seq, num_computed)
 
@@ -231,9 +271,95 @@ class KVCacheManager:
             n = blocks_for(num_computed, self.block_size)
             sliding = self.sliding.entries(seq, n)
             self.prefix_cache.insert(seq.namespace, tokens[:num_computed], seq.blocks[:n], sliding)
+            # The state where the sequence stopped is the next turn's (or the resumed preemption's).
+            self.checkpoint(seq, tokens, num_computed)
+        self._release_states(seq, tokens, num_computed)
         self.accounts.release_all(seq)
         seq.num_published = 0
         self.accounts.live.discard(seq)
+
+    # A hybrid model's recurrent state (state_pool.py).
+
+    def checkpoint(self, seq: SequenceBlocks, tokens: Sequence[int], position: int) -> None:
+        """Keep the sequence's live state, the state after `tokens[:position]` (its `num_computed` as of
+        the last step), as a checkpoint: in the tree where the node holding token position - 1 is there,
+        else pending until it is. Takes a checkpoint slot, evicting the least valuable checkpoint when
+        they hold all theirs; skipped (counted) when every one is pending."""
+        states = self.states
+        if not isinstance(states, StatePool) or seq.state_slot is None or not position:
+            return
+        if any(at == position for at, _ in seq.pending):
+            return
+        slot = states.checkpoint()
+        if slot is None and self.prefix_cache.evict_checkpoint():
+            slot = states.checkpoint()
+        if slot is None:
+            self.checkpoint_misses += 1
+            return
+        states.copy(seq.state_slot, slot)
+        seq.pending.append((position, slot))
+        self._attach(seq, tokens, min(position, seq.num_published * self.block_size))
+
+    def _attach(self, seq: SequenceBlocks, tokens: Sequence[int], reach: int) -> None:
+        """Move the sequence's pending checkpoints at or before `reach` (tokens the tree holds) into the
+        tree; one the tree already has frees its slot."""
+        if not seq.pending or not isinstance(self.states, StatePool):
+            return
+        left = []
+        for position, slot in seq.pending:
+            if position > reach:
+                left.append((position, slot))
+            elif not self.prefix_cache.add_checkpoint(seq.namespace, tokens[:position], slot):
+                self.states.free_checkpoint(slot)
+        seq.pending = left
+
+    def _release_states(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:
+        states = self.states
+        if not isinstance(states, StatePool):
+            return
+        self._attach(seq, tokens, num_computed)
+        for _, slot in seq.pending:
+            states.free_checkpoint(slot)
+        seq.pending = []
+        if seq.snapshot is not None:
+            states.free_checkpoint(seq.snapshot)
+        if seq.state_slot is not None:
+            states.free(seq.state_slot)
+        seq.state_slot = seq.snapshot = None
+
+    def snapshot_state(self, seq: SequenceBlocks) -> bool:
+        """Before a step verifies draft rows: keep the sequence's live state aside, so that a rejection
+        can put it back (`restore_state`). The snapshot takes a checkpoint slot (evicting the least
+        valuable checkpoint if need be): False, taking nothing, when there is none to take (no draft
+        then). Always true for a model with no recurrent layers."""
+        states = self.states
+        if not isinstance(states, StatePool):
+            return True
+        assert seq.state_slot is not None and seq.snapshot is None
+        slot = states.checkpoint()
+        if slot is None and self.prefix_cache.evict_checkpoint():
+            slot = states.checkpoint()
+        if slot is None:
+            return False
+        states.copy(seq.state_slot, slot)
+        seq.snapshot = slot
+        return True
+
+    def restore_state(self, seq: SequenceBlocks, keep: bool) -> None:
+        """The draft's step is over: put the snapshot back as the live state unless `keep` (every draft
+        token accepted), and free it."""
+        states = self.states
+        if not isinstance(states, StatePool) or seq.snapshot is None:
+            return
+        assert seq.state_slot is not None
+        if not keep:
+            states.copy(seq.snapshot, seq.state_slot)
+        states.free_checkpoint(seq.snapshot)
+        seq.snapshot = None
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The state copies decided since the last call, in order: the next step runs them first."""
+        return self.states.take_copies()
 
     def reset_prefix_cache(self) -> int:
         return self.prefix_cache.reset()
@@ -315,6 +441,8 @@ class KVCacheManager:
             max_retained=retentions.max_blocks,
             retentions_dropped=dict(retentions.dropped),
             retained_blocks_dropped=dict(retentions.dropped_blocks),
+            num_state_checkpoints=self.prefix_cache.num_checkpoints,
+            max_state_checkpoints=self.states.checkpoint_slots,
         )
 
     def namespace_usage(self, namespace: str) -> NamespaceUsage:
@@ -340,3 +468,12 @@ class KVCacheManager:
         """Assert the class invariants (for tests and debugging: walks the whole tree)."""
         entries = self.accounts.check(self.holds, self.holds.pinned_sliding())
         self.holds.check(entries)
+        if isinstance(self.states, StatePool):
+            live = [seq.state_slot for seq in self.accounts.live if seq.state_slot is not None]
+            assert len(live) == len(self.accounts.live), "a running sequence without a state"
+            checkpoints = [slot for seq in self.accounts.live for _, slot in seq.pending]
+            checkpoints += [seq.snapshot for seq in self.accounts.live if seq.snapshot is not None]
+            if isinstance(self.prefix_cache, PrefixCache):
+                self.prefix_cache.check_checkpoints()
+                checkpoints += self.prefix_cache.checkpoint_slots()
+            self.states.check(live, checkpoints)

@@ -15,11 +15,23 @@ class NoPrefixCache:
     num_nodes = 0
     num_evicted = 0
     num_tombstoned = 0
+    num_checkpoints = 0
 
     def match(
-        self, namespace: str, tokens: Sequence[int], record_hit: bool = True, partial: bool = True
+        self,
+        namespace: str,
+        tokens: Sequence[int],
+        record_hit: bool = True,
+        partial: bool = True,
+        checkpointed: bool = False,
     ) -> MatchResult:
         return MatchResult()
+
+    def add_checkpoint(self, namespace: str, tokens: Sequence[int], slot: int) -> bool:
+        return False
+
+    def evict_checkpoint(self) -> bool:
+        return False
 
     def insert(
         self,

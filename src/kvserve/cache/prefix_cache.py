@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 from kvserve.cache.block_pool import RELEASED, BlockPool
 from kvserve.cache.sliding_pool import NO_SLIDING_POOL, NoSlidingPool
+from kvserve.cache.state_pool import NoStatePool
+
+NO_STATE_POOL = NoStatePool()
 
 
 @dataclass(eq=False)
@@ -37,6 +40,9 @@ class _Node:
     last_hit: float = 0.0
     # The sliding layers' block of the same positions (with a sliding pool); None: a tombstone.
     sliding: int | None = None
+    # A hybrid model's state checkpoints at this node: the state after its first k tokens, by k (1 to
+    # len(tokens)), as a StatePool slot.
+    checkpoints: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,10 @@ class MatchResult:
     partial_block: int | None = None
     sliding: tuple[int, ...] = ()
     partial_sliding: int | None = None
+    # With `checkpointed` matching: the slot of the state after `num_tokens` tokens (None: none, the
+    # match is empty), and the tokens the KV match held past it, which the request recomputes.
+    checkpoint: int | None = None
+    recomputed: int = 0
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -108,10 +118,22 @@ class PrefixCache:
 
     enabled = True
 
-    def __init__(self, pool: BlockPool, block_size: int, sliding: NoSlidingPool = NO_SLIDING_POOL) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        sliding: NoSlidingPool = NO_SLIDING_POOL,
+        states: NoStatePool = NO_STATE_POOL,
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.sliding = sliding
+        self.states = states
+        # Every checkpoint in the tree by slot: its node, its length in the node and when it was last
+        # matched or made (the tree's clock).
+        self._checkpoints: dict[int, tuple[_Node, int]] = {}
+        self._checkpoint_use: dict[int, int] = {}
+        self.num_checkpoints_evicted = 0
         self.num_tombstoned = 0
         self._roots: dict[str, _Node] = {}
         self._clock = itertools.count(1)
@@ -132,10 +154,17 @@ class PrefixCache:
         return root
 
     def match(
-        self, namespace: str, tokens: Sequence[int], record_hit: bool = True, partial: bool = True
+        self,
+        namespace: str,
+        tokens: Sequence[int],
+        record_hit: bool = True,
+        partial: bool = True,
+        checkpointed: bool = False,
     ) -> MatchResult:
         """Longest usable cached prefix of `tokens`; marks the matched nodes as recently used and, with
         `record_hit`, counts a hit where the match ended. `partial` False: whole blocks only.
+        `checkpointed` (a hybrid model's admission): the match is cut back to the last state checkpoint
+        at or before its end (`_checkpointed`), and names it.
 
         Full blocks are followed by exact token tuple; the rest is matched against the last full node's
         children by longest common prefix, ties to the most recently used child. With a sliding pool the
@@ -169,6 +198,9 @@ class PrefixCache:
         if best_node is not None:
             best_node.last_access = now
         path, best_node, best = self._usable(path, best_node, best)
+        if checkpointed:
+            root = self._roots[namespace]
+            return self._checkpointed(root, tokens, path, best_node, best, partial, now, record_hit)
         blocks = tuple(n.block for n in path)
         end = len(path) * bs + best
         window = self.sliding.window_blocks([n.sliding for n in path], end)
@@ -179,6 +211,125 @@ class PrefixCache:
         if record_hit:
             self._record_hit(best_node)
         return MatchResult(blocks, end, best_node.block, window, best_node.sliding)
+
+    def _checkpointed(
+        self,
+        root: _Node,
+        tokens: Sequence[int],
+        path: list[_Node],
+        partial: _Node | None,
+        n_partial: int,
+        allow_partial: bool,
+        now: int,
+        hit: bool,
+    ) -> MatchResult:
+        """The match (full nodes `path` under `root`, then `n_partial` tokens of `partial`) cut back to
+        its last state checkpoint: the longest prefix P of it with a checkpoint at P. A checkpoint inside
+        a block may sit at any node that begins with the same tokens (the sequence that made it may have
+        gone on otherwise than this match): that node's block is then the partial block, copied on
+        write. `allow_partial` False: only checkpoints at a block's end count."""
+        bs = self.block_size
+        end = len(path) * bs + (n_partial if partial is not None else 0)
+        top = len(path) if partial is not None else len(path) - 1
+        for j in range(top, -1, -1):
+            parent = path[j - 1] if j else root
+            limit = bs if j < len(path) else n_partial
+            level = tokens[j * bs : j * bs + limit]
+            best: tuple[int, _Node] | None = None
+            for child in parent.children.values():
+                if not child.checkpoints:
+                    continue
+                n = _common_prefix(child.tokens, level)
+                for k in child.checkpoints:
+                    if k <= n and (allow_partial or k == bs) and (best is None or k > best[0]):
+                        best = (k, child)
+            if best is None:
+                continue
+            k, node = best
+            slot = node.checkpoints[k]
+            self._checkpoint_use[slot] = now
+            if hit:
+                self._record_hit(node)
+            full = path[:j] + ([node] if k == bs else [])
+            at = j * bs + k
+            window = self.sliding.window_blocks([n.sliding for n in full], at)
+            blocks = tuple(n.block for n in full)
+            if k < bs:
+                return MatchResult(blocks, at, node.block, window, node.sliding, slot, end - at)
+            return MatchResult(blocks, at, sliding=window, checkpoint=slot, recomputed=end - at)
+        return MatchResult(recomputed=end)
+
+    def add_checkpoint(self, namespace: str, tokens: Sequence[int], slot: int) -> bool:
+        """Keep `slot` as the state after `tokens`, at the node that holds their last token; False (the
+        caller frees the slot) where no node holds it yet or a checkpoint of that prefix exists."""
+        bs = self.block_size
+        node = self._roots.get(namespace)
+        if node is None or not tokens:
+            return False
+        full, rest = divmod(len(tokens), bs)
+        if rest == 0:
+            full, rest = full - 1, bs
+        for j in range(full):
+            child = node.children.get(tuple(tokens[j * bs : (j + 1) * bs]))
+            if child is None:
+                return False
+            node = child
+        key = tuple(tokens[full * bs :])
+        holder = next((c for c in node.children.values() if c.tokens[:rest] == key), None)
+        if holder is None or rest in holder.checkpoints:
+            if holder is not None:
+                self._checkpoint_use[holder.checkpoints[rest]] = next(self._clock)
+            return False
+        holder.checkpoints[rest] = slot
+        self._checkpoints[slot] = (holder, rest)
+        self._checkpoint_use[slot] = next(self._clock)
+        return True
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._checkpoints)
+
+    def checkpoint_slots(self) -> list[int]:
+        return list(self._checkpoints)
+
+    def evict_checkpoint(self) -> bool:
+        """Free the least valuable checkpoint: those at nodes only the tree holds before those a sequence,
+        a pin or a retention holds too, each least recently used first. False when there is none."""
+        if not self._checkpoints:
+            return False
+
+        def key(slot: int) -> tuple[bool, int]:
+            node, _ = self._checkpoints[slot]
+            return (self.pool.ref_count(node.block) > 1, self._checkpoint_use[slot])
+
+        slot = min(self._checkpoints, key=key)
+        self.num_checkpoints_evicted += 1
+        node, k = self._checkpoints.pop(slot)
+        del node.checkpoints[k]
+        del self._checkpoint_use[slot]
+        self.states.free_checkpoint(slot)
+        return True
+
+    def _drop_checkpoints(self, node: _Node) -> None:
+        for slot in node.checkpoints.values():
+            del self._checkpoints[slot]
+            del self._checkpoint_use[slot]
+            self.states.free_checkpoint(slot)
+        node.checkpoints = {}
+
+    def check_checkpoints(self) -> None:
+        """Every checkpoint is at a node of the tree, within its tokens, and listed once."""
+        listed = 0
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                for k, slot in node.checkpoints.items():
+                    assert 1 <= k <= len(node.tokens), "a checkpoint lies past its node's tokens"
+                    assert self._checkpoints.get(slot) == (node, k), "a checkpoint is not listed"
+                    listed += 1
+                stack.extend(node.children.values())
+        assert listed == len(self._checkpoints), "a listed checkpoint is not in the tree"
 
     def _usable(
         self, path: list[_Node], partial: _Node | None, n_partial: int
@@ -294,6 +445,16 @@ class PrefixCache:
         key = new.tokens
         for k, child in list(node.children.items()):
             if len(k) < len(key) and key[: len(k)] == k and self.pool.ref_count(child.block) == 1:
+                # Its checkpoints are of prefixes the new node holds: they move there.
+                for at, slot in child.checkpoints.items():
+                    if at in new.checkpoints:
+                        self._checkpoints.pop(slot)
+                        self._checkpoint_use.pop(slot)
+                        self.states.free_checkpoint(slot)
+                    else:
+                        new.checkpoints[at] = slot
+                        self._checkpoints[slot] = (new, at)
+                child.checkpoints = {}
                 if child.hits:
                     new.hits += child.hits
                     new.last_hit = max(new.last_hit, child.last_hit)
@@ -309,6 +470,7 @@ class PrefixCache:
         if not parent.children and parent.parent is not None:
             self._leaves.add(parent)
         self.pool.release(node.block)
+        self._drop_checkpoints(node)
         if node.sliding is not None:
             self.sliding.release_all([node.sliding])
         self.num_nodes -= 1

@@ -30,6 +30,11 @@ class SequenceBlocks:
     num_computed: int = 0
     # The sliding block of `copy_source`, copied alike into `sliding[num_published]`.
     sliding_copy_source: int | None = None
+    # A hybrid model's state slots (state_pool.py): the live state, a draft's snapshot, and checkpoints
+    # (position, slot) whose last token's block is not in the tree yet.
+    state_slot: int | None = None
+    snapshot: int | None = None
+    pending: list[tuple[int, int]] = field(default_factory=list)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -72,6 +72,7 @@ class _Submit:
     tenant: str
     loop: asyncio.AbstractEventLoop
     out: "asyncio.Queue[RequestDelta | BaseException]"
+    checkpoints: Sequence[int] = ()
 
 
 @dataclass
@@ -235,6 +236,7 @@ class AsyncEngine:
         request_id: str | None = None,
         tenant: str = DEFAULT_TENANT,
         room: Reservation | None = None,
+        checkpoints: Sequence[int] = (),
     ) -> AsyncGenerator[RequestDelta, None]:
         """Stream a request's deltas (one sample: n > 1 runs as n calls with `params.for_sample(i)`);
         leaving the iteration early (or cancelling) aborts the request.
@@ -243,7 +245,8 @@ class AsyncEngine:
         EngineOverloadedError if the engine is at capacity and `tenant` holds its share of it. Raises
         InvalidRequestError before anything is queued if the request can never be served. A prompt that
         `validate` checked with these params (or the request's, of which these are a sample) is not
-        checked again, here or by the engine (`Engine.checked_prompt`).
+        checked again, here or by the engine (`Engine.checked_prompt`). `checkpoints`: prompt positions
+        where a hybrid model keeps its state (breakpoints; message ends are found by the engine).
         """
         if self.failure is not None:
             raise self.failure
@@ -259,7 +262,7 @@ class AsyncEngine:
             self._in_flight += 1
             submitted = True
             self._commands.put(
-                _Submit(rid, checked, params, namespace, tenant, asyncio.get_running_loop(), out)
+                _Submit(rid, checked, params, namespace, tenant, asyncio.get_running_loop(), out, checkpoints)
             )
             while True:
                 item = await out.get()
@@ -344,7 +347,12 @@ class AsyncEngine:
         if isinstance(command, _Submit):
             try:
                 self.engine.add_request(
-                    command.request_id, command.prompt, command.params, command.namespace, command.tenant
+                    command.request_id,
+                    command.prompt,
+                    command.params,
+                    command.namespace,
+                    command.tenant,
+                    command.checkpoints,
                 )
             except Exception as e:
                 command.loop.call_soon_threadsafe(command.out.put_nowait, e)

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.cache.manager import CacheUsage
@@ -53,6 +54,9 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     # What a step costs here, as measured (engine/step_cost.py); None where speculation is off.
     step_costs: StepCosts | None = None
+    # A hybrid model's prompt tokens the cache held but that were recomputed for want of a state
+    # checkpoint at or nearer the match's end.
+    recomputed_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -164,8 +168,11 @@ class Engine:
         params: SamplingParams,
         namespace: str = "",
         tenant: str = DEFAULT_TENANT,
+        checkpoints: Sequence[int] = (),
     ) -> Request:
         """Queue a request; raises InvalidRequestError when it can never be served as asked.
+        `checkpoints`: prompt positions (breakpoints) where a hybrid model keeps its state, besides the
+        message ends it finds itself (`turn_ends`).
 
         One request is one sample: callers run `n > 1` as n requests with `params.for_sample(i)`, which
         share the prompt's KV through the prefix cache. A prompt that `validate_request` checked with
@@ -177,14 +184,20 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         checked = self.checked_prompt(prompt, params, namespace)
-        request = self._new_request(request_id, checked, params, namespace, tenant)
+        request = self._new_request(request_id, checked, params, namespace, tenant, checkpoints)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.prompt_tokens += request.num_prompt_tokens
         return request
 
     def _new_request(
-        self, request_id: str, checked: CheckedPrompt, params: SamplingParams, namespace: str, tenant: str
+        self,
+        request_id: str,
+        checked: CheckedPrompt,
+        params: SamplingParams,
+        namespace: str,
+        tenant: str,
+        checkpoints: Sequence[int] = (),
     ) -> Request:
         stream = TextStream(
             self.tokenizer.decode_stream(params.skip_special_tokens),
@@ -204,7 +217,17 @@ class Engine:
             grammar=None if checked.grammar is None else checked.grammar.start(),
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_model_len=self.max_model_len,
+            checkpoints=[*checkpoints, *self.turn_ends(checked.token_ids)],
         )
+
+    def turn_ends(self, token_ids: Sequence[int]) -> list[int]:
+        """A hybrid model's message boundaries in a prompt: the positions just after each end-of-turn
+        token (the tokenizer's end-of-sequence ids, which chat templates close every message with), so
+        that another request sharing the messages before one resumes there. Empty for other models."""
+        if not self.kv.states.enabled or not self.tokenizer.eos_token_ids:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        return (np.flatnonzero(np.isin(ids, self.tokenizer.eos_token_ids)) + 1).tolist()  # type: ignore[no-any-return]
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks (they stay cached); False if it is unknown or done."""
@@ -352,6 +375,7 @@ class Engine:
             finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
+            num_recomputed_tokens=request.num_recomputed_tokens or 0,
             num_output_tokens=request.num_output_tokens,
             logprobs=[
                 lp
@@ -427,6 +451,7 @@ class Engine:
             hits_by_tier=dict(c.hits_by_tier),
             prefill_tokens_computed=c.prefill_tokens_computed,
             preemptions=c.preemptions,
+            recomputed_tokens=c.recomputed_tokens,
             cache=self.kv.usage(),
             spec_drafts=c.drafts,
             spec_draft_tokens=c.draft_tokens,

@@ -28,7 +28,8 @@ from kvserve.model.gguf_weights import GgufWeights
 from kvserve.model.heap import release_free_heap
 from kvserve.model.kv_quant import kv_bytes_per_token
 from kvserve.model.loader import LoadedModel, load_model
-from kvserve.model.runner import ModelRunner
+from kvserve.model.recurrent import state_specs
+from kvserve.model.runner import TORCH_DTYPES, ModelRunner
 from kvserve.model.spec import ROPE_LOCAL
 from kvserve.secret import DISK_TIER_SEAL_PURPOSE, derive_key, load_or_create_secret
 
@@ -62,12 +63,14 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     model = model or load_model(config.model, config.cache_dir)
     max_model_len = _max_model_len(config, model)
     bytes_per_block = kv_bytes_per_token(model.config, config.kv_cache_dtype) * config.block_size
-    num_blocks = config.kv_cache_memory // bytes_per_block
+    live_slots, checkpoint_slots, state_memory = state_slots(config, model)
+    num_blocks = (config.kv_cache_memory - state_memory) // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(
             f"kv_cache_memory {format_bytes(config.kv_cache_memory)} is below one KV block of this model "
             f"({format_bytes(bytes_per_block)}: {config.block_size} tokens): raise --kv-cache-memory or "
             "lower --block-size"
+            + (f" (the recurrent states take {format_bytes(state_memory)} of it)" if state_memory else "")
         )
     num_blocks, num_sliding_blocks = _pools(config, model, max_model_len, num_blocks)
     runner = ModelRunner(
@@ -83,6 +86,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         config.kv_cache_dtype,
         config.activations == "int16",
         num_sliding_blocks or None,
+        1 + live_slots + checkpoint_slots if live_slots else 1,
     )
     if loaded_here:
         # The runner's products hold the blocks they read (views of the mapped file); the loaded model
@@ -112,6 +116,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         # Shares of what pins leave: the blocks every request may use.
         max_retained_blocks=int(config.max_retained * (num_blocks - max_pinned_blocks)),
         max_retained_blocks_per_namespace=int(config.retention_budget * (num_blocks - max_pinned_blocks)),
+        live_state_slots=live_slots,
+        state_checkpoint_slots=checkpoint_slots,
     )
     kv = KVCacheManager(cache_config, _lower_tiers(config, model, runner))
     limits = RequestLimits(
@@ -159,6 +165,23 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
         # With a sliding pool of its own, a global block's share of the memory both pools take.
         bytes_per_block=config.kv_cache_memory // num_blocks if num_sliding_blocks else bytes_per_block,
     )
+
+
+def state_slots(config: EngineConfig, model: LoadedModel) -> tuple[int, int, int]:
+    """A hybrid model's state pool (cache/state_pool.py): its live slots (one per running sequence), its
+    checkpoint slots (drafts' snapshots take theirs there), and the bytes they take with the model's
+    scratch slot, out of --kv-cache-memory; (0, 0, 0) for any other model."""
+    if not model.config.hybrid:
+        return 0, 0, 0
+    per_slot = sum(
+        s.num_bytes for s in state_specs(model.config, TORCH_DTYPES[config.dtype]) if s is not None
+    )
+    live = config.max_num_seqs
+    # Without the prefix cache the checkpoint slots serve drafts' snapshots only: one per sequence.
+    checkpoints = config.state_checkpoints if config.enable_prefix_caching else 0
+    if config.speculative != "off" and not config.enable_prefix_caching:
+        checkpoints = live
+    return live, checkpoints, (1 + live + checkpoints) * per_slot
 
 
 # What an all-sliding model's rope tables may take whatever its KV pool (see _max_model_len).

@@ -25,6 +25,8 @@ class RequestDelta:
     num_output_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A hybrid model's prompt tokens the cache held but recomputed for want of a state checkpoint.
+    num_recomputed_tokens: int = 0
 
 
 @dataclass
@@ -38,6 +40,8 @@ class SampleOutput:
     num_output_tokens: int = 0
     # What the prefix cache held of the prompt when the sample was admitted; None before its first delta.
     num_cached_tokens: int | None = None
+    # What it held past that but was recomputed (a hybrid model's missing checkpoint).
+    num_recomputed_tokens: int = 0
 
 
 @dataclass
@@ -61,6 +65,7 @@ class PromptOutputs:
         out.finish_reason = delta.finish_reason
         out.num_output_tokens = delta.num_output_tokens
         out.num_cached_tokens = delta.num_cached_tokens
+        out.num_recomputed_tokens = delta.num_recomputed_tokens
         self.num_prompt_tokens = delta.num_prompt_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
@@ -71,6 +76,13 @@ class PromptOutputs:
         """What was cached of the prompt before the request: the fewest any sample found (the samples
         after the first find what the first computed)."""
         return min((s.num_cached_tokens for s in self.samples if s.num_cached_tokens is not None), default=0)
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        """Prompt tokens the cache held but recomputed for want of a state checkpoint (hybrid models),
+        in the sample that found the fewest cached."""
+        started = [s for s in self.samples if s.num_cached_tokens is not None]
+        return min(started, key=lambda s: s.num_cached_tokens or 0).num_recomputed_tokens if started else 0
 
     @property
     def num_output_tokens(self) -> int:

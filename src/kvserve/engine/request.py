@@ -66,7 +66,11 @@ class Request:
         grammar: GrammarState | None = None,
         eos_token_ids: Collection[int] = (),
         max_model_len: int | None = None,
+        checkpoints: Collection[int] = (),
     ) -> None:
+        """`checkpoints`: positions where a hybrid model's cache should keep the recurrent state (the
+        ends of the prompt's messages, as the server rendered them), besides the prompt's and reply's
+        ends, which it keeps anyway."""
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -82,6 +86,10 @@ class Request:
         self.load: LoadJob | None = None
         self.num_computed = 0
         self.num_cached_tokens: int | None = None
+        # A hybrid model's tokens the KV cache held at admission but that were recomputed for want of a
+        # state checkpoint (the first admission's, as num_cached_tokens).
+        self.num_recomputed_tokens: int | None = None
+        self.checkpoints = tuple(sorted({p for p in checkpoints if 0 < p <= len(prompt_token_ids)}))
         self.num_skips = 0
         # Wall-clock times for introspection (the dashboard's TTFT column).
         self.arrival_time = time.time()

@@ -34,6 +34,16 @@ at the positions after it, verified by the engine in the same step.
 A draft takes blocks only where the pool has them without preempting anyone or taking a retained block,
 and the blocks its rejected tokens took are let go of after the step (`after_step`).
 
+Hybrid models (recurrent layers beside attention): a sequence's recurrent state is kept as a
+checkpoint in the cache where a later request may resume: after the prompt's last token and the one
+before it (n samples, a retry), at message ends and the positions the request names, every
+`state_checkpoint_interval` tokens, and where it stops (the reply's end, a preemption). A chunk never
+runs past such a position, so the state is there after the step that reaches it. A draft never runs
+past one either; its sequence's state is snapshotted before the step, and a rejection puts it back: the
+accepted tokens then run again as the next step's chunk (their KV written again, the same tokens at the
+same positions, never into a published block), so the state is always the one after `num_computed`
+tokens.
+
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
 request still prefilling waits for that prefill, then finds the shared part in the cache instead of
 computing it a second time; likewise with a request loading it, instead of reading it a second time.
@@ -48,6 +58,7 @@ from typing import Protocol
 from kvserve.cache.manager import KVCacheManager
 from kvserve.config import EngineConfig
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.model.recurrent import SCRATCH_SLOT
 from kvserve.model.runner import ForwardBatch, SequenceChunk
 
 _ORDERED_WINDOW = 128
@@ -88,6 +99,8 @@ class ScheduledStep:
     sliding_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # A hybrid model's state copies decided since the last step, run before this one's forward pass.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def batch(self) -> ForwardBatch:
@@ -101,6 +114,7 @@ class ScheduledStep:
             prefills=[c for _, c in self.prefills],
             block_copies=list(self.block_copies),
             sliding_copies=list(self.sliding_copies),
+            state_copies=list(self.state_copies),
         )
 
     @property
@@ -136,6 +150,8 @@ class SchedulerCounters:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # A hybrid model's prompt tokens the cache held but that were recomputed for want of a checkpoint.
+    recomputed_tokens: int = 0
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
@@ -172,6 +188,27 @@ class Scheduler:
         # Tenant -> when it last had a request admitted (a turn number): the least recent goes first.
         self._last_turn: dict[str, int] = {}
         self._turns = itertools.count()
+        # A hybrid model with the prefix cache keeps state checkpoints (see the module docstring).
+        self._checkpointing = kv.states.enabled and kv.prefix_cache.enabled
+
+    def _stops(self, request: Request, after: int) -> list[int]:
+        """Where the request's state should be checkpointed, past position `after` (the interval's next
+        multiple only)."""
+        if not self._checkpointing:
+            return []
+        p = request.num_prompt_tokens
+        stops = [s for s in (p - 1, p, *request.checkpoints) if s > after]
+        interval = self.config.state_checkpoint_interval
+        if interval:
+            stops.append((after // interval + 1) * interval)
+        return stops
+
+    def _room(self, request: Request, start: int, n: int) -> int:
+        """`n` tokens from `start`, cut at the next checkpoint position."""
+        return min([n, *(s - start for s in self._stops(request, start))])
+
+    def _is_stop(self, request: Request, position: int) -> bool:
+        return position in self._stops(request, position - 1)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -196,7 +233,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             assert request.kv is not None
-            n = min(request.num_tokens - request.num_computed, budget)
+            n = self._room(
+                request, request.num_computed, min(request.num_tokens - request.num_computed, budget)
+            )
             while not self.kv.grow(request.kv, request.num_computed + n):
                 victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), request)
                 self.preempt(victim)
@@ -211,6 +250,8 @@ class Scheduler:
         if not step.preempted:
             self._admit(step, budget)
             self._draft(step)
+        if not step.empty:
+            step.state_copies = self.kv.take_state_copies()
         return step
 
     def _draft(self, step: ScheduledStep) -> None:
@@ -227,6 +268,9 @@ class Scheduler:
             )
             if request.max_model_len is not None:
                 limit = min(limit, request.max_model_len - request.num_tokens - 1)
+            # Every draft row may be accepted: none may run past a checkpoint position (the decode's own
+            # end included, chunk.start + 1).
+            limit = min([limit, *(stop - chunk.start - 1 for stop in self._stops(request, chunk.start))])
             if limit <= 0:
                 continue
             # Tokens the grammar forces are drafted first: they are all but certain to be kept.
@@ -239,7 +283,11 @@ class Scheduler:
                 if request.grammar is not None:
                     draft = draft[: request.grammar.allowed_prefix(draft)]
             assert request.kv is not None
-            if not draft or not self.kv.grow(request.kv, chunk.start + 1 + len(draft), speculative=True):
+            # A hybrid model's state is snapshotted first (no draft where no slot is left for it).
+            if not draft or not self.kv.snapshot_state(request.kv):
+                continue
+            if not self.kv.grow(request.kv, chunk.start + 1 + len(draft), speculative=True):
+                self.kv.restore_state(request.kv, keep=True)
                 continue
             # The draft rows share the decode's tables, which must cover their positions too.
             chunk.block_table = request.kv.blocks
@@ -254,6 +302,7 @@ class Scheduler:
         start = request.num_computed
         sample = start + n == request.num_tokens
         tokens = request.token_ids[start : start + n]
+        slot = request.kv.state_slot
         chunk = SequenceChunk(
             tokens,
             start,
@@ -261,6 +310,7 @@ class Scheduler:
             sample,
             request.needs_prompt_logits,
             self.kv.sliding_table(request.kv),
+            SCRATCH_SLOT if slot is None else slot,
         )
         # The decode path is for one generated token after computed context; any other chunk is a prefill
         # chunk, a prompt's last token after a cache hit included: a prompt token runs as a prefill row
@@ -364,6 +414,8 @@ class Scheduler:
             request.num_computed = admission.num_cached_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = admission.num_cached_tokens
+                request.num_recomputed_tokens = admission.recomputed
+                self.counters.recomputed_tokens += admission.recomputed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.counters.cache_queries += request.num_tokens
@@ -373,8 +425,9 @@ class Scheduler:
                 step.block_copies.append(admission.copy)
             if admission.sliding_copy is not None:
                 step.sliding_copies.append(admission.sliding_copy)
-            self._add_chunk(step, request, admission.num_new_tokens)
-            budget -= admission.num_new_tokens
+            n = self._room(request, admission.num_cached_tokens, admission.num_new_tokens)
+            self._add_chunk(step, request, n)
+            budget -= n
             admitted.append(request)
         if admitted:
             # Passed over counts only within a tenant: between tenants the turns bound the wait.
@@ -439,10 +492,18 @@ class Scheduler:
             assert request.kv is not None
             draft = step.draft(request)
             rows = kept.get(request.request_id, 1) if draft else len(chunk.token_ids)
-            request.num_computed += rows
-            self.kv.publish(request.kv, request.token_ids, request.num_computed)
+            # A hybrid model's state ran through every draft row: where one was rejected, it goes back to
+            # the snapshot, and the rows kept run again (module docstring).
+            rerun = bool(draft) and request.kv.state_slot is not None and rows < 1 + len(draft)
             if draft:
-                self.kv.roll_back(request.kv, request.num_computed + 1)
+                self.kv.restore_state(request.kv, keep=not rerun)
+            if not rerun:
+                request.num_computed += rows
+            self.kv.publish(request.kv, request.token_ids, request.num_computed)
+            if not rerun and self._checkpointing and self._is_stop(request, request.num_computed):
+                self.kv.checkpoint(request.kv, request.token_ids, request.num_computed)
+            if draft:
+                self.kv.roll_back(request.kv, request.num_computed + (rows if rerun else 0) + 1)
                 self.counters.drafts += 1
                 self.counters.draft_tokens += len(draft)
                 self.counters.accepted_tokens += rows - 1

@@ -48,7 +48,7 @@ def row_width(kv_dtype: str, head_dim: int) -> int:
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
     """The KV bytes of one token over every layer, K and V, in `kv_dtype`."""
     width = row_width(kv_dtype, config.head_dim) * storage_dtype(kv_dtype).itemsize
-    return 2 * config.num_layers * config.num_kv_heads * width
+    return 2 * len(config.attention_layers) * config.num_kv_heads * width
 
 
 def quantize(x: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,20 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvserve.config import COMPUTE_DTYPES, default_cache_dir
+from kvserve.errors import ModelLoadError
 from kvserve.model import kv_quant
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import KernelUnavailableError, NativeAttention, PagedAttentionKernel
+from kvserve.model.recurrent import (
+    SCRATCH_SLOT,
+    ZERO,
+    RecurrentState,
+    SequenceRows,
+    StateSpec,
+    sequence_rows,
+    state_specs,
+)
 from kvserve.model.torch_attention import TorchAttention
 from kvserve.model.transformer import Transformer
 
@@ -37,6 +47,9 @@ class SequenceChunk:
     sample: bool
     all_logits: bool = False
     sliding_table: list[int] | None = None
+    # A hybrid model's recurrent-state slot of the sequence (the cache's StatePool); a decode and its
+    # draft rows share it and lie side by side. SCRATCH_SLOT: rows of no sequence (the startup probe).
+    state_slot: int = SCRATCH_SLOT
 
 
 @dataclass
@@ -55,6 +68,8 @@ class ForwardBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Copies on write in the sliding group, where its ids are its own.
     sliding_copies: list[tuple[int, int]] = field(default_factory=list)
+    # A hybrid model's state copies (src, dst; src ZERO zeroes dst), run in order before the step.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def attention_backend(
@@ -100,11 +115,15 @@ class ModelRunner:
         kv_dtype: str | None = None,
         int16_activations: bool = False,
         num_sliding_blocks: int | None = None,
+        num_state_slots: int = 1,
     ):
         """`dtype` is the compute dtype, `kv_dtype` the KV cache's (default: `dtype`), `weight_dtype` the
         storage of the linear weights; `int16_activations` gives the native products' rows int16
         activations (EngineConfig.activations). `num_sliding_blocks` sizes the sliding
         layers' group (default `num_blocks`, sharing the global group's ids).
+
+        A hybrid model's recurrent layers keep `num_state_slots` states (slot 0 scratch, the others the
+        cache's StatePool's: live sequences and checkpoints).
 
         `attention` picks the attention backend for decode rows and prefill rows (`attention_backend`);
         native kernels are built into `cache_dir`, by default kvserve's cache folder.
@@ -140,21 +159,51 @@ class ModelRunner:
             # No sequence outgrows the global pool: the rope tables hold no position past it.
             min(max_model_len, num_blocks * block_size),
         )
+        attending = c.attention_layers
         self.kv_cache = KVCache(
-            c.num_layers,
+            len(attending),
             num_blocks,
             block_size,
             c.num_kv_heads,
             kv_quant.row_width(kv_format, c.head_dim),
             self.device,
             self.kv_dtype,
-            c.windows,
+            [c.window(i) for i in attending] if c.windows else (),
             num_sliding_blocks,
         )
+        self.state = RecurrentState(self._specs(), num_state_slots, self.device) if c.hybrid else None
         try:
             self.transformer.attach_native_decoder(self.kv_cache)
         except KernelUnavailableError as e:
             log.info("decode steps run op by op: %s", e)
+
+    def _specs(self) -> list[StateSpec | None]:
+        """The layers' state specs as the config makes them; a mixer whose own disagrees is refused."""
+        specs = state_specs(self.transformer.config, self.dtype)
+        for i, (made, mixer) in enumerate(zip(specs, self.transformer.state_specs(), strict=True)):
+            if made != mixer:
+                raise ModelLoadError(
+                    f"model.layers.{i}",
+                    f"the layer's recurrent state {mixer} disagrees with its config's {made}",
+                )
+        return specs
+
+    @staticmethod
+    def _rows(batch: ForwardBatch) -> SequenceRows:
+        """The step's rows by sequence: a decode and the draft rows after it (one slot) are one sequence,
+        each prefill chunk another."""
+        lengths: list[int] = []
+        slots: list[int] = []
+        for c in batch.decodes:
+            if slots and lengths and c.state_slot == slots[-1] and c.state_slot != SCRATCH_SLOT:
+                lengths[-1] += 1
+            else:
+                lengths.append(1)
+                slots.append(c.state_slot)
+        for c in batch.prefills:
+            lengths.append(len(c.token_ids))
+            slots.append(c.state_slot)
+        return sequence_rows(lengths, slots, len(batch.decodes))
 
     def _inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """The step's token ids and positions (decodes first, then the prefill chunks), the backend's
@@ -186,8 +235,10 @@ class ModelRunner:
             self.kv_cache.copy_block(src, dst)
         for src, dst in batch.sliding_copies:
             self.kv_cache.copy_block(src, dst, sliding=True)
+        if self.state is not None:
+            self.state.apply(batch.state_copies)
         input_ids, positions, meta, rows = self._inputs(batch)
-        hidden = self.transformer.forward(input_ids, positions, meta, self.kv_cache)
+        hidden = self._forward(batch, input_ids, positions, meta)
         # Sampling runs on the CPU with each request's own generator, whatever the model's device.
         sampled = (
             self.transformer.logits(hidden[rows]).float().cpu()
@@ -210,6 +261,18 @@ class ModelRunner:
         For evaluation (perplexity, agreement between weight precisions); serving samples through
         `execute`, which computes logits only where a request samples. Writes the chunk's KV like `execute`.
         """
-        input_ids, positions, meta, _ = self._inputs(ForwardBatch(prefills=[chunk]))
-        hidden = self.transformer.forward(input_ids, positions, meta, self.kv_cache)
+        batch = ForwardBatch(prefills=[chunk])
+        input_ids, positions, meta, _ = self._inputs(batch)
+        hidden = self._forward(batch, input_ids, positions, meta)
         return self.transformer.logits(hidden).float().cpu()
+
+    def _forward(
+        self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        rows = None
+        if self.state is not None:
+            rows = self._rows(batch)
+            # Rows of no sequence start from zeros, whatever the scratch slot held before.
+            if bool((rows.slots == SCRATCH_SLOT).any()):
+                self.state.apply([(ZERO, SCRATCH_SLOT)])
+        return self.transformer.forward(input_ids, positions, meta, self.kv_cache, rows, self.state)

@@ -12,6 +12,15 @@ ROPE_GLOBAL = "global"
 ROPE_LOCAL = "local"
 ROPE_NONE = "none"
 
+# What a layer mixes its tokens with (`ModelConfig.mixers`): attention over the KV cache, or a recurrent
+# mixer that keeps a fixed-size state per sequence (kvserve.model.recurrent), such as LFM2's gated short
+# convolution.
+MIXER_ATTENTION = "attention"
+MIXER_SHORT_CONV = "short_conv"
+MIXERS = (MIXER_ATTENTION, MIXER_SHORT_CONV)
+# The longest short convolution a config may claim (LFM2's is 3 wide).
+MAX_CONV_KERNEL = 64
+
 # Activations of the gated MLP, by their Hugging Face names: silu (SwiGLU) and tanh-approximated gelu
 # (GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -125,6 +134,24 @@ class ModelConfig:
     # Per-pair divisors of the global rope's frequencies, on top of `rope_scaling`: a GGUF's rope_freqs
     # tensor (llama.cpp's form of Llama 3's scaling), applied as llama.cpp does; empty: none.
     rope_freq_factors: tuple[float, ...] = ()
+    # Each layer's mixer (MIXERS); empty means every layer attends. Only attention layers have KV.
+    mixers: tuple[str, ...] = ()
+    # The short convolution's width in tokens (LFM2's conv_L_cache) and whether its products have biases.
+    conv_kernel: int = 0
+    conv_bias: bool = False
+
+    def mixer(self, layer: int) -> str:
+        return self.mixers[layer] if self.mixers else MIXER_ATTENTION
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend (and so hold KV), in order."""
+        return tuple(i for i in range(self.num_layers) if self.mixer(i) == MIXER_ATTENTION)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer keeps a recurrent state instead of KV."""
+        return len(self.attention_layers) < self.num_layers
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -146,7 +173,7 @@ class ModelConfig:
         return dict(self.rope_scaling)
 
     def kv_bytes_per_token(self, element_size: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+        return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * element_size
 
 
 def integer(value: object, name: str) -> int:
@@ -316,6 +343,12 @@ def _check_shape(c: ModelConfig) -> None:
         raise ValueError(
             f"num_attention_heads {c.num_heads} is not a multiple of num_key_value_heads {c.num_kv_heads}"
         )
+    if c.mixers and (len(c.mixers) != c.num_layers or any(m not in MIXERS for m in c.mixers)):
+        raise ValueError(f"the layers' mixers must name one of {MIXERS} for each of {c.num_layers} layers")
+    if MIXER_SHORT_CONV in c.mixers and not 2 <= c.conv_kernel <= MAX_CONV_KERNEL:
+        raise ValueError(f"the short convolution's width must be 2 to {MAX_CONV_KERNEL}, not {c.conv_kernel}")
+    if c.hybrid and any(c.window(i) is not None for i in range(c.num_layers)):
+        raise ValueError("sliding windows beside recurrent layers are not supported")
 
 
 def sliding_window(raw: Mapping[str, Any], default_on: bool) -> int | None:

@@ -24,19 +24,21 @@ from kvserve.model.native_build import KernelUnavailableError
 from kvserve.model.native_decoder import DecoderLayer, NativeDecoder
 from kvserve.model.quant_blocks import QuantizedWeight
 from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear
+from kvserve.model.recurrent import RecurrentMixer, RecurrentState, SequenceRows, StateSpec
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
-from kvserve.model.spec import ROPE_GLOBAL, ROPE_NONE, ModelConfig
+from kvserve.model.spec import MIXER_ATTENTION, ROPE_GLOBAL, ROPE_NONE, ModelConfig
 from kvserve.model.weights import ModelWeights, Rows
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer: its norms, its qkv and o products, its MLP, the rope it takes (an index into
-    Transformer.ropes; None for a NoPE layer) and its attention window (None: global)."""
+    """One decoder layer: its norms, what it mixes tokens with (its qkv and o products, or a recurrent
+    `mixer`), its MLP, the rope it takes (an index into Transformer.ropes; None for a NoPE layer) and its
+    attention window (None: global)."""
 
     attn_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
+    qkv_proj: Linear | None
+    o_proj: Linear | None
     mlp_norm: torch.Tensor
     mlp: Mlp
     rope: int | None = 0
@@ -45,6 +47,20 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
+    # A recurrent layer's mixer (kvserve.model.recurrent); None: the layer attends.
+    mixer: RecurrentMixer | None = None
+
+    @property
+    def qkv(self) -> Linear:
+        if self.qkv_proj is None:
+            raise AttributeError("a recurrent layer has no qkv product")
+        return self.qkv_proj
+
+    @property
+    def o(self) -> Linear:
+        if self.o_proj is None:
+            raise AttributeError("a recurrent layer has no o product")
+        return self.o_proj
 
     def _gated(self) -> GatedMlp:
         if not isinstance(self.mlp, GatedMlp):
@@ -128,7 +144,7 @@ class Transformer:
         # Gemma scales the embedding rows by sqrt(hidden), the factor rounded to the compute dtype.
         self.embed_scale = torch.tensor(hidden**0.5).to(dtype) if c.scale_embeddings else None
         self.dtype = dtype
-        self.norm = w.norm("model.norm.weight", hidden)
+        self.norm = w.norm(family.final_norm, hidden)
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         self.lm_head = w.linear([Rows(head, c.vocab_size)], hidden)
         # One rope table per kind the layers take (global, and Gemma's local base for sliding layers).
@@ -142,6 +158,16 @@ class Transformer:
             def norm(name: str | None, size: int = hidden, p: str = p) -> torch.Tensor | None:
                 return None if name is None else w.norm(p + name + ".weight", size)
 
+            if c.mixer(i) != MIXER_ATTENTION:
+                attn_norm, mlp_norm = norm(names.attn_norm), norm(names.mlp_norm)
+                assert attn_norm is not None and mlp_norm is not None and family.mixer is not None
+                mixer = family.mixer(w, c, p)
+                self.layers.append(
+                    LayerWeights(
+                        attn_norm, None, None, mlp_norm, family.mlp(w, c, names, p), None, mixer=mixer
+                    )
+                )
+                continue
             qkv_rows = [self.q_size, self.kv_size, self.kv_size]
             if len(names.qkv) == 1:
                 qkv_parts = [Rows(p + names.qkv[0] + ".weight", sum(qkv_rows))]
@@ -159,8 +185,8 @@ class Transformer:
             self.layers.append(
                 LayerWeights(
                     attn_norm=attn_norm,
-                    qkv=w.linear(qkv_parts, hidden, qkv_bias),
-                    o=w.linear([Rows(p + names.o + ".weight", hidden)], self.q_size, o_bias),
+                    qkv_proj=w.linear(qkv_parts, hidden, qkv_bias),
+                    o_proj=w.linear([Rows(p + names.o + ".weight", hidden)], self.q_size, o_bias),
                     mlp_norm=mlp_norm,
                     mlp=family.mlp(w, c, names, p),
                     rope=None if kind == ROPE_NONE else kinds.index(kind),
@@ -188,7 +214,7 @@ class Transformer:
             self.embed_blocks = self.lm_head
         # Where the products run natively, so do the norms: one call each instead of five torch ops (the
         # layers' products decide, not only the head's: a file's head may be of a type the kernel lacks).
-        native = [self.lm_head, *(layer.qkv for layer in self.layers[:1])]
+        native = [self.lm_head, *(p for layer in self.layers[:1] for p in (layer.qkv_proj,) if p is not None)]
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
             NativeRmsNorm(cache_dir) if any(isinstance(p, QuantLinear) for p in native) else rms_norm
         )
@@ -196,6 +222,9 @@ class Transformer:
         self.cache_dir = cache_dir
         # The decode-only steps' native path, once a KV cache is attached (`attach_native_decoder`).
         self.decoder: NativeDecoder | None = None
+        # Each layer's index among the attention layers (its KV cache layer); None for a recurrent layer.
+        attending = c.attention_layers
+        self.kv_layer = [attending.index(i) if i in attending else None for i in range(c.num_layers)]
 
     @property
     def rotary(self) -> RotaryEmbedding:
@@ -211,6 +240,10 @@ class Transformer:
             raise KernelUnavailableError("the native decoder calls the native attention kernel")
         if not isinstance(self.rms_norm, NativeRmsNorm):
             raise KernelUnavailableError("the native decoder runs where the norms are native")
+        if self.config.hybrid:
+            raise KernelUnavailableError(
+                "the native decoder has no recurrent layers: hybrid models run op by op"
+            )
         c = self.config
         layers: list[DecoderLayer] = []
         for i, layer in enumerate(self.layers):
@@ -247,11 +280,22 @@ class Transformer:
         assert self.embed is not None
         return F.embedding(input_ids, self.embed)
 
+    def state_specs(self) -> list[StateSpec | None]:
+        """Each layer's recurrent state spec (None for an attention layer), what `RecurrentState` holds."""
+        return [None if layer.mixer is None else layer.mixer.spec for layer in self.layers]
+
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        rows: SequenceRows | None = None,
+        state: RecurrentState | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the last layer (before the final norm)."""
+        """Hidden states [T, hidden] after the last layer (before the final norm). A hybrid model's
+        recurrent layers take the step's rows by sequence (`rows`) and their state (`state`)."""
         c = self.config
         n = input_ids.shape[0]
         d = meta.num_decodes
@@ -263,26 +307,33 @@ class Transformer:
             # A decoder is attached only beside the native backend, so the step's metadata is that one's.
             attention = self.attention
             assert isinstance(attention, NativeAttention) and isinstance(meta, NativeAttentionMetadata)
-            rows = meta.decode_rows
+            decode_rows = meta.decode_rows
             # The sliding layers' group: its own tables and slots, or the global ones where ids are shared.
             sliding = meta.sliding or meta
-            assert rows is not None and isinstance(sliding, NativeAttentionMetadata)
+            assert decode_rows is not None and isinstance(sliding, NativeAttentionMetadata)
             srows = sliding.decode_rows
             assert srows is not None
             return decoder(
                 h,
                 positions,
                 meta.slot_mapping,
-                rows.tables,
+                decode_rows.tables,
                 sliding.slot_mapping,
                 srows.tables,
-                rows.lens,
+                decode_rows.lens,
                 attention.kernel,
             )
         tables = [rope.tables(positions) for rope in self.ropes]
         eps = c.rms_norm_eps
         for i, layer in enumerate(self.layers):
             x = self.rms_norm(h, layer.attn_norm, eps)
+            if layer.mixer is not None:
+                assert rows is not None and state is not None, (
+                    "a hybrid model's step needs its sequences' states"
+                )
+                h = h + layer.mixer.forward(x, rows, state.layer(i))
+                h = self._mlp(layer, h, d)
+                continue
             qkv = layer.qkv(x, d)
             # q and k heads side by side, so one norm call each and one rotary pass cover them.
             qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim)
@@ -293,17 +344,23 @@ class Transformer:
                 qk = apply_rotary(qk, *tables[layer.rope])
             q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-            attn = self.attention.forward(q, k, v, *kv.layer(i), meta, self.scale, c.window(i))
+            kv_layer = self.kv_layer[i]
+            assert kv_layer is not None
+            attn = self.attention.forward(q, k, v, *kv.layer(kv_layer), meta, self.scale, c.window(i))
             if layer.post_attn_norm is None:
                 h = layer.o.add(attn.view(n, self.q_size), h, d)
             else:
                 h = h + self.rms_norm(layer.o(attn.view(n, self.q_size), d), layer.post_attn_norm, eps)
-            x = self.rms_norm(h, layer.mlp_norm, eps)
-            if layer.post_mlp_norm is None:
-                h = layer.mlp.add(x, h, d)
-            else:
-                h = h + self.rms_norm(layer.mlp(x, d), layer.post_mlp_norm, eps)
+            h = self._mlp(layer, h, d)
         return h
+
+    def _mlp(self, layer: LayerWeights, h: torch.Tensor, d: int) -> torch.Tensor:
+        """The layer's MLP on `h` (after its norm), added to `h`; `d` decode rows."""
+        eps = self.config.rms_norm_eps
+        x = self.rms_norm(h, layer.mlp_norm, eps)
+        if layer.post_mlp_norm is None:
+            return layer.mlp.add(x, h, d)
+        return h + self.rms_norm(layer.mlp(x, d), layer.post_mlp_norm, eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

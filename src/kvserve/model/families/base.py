@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvserve.model.gguf_file import ARRAY, GgufFile
 from kvserve.model.mlp import GatedMlp, Mlp
+from kvserve.model.recurrent import RecurrentMixer, StateSpec
 from kvserve.model.spec import MAX_CONTEXT_LENGTH, ModelConfig, integer
 from kvserve.model.weights import ModelWeights, Rows
 
@@ -58,6 +60,7 @@ def gated_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, p
 
 
 MlpBuilder = Callable[[ModelWeights, ModelConfig, LayerTensors, str], Mlp]
+MixerBuilder = Callable[[ModelWeights, ModelConfig, str], RecurrentMixer]
 
 
 class GgufMetadata:
@@ -92,8 +95,11 @@ class GgufMetadata:
         return name in self.file.tensors
 
 
-def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str) -> dict[str, Any]:
-    """config.json fields every family reads the same way from llama.cpp's keys."""
+def gguf_common_config(
+    meta: GgufMetadata, hf_architecture: str, model_type: str, per_layer_kv: bool = False
+) -> dict[str, Any]:
+    """config.json fields every family reads the same way from llama.cpp's keys; `per_layer_kv`: the
+    KV head count may be one per layer (a hybrid's, 0 where a layer has no attention)."""
 
     def count(key: str, default: object = None) -> int:
         name = key.replace("{arch}", meta.arch)
@@ -108,7 +114,7 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
         "intermediate_size": count("{arch}.feed_forward_length"),
         "num_hidden_layers": count("{arch}.block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": count("{arch}.attention.head_count_kv", n_head),
+        "num_key_value_heads": _kv_heads(meta, n_head, per_layer_kv),
         "rms_norm_eps": float(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(meta.get("{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": _context_length(meta),
@@ -129,6 +135,19 @@ def gguf_common_config(meta: GgufMetadata, hf_architecture: str, model_type: str
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
+
+
+def _kv_heads(meta: GgufMetadata, n_head: int, per_layer: bool) -> int:
+    """`{arch}.attention.head_count_kv`: one count, or (`per_layer`, hybrid models) one per layer, 0 for
+    a layer without attention, whose positive counts must agree."""
+    value = meta.get("{arch}.attention.head_count_kv", n_head)
+    name = f"{meta.arch}.attention.head_count_kv"
+    if not per_layer or not isinstance(value, list):
+        return integer(value, name)
+    counts = {integer(v, name) for v in value} - {0}
+    if len(counts) != 1:
+        raise ValueError(f"{name} must give the attention layers one positive count, not {sorted(counts)}")
+    return counts.pop()
 
 
 # llama.cpp's rope scaling types that the families read here: none, linear and YaRN; LongRoPE's factors
@@ -228,3 +247,11 @@ class Family:
     # llama.cpp's graph of this architecture divides its rope frequencies by a `rope_freqs.weight` tensor
     # where the file has one (how its converter writes Llama 3's scaling; gguf-py's ROPE_FREQS).
     gguf_rope_freqs: bool = False
+    # The final norm's tensor (LFM2 calls it embedding_norm).
+    final_norm: str = "model.norm.weight"
+    # A recurrent layer's mixer (ModelConfig.mixers names which layers), from its tensors under the
+    # layer's prefix `model.layers.{i}.`; None: every layer of this family attends.
+    mixer: MixerBuilder | None = None
+    # A recurrent layer's state as its config makes it (what the state pool is sized by; each mixer's
+    # own spec must agree).
+    state_spec: Callable[[ModelConfig, int, torch.dtype], StateSpec] | None = None

@@ -45,7 +45,10 @@ class Generation:
         params: SamplingParams,
         namespace: str,
         room: Reservation,
+        checkpoints: Sequence[int] = (),
     ) -> None:
+        """`checkpoints`: prompt positions where a hybrid model should keep its state (the request's
+        cache breakpoints)."""
         self.log_id = log_id
         self.choice = choice
         self._metrics = ctx.metrics
@@ -53,7 +56,7 @@ class Generation:
         self._timer = RequestTimer(ctx.metrics)
         # Closing this generator is what aborts the request.
         self._deltas = ctx.async_engine.generate(
-            choice.prompt.checked, params, namespace, engine_id, room.tenant, room
+            choice.prompt.checked, params, namespace, engine_id, room.tenant, room, checkpoints
         )
         self._first: RequestDelta | None = None
         self._ended = False
@@ -234,6 +237,7 @@ async def start(
                     sample,
                     plan.namespace,
                     room,
+                    [b.tokens for b in plan.breakpoints] if len(plan.prompts) == 1 else (),
                 )
             )
     await cancel_on_disconnect(request, start_all(generations))

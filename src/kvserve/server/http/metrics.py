@@ -106,6 +106,13 @@ class EngineStatsCollector:
             ),
             (
                 CounterMetricFamily,
+                "kvserve_state_recomputed_tokens",
+                "Hybrid models: prompt tokens the prefix cache held but that were recomputed for want of "
+                "a recurrent-state checkpoint nearer the match's end.",
+                s.recomputed_tokens,
+            ),
+            (
+                CounterMetricFamily,
                 "kvserve_preemptions",
                 "Requests preempted for lack of KV memory.",
                 s.preemptions,
@@ -160,6 +167,15 @@ class EngineStatsCollector:
                 c.num_retained,
             )
         )
+        if c.max_state_checkpoints:
+            families.append(
+                (
+                    GaugeMetricFamily,
+                    "kvserve_state_checkpoints",
+                    "Hybrid models: recurrent-state checkpoints the prefix cache holds.",
+                    c.num_state_checkpoints,
+                )
+            )
         if s.step_costs is not None:
             costs = s.step_costs
             families += [

@@ -187,7 +187,10 @@ class _Run:
 
     def generation(self, room: Reservation) -> Generation:
         plan = self.prepared.plan
-        return Generation(self.ctx, self.log_id, self.id, self.choice, plan.samples[0], plan.namespace, room)
+        breakpoints = [b.tokens for b in plan.breakpoints]
+        return Generation(
+            self.ctx, self.log_id, self.id, self.choice, plan.samples[0], plan.namespace, room, breakpoints
+        )
 
     def response(self, reply: _Reply, generation: Generation | None, status: str) -> ResponseObject:
         body = self.body

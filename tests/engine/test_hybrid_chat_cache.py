@@ -1,0 +1,157 @@
+"""A hybrid model (LFM2's short convolutions beside attention) keeps its cache like an attention model:
+over a 10-turn chat each turn finds everything before its new message cached (what the previous turn
+computed: its prompt and its reply but the reply's last token, which no step feeds), nothing recomputed;
+a system prompt shared by many users is computed once when the request names its end; and the same chat
+without the prefix cache gives the same tokens."""
+
+import tempfile
+from collections.abc import Sequence
+
+import pytest
+
+from kvserve.config import default_cache_dir
+from kvserve.engine.engine import Engine
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.model.loader import LoadedModel, load_model
+from tests.harness import engine_with_blocks
+from tests.helpers import save_tiny_model
+from tests.model.family_cases import LFM2_HYBRID
+
+
+@pytest.fixture(scope="module")
+def lfm2() -> LoadedModel:
+    folder = tempfile.mkdtemp(prefix="kvserve-lfm2-")
+    return load_model(
+        save_tiny_model(folder + "/m", "lfm2", vocab_size=4096, **LFM2_HYBRID), default_cache_dir()
+    )
+
+
+def _run(
+    engine: Engine, rid: str, prompt: list[int], checkpoints: Sequence[int] = ()
+) -> tuple[list[int], int, int]:
+    """The reply's tokens, the cached and the recomputed prompt tokens."""
+    engine.add_request(
+        rid, prompt, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), checkpoints=checkpoints
+    )
+    tokens: list[int] = []
+    cached = recomputed = 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens += delta.token_ids
+            cached, recomputed = delta.num_cached_tokens, delta.num_recomputed_tokens
+        engine.kv.check()
+    return tokens, cached, recomputed
+
+
+@pytest.mark.parametrize("speculative", ["off", "suffix"])
+@pytest.mark.parametrize("interval", [0, 16])
+def test_ten_turns_hit_everything_before_the_new_message(
+    lfm2: LoadedModel, speculative: str, interval: int
+) -> None:
+    engine = engine_with_blocks(lfm2, 200, 4, speculative=speculative, state_checkpoint_interval=interval)
+    fresh = engine_with_blocks(lfm2, 200, 4, speculative="off", enable_prefix_caching=False)
+    history = list(range(100, 113))
+    ideal = 0
+    fractions = []
+    for turn in range(10):
+        reply, cached, recomputed = _run(engine, f"t{turn}", history)
+        assert reply == _run(fresh, f"t{turn}", history)[0]
+        assert (cached, recomputed) == (ideal, 0), turn
+        fractions.append(cached / len(history))
+        ideal = len(history) + len(reply) - 1
+        history = history + reply + [200 + turn, 300 + turn, 400 + turn, 500 + turn, 600 + turn]
+    print("cached fraction per turn:", " ".join(f"{f:.3f}" for f in fractions))
+    assert engine.stats().recomputed_tokens == 0
+
+
+def test_a_shared_system_prompt_is_computed_once(lfm2: LoadedModel) -> None:
+    engine = engine_with_blocks(lfm2, 200, 4, speculative="off")
+    system = list(range(100, 130))
+    before = engine.stats().prefill_tokens_computed
+    for user in range(5):
+        question = [1000 + user, 1100 + user, 1200 + user]
+        _, cached, recomputed = _run(engine, f"u{user}", system + question, checkpoints=[len(system)])
+        assert (cached, recomputed) == ((0, 0) if user == 0 else (len(system), 0))
+    assert engine.stats().prefill_tokens_computed - before == len(system) + 5 * 3
+
+
+def test_a_match_past_the_last_checkpoint_counts_what_it_recomputes(lfm2: LoadedModel) -> None:
+    """Without the boundary, a second user's prompt shares the system prompt's KV but no checkpoint
+    there: the hit resumes from nothing and the shared tokens are counted as recomputed."""
+    from kvserve.server.http.metrics import EngineStatsCollector
+
+    engine = engine_with_blocks(lfm2, 200, 4, speculative="off")
+    system = list(range(100, 130))
+    _run(engine, "a", [*system, 7, 8, 9])
+    _, cached, recomputed = _run(engine, "b", [*system, 17, 18, 19])
+    assert (cached, recomputed) == (0, len(system))
+    stats = engine.stats()
+    assert stats.recomputed_tokens == len(system)
+    assert 0 < stats.cache.num_state_checkpoints <= stats.cache.max_state_checkpoints
+    collector = EngineStatsCollector("m")
+    collector.stats = stats
+    values = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert values["kvserve_state_recomputed_tokens_total"] == len(system)
+    assert values["kvserve_state_checkpoints"] == stats.cache.num_state_checkpoints
+
+
+def test_message_ends_are_checkpointed_without_being_named(lfm2: LoadedModel) -> None:
+    """A chat template closes each message with an end-of-turn token: the engine keeps the state after
+    each, so users sharing a system message share its computation though no caller named its end."""
+    engine = engine_with_blocks(lfm2, 200, 4, speculative="off")
+    (eos,) = engine.tokenizer.eos_token_ids
+    system = [*range(100, 129), eos]
+    assert engine.turn_ends([*system, 5, eos, 6]) == [30, 32]
+    for user in range(3):
+        _, cached, recomputed = _run(engine, f"u{user}", [*system, 1000 + user, 1100 + user])
+        assert (cached, recomputed) == ((0, 0) if user == 0 else (len(system), 0))
+
+
+def test_the_door_passes_a_request_s_checkpoints(lfm2: LoadedModel) -> None:
+    """`AsyncEngine.generate`'s checkpoints (the server's cache breakpoints) reach the engine: a second
+    prompt sharing the first one's prefix up to a named position resumes there."""
+    import asyncio
+
+    from kvserve.engine.async_engine import AsyncEngine
+
+    door = AsyncEngine(engine_with_blocks(lfm2, 200, 4, speculative="off"))
+    shared = list(range(100, 127))
+
+    async def cached(prompt: list[int]) -> int:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        deltas = [d async for d in door.generate(prompt, params, checkpoints=[len(shared)])]
+        return deltas[-1].num_cached_tokens
+
+    try:
+        assert asyncio.run(cached([*shared, 7, 8])) == 0
+        assert asyncio.run(cached([*shared, 9, 10])) == len(shared)
+    finally:
+        door.shutdown()
+
+
+def test_drafts_stop_at_checkpoint_positions(lfm2: LoadedModel) -> None:
+    """With mostly right drafts and a checkpoint every 4 tokens, a reply of 24 tokens is checkpointed at
+    every multiple of 4 all the same: no draft runs past one, and no rejection loses one."""
+    from kvserve.cache.prefix_cache import PrefixCache
+    from tests.harness import OracleDrafter
+
+    engine = engine_with_blocks(lfm2, 200, 4, speculative="suffix", state_checkpoint_interval=4)
+    oracle = OracleDrafter(
+        engine_with_blocks(lfm2, 200, 4, speculative="off", enable_prefix_caching=False), 1
+    )
+    engine.scheduler.drafter = oracle
+    prompt = list(range(100, 110))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    oracle.added("r", prompt, params)
+    engine.add_request("r", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.kv.check()
+    assert engine.stats().spec_accepted_tokens > 0
+    tree = engine.kv.prefix_cache
+    assert isinstance(tree, PrefixCache)
+    ends = set()
+    for slot in tree.checkpoint_slots():
+        node, k = tree._checkpoints[slot]
+        ends.add(node.depth - len(node.tokens) + k)
+    assert set(range(4, 10 + 24, 4)) <= ends, sorted(ends)
