@@ -363,6 +363,9 @@ def assert_cached_kv_is_fresh(engine: Engine, model: LoadedModel, sample: int, s
     scratch = ModelRunner(
         model, MAX_MODEL_LEN, 1, MAX_MODEL_LEN, "cpu", DTYPE, "float32", kv_dtype=engine.config.kv_cache_dtype
     )
+    # A Gated DeltaNet layer's chunked prefill rounds by where its chunks fall, so a resumed prefix's KV
+    # equals a fresh one's to rounding only; every other layer kind is exact.
+    tol = 1e-5 if model.config.deltanet is not None else 1e-9
     for namespace, path, block in random.Random(seed).sample(entries, min(sample, len(entries))):
         del namespace
         scratch.execute(ForwardBatch(prefills=[SequenceChunk(list(path), 0, list(range(len(path))), False)]))
@@ -371,5 +374,5 @@ def assert_cached_kv_is_fresh(engine: Engine, model: LoadedModel, sample: int, s
         kv = engine.runner.kv_cache
         for ours, fresh in ((kv.k, scratch.kv_cache.k), (kv.v, scratch.kv_cache.v)):
             torch.testing.assert_close(
-                ours[:, block * bs : block * bs + n], fresh[:, start : start + n], atol=1e-9, rtol=1e-9
+                ours[:, block * bs : block * bs + n], fresh[:, start : start + n], atol=tol, rtol=tol
             )

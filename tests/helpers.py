@@ -39,6 +39,8 @@ TINY_CLASSES: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
 
 

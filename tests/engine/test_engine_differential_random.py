@@ -387,3 +387,14 @@ def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer
                 assert_cached_kv_is_fresh(engine, model, sample=6)
         finally:
             engine.close()
+
+
+@settings(SETTINGS, max_examples=max(EXAMPLES // 8, 1))
+@given(case=cases())
+def test_qwen3_5_matches_a_no_cache_engine(
+    family_model: Callable[[str], LoadedModel],
+    family_references: Callable[[str], Engine],
+    redis_session: RedisServer,
+    case: Case,
+) -> None:
+    check_case(family_model("qwen3_5-hybrid"), family_references("qwen3_5-hybrid"), redis_session, case)

@@ -72,6 +72,18 @@ FAMILY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "lfm2-hybrid": ("lfm2", LFM2_HYBRID),
+    "qwen3_5-hybrid": (
+        "qwen3_5",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        },
+    ),
 }
 
 

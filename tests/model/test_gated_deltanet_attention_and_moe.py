@@ -156,16 +156,6 @@ def test_family_config_refuses_bad_fields(change: dict[str, Any], message: str) 
         qwen3_5.QWEN3_5.config(raw)
 
 
-def test_loading_is_refused_by_name_until_the_forward_pass_runs_it() -> None:
-    from kvserve.model.families import config_from_hf, family_for_gguf
-
-    with pytest.raises(ValueError, match="not yet served"):
-        config_from_hf({**text_config().to_dict(), "architectures": ["Qwen3_5ForCausalLM"]})
-    for arch in ("qwen35", "qwen35moe"):
-        with pytest.raises(ValueError, match="not yet served"):
-            family_for_gguf(arch)
-
-
 def test_a_multimodal_checkpoints_text_model_is_read_under_the_text_names(tmp_path: Path) -> None:
     """The released checkpoints (`Qwen3_5ForConditionalGeneration`) hold the text model under
     `model.language_model.`: read as `model.`, the rest as stored; two tensors under one name refused."""

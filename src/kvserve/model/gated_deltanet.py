@@ -128,8 +128,7 @@ class GatedDeltaNet:
         conv_state, delta_state = states
         starts = rows.starts.tolist()
         lengths = [e - s for s, e in itertools.pairwise(starts)]
-        # The leading one-row sequences are the step's decode rows (the products' `decodes`).
-        decodes = next((j for j, n in enumerate(lengths) if n != 1), len(lengths))
+        decodes = rows.decodes
         n = x.shape[0]
         mixed = self._convolve(self.qkv(x, decodes).float(), rows, lengths, conv_state)
         q, k, v = torch.split(mixed, [c.key_dim, c.key_dim, c.value_dim], dim=-1)

@@ -17,7 +17,8 @@ ROPE_NONE = "none"
 # convolution.
 MIXER_ATTENTION = "attention"
 MIXER_SHORT_CONV = "short_conv"
-MIXERS = (MIXER_ATTENTION, MIXER_SHORT_CONV)
+MIXER_GATED_DELTANET = "gated_deltanet"
+MIXERS = (MIXER_ATTENTION, MIXER_SHORT_CONV, MIXER_GATED_DELTANET)
 # The longest short convolution a config may claim (LFM2's is 3 wide).
 MAX_CONV_KERNEL = 64
 

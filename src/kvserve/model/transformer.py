@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvserve.model.families import family_named
+from kvserve.model.gated_attention import gate_output, split_gated_qkv
 from kvserve.model.linear import Linear
 from kvserve.model.mlp import GatedMlp, Mlp
 from kvserve.model.native_attention import NativeAttention, NativeAttentionMetadata
@@ -168,7 +169,7 @@ class Transformer:
                     )
                 )
                 continue
-            qkv_rows = [self.q_size, self.kv_size, self.kv_size]
+            qkv_rows = [self.q_size * (2 if c.attention_output_gate else 1), self.kv_size, self.kv_size]
             if len(names.qkv) == 1:
                 qkv_parts = [Rows(p + names.qkv[0] + ".weight", sum(qkv_rows))]
                 qkv_bias_names = [(names.qkv[0], sum(qkv_rows))]
@@ -335,18 +336,24 @@ class Transformer:
                 h = self._mlp(layer, h, d)
                 continue
             qkv = layer.qkv(x, d)
-            # q and k heads side by side, so one norm call each and one rotary pass cover them.
-            qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim)
+            gate = None
+            if c.attention_output_gate:
+                qk, v, gate = split_gated_qkv(qkv, c.num_heads, c.num_kv_heads, c.head_dim)
+            else:
+                # q and k heads side by side, so one norm call each and one rotary pass cover them.
+                qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, c.head_dim)
+                v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q_normed = self.rms_norm(qk[:, : c.num_heads], layer.q_norm, eps)
                 qk = torch.cat((q_normed, self.rms_norm(qk[:, c.num_heads :], layer.k_norm, eps)), dim=1)
             if layer.rope is not None:
                 qk = apply_rotary(qk, *tables[layer.rope])
             q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
-            v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
             kv_layer = self.kv_layer[i]
             assert kv_layer is not None
             attn = self.attention.forward(q, k, v, *kv.layer(kv_layer), meta, self.scale, c.window(i))
+            if gate is not None:
+                attn = gate_output(attn.reshape(n, self.q_size), gate)
             if layer.post_attn_norm is None:
                 h = layer.o.add(attn.view(n, self.q_size), h, d)
             else:

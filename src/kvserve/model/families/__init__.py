@@ -18,7 +18,19 @@ from kvserve.model.families.qwen3_moe import QWEN3_MOE
 from kvserve.model.families.smollm3 import SMOLLM3
 from kvserve.model.spec import ModelConfig
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3, PHI3, GEMMA3, LFM2)
+FAMILIES: tuple[Family, ...] = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    QWEN3_MOE,
+    SMOLLM3,
+    PHI3,
+    GEMMA3,
+    LFM2,
+    QWEN3_5,
+    QWEN3_5_MOE,
+)
 
 
 def family_named(name: str) -> Family:
@@ -29,23 +41,9 @@ def family_named(name: str) -> Family:
     raise ValueError(f"unknown model family {name!r}")
 
 
-# Families whose layers are built but which the forward pass does not run yet (their recurrent layers
-# await the Transformer's per-layer dispatch): recognized in both formats and refused by name.
-PENDING: tuple[Family, ...] = (QWEN3_5, QWEN3_5_MOE)
-
-
-def _refuse_pending(family: Family) -> None:
-    if family in PENDING:
-        raise ValueError(
-            f"the {family.name} family (recurrent Gated DeltaNet layers) is recognized but not yet served: "
-            "its layers await the forward pass's recurrent-layer dispatch"
-        )
-
-
 def family_for_gguf(architecture: str) -> Family:
-    for family in FAMILIES + PENDING:
+    for family in FAMILIES:
         if architecture in family.gguf_architectures:
-            _refuse_pending(family)
             return family
     supported = ", ".join(a for f in FAMILIES for a in f.gguf_architectures)
     raise ValueError(f"unsupported GGUF architecture {architecture!r}; supported: {supported}")
@@ -56,9 +54,6 @@ def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
     architectures = raw.get("architectures") or []
     by_name = {a: f for f in FAMILIES for a in f.hf_architectures}
     family = next((by_name[a] for a in architectures if a in by_name), None)
-    pending = next((f for f in PENDING for a in architectures if a in f.hf_architectures), None)
-    if family is None and pending is not None:
-        _refuse_pending(pending)
     if family is None:
         supported = ", ".join(sorted(by_name))
         raise ValueError(f"unsupported architecture {architectures or 'none given'}; supported: {supported}")

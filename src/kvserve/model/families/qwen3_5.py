@@ -41,6 +41,7 @@ from kvserve.model.spec import (
     MAX_HEAD_DIM,
     MAX_HEADS,
     MAX_INTERMEDIATE_SIZE,
+    MIXER_GATED_DELTANET,
     GatedDeltaNetConfig,
     ModelConfig,
     decoder_config,
@@ -155,7 +156,8 @@ def _common(raw: Mapping[str, Any], architecture: str, **fields: Any) -> ModelCo
         raw,
         architecture,
         partial_rotary_factor=_rotary_fraction(raw),
-        deltanet=_deltanet(raw, layers),
+        deltanet=(deltanet := _deltanet(raw, layers)),
+        mixers=tuple(MIXER_GATED_DELTANET if r else "attention" for r in deltanet.layers),
         attention_output_gate=True,
         **fields,
     )
@@ -229,10 +231,6 @@ def _gguf_moe(meta: GgufMetadata) -> dict[str, Any]:
     return config
 
 
-# The per-layer mixer's name a hybrid config gives a Gated DeltaNet layer (beside "attention").
-MIXER_GATED_DELTANET = "gated_deltanet"
-
-
 def mixer(weights: ModelWeights, config: ModelConfig, prefix: str) -> GatedDeltaNet:
     """The Gated DeltaNet of the layer at `prefix` (`model.layers.{i}.`), which
     `GatedDeltaNetConfig.layers` says is one."""
@@ -282,6 +280,8 @@ QWEN3_5 = Family(
     gguf_global=GGUF_GLOBAL,
     gguf_tokenizer_as="qwen3",
     hf_prefixes=MULTIMODAL,
+    mixer=mixer,
+    state_spec=state_spec,
 )
 
 QWEN3_5_MOE = Family(
@@ -297,4 +297,6 @@ QWEN3_5_MOE = Family(
     gguf_global=GGUF_GLOBAL,
     gguf_tokenizer_as="qwen3",
     hf_prefixes=MULTIMODAL,
+    mixer=mixer,
+    state_spec=state_spec,
 )
