@@ -39,6 +39,7 @@ TINY_CLASSES: dict[str, tuple[str, str]] = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 

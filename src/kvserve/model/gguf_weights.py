@@ -81,11 +81,13 @@ class GgufTensors:
                         f"tensor {t.name}'s {data.shape[0]} rows are not two halves of {n_heads} heads",
                     )
             if "{expert}" in name:
-                if len(t.dims) != 3:
+                # An expert's matrix is [experts, rows, in]; its bias (gpt-oss) [experts, rows].
+                dims = 2 if name.endswith(".bias") else 3
+                if len(t.dims) != dims:
                     raise ModelLoadError(
                         file.path,
-                        f"tensor {t.name} holds experts, so needs 3 dimensions [experts, rows, in], "
-                        f"not {len(t.dims)}",
+                        f"tensor {t.name} holds experts, so needs {dims} dimensions "
+                        f"{'[experts, rows]' if dims == 2 else '[experts, rows, in]'}, not {len(t.dims)}",
                     )
                 self._experts[name] = Entry(t, data, n_heads)
             else:
@@ -101,18 +103,18 @@ class GgufTensors:
             return None
         entry = self._experts.get(m[1] + "{expert}" + m[3])
         expert = int(m[2])
-        if entry is None or expert >= entry.tensor.dims[2]:
+        if entry is None or expert >= entry.tensor.dims[-1]:
             return None
         return entry, expert
 
     def names(self) -> Iterator[str]:
         yield from self._plain
         for template, entry in self._experts.items():
-            for e in range(entry.tensor.dims[2]):
+            for e in range(entry.tensor.dims[-1]):
                 yield template.format(expert=e)
 
     def __len__(self) -> int:
-        return len(self._plain) + sum(e.tensor.dims[2] for e in self._experts.values())
+        return len(self._plain) + sum(e.tensor.dims[-1] for e in self._experts.values())
 
 
 class GgufWeights(Mapping[str, torch.Tensor]):

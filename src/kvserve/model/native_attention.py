@@ -195,7 +195,10 @@ class NativeAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError("the native attention kernel has no attention sinks (the torch backend has)")
         # A sliding layer reads its own group's tables and slots.
         meta = meta.group(window)
         assert isinstance(meta, NativeAttentionMetadata)

@@ -45,6 +45,9 @@ class MoeConfig:
     expert_intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
+    # gpt-oss: the router and every expert product carry a bias, and the experts' SwiGLU is clamped
+    # ((alpha, limit): kvserve.model.mlp.ClampedSwiGlu); None: Qwen3-MoE's plain SwiGLU without biases.
+    clamped_swiglu: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class ModelConfig:
     # Per-pair divisors of the global rope's frequencies, on top of `rope_scaling`: a GGUF's rope_freqs
     # tensor (llama.cpp's form of Llama 3's scaling), applied as llama.cpp does; empty: none.
     rope_freq_factors: tuple[float, ...] = ()
+    # Each attention head has a learned sink: a logit that joins its softmax's denominator and attends
+    # to nothing (gpt-oss's `self_attn.sinks`).
+    attention_sinks: bool = False
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None

@@ -45,6 +45,8 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
+    # Each query head's sink logit [heads] (ModelConfig.attention_sinks).
+    sinks: torch.Tensor | None = None
 
     def _gated(self) -> GatedMlp:
         if not isinstance(self.mlp, GatedMlp):
@@ -167,6 +169,9 @@ class Transformer:
                     k_norm=norm(names.k_norm, head_dim),
                     post_attn_norm=norm(names.post_attn_norm),
                     post_mlp_norm=norm(names.post_mlp_norm),
+                    sinks=w.tensor(p + names.sinks, (c.num_heads,))
+                    if c.attention_sinks and names.sinks
+                    else None,
                 )
             )
         expected = (c.vocab_size, hidden)
@@ -207,6 +212,8 @@ class Transformer:
         serves every step."""
         if not isinstance(self.attention, NativeAttention):
             raise KernelUnavailableError("the native decoder calls the native attention kernel")
+        if self.config.attention_sinks:
+            raise KernelUnavailableError("the native decoder has no attention sinks")
         if not isinstance(self.rms_norm, NativeRmsNorm):
             raise KernelUnavailableError("the native decoder runs where the norms are native")
         c = self.config
@@ -291,7 +298,7 @@ class Transformer:
                 qk = apply_rotary(qk, *tables[layer.rope])
             q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-            attn = self.attention.forward(q, k, v, *kv.layer(i), meta, self.scale, c.window(i))
+            attn = self.attention.forward(q, k, v, *kv.layer(i), meta, self.scale, c.window(i), layer.sinks)
             if layer.post_attn_norm is None:
                 h = layer.o.add(attn.view(n, self.q_size), h, d)
             else:

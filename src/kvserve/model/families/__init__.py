@@ -8,6 +8,7 @@ from typing import Any
 
 from kvserve.model.families.base import Family
 from kvserve.model.families.gemma3 import GEMMA3
+from kvserve.model.families.gpt_oss import GPT_OSS
 from kvserve.model.families.llama import LLAMA, MISTRAL
 from kvserve.model.families.phi3 import PHI3
 from kvserve.model.families.qwen2 import QWEN2
@@ -16,7 +17,7 @@ from kvserve.model.families.qwen3_moe import QWEN3_MOE
 from kvserve.model.families.smollm3 import SMOLLM3
 from kvserve.model.spec import ModelConfig
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3, PHI3, GEMMA3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, SMOLLM3, PHI3, GEMMA3, GPT_OSS)
 
 
 def family_named(name: str) -> Family:
