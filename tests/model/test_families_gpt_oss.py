@@ -202,7 +202,7 @@ def write_gguf(model: Any, path: str) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("weight_dtype", ["float32"])
+@pytest.mark.parametrize("weight_dtype", ["float32", "gguf"])
 def test_a_gguf_with_mxfp4_experts_matches_transformers(tmp_path: Any, weight_dtype: str) -> None:
     theirs = tiny_gpt_oss(str(tmp_path / "oss"))
     path = str(tmp_path / "oss.gguf")

@@ -144,7 +144,7 @@ class GgufWeights(Mapping[str, torch.Tensor]):
 class GgufBlocks(Mapping[str, QuantizedWeight]):
     """The weight matrices the native kernels read, as the file's blocks with their ggml type, by Hugging
     Face name (each expert's matrix of a 3-D tensor apart). A matrix of a type they do not read (IQ1, IQ2,
-    IQ3, TQ, MXFP4) is left out, with a warning naming it: its product runs on its float values, which
+    IQ3, TQ, NVFP4) is left out, with a warning naming it: its product runs on its float values, which
     the gguf package dequantizes."""
 
     def __init__(self, tensors: GgufTensors) -> None:

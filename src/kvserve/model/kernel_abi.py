@@ -17,7 +17,7 @@ import torch
 
 from kvserve.errors import KernelAbiError
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define KVSERVE_ABI_VERSION 5
+#define KVSERVE_ABI_VERSION 6
 
 /* The weight types the products read: ggml's type ids (quants.h and decode.h hold the layouts). */
 enum {
@@ -31,7 +31,8 @@ enum {
     TYPE_IQ4_NL = 20,
     TYPE_IQ4_XS = 23,
     TYPE_BF16 = 30,
-    TYPE_COUNT = 31
+    TYPE_MXFP4 = 39,
+    TYPE_COUNT = 40
 };
 /* The op quant_linear applies to each output after the bias. */
 enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
