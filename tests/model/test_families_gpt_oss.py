@@ -119,9 +119,10 @@ def test_dropping_the_sinks_breaks_parity(tmp_path: Any) -> None:
 # ---- GGUF -------------------------------------------------------------------------------------------
 
 
-def write_gguf(model: Any, path: str) -> None:
+def write_gguf(model: Any, path: str, skip: str = "") -> None:
     """llama.cpp's gpt-oss GGUF of transformers' `model`: the experts' products in MXFP4 (the gguf
-    package's quantizer), everything else F32; `model` takes the dequantized values the file holds."""
+    package's quantizer), everything else F32; `model` takes the dequantized values the file holds.
+    `skip`: a tensor left out."""
     import gguf
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
@@ -155,6 +156,8 @@ def write_gguf(model: Any, path: str) -> None:
     inner = model.model
 
     def add(name: str, t: torch.Tensor) -> None:
+        if name == skip:
+            return
         writer.add_tensor(name, np.ascontiguousarray(t.detach().float().numpy()))
 
     def add_mxfp4(name: str, w: torch.Tensor) -> torch.Tensor:
@@ -233,3 +236,19 @@ def test_a_router_that_disagrees_with_the_config_is_one_error_at_load(tmp_path: 
         json.dump(config, f)
     with pytest.raises(ModelLoadError, match="6 experts but the router has 4"):
         exact_runner(load_model(path, default_cache_dir()))
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        ("blk.1.attn_sinks.weight", "self_attn.sinks"),
+        ("blk.0.ffn_gate_inp.bias", "mlp.router.bias"),
+        ("blk.0.ffn_up_exps.bias", "up_proj.bias"),
+    ],
+)
+def test_a_gguf_missing_a_gpt_oss_tensor_is_one_error_at_load(tmp_path: Any, drop: str, message: str) -> None:
+    theirs = tiny_gpt_oss(str(tmp_path / "oss"))
+    out = str(tmp_path / "less.gguf")
+    write_gguf(theirs, out, skip=drop)
+    with pytest.raises(ModelLoadError, match=message):
+        exact_runner(load_model(out, default_cache_dir()))

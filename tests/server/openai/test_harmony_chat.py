@@ -190,3 +190,32 @@ def test_a_tool_calling_chat_reads_every_earlier_request_from_the_cache(
     )
     assert cached == ideal
     assert sum(template_only) < sum(ideal)
+
+
+def test_the_responses_api_gives_a_reasoning_item_and_a_call_and_reads_its_turn_back(server: Server) -> None:
+    client = _client(server)
+    tools: Any = [{"type": "function", **TOOLS[0]["function"]}]
+    first = client.responses.create(
+        model=NAME,
+        input="Which city, Paris or Rome?",
+        tools=tools,
+        tool_choice="required",
+        reasoning={"effort": "high"},
+        max_output_tokens=64,
+    )
+    kinds = [item.type for item in first.output]
+    assert kinds == ["reasoning", "function_call"]
+    call = first.output[1]
+    assert call.type == "function_call" and call.name == "get_weather"
+    second = client.responses.create(
+        model=NAME,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}],
+        tools=tools,
+        tool_choice="required",
+        reasoning={"effort": "high"},
+        max_output_tokens=64,
+    )
+    assert first.usage is not None and second.usage is not None
+    ideal = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens == ideal

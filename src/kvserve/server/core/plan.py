@@ -102,6 +102,7 @@ def chat_plan(ctx: ServerContext, request: ChatRequest, namespace: str) -> Reque
         request.tools,
         ctx.chat,
         request.template_kwargs,
+        request.reasoning_effort,
     )
     return rendered_chat_plan(ctx, request, token_ids, namespace)
 

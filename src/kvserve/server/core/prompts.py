@@ -110,14 +110,21 @@ def template_kwargs(raw: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(raw)
 
 
-def with_effort(kwargs: dict[str, Any], effort: str | None, param: str) -> dict[str, Any]:
-    """The template variables with an API's reasoning effort as `reasoning_effort` (gpt-oss's template
-    writes it into the system message: `Reasoning: low|medium|high`), unless they set it already."""
+# Efforts other APIs name that harmony's three stand for.
+_EFFORT_ALIASES = {"minimal": "low", "xhigh": "high"}
+
+
+def with_effort(kwargs: dict[str, Any], effort: str | None) -> dict[str, Any]:
+    """A harmony chat's template variables with the API's reasoning effort as `reasoning_effort`
+    (gpt-oss's template writes it into the system message: `Reasoning: low|medium|high`), unless they
+    set it already; an effort harmony has not (after its aliases: minimal is low) is a 400."""
     if effort is None:
         return kwargs
+    effort = _EFFORT_ALIASES.get(effort, effort)
     if effort not in harmony.EFFORTS:
         raise InvalidRequestError(
-            f"{param} must be one of {', '.join(harmony.EFFORTS)}, not {effort!r}", param
+            f"reasoning_effort must be one of {', '.join(harmony.EFFORTS)}, not {effort!r}",
+            "reasoning_effort",
         )
     return {"reasoning_effort": effort, **kwargs}
 
@@ -160,12 +167,15 @@ def chat_prompt(
     tools: ToolUse | None = None,
     setup: ChatSetup | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    reasoning_effort: str | None = None,
 ) -> list[int]:
     """Token ids of a conversation (with its tools, calls and results in the server's tool format,
     server/core/tools.py, and the template variables `kwargs`), behind the guard (`chat_turns`); earlier
     replies of this engine come back as their exact ids, so the next turn of a chat finds its whole
     history in the prefix cache."""
     setup = setup or ChatSetup()
+    if setup.harmony:
+        kwargs = with_effort(dict(kwargs or {}), reasoning_effort)
     turns, args = chat_turns(guard, messages, tools, setup, kwargs)
     if setup.harmony:
         return harmony_prompt(async_engine, turns, namespace, add_generation_prompt, args)

@@ -28,7 +28,7 @@ from kvserve.server.core.context import ServerContext
 from kvserve.server.core.messages import ChatMessage
 from kvserve.server.core.plan import PlannedPrompt, RequestPlan, chat_plan, plan_prompts
 from kvserve.server.core.prompt_cache import cache_breakpoints, cache_policy, chat_markers
-from kvserve.server.core.prompts import chat_prompt, prompt_batch, template_kwargs, text_prompt, with_effort
+from kvserve.server.core.prompts import chat_prompt, prompt_batch, template_kwargs, text_prompt
 from kvserve.server.core.request import ChatRequest
 from kvserve.server.core.structured import structured_outputs
 from kvserve.server.core.tools import ToolUse, offered_tools
@@ -104,11 +104,9 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     if max_tokens is not None and max_tokens < 0:
         raise InvalidRequestError("max_tokens must be at least 0.", "max_tokens")
     tools = tool_use(body)
-    kwargs = with_effort(
-        template_kwargs(body.chat_template_kwargs), body.reasoning_effort, "reasoning_effort"
-    )
+    kwargs = template_kwargs(body.chat_template_kwargs)
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    return ChatRequest(tuple(body.messages), params, tools, kwargs)
+    return ChatRequest(tuple(body.messages), params, tools, kwargs, reasoning_effort=body.reasoning_effort)
 
 
 def chat_completion_plan(ctx: ServerContext, body: ChatCompletionRequest, namespace: str) -> RequestPlan:
@@ -129,6 +127,7 @@ def chat_completion_plan(ctx: ServerContext, body: ChatCompletionRequest, namesp
             request.tools,
             ctx.chat,
             request.template_kwargs,
+            request.reasoning_effort,
         )
 
     plan = chat_plan(ctx, request, namespace)
