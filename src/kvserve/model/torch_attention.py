@@ -230,6 +230,10 @@ class TorchAttention(AttentionBackend):
         return out
 
 
+# Bytes of float scores one slice of sink-attention rows takes: bounds a long prefill chunk's memory.
+_SINK_SCORES_BYTES = 64 << 20
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -242,18 +246,31 @@ def _attend(
     """SDPA of q [..., L, D] over k/v [..., S, D] under the boolean `mask` (True: attend) or causally;
     with `sinks` (broadcast to [..., L, 1]: each query row's head's sink logit) the softmax's denominator
     also holds exp(sink), as gpt-oss's attention has it: SDPA has no such term, so these rows are
-    computed in plain ops, the sink also taking part in the softmax's max."""
+    computed in plain ops, the sink also taking part in the softmax's max, a slice of rows at a time."""
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril_()
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)
-    weights = scores.sub_(top).exp_()
-    denominator = weights.sum(dim=-1, keepdim=True).add_((sinks - top).exp_())
-    return torch.matmul(weights, v).div_(denominator)
+    rows, keys = q.shape[-2], k.shape[-2]
+    per_row = q[..., :1, :1].numel() * keys * q.element_size()
+    step = max(1, _SINK_SCORES_BYTES // max(1, per_row))
+    out = torch.empty_like(q)
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        scores = torch.matmul(q[..., start:end, :], k.transpose(-1, -2)).mul_(scale)
+        part = mask
+        if causal:
+            part = torch.arange(keys, device=q.device) <= torch.arange(start, end, device=q.device).unsqueeze(
+                1
+            )
+        elif mask is not None and mask.shape[-2] == rows:
+            part = mask[..., start:end, :]
+        if part is not None:
+            scores.masked_fill_(~part, float("-inf"))
+        sink = sinks[..., start:end, :] if sinks.shape[-2] == rows else sinks
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+        weights = scores.sub_(top).exp_()
+        denominator = weights.sum(dim=-1, keepdim=True).add_((sink - top).exp_())
+        out[..., start:end, :] = torch.matmul(weights, v).div_(denominator)
+    return out
 
 
 def _decode_rows(
