@@ -219,3 +219,32 @@ def test_the_responses_api_gives_a_reasoning_item_and_a_call_and_reads_its_turn_
     assert first.usage is not None and second.usage is not None
     ideal = first.usage.input_tokens + first.usage.output_tokens - 1
     assert second.usage.input_tokens_details.cached_tokens == ideal
+
+
+def test_the_anthropic_api_gives_thinking_and_tool_use_and_reads_its_turn_back(server: Server) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    tool: Any = {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "input_schema": TOOLS[0]["function"]["parameters"],
+    }
+    messages: list[Any] = [{"role": "user", "content": "Paris or Rome, says the weather?"}]
+    first = client.messages.create(
+        model=NAME, max_tokens=64, messages=messages, tools=[tool], tool_choice={"type": "any"}
+    )
+    assert [b.type for b in first.content] == ["thinking", "tool_use"]
+    assert first.stop_reason == "tool_use"
+    use = first.content[1]
+    assert use.type == "tool_use" and use.name == "get_weather" and use.input["city"] in ("Paris", "Rome")
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "clear"}]},
+    ]
+    second = client.messages.create(
+        model=NAME, max_tokens=64, messages=messages, tools=[tool], tool_choice={"type": "any"}
+    )
+    u = first.usage
+    prompt = u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
+    assert second.usage.cache_read_input_tokens == prompt + u.output_tokens - 1

@@ -159,7 +159,16 @@ def reply(text: str, names: frozenset[str] | None = None, final: bool = True) ->
 
 
 def _parts(content: str | None, calls: Sequence[ParsedCall], reasoning: str | None) -> str:
-    return json.dumps([reasoning or None, content or "", [[c.name, c.arguments] for c in calls]])
+    return json.dumps([reasoning or None, content or "", [[c.name, _compact(c.arguments)] for c in calls]])
+
+
+def _compact(arguments: str) -> str:
+    """A call's arguments as one JSON form (an API that sends them back as an object re-serializes
+    them: Anthropic's `input`), or as they are where they are not JSON."""
+    try:
+        return json.dumps(json.loads(arguments), separators=(",", ":"), ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return arguments
 
 
 def reply_key(

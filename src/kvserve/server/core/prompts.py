@@ -111,7 +111,7 @@ def template_kwargs(raw: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 # Efforts other APIs name that harmony's three stand for.
-_EFFORT_ALIASES = {"minimal": "low", "xhigh": "high"}
+_EFFORT_ALIASES = {"minimal": "low", "xhigh": "high", "max": "high"}
 
 
 def with_effort(kwargs: dict[str, Any], effort: str | None) -> dict[str, Any]:
