@@ -8,19 +8,22 @@ The experts' tensors: transformers keeps each layer's experts as 3-D tensors, `m
 [experts, hidden, 2 * inter] (the gate and up columns interleaved) and `down_proj` [experts, inter,
 hidden], each with a bias; they are cut here into per-expert matrices in the [out, in] layout, under the
 names llama.cpp's GGUF answers (its `ffn_*_exps`, already split and in [experts, out, in]): one builder
-serves both. In a GGUF the experts are MXFP4 blocks, read natively. OpenAI's own safetensors keep the
-experts as MXFP4 `_blocks` and `_scales` tensors, which are not read (convert the model, or use its GGUF).
+serves both. In a GGUF the experts are MXFP4 blocks, read natively; OpenAI's own safetensors keep them
+as MXFP4 `_blocks` and `_scales` tensors, whose codes and scales are moved into ggml's block layout at
+load (`ggml_mxfp4`), so they are read natively too.
 """
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.families.base import Family, GgufMetadata, LayerTensors, gguf_common_config
 from kvserve.model.mlp import ClampedSwiGlu, Expert, Mlp
 from kvserve.model.moe import SparseMoe
+from kvserve.model.quant_blocks import MXFP4, QuantizedWeight
 from kvserve.model.spec import (
     ModelConfig,
     MoeConfig,
@@ -147,14 +150,17 @@ def _gguf_config(meta: GgufMetadata) -> dict[str, Any]:
     return config
 
 
-class _Overlay(Mapping[str, torch.Tensor]):
-    """`top`'s tensors, then `base`'s (read when asked for, as `base` reads them)."""
+V = TypeVar("V")
 
-    def __init__(self, top: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> None:
+
+class _Overlay(Mapping[str, V]):
+    """`top`'s values, then `base`'s (read when asked for, as `base` reads them)."""
+
+    def __init__(self, top: Mapping[str, V], base: Mapping[str, V]) -> None:
         self.top = top
         self.base = base
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> V:
         return self.top[name] if name in self.top else self.base[name]
 
     def __contains__(self, name: object) -> bool:
@@ -168,10 +174,88 @@ class _Overlay(Mapping[str, torch.Tensor]):
         return sum(1 for _ in self)
 
 
+class _Dequantized(Mapping[str, torch.Tensor]):
+    """MXFP4 matrices' float values, dequantized when asked for (a product on float weights only)."""
+
+    def __init__(self, blocks: Mapping[str, QuantizedWeight]) -> None:
+        self.blocks = blocks
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.blocks[name].dequantize()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+def _packed(weights: ModelWeights, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A uint8 tensor of OpenAI's MXFP4 checkpoint, checked."""
+    if name not in weights.tensors:
+        raise ModelLoadError(name, "tensor missing from the weight files")
+    t = weights.tensors[name]
+    if t.dtype != torch.uint8 or tuple(t.shape) != shape:
+        raise ModelLoadError(name, f"{t.dtype} {tuple(t.shape)} is not MXFP4's uint8 {shape}")
+    return t.numpy()
+
+
+def ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OpenAI's MXFP4 rows (blocks [rows, n, 16]: byte j holds weights 2j in its low nibble and 2j + 1
+    in its high one; scales [rows, n], E8M0) as ggml's MXFP4 rows [rows, n * 17] (the scale byte, then
+    weights i and i + 16 in byte i's low and high nibbles): the same codes and scales, moved."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales[..., None], qs], axis=-1).reshape(blocks.shape[0], -1)
+
+
+def _openai_experts(weights: ModelWeights, prefix: str, moe: MoeConfig, hidden: int) -> ModelWeights:
+    """`weights` answering the per-expert names from OpenAI's MXFP4 expert tensors (`*_blocks` and
+    `*_scales`, the gate and up rows interleaved): as the file's blocks in ggml's layout (products on
+    them natively with weight_dtype gguf) and as their float values otherwise."""
+    p = prefix + "mlp.experts."
+    experts, inter = moe.num_experts, moe.expert_intermediate_size
+    if hidden % 32 or inter % 32:
+        raise ModelLoadError(p + "gate_up_proj_blocks", "MXFP4 rows need multiples of 32 weights")
+    gu_blocks = _packed(weights, p + "gate_up_proj_blocks", (experts, 2 * inter, hidden // 32, 16))
+    gu_scales = _packed(weights, p + "gate_up_proj_scales", (experts, 2 * inter, hidden // 32))
+    dn_blocks = _packed(weights, p + "down_proj_blocks", (experts, hidden, inter // 32, 16))
+    dn_scales = _packed(weights, p + "down_proj_scales", (experts, hidden, inter // 32))
+    gate_up_bias = weights.tensor(p + "gate_up_proj_bias", (experts, 2 * inter))
+    down_bias = weights.tensor(p + "down_proj_bias", (experts, hidden))
+    blocks: dict[str, QuantizedWeight] = {}
+    biases: dict[str, torch.Tensor] = {}
+    for e in range(experts):
+        q = f"{p}{e}."
+        for name, rows, scales, n_in in (
+            ("gate_proj", gu_blocks[e, 0::2], gu_scales[e, 0::2], hidden),
+            ("up_proj", gu_blocks[e, 1::2], gu_scales[e, 1::2], hidden),
+            ("down_proj", dn_blocks[e], dn_scales[e], inter),
+        ):
+            data = torch.from_numpy(np.ascontiguousarray(ggml_mxfp4(rows, scales)))
+            blocks[q + name + ".weight"] = QuantizedWeight(MXFP4, data, n_in)
+        biases[q + "gate_proj.bias"] = gate_up_bias[e, 0::2]
+        biases[q + "up_proj.bias"] = gate_up_bias[e, 1::2]
+        biases[q + "down_proj.bias"] = down_bias[e]
+    floats = _Overlay(biases, _Dequantized(blocks))
+    return ModelWeights(
+        _Overlay(floats, weights.tensors),
+        _Overlay(blocks, weights.blocks),
+        weights.device,
+        weights.dtype,
+        weights.weight_dtype,
+        weights.cache_dir,
+        weights.int16_decodes,
+        weights.norm_offset,
+    )
+
+
 def _split_experts(weights: ModelWeights, prefix: str, moe: MoeConfig, hidden: int) -> ModelWeights:
     """`weights` answering the per-expert names where the layer holds transformers' 3-D expert tensors
     (cut and transposed here, as views); as they are otherwise (a GGUF's per-expert names)."""
     p = prefix + "mlp.experts."
+    if p + "gate_up_proj_blocks" in weights.tensors:
+        return _openai_experts(weights, prefix, moe, hidden)
     if p + "gate_up_proj" not in weights.tensors:
         return weights
     experts, inter = moe.num_experts, moe.expert_intermediate_size
