@@ -19,6 +19,7 @@ from kvserve.config import default_cache_dir
 from kvserve.errors import ModelLoadError
 from kvserve.model.loader import load_model
 from kvserve.model.moe import SparseMoe
+from kvserve.model.native_attention import NativeAttention
 from kvserve.model.quant_linear import QuantLinear
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 from tests.helpers import save_tiny_model
@@ -101,19 +102,26 @@ def test_a_hugging_face_folder_matches_transformers(tmp_path: Any) -> None:
     c = ours.config
     assert c.attention_sinks and c.windows == (WINDOW, None)
     assert c.rope_scaling_dict["rope_type"] == "yarn" and c.rope_scaling_dict["truncate"] is False
-    error = check_parity(exact_runner(ours), theirs)
+    runner = exact_runner(ours)
+    assert isinstance(runner.attention, NativeAttention)
+    error = check_parity(runner, theirs)
     print(f"gpt_oss safetensors: max abs logit error {error:.2e}")
 
 
 def test_sink_attention_in_slices_of_rows_matches_too(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The torch backend bounds a long chunk's scores by computing sink rows a slice at a time: here a
-    few rows per slice."""
+    """The torch backend (the sinks' portable path) bounds a long chunk's scores by computing sink rows a
+    slice at a time: here a few rows per slice."""
     from kvserve.model import torch_attention
 
     monkeypatch.setattr(torch_attention, "_SINK_SCORES_BYTES", 1024)
     path = str(tmp_path / "oss")
     theirs = tiny_gpt_oss(path)
-    check_parity(exact_runner(load_model(path, default_cache_dir())), theirs)
+    model = load_model(path, default_cache_dir())
+    runner = ModelRunner(
+        model, 160, 4, 512, "cpu", "float32", "float32", attention="torch", kv_dtype="float32"
+    )
+    assert isinstance(runner.attention, torch_attention.TorchAttention)
+    check_parity(runner, theirs)
 
 
 def test_dropping_the_sinks_breaks_parity(tmp_path: Any) -> None:

@@ -65,17 +65,11 @@ def attention_backend(
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     cache_dir: str,
-    sinks: bool = False,
 ) -> AttentionBackend:
     """The backend that `choice` (one of config.ATTENTION_BACKENDS, checked there) names: "native" (the
     C kernel, built into `cache_dir`; an error if it cannot run here), "torch" (portable), or "auto"
-    (native where it can run, else torch, saying why). A model with attention `sinks` (gpt-oss) runs on
-    torch: the kernel has none."""
-    if sinks and choice == "native":
-        raise KernelUnavailableError("the native attention kernel has no attention sinks")
-    if sinks:
-        log.info("attention runs on the portable torch path: the model has attention sinks")
-    elif choice != "torch":
+    (native where it can run, else torch, saying why)."""
+    if choice != "torch":
         try:
             kernel = PagedAttentionKernel.load(cache_dir, device, dtype, kv_dtype)
             return NativeAttention(kernel, block_size)
@@ -130,7 +124,6 @@ class ModelRunner:
             self.dtype,
             self.kv_dtype,
             cache_dir,
-            c.attention_sinks,
         )
         self.transformer = Transformer(
             c,

@@ -10,9 +10,8 @@ A sliding-window layer gathers only from the first block its rows' windows reach
 windows exclude (`window_mask`, built once per step and window: `TorchAttentionMetadata.window_masks`),
 so a block wholly before every row's window is never read.
 
-Attention sinks (gpt-oss: a learned logit per head in the softmax's denominator) are computed here, in
-plain ops (`_attend`), since SDPA has no such term; the native kernel has none, so a model with sinks
-runs on this backend (`runner.attention_backend`).
+Attention sinks (gpt-oss: a learned logit per head in the softmax's denominator) are computed here in
+plain ops (`_attend`, a slice of rows at a time), since SDPA has no such term.
 """
 
 from collections.abc import Sequence

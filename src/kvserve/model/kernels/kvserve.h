@@ -58,11 +58,12 @@ int kvserve_struct_sizes(int64_t *sizes, int n);
  * block wholly before them, whose table entry may be anything). Returns 0, or -1 when scratch memory could not be allocated. The element
  * types are the symbol's: float or double rows, a cache of the same type, of _Float16 under float, or of
  * q8_0 blocks (`_q8`: each position's row is kv_heads * dim / 32 blocks of a float16 scale and 32 int8
- * quants, 34 bytes, llama.cpp's block_q8_0; dim a multiple of 32). */
+ * quants, 34 bytes, llama.cpp's block_q8_0; dim a multiple of 32). sinks: NULL, or each head's sink logit
+ * [heads] (gpt-oss), which joins the softmax's max and denominator and attends to nothing. */
 typedef int attention_kernel(const void *q, int64_t q_stride, void *out, const void *k_cache,
                              const void *v_cache, const int64_t *tables, int64_t table_stride,
                              const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
-                             int64_t dim, int64_t block_size, double scale, int threads);
+                             int64_t dim, int64_t block_size, double scale, const float *sinks, int threads);
 
 attention_kernel paged_attention_f32;
 attention_kernel paged_attention_f64;
