@@ -81,7 +81,9 @@ def inputs(case: Case, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def reference(args: dict[str, Any], case: Case) -> torch.Tensor:
+def reference(args: dict[str, Any], case: Case, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's attention in float64 over its gathered context; with `sinks` [heads], each head's sink
+    logit joins the softmax's denominator (gpt-oss)."""
     bs, group = case.block_size, case.heads // case.kv_heads
     rows = []
     for r, n in enumerate(case.lens):
@@ -90,5 +92,9 @@ def reference(args: dict[str, Any], case: Case) -> torch.Tensor:
         k = args["k_cache"][slots].double().transpose(0, 1).repeat_interleave(group, dim=0)
         v = args["v_cache"][slots].double().transpose(0, 1).repeat_interleave(group, dim=0)
         q = args["q"][r].double().unsqueeze(1)
-        rows.append(F.scaled_dot_product_attention(q, k, v, scale=args["scale"]).squeeze(1))
+        if sinks is None:
+            rows.append(F.scaled_dot_product_attention(q, k, v, scale=args["scale"]).squeeze(1))
+            continue
+        scores = torch.cat([(q @ k.transpose(1, 2)) * args["scale"], sinks.double().view(-1, 1, 1)], dim=-1)
+        rows.append((torch.softmax(scores, dim=-1)[..., :-1] @ v).squeeze(1))
     return torch.stack(rows)

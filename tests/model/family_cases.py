@@ -57,7 +57,8 @@ LFM2_HYBRID: dict[str, Any] = {
 
 # Every family beyond Llama for the randomized differential test: the parity tests' cases
 # (above), Gemma 3's window cut to 5 so that its sliding layers slide within the
-# workloads' prompts, a Qwen3-MoE with a dense layer among the sparse ones, and LFM2's hybrid.
+# workloads' prompts, a Qwen3-MoE with a dense layer among the sparse ones, a gpt-oss, and two hybrids
+# (LFM2, Qwen3.5).
 FAMILY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     **{name: CASES[name] for name in ("qwen3", "smollm3-nope", "phi3-longrope")},
     "gemma3-window-5": (CASES["gemma3"][0], {**CASES["gemma3"][1], "sliding_window": 5}),
@@ -82,6 +83,18 @@ FAMILY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
             "linear_num_value_heads": 4,
             "linear_key_head_dim": 16,
             "linear_value_head_dim": 16,
+        },
+    ),
+    # Sinks, a window of 5 on the even layers, biases and the clamped experts.
+    "gpt-oss-window-5": (
+        "gpt_oss",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 64,
+            "head_dim": 16,
+            "sliding_window": 5,
+            "tie_word_embeddings": False,
         },
     ),
 }

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import default_cache_dir
+from kvserve.model import kv_quant
 from kvserve.model.loader import LoadedModel
 from kvserve.model.native_attention import KernelUnavailableError, PagedAttentionKernel
 from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
@@ -35,6 +36,46 @@ def test_kernel_equals_attention_over_each_rows_gathered_context(case: Case, dty
     got = kernel(compute, kv_dtype)(**args)
     tolerance = 1e-12 if dtype == "float64" else 2e-5
     torch.testing.assert_close(got.double(), reference(args, case), atol=tolerance, rtol=tolerance)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    case=cases(),
+    dtype=st.sampled_from(["float64", "float32", "float32 with a q8_0 cache"]),
+    big=st.booleans(),
+)
+def test_attention_sinks_join_each_heads_softmax(case: Case, dtype: str, big: bool) -> None:
+    """gpt-oss's sinks, small or larger than every score (the max is then the sink's), on the generic
+    and the vector paths; a row alone is its bits in the batch."""
+    compute = torch.float64 if dtype == "float64" else torch.float32
+    args = inputs(case, compute)
+    kv_dtype = None
+    if dtype.endswith("q8_0 cache"):
+        if case.dim % 32:
+            return
+        kv_dtype = torch.uint8
+        k, v = (kv_quant.quantize(args[n]) for n in ("k_cache", "v_cache"))
+        args = dict(args, k_cache=k, v_cache=v)
+    gen = torch.Generator().manual_seed(case.seed)
+    sinks = torch.randn(case.heads, generator=gen) * (20.0 if big else 1.0)
+    attend = kernel(compute, kv_dtype)
+    got = attend(**args, sinks=sinks)
+    expected_args = (
+        args
+        if kv_dtype is None
+        else dict(
+            args,
+            k_cache=kv_quant.values(args["k_cache"], compute),
+            v_cache=kv_quant.values(args["v_cache"], compute),
+        )
+    )
+    tolerance = 1e-12 if dtype == "float64" else 2e-5
+    torch.testing.assert_close(
+        got.double(), reference(expected_args, case, sinks), atol=tolerance, rtol=tolerance
+    )
+    r = len(case.lens) - 1
+    alone = dict(args, q=args["q"][r:], tables=args["tables"][r:], lens=args["lens"][r:])
+    assert torch.equal(attend(**alone, sinks=sinks)[0], got[r])
 
 
 @settings(max_examples=30, deadline=None)

@@ -27,6 +27,7 @@ from kvserve.model.quant_blocks import (
     F16,
     F32,
     IQ4_XS,
+    MXFP4,
     Q2_K,
     Q4_0,
     Q4_1,
@@ -103,6 +104,10 @@ def random_blocks(qtype: int, n_out: int, n_in: int, seed: int = 0) -> Quantized
         )
         return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(raw)), n_in)
     raw = rng.integers(0, 256, size=(n_out, n_in // elems, size), dtype=np.uint8)
+    if qtype == MXFP4:
+        # E8M0 scales 2^-10 .. 2^-2 (every byte is checked apart: test_every_mxfp4_scale_and_code...).
+        raw[..., 0] = rng.integers(117, 126, size=raw.shape[:-1], dtype=np.uint8)
+        return QuantizedWeight(qtype, torch.from_numpy(raw.reshape(n_out, -1)), n_in)
     start, stop = SCALE_FIELDS[qtype]
     halves = (stop - start) // 2
     scales = (rng.standard_normal((n_out, n_in // elems, halves)) * 0.01).astype(np.float16)
@@ -130,6 +135,18 @@ def test_rows_dequantize_natively_to_the_gguf_package_values_bit_for_bit(name: s
         assert torch.equal(linear.rows(torch.arange(7)), expected), n_in
         assert torch.equal(linear.rows(torch.tensor([[3, 0], [6, 3]]))[1, 0], expected[6])
         assert torch.equal(blocks.dequantize(), expected)
+
+
+def test_every_mxfp4_scale_and_code_dequantizes_to_the_gguf_package_values_bit_for_bit() -> None:
+    """All 256 E8M0 scale bytes (subnormal halves for 0 and 1, 2^127 for 255) with all 16 codes in both
+    nibbles; where the package's value overflows, so does the kernel's."""
+    raw = np.zeros((256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    raw[:, 1:] = (np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4))[None, :]
+    blocks = QuantizedWeight(MXFP4, torch.from_numpy(raw), 32)
+    with np.errstate(over="ignore"):
+        expected = reference(blocks)
+    assert torch.equal(QuantLinear(blocks, None, default_cache_dir()).rows(torch.arange(256)), expected)
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
@@ -243,7 +260,7 @@ def test_a_product_of_parts_of_different_types_is_its_parts_run_one_by_one() -> 
 
 @pytest.mark.parametrize(
     ("qtype", "name"),
-    [(16, "IQ2_XXS"), (19, "IQ1_S"), (21, "IQ3_S"), (35, "TQ2_0"), (39, "MXFP4"), (99, "99")],
+    [(16, "IQ2_XXS"), (19, "IQ1_S"), (21, "IQ3_S"), (35, "TQ2_0"), (40, "NVFP4"), (99, "99")],
 )
 def test_a_type_the_kernels_do_not_read_is_refused_by_name(qtype: int, name: str) -> None:
     with pytest.raises(ValueError, match=f"type {name}.* not read by kvserve"):

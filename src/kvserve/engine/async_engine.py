@@ -47,7 +47,7 @@ from kvserve.engine.validation import CheckedPrompt, TooManySequencesError, chec
 from kvserve.errors import EngineOverloadedError, KVServeError
 from kvserve.model import openmp
 from kvserve.model.heap import release_free_heap
-from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, MessageDict, ReplyLookup, TemplateArgs
+from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, KnownReply, MessageDict, ReplyLookup, TemplateArgs
 
 log = logging.getLogger("kvserve.engine")
 
@@ -220,6 +220,16 @@ class AsyncEngine:
         return encode_chat(
             self.tokenizer, self.engine.replies, messages, namespace, add_generation_prompt, args, known_reply
         )
+
+    def lookup_reply(self, namespace: str, text: str) -> KnownReply | None:
+        """The reply memory's ids of the reply `text` stands for in `namespace` (a reply, or a part or
+        key of one: engine/reply_memory.py). Any thread."""
+        return self.engine.replies.lookup_reply(namespace, text)
+
+    def remember_reply(self, namespace: str, key: str, token_ids: Sequence[int], tenant: str) -> None:
+        """Remember a reply's ids under `key` (a harmony reply's key: server/core/harmony.py). Any
+        thread."""
+        self.engine.replies.remember(namespace, key, token_ids, tenant)
 
     def remember_reply_part(self, namespace: str, part: str, whole: str, tenant: str) -> None:
         """Remember that `tenant`'s reply `whole` came back to its client as `part` (its content after its

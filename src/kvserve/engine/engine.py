@@ -397,7 +397,7 @@ class Engine:
         if (
             reply
             and not request.text_stream.stopped
-            and self.tokenizer.decode(reply) == request.text_stream.text
+            and self.tokenizer.decode(reply, request.params.skip_special_tokens) == request.text_stream.text
         ):
             self.replies.remember(request.namespace, request.text_stream.text, reply, request.tenant)
 

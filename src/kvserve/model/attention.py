@@ -215,9 +215,12 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step; k_cache/v_cache [slots, Hkv, D] of one layer;
         `window` the layer's sliding window (None: global): a token at position p attends to the keys at
         positions [p - window + 1, p] only, transformers' convention, and nothing before them is read.
+        `sinks` [Hq]: each head's sink logit, which joins the softmax's max and denominator and attends
+        to nothing (gpt-oss); None: no sinks.
 
         Returns the attention output [T, Hq, D]."""

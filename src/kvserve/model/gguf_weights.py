@@ -81,11 +81,13 @@ class GgufTensors:
                         f"tensor {t.name}'s {data.shape[0]} rows are not two halves of {n_heads} heads",
                     )
             if "{expert}" in name:
-                if len(t.dims) != 3:
+                # An expert's matrix is [experts, rows, in]; its bias (gpt-oss) [experts, rows].
+                dims = 2 if name.endswith(".bias") else 3
+                if len(t.dims) != dims:
                     raise ModelLoadError(
                         file.path,
-                        f"tensor {t.name} holds experts, so needs 3 dimensions [experts, rows, in], "
-                        f"not {len(t.dims)}",
+                        f"tensor {t.name} holds experts, so needs {dims} dimensions "
+                        f"{'[experts, rows]' if dims == 2 else '[experts, rows, in]'}, not {len(t.dims)}",
                     )
                 self._experts[name] = Entry(t, data, n_heads)
             else:
@@ -101,18 +103,18 @@ class GgufTensors:
             return None
         entry = self._experts.get(m[1] + "{expert}" + m[3])
         expert = int(m[2])
-        if entry is None or expert >= entry.tensor.dims[2]:
+        if entry is None or expert >= entry.tensor.dims[-1]:
             return None
         return entry, expert
 
     def names(self) -> Iterator[str]:
         yield from self._plain
         for template, entry in self._experts.items():
-            for e in range(entry.tensor.dims[2]):
+            for e in range(entry.tensor.dims[-1]):
                 yield template.format(expert=e)
 
     def __len__(self) -> int:
-        return len(self._plain) + sum(e.tensor.dims[2] for e in self._experts.values())
+        return len(self._plain) + sum(e.tensor.dims[-1] for e in self._experts.values())
 
 
 class GgufWeights(Mapping[str, torch.Tensor]):
@@ -142,7 +144,7 @@ class GgufWeights(Mapping[str, torch.Tensor]):
 class GgufBlocks(Mapping[str, QuantizedWeight]):
     """The weight matrices the native kernels read, as the file's blocks with their ggml type, by Hugging
     Face name (each expert's matrix of a 3-D tensor apart). A matrix of a type they do not read (IQ1, IQ2,
-    IQ3, TQ, MXFP4) is left out, with a warning naming it: its product runs on its float values, which
+    IQ3, TQ, NVFP4) is left out, with a warning naming it: its product runs on its float values, which
     the gguf package dequantizes."""
 
     def __init__(self, tensors: GgufTensors) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from kvserve.errors import KernelAbiError
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -100,8 +100,26 @@ STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
 )
 
 # attention_kernel: q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
-# kv_heads, dim, block_size, scale, threads.
-ATTENTION_ARGTYPES: list[Any] = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_double, _C]
+# kv_heads, dim, block_size, scale, sinks, threads.
+ATTENTION_ARGTYPES: list[Any] = [
+    _P,
+    _I,
+    _P,
+    _P,
+    _P,
+    _P,
+    _I,
+    _P,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    ctypes.c_double,
+    _P,
+    _C,
+]
 
 # The decoder layers' cache formats (KV_TYPE_* in kvserve.h), by the cache tensors' dtype (a uint8 cache
 # holds q8_0 blocks, kvserve.model.kv_quant).

@@ -110,7 +110,8 @@ class Float32Linear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """`weight` in the [out, in] layout of checkpoints."""
         self.weight = weight.contiguous()
-        self.bias = bias
+        # The fused kernel reads the bias as one dense row.
+        self.bias = None if bias is None else bias.contiguous()
         self._fused = weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available()
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:

@@ -52,3 +52,31 @@ class GatedMlp(Mlp):
 
     def add(self, x: torch.Tensor, residual: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         return self.down.add(self._hidden(x, decodes), residual, decodes)
+
+
+class ClampedSwiGlu(Mlp):
+    """gpt-oss's expert: down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)) with
+    g = min(gate, limit), every product with its bias. The clamps keep the activations of a model
+    trained in low precision bounded; the +1 is part of the trained function, not an offset to drop."""
+
+    def __init__(self, gate: Linear, up: Linear, down: Linear, alpha: float, limit: float) -> None:
+        self.gate = gate
+        self.up = up
+        self.down = down
+        self.alpha = alpha
+        self.limit = limit
+
+    def _hidden(self, x: torch.Tensor, decodes: int) -> torch.Tensor:
+        gate = self.gate(x, decodes).clamp_(max=self.limit)
+        up = self.up(x, decodes).clamp_(-self.limit, self.limit).add_(1.0)
+        return up.mul_(gate * torch.sigmoid(gate * self.alpha))
+
+    def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        return self.down(self._hidden(x, decodes), decodes)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        return self.down.add(self._hidden(x, decodes), residual, decodes)
+
+
+# A mixture of experts' expert: both kinds have gate, up and down products.
+Expert = GatedMlp | ClampedSwiGlu

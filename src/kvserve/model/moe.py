@@ -20,10 +20,11 @@ row's output is bitwise the same alone or in any batch.
 """
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
-from kvserve.model.mlp import GatedMlp, Mlp
+from kvserve.model.mlp import Expert, Mlp
 
 # Bytes of float32 products the router computes at once: bounds its scratch at any step size.
 _ROUTER_CHUNK_BYTES = 4 << 20
@@ -43,12 +44,20 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def route(
-    x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's chosen experts [T, top_k] (int64, highest probability first) and their weights
     [T, top_k] in x's dtype: the softmax over every expert, in float32, of the chosen ones, renormalized
-    to sum to 1 when `norm_topk_prob`."""
-    probs = torch.softmax(router_logits(x, weight), dim=-1, dtype=torch.float32)
+    to sum to 1 when `norm_topk_prob` (gpt-oss's softmax over the top-k logits is that, with its
+    router's `bias` added to the logits)."""
+    logits = router_logits(x, weight)
+    if bias is not None:
+        logits.add_(bias)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, chosen = torch.sort(probs, dim=-1, descending=True, stable=True)
     top, chosen = top[:, :top_k], chosen[:, :top_k]
     if norm_topk_prob:
@@ -87,31 +96,34 @@ class SparseMoe(Mlp):
     """The MoE MLP of one layer. `router` [experts, hidden] in the compute dtype (kept exact: routing
     choices are discrete, and llama.cpp keeps it unquantized too); `experts` (each a dense gated MLP) in
     expert id order. `native_router`: the kernel library whose `moe_route` routes float32 rows (where the
-    experts' products are native), else None."""
+    experts' products are native), else None. `router_bias`: gpt-oss's bias of the router's logits (its
+    experts are `ClampedSwiGlu`); it routes on the torch path."""
 
     def __init__(
         self,
         router: torch.Tensor,
-        experts: list[GatedMlp],
+        experts: Sequence[Expert],
         top_k: int,
         norm_topk_prob: bool,
         native_router: ctypes.CDLL | None = None,
+        router_bias: torch.Tensor | None = None,
     ) -> None:
         if router.dim() != 2 or router.shape[0] != len(experts):
             raise ValueError(f"a router of shape {tuple(router.shape)} for {len(experts)} experts")
         if not 0 < top_k <= len(experts):
             raise ValueError(f"top_k {top_k} must be between 1 and the {len(experts)} experts")
         self.router = router.contiguous()
-        self.experts = experts
+        self.experts = list(experts)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self._lib = native_router
+        self.router_bias = router_bias
+        self._lib = native_router if router_bias is None else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts and their weights (`route`, or `native_route`)."""
         if self._lib is not None and x.dtype == torch.float32:
             return native_route(self._lib, x, self.router, self.top_k, self.norm_topk_prob)
-        return route(x, self.router, self.top_k, self.norm_topk_prob)
+        return route(x, self.router, self.top_k, self.norm_topk_prob, self.router_bias)
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         """The MLP output [T, hidden] of x [T, hidden], whose first `decodes` rows are one-token rows."""

@@ -84,11 +84,12 @@ class PagedAttentionKernel:
         block_size: int,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [rows, heads, dim] (rows may be strided); caches [slots, kv_heads, dim]; tables [rows, width]
         (rows may be strided, or all one table: a prefill chunk's tokens share their sequence's) and lens
-        [rows] int64; `window`: None (every position) or a sliding window of at least 1. Returns [rows,
-        heads, dim]."""
+        [rows] int64; `window`: None (every position) or a sliding window of at least 1; `sinks`: None or
+        each head's sink logit [heads] (float32). Returns [rows, heads, dim]."""
         assert window is None or window >= 1
         rows, heads, dim = q.shape
         # The kernel indexes heads and dims densely within a row and the caches and tables fully.
@@ -115,6 +116,7 @@ class PagedAttentionKernel:
             dim,
             block_size,
             scale,
+            None if sinks is None else sinks.data_ptr(),
             torch.get_num_threads(),
         )
         if status != 0:
@@ -195,7 +197,11 @@ class NativeAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            # The kernel reads the heads' sinks as float32, whatever the rows' dtype.
+            sinks = sinks.to(torch.float32).contiguous()
         # A sliding layer reads its own group's tables and slots.
         meta = meta.group(window)
         assert isinstance(meta, NativeAttentionMetadata)
@@ -213,5 +219,6 @@ class NativeAttention(AttentionBackend):
                 self.block_size,
                 scale,
                 window,
+                sinks,
             )
         return out

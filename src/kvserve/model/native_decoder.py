@@ -126,7 +126,10 @@ class NativeDecoder:
     def _products(layer: DecoderLayer) -> list[QuantLinear]:
         mlp = layer.mlp
         experts = mlp.experts if isinstance(mlp, SparseMoe) else [mlp] if isinstance(mlp, GatedMlp) else []
-        linears = [layer.qkv, layer.o, *(p for e in experts for p in (e.gate, e.up, e.down))]
+        gated = [e for e in experts if isinstance(e, GatedMlp)]
+        if len(gated) != len(experts) or (isinstance(mlp, SparseMoe) and mlp.router_bias is not None):
+            raise KernelUnavailableError("the native decoder runs plain SwiGLU or GeGLU experts only")
+        linears = [layer.qkv, layer.o, *(p for e in gated for p in (e.gate, e.up, e.down))]
         return [_native(p) for p in linears]
 
     def _layer(self, layer: DecoderLayer) -> DecoderLayerStruct:
@@ -154,10 +157,11 @@ class NativeDecoder:
             struct.act = _activation(mlp)
             struct.gate, struct.up, struct.down = _qlinear(mlp.gate), _qlinear(mlp.up), _qlinear(mlp.down)
         elif isinstance(mlp, SparseMoe):
-            struct.act = _activation(mlp.experts[0])
-            if any(_activation(e) != struct.act for e in mlp.experts):
+            gated = [e for e in mlp.experts if isinstance(e, GatedMlp)]
+            struct.act = _activation(gated[0])
+            if any(_activation(e) != struct.act for e in gated):
                 raise KernelUnavailableError("the native decoder runs one activation for every expert")
-            products = [_qlinear(p) for e in mlp.experts for p in (e.gate, e.up, e.down)]
+            products = [_qlinear(p) for e in gated for p in (e.gate, e.up, e.down)]
             array = (QLinearStruct * len(products))(*products)
             self._expert_arrays.append(array)
             struct.experts, struct.top_k = len(mlp.experts), mlp.top_k

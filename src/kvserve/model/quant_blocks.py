@@ -2,10 +2,11 @@
 
 A `QuantizedWeight` is a matrix [out, in] stored as `out` rows of `row_bytes` bytes, byte for byte as in
 the file (kernels/decode.h reads each type's fields): the quantized types of llama.cpp's standard presets
-(blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; super-blocks of 256: Q2_K .. Q6_K, IQ4_XS) and the
-float matrices (F32, F16, BF16). The rows are never written: they may be a view into the file's mapping.
+(blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; super-blocks of 256: Q2_K .. Q6_K, IQ4_XS), gpt-oss's
+MXFP4 (blocks of 32: an E8M0 scale byte and 16 bytes of e2m1 codes) and the float matrices (F32, F16,
+BF16). The rows are never written: they may be a view into the file's mapping.
 Weights from a GGUF keep the file's blocks; `quantize_q8_0` makes Q8_0 blocks from float weights (for
-`weight_dtype="q8_0"`). Any other type (IQ1/IQ2/IQ3, TQ, MXFP4, ...) is refused where a QuantizedWeight is
+`weight_dtype="q8_0"`). Any other type (IQ1/IQ2/IQ3, TQ, NVFP4, ...) is refused where a QuantizedWeight is
 made, naming the type.
 
 `QuantizedParts` is several such matrices over the same inputs, their outputs side by side (q, k and v of
@@ -33,6 +34,7 @@ Q6_K = 14
 IQ4_NL = 20
 IQ4_XS = 23
 BF16 = 30
+MXFP4 = 39
 QK = 32
 QK_K = 256
 
@@ -53,6 +55,7 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
     Q5_K: (QK_K, 176),
     Q6_K: (QK_K, 210),
     IQ4_XS: (QK_K, 136),
+    MXFP4: (QK, 17),
 }
 TYPE_NAMES = {
     F32: "F32",
@@ -70,6 +73,7 @@ TYPE_NAMES = {
     Q5_K: "Q5_K",
     Q6_K: "Q6_K",
     IQ4_XS: "IQ4_XS",
+    MXFP4: "MXFP4",
 }
 
 

@@ -101,8 +101,11 @@ def _yarn(config: ModelConfig, scaling: dict[str, float]) -> tuple[torch.Tensor,
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low = float(max(math.floor(correction_dim(beta_fast)), 0))
-    high = float(min(math.ceil(correction_dim(beta_slow)), dim - 1))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    # gpt-oss keeps the correction range unrounded (`truncate: false`); the others round it outward.
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = float(max(low, 0)), float(min(high, dim - 1))
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -55,6 +55,9 @@ class MoeConfig:
     expert_intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
+    # gpt-oss: the router and every expert product carry a bias, and the experts' SwiGLU is clamped
+    # ((alpha, limit): kvserve.model.mlp.ClampedSwiGlu); None: Qwen3-MoE's plain SwiGLU without biases.
+    clamped_swiglu: tuple[float, float] | None = None
     # The shared expert beside the routed ones (Qwen3.5-MoE): a SwiGLU MLP of this size whose output is
     # scaled by sigmoid(x . shared_expert_gate) and added to theirs; 0: none.
     shared_expert_intermediate_size: int = 0
@@ -153,6 +156,10 @@ class ModelConfig:
     def hybrid(self) -> bool:
         """Whether some layer keeps a recurrent state instead of KV."""
         return len(self.attention_layers) < self.num_layers
+
+    # Each attention head has a learned sink: a logit that joins its softmax's denominator and attends
+    # to nothing (gpt-oss's `self_attn.sinks`).
+    attention_sinks: bool = False
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None

@@ -9,6 +9,9 @@ KV head are laid along the query-length axis, so one SDPA call serves the whole 
 A sliding-window layer gathers only from the first block its rows' windows reach and masks what the
 windows exclude (`window_mask`, built once per step and window: `TorchAttentionMetadata.window_masks`),
 so a block wholly before every row's window is never read.
+
+Attention sinks (gpt-oss: a learned logit per head in the softmax's denominator) are computed here in
+plain ops (`_attend`, a slice of rows at a time), since SDPA has no such term.
 """
 
 from collections.abc import Sequence
@@ -189,6 +192,7 @@ class TorchAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # A sliding layer reads its own group's tables and slots.
         meta = meta.group(window)
@@ -205,50 +209,114 @@ class TorchAttention(AttentionBackend):
             kd = _gather(k_cache, tables, bs, q.dtype)[:, :keys]
             vd = _gather(v_cache, tables, bs, q.dtype)[:, :keys]
             mask = meta.decode_mask if masks is None else masks.decodes
-            out[:nd] = _decode_rows(q[:nd], kd, vd, mask, scale)
+            out[:nd] = _decode_rows(q[:nd], kd, vd, mask, scale, sinks)
         if meta.first_chunks:
             # Only these read the fresh K/V: as the cache holds them, the same values a later chunk reads.
             k_fresh, v_fresh = kv_quant.values(k_stored, q.dtype), kv_quant.values(v_stored, q.dtype)
             for i, (start, end) in enumerate(meta.first_chunks):
                 first_mask = None if masks is None else masks.first_chunks[i]
                 out[start:end] = _first_chunk(
-                    q[start:end], k_fresh[start:end], v_fresh[start:end], scale, first_mask
+                    q[start:end], k_fresh[start:end], v_fresh[start:end], scale, first_mask, sinks
                 )
         for i, chunk in enumerate(meta.continued_chunks):
             first, mask = (0, chunk.mask) if masks is None else masks.continued_chunks[i]
             blocks, keys = chunk.context_blocks[first:], chunk.context_len - first * bs
             kc = _gather(k_cache, blocks, bs, q.dtype)[:keys]
             vc = _gather(v_cache, blocks, bs, q.dtype)[:keys]
-            out[chunk.start : chunk.end] = _continued_chunk(q[chunk.start : chunk.end], kc, vc, mask, scale)
+            out[chunk.start : chunk.end] = _continued_chunk(
+                q[chunk.start : chunk.end], kc, vc, mask, scale, sinks
+            )
         return out
 
 
+# Bytes of float scores one slice of sink-attention rows takes: bounds a long prefill chunk's memory.
+_SINK_SCORES_BYTES = 64 << 20
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA of q [..., L, D] over k/v [..., S, D] under the boolean `mask` (True: attend) or causally;
+    with `sinks` (broadcast to [..., L, 1]: each query row's head's sink logit) the softmax's denominator
+    also holds exp(sink), as gpt-oss's attention has it: SDPA has no such term, so these rows are
+    computed in plain ops, the sink also taking part in the softmax's max, a slice of rows at a time."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    rows, keys = q.shape[-2], k.shape[-2]
+    per_row = q[..., :1, :1].numel() * keys * q.element_size()
+    step = max(1, _SINK_SCORES_BYTES // max(1, per_row))
+    out = torch.empty_like(q)
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        scores = torch.matmul(q[..., start:end, :], k.transpose(-1, -2)).mul_(scale)
+        part = mask
+        if causal:
+            part = torch.arange(keys, device=q.device) <= torch.arange(start, end, device=q.device).unsqueeze(
+                1
+            )
+        elif mask is not None and mask.shape[-2] == rows:
+            part = mask[..., start:end, :]
+        if part is not None:
+            scores.masked_fill_(~part, float("-inf"))
+        sink = sinks[..., start:end, :] if sinks.shape[-2] == rows else sinks
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+        weights = scores.sub_(top).exp_()
+        denominator = weights.sum(dim=-1, keepdim=True).add_((sink - top).exp_())
+        out[..., start:end, :] = torch.matmul(weights, v).div_(denominator)
+    return out
+
+
 def _decode_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [decodes, Hq, D] over their gathered, padded contexts k/v [decodes, len, Hkv, D]."""
     rows, heads, dim = q.shape
     kv_heads = k.shape[2]
-    qd = q.view(rows, kv_heads, heads // kv_heads, dim)
-    od = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    group = heads // kv_heads
+    qd = q.view(rows, kv_heads, group, dim)
+    row_sinks = None if sinks is None else sinks.view(1, kv_heads, group, 1)
+    od = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), mask, scale, row_sinks)
     return od.reshape(rows, heads, dim)
 
 
 def _first_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, Hq, D] causally over the chunk's own k/v [n, Hkv, D], or under `mask` [n, n] (a window)."""
-    group = q.shape[1] // k.shape[1]
+    heads = q.shape[1]
+    group = heads // k.shape[1]
     # The CPU flash kernel wants contiguous 4-D [1, heads, len, dim] inputs with equal head counts.
     qs = q.transpose(0, 1).unsqueeze(0).contiguous()
     ks = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
     vs = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale)
+    row_sinks = None if sinks is None else sinks.view(1, heads, 1, 1)
+    out = _attend(qs, ks, vs, mask, scale, row_sinks, causal=mask is None)
     return out[0].transpose(0, 1)
 
 
 def _continued_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, Hq, D] over the gathered context k/v [context, Hkv, D] under the chunk's causal `mask`."""
     n, heads, dim = q.shape
@@ -258,5 +326,8 @@ def _continued_chunk(
     # rows follow), so the long context is never copied per query head.
     qs = q.view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
     ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+    row_sinks = None
+    if sinks is not None:
+        row_sinks = sinks.view(kv_heads, 1, group).expand(kv_heads, n, group).reshape(1, kv_heads, -1, 1)
+    os_ = _attend(qs, ks, vs, mask, scale, row_sinks)
     return os_[0].view(kv_heads, n, group, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)

@@ -63,6 +63,9 @@ class LayerWeights:
             raise AttributeError("a recurrent layer has no o product")
         return self.o_proj
 
+    # Each query head's sink logit [heads] (ModelConfig.attention_sinks).
+    sinks: torch.Tensor | None = None
+
     def _gated(self) -> GatedMlp:
         if not isinstance(self.mlp, GatedMlp):
             raise AttributeError("this layer's MLP has no gate, up and down products")
@@ -196,6 +199,9 @@ class Transformer:
                     k_norm=norm(names.k_norm, head_dim),
                     post_attn_norm=norm(names.post_attn_norm),
                     post_mlp_norm=norm(names.post_mlp_norm),
+                    sinks=w.tensor(p + names.sinks, (c.num_heads,))
+                    if c.attention_sinks and names.sinks
+                    else None,
                 )
             )
         expected = (c.vocab_size, hidden)
@@ -239,6 +245,8 @@ class Transformer:
         serves every step."""
         if not isinstance(self.attention, NativeAttention):
             raise KernelUnavailableError("the native decoder calls the native attention kernel")
+        if self.config.attention_sinks:
+            raise KernelUnavailableError("the native decoder has no attention sinks")
         if not isinstance(self.rms_norm, NativeRmsNorm):
             raise KernelUnavailableError("the native decoder runs where the norms are native")
         if self.config.hybrid:
@@ -351,7 +359,9 @@ class Transformer:
             q, k = torch.split(qk, [c.num_heads, c.num_kv_heads], dim=1)
             kv_layer = self.kv_layer[i]
             assert kv_layer is not None
-            attn = self.attention.forward(q, k, v, *kv.layer(kv_layer), meta, self.scale, c.window(i))
+            attn = self.attention.forward(
+                q, k, v, *kv.layer(kv_layer), meta, self.scale, c.window(i), layer.sinks
+            )
             if gate is not None:
                 attn = gate_output(attn.reshape(n, self.q_size), gate)
             if layer.post_attn_norm is None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvserve.model.families.base import Family
 from kvserve.model.families.gemma3 import GEMMA3
+from kvserve.model.families.gpt_oss import GPT_OSS
 from kvserve.model.families.lfm2 import LFM2
 from kvserve.model.families.llama import LLAMA, MISTRAL
 from kvserve.model.families.phi3 import PHI3
@@ -30,6 +31,7 @@ FAMILIES: tuple[Family, ...] = (
     LFM2,
     QWEN3_5,
     QWEN3_5_MOE,
+    GPT_OSS,
 )
 
 

@@ -38,6 +38,8 @@ class LayerTensors:
     k_norm: str | None = None
     post_attn_norm: str | None = None
     post_mlp_norm: str | None = None
+    # Each head's attention sink logit, a [heads] tensor (gpt-oss), where ModelConfig.attention_sinks.
+    sinks: str | None = None
 
 
 def gated_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix: str) -> Mlp:

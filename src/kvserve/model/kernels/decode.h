@@ -6,7 +6,8 @@
  * `sub_quants` writes the integer quants q[32] in element order and `sub_scales` each half's scale d and
  * offset m, the weight being d * q + m (m = 0 for the types without offsets); for the super-block types
  * (256 weights: Q2_K .. Q6_K, IQ4_XS) sub-block s is sub-block s % 8 of super-block s / 8. The float types
- * decode with `sub_floats`.
+ * decode with `sub_floats`. MXFP4 (gpt-oss's experts) decodes as IQ4_NL does, through a table of doubled
+ * e2m1 values with a halved power-of-two scale: d * q is exactly ggml's weight.
  */
 #ifndef KVSERVE_DECODE_H
 #define KVSERVE_DECODE_H
@@ -17,6 +18,17 @@
 
 /* IQ4_NL's and IQ4_XS's values of the 16 codes (ggml's kvalues_iq4nl). */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's e2m1 values of the 16 codes, doubled so that they are integers; its scale is halved to match. */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* MXFP4's E8M0 scale byte e as 2^(e - 127) / 2, exactly (a subnormal for e < 2), as ggml reads it. */
+static ALWAYS_INLINE float e8m0_half(uint8_t e)
+{
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 static ALWAYS_INLINE float f16(const uint8_t *p)
 {
@@ -115,6 +127,9 @@ static ALWAYS_INLINE void sub_scales(int type, const uint8_t *row, int64_t s, fl
     case TYPE_IQ4_XS:
         d[0] = d[1] = f16(b) * (float)iq4xs_scale(b, j);
         return;
+    case TYPE_MXFP4:
+        d[0] = d[1] = e8m0_half(b[0]);
+        return;
     default:
         d[0] = d[1] = 1.0f;
         return;
@@ -193,6 +208,12 @@ static ALWAYS_INLINE void sub_quants(int type, const uint8_t *row, int64_t s, in
         }
         return;
     }
+    case TYPE_MXFP4:
+        for (int i = 0; i < 16; i++) {
+            q[i] = MXFP4_VALUES[b[1 + i] & 0x0f];
+            q[i + 16] = MXFP4_VALUES[b[1 + i] >> 4];
+        }
+        return;
     default:
         return;
     }

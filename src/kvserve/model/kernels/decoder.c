@@ -352,7 +352,7 @@ int decoder_layers(const struct decoder *m, float *h, int64_t rows, const int64_
         if ((status = write_kv(m, l->v_cache, qkv + q_size + kv_size, rows, qkv_size, s)))
             break;
         if (attention(qkv, qkv_size, attn, l->k_cache, l->v_cache, tab, width, lens, l->window, rows, m->heads,
-                      m->kv_heads, dim, m->block_size, m->scale, threads)) {
+                      m->kv_heads, dim, m->block_size, m->scale, NULL, threads)) {
             status = -2;
             break;
         }

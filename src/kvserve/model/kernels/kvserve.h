@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define KVSERVE_ABI_VERSION 6
+#define KVSERVE_ABI_VERSION 7
 
 /* The weight types the products read: ggml's type ids (quants.h and decode.h hold the layouts). */
 enum {
@@ -31,7 +31,8 @@ enum {
     TYPE_IQ4_NL = 20,
     TYPE_IQ4_XS = 23,
     TYPE_BF16 = 30,
-    TYPE_COUNT = 31
+    TYPE_MXFP4 = 39,
+    TYPE_COUNT = 40
 };
 /* The op quant_linear applies to each output after the bias. */
 enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
@@ -57,11 +58,12 @@ int kvserve_struct_sizes(int64_t *sizes, int n);
  * block wholly before them, whose table entry may be anything). Returns 0, or -1 when scratch memory could not be allocated. The element
  * types are the symbol's: float or double rows, a cache of the same type, of _Float16 under float, or of
  * q8_0 blocks (`_q8`: each position's row is kv_heads * dim / 32 blocks of a float16 scale and 32 int8
- * quants, 34 bytes, llama.cpp's block_q8_0; dim a multiple of 32). */
+ * quants, 34 bytes, llama.cpp's block_q8_0; dim a multiple of 32). sinks: NULL, or each head's sink logit
+ * [heads] (gpt-oss), which joins the softmax's max and denominator and attends to nothing. */
 typedef int attention_kernel(const void *q, int64_t q_stride, void *out, const void *k_cache,
                              const void *v_cache, const int64_t *tables, int64_t table_stride,
                              const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
-                             int64_t dim, int64_t block_size, double scale, int threads);
+                             int64_t dim, int64_t block_size, double scale, const float *sinks, int threads);
 
 attention_kernel paged_attention_f32;
 attention_kernel paged_attention_f64;

@@ -71,7 +71,7 @@ static inline int64_t window_start(int64_t n, int64_t window)
     static void NAME##_row(const T *restrict q, T *restrict out, const KV *restrict kc,                  \
                            const KV *restrict vc, const int64_t *restrict table, int64_t n, int64_t lo,  \
                            int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, T scale,    \
-                           T *restrict scores, T *restrict acc)                                          \
+                           const float *sinks, T *restrict scores, T *restrict acc)                      \
     {                                                                                                    \
         const int64_t group = heads / kv_heads, stride = kv_heads * dim, row = ROW(stride);              \
         T wide[stride];                                                                                  \
@@ -94,7 +94,14 @@ static inline int64_t window_start(int64_t n, int64_t window)
         for (int64_t h = 0; h < heads; h++) {                                                            \
             T *sh = scores + h * n, m, sum;                                                              \
             NAME##_exp_scores(sh + lo, n - lo, &m, &sum);                                                \
-            const T inv = 1 / sum;                                                                       \
+            /* A sink joins the max and the denominator: the exps move to the new max by one factor. */  \
+            T f = 1;                                                                                     \
+            if (sinks) {                                                                                 \
+                const T s = (T)sinks[h], top = s > m ? s : m;                                            \
+                f = EXP(m - top);                                                                        \
+                sum = sum * f + EXP(s - top);                                                            \
+            }                                                                                            \
+            const T inv = f / sum;                                                                       \
             for (int64_t p = lo; p < n; p++)                                                             \
                 sh[p] *= inv;                                                                            \
         }                                                                                                \
@@ -122,7 +129,8 @@ static inline int64_t window_start(int64_t n, int64_t window)
     static int NAME##_rows(const void *q, int64_t q_stride, void *out, const void *k_cache,              \
                            const void *v_cache, const int64_t *tables, int64_t table_stride,             \
                            const int64_t *lens, int64_t window, int64_t rows, int64_t heads,             \
-                           int64_t kv_heads, int64_t dim, int64_t block_size, double scale, int threads) \
+                           int64_t kv_heads, int64_t dim, int64_t block_size, double scale,              \
+                           const float *sinks, int threads)                                              \
     {                                                                                                    \
         int64_t longest = 0;                                                                             \
         for (int64_t r = 0; r < rows; r++)                                                               \
@@ -139,7 +147,7 @@ static inline int64_t window_start(int64_t n, int64_t window)
                 }                                                                                        \
                 NAME##_row((const T *)q + r * q_stride, (T *)out + r * heads * dim, k_cache, v_cache,    \
                            tables + r * table_stride, lens[r], window_start(lens[r], window), heads,     \
-                           kv_heads, dim, block_size, (T)scale, scores, scores + heads * longest);       \
+                           kv_heads, dim, block_size, (T)scale, sinks, scores, scores + heads * longest); \
             }                                                                                            \
             free(scores);                                                                                \
         }                                                                                                \
@@ -546,7 +554,7 @@ static int64_t plan_units(const int64_t *tables, int64_t table_stride, const int
 static int fast_rows(chunk_fn *chunk, size_t row_bytes, const float *q, int64_t q_stride, float *out,
                      const void *k_cache, const void *v_cache, const int64_t *tables, int64_t table_stride,
                      const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
-                     int64_t dim, int64_t block_size, float scale, int threads)
+                     int64_t dim, int64_t block_size, float scale, const float *sinks, int threads)
 {
     const int64_t cb = chunk_blocks(block_size, row_bytes);
     const int64_t part_size = dim + 2, span = block_size * cb;
@@ -589,12 +597,14 @@ static int fast_rows(chunk_fn *chunk, size_t row_bytes, const float *q, int64_t 
             float mx = part[0];
             for (int64_t c = 1; c < chunks; c++)
                 mx = part[c * part_size] > mx ? part[c * part_size] : mx;
-            float sum = 0;
+            /* A sink joins the max and the denominator, first. */
+            mx = sinks && sinks[h] > mx ? sinks[h] : mx;
+            float sum = sinks ? expf(sinks[h] - mx) : 0;
             for (int64_t d = 0; d < dim; d++)
                 o[d] = 0;
             for (int64_t c = 0; c < chunks; c++) {
                 const float *pc = part + c * part_size;
-                const float e = chunks == 1 ? 1 : expf(pc[0] - mx);
+                const float e = chunks == 1 && !sinks ? 1 : expf(pc[0] - mx);
                 sum += pc[1] * e;
                 for (int64_t d = 0; d < dim; d++)
                     o[d] += pc[2 + d] * e;
@@ -617,7 +627,7 @@ static int fast_rows(chunk_fn *chunk, size_t row_bytes, const float *q, int64_t 
 static int fast_attention(chunk_fn *chunk, size_t row_bytes, const float *q, int64_t q_stride, float *out,
                           const void *k_cache, const void *v_cache, const int64_t *tables, int64_t table_stride,
                           const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
-                          int64_t dim, int64_t block_size, double scale, int threads)
+                          int64_t dim, int64_t block_size, double scale, const float *sinks, int threads)
 {
     const int64_t span = block_size * chunk_blocks(block_size, row_bytes);
     const int64_t unit_bytes = heads * (dim + 2) * (int64_t)sizeof(float);
@@ -630,7 +640,7 @@ static int fast_attention(chunk_fn *chunk, size_t row_bytes, const float *q, int
         }
         if (fast_rows(chunk, row_bytes, q + r0 * q_stride, q_stride, out + r0 * heads * dim, k_cache, v_cache,
                       tables + r0 * table_stride, table_stride, lens + r0, window, r1 - r0, heads, kv_heads,
-                      dim, block_size, (float)scale, threads))
+                      dim, block_size, (float)scale, sinks, threads))
             return -1;
     }
     return 0;
@@ -642,64 +652,64 @@ static int fast_attention(chunk_fn *chunk, size_t row_bytes, const float *q, int
 int paged_attention_f32(const void *q, int64_t q_stride, void *out, const void *k_cache, const void *v_cache,
                         const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t window,
                         int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                        double scale, int threads)
+                        double scale, const float *sinks, int threads)
 {
 #if HAVE_AVX2
     if (fast_takes(dim))
         return fast_attention(chunk_f32, kv_bytes(KV_F32, kv_heads * dim), q, q_stride, out, k_cache, v_cache,
                               tables, table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale,
-                              threads);
+                              sinks, threads);
 #endif
     return f32_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
-                    kv_heads, dim, block_size, scale, threads);
+                    kv_heads, dim, block_size, scale, sinks, threads);
 }
 
 int paged_attention_f64(const void *q, int64_t q_stride, void *out, const void *k_cache, const void *v_cache,
                         const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t window,
                         int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                        double scale, int threads)
+                        double scale, const float *sinks, int threads)
 {
     return f64_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
-                    kv_heads, dim, block_size, scale, threads);
+                    kv_heads, dim, block_size, scale, sinks, threads);
 }
 
 #if HAVE_FLOAT16
 int paged_attention_f32_kv16(const void *q, int64_t q_stride, void *out, const void *k_cache,
                              const void *v_cache, const int64_t *tables, int64_t table_stride,
                              const int64_t *lens, int64_t window, int64_t rows, int64_t heads, int64_t kv_heads,
-                             int64_t dim, int64_t block_size, double scale, int threads)
+                             int64_t dim, int64_t block_size, double scale, const float *sinks, int threads)
 {
 #if HAVE_AVX2
     if (fast_takes(dim))
         return fast_attention(chunk_f16, kv_bytes(KV_F16, kv_heads * dim), q, q_stride, out, k_cache, v_cache,
                               tables, table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale,
-                              threads);
+                              sinks, threads);
 #endif
     return f32_kv16_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
-                         kv_heads, dim, block_size, scale, threads);
+                         kv_heads, dim, block_size, scale, sinks, threads);
 }
 #endif
 
 int paged_attention_f32_q8(const void *q, int64_t q_stride, void *out, const void *k_cache, const void *v_cache,
                            const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t window,
                            int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                           double scale, int threads)
+                           double scale, const float *sinks, int threads)
 {
 #if HAVE_AVX2
     if (fast_takes(dim))
         return fast_attention(chunk_q8, kv_bytes(KV_Q8, kv_heads * dim), q, q_stride, out, k_cache, v_cache,
                               tables, table_stride, lens, window, rows, heads, kv_heads, dim, block_size, scale,
-                              threads);
+                              sinks, threads);
 #endif
     return f32_q8_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
-                       kv_heads, dim, block_size, scale, threads);
+                       kv_heads, dim, block_size, scale, sinks, threads);
 }
 
 int paged_attention_f64_q8(const void *q, int64_t q_stride, void *out, const void *k_cache, const void *v_cache,
                            const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t window,
                            int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                           double scale, int threads)
+                           double scale, const float *sinks, int threads)
 {
     return f64_q8_rows(q, q_stride, out, k_cache, v_cache, tables, table_stride, lens, window, rows, heads,
-                       kv_heads, dim, block_size, scale, threads);
+                       kv_heads, dim, block_size, scale, sinks, threads);
 }

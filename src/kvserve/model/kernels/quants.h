@@ -76,6 +76,7 @@ static const struct type_info TYPE_INFO[TYPE_COUNT] = {
     [TYPE_Q5_1] = {24, 32, 1},    [TYPE_Q8_0] = {34, 32, 0},    [TYPE_Q2_K] = {84, 256, 1},
     [TYPE_Q3_K] = {110, 256, 0},  [TYPE_Q4_K] = {144, 256, 1},  [TYPE_Q5_K] = {176, 256, 1},
     [TYPE_Q6_K] = {210, 256, 0},  [TYPE_IQ4_NL] = {18, 32, 0},  [TYPE_IQ4_XS] = {136, 256, 0},
+    [TYPE_MXFP4] = {17, 32, 0},
 };
 
 static inline int type_known(int64_t type) { return type >= 0 && type < TYPE_COUNT && TYPE_INFO[type].bytes; }

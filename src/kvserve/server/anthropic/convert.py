@@ -80,6 +80,8 @@ class AnthropicChat:
     tools: ToolUse | None
     kwargs: dict[str, Any] = field(default_factory=dict)
     breakpoints: tuple[Breakpoint, ...] = ()
+    # `output_config.effort`, which a harmony chat's template takes.
+    effort: str | None = None
 
 
 def _ttl(control: CacheControl, param: str) -> float:
@@ -326,14 +328,29 @@ def anthropic_chat(body: MessagesBase, reasoning: bool) -> AnthropicChat:
     breakpoints = list(convert.breakpoints)
     if top is not None:
         breakpoints.append(Breakpoint(tuple(convert.out), top))
-    return AnthropicChat(convert.out, use, thinking_kwargs(body, reasoning), tuple(breakpoints))
+    effort = (getattr(body, "output_config", None) or {}).get("effort")
+    return AnthropicChat(
+        convert.out,
+        use,
+        thinking_kwargs(body, reasoning),
+        tuple(breakpoints),
+        effort if isinstance(effort, str) else None,
+    )
 
 
 def _tokens(
     ctx: ServerContext, chat: AnthropicChat, messages: Sequence[ChatMessage], namespace: str, reply: bool
 ) -> list[int]:
     return chat_prompt(
-        ctx.async_engine, ctx.prompt_guard, messages, namespace, reply, chat.tools, ctx.chat, chat.kwargs
+        ctx.async_engine,
+        ctx.prompt_guard,
+        messages,
+        namespace,
+        reply,
+        chat.tools,
+        ctx.chat,
+        chat.kwargs,
+        chat.effort,
     )
 
 

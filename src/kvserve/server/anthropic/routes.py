@@ -28,6 +28,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context) -> Res
             ctx.chat.reasoning,
             plan.opens_reasoning,
             tuple(body.stop_sequences or ()),
+            ctx.chat.harmony,
         )
         return await respond_messages(ctx, request, fmt, plan, room, body.stream)
 

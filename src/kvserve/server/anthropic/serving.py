@@ -36,6 +36,7 @@ from kvserve.engine.outputs import RequestDelta
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.server.anthropic.errors import anthropic_error
 from kvserve.server.anthropic.protocol import AnthropicUsage, MessageResponse
+from kvserve.server.core import harmony
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.generation import (
     EventStreamResponse,
@@ -45,6 +46,7 @@ from kvserve.server.core.generation import (
     run_all,
     start,
 )
+from kvserve.server.core.harmony import HarmonyStream
 from kvserve.server.core.output import Choice
 from kvserve.server.core.plan import RequestPlan
 from kvserve.server.core.reasoning import ReasoningStream, split
@@ -84,9 +86,19 @@ class MessagesFormat:
     reasoning: bool
     opened: bool
     stop_sequences: tuple[str, ...]
+    # A harmony chat's replies (server/core/harmony.py): channels, not think blocks and layouts.
+    harmony: bool = False
 
-    def reply_part(self, choice: Choice) -> str | None:
-        """What of a reasoning reply comes back as the next turn's text: the content after its block."""
+    def reply_part(self, choice: Choice) -> str | tuple[str, ...] | None:
+        """What of a reasoning reply comes back as the next turn's text: the content after its block; a
+        harmony reply's keys."""
+        if self.harmony:
+            channels = harmony.reply(choice.text, self.tool_names)
+            prompt = choice.prompt.token_ids
+            return tuple(
+                harmony.reply_key(prompt, channels.content, channels.calls, r)
+                for r in (channels.reasoning, None)
+            )
         if not self.reasoning:
             return None
         parts = split(choice.text, self.opened)
@@ -126,6 +138,17 @@ class MessagesFormat:
         """A finished reply's content blocks, and whether it made tool calls."""
         text = choice.text
         blocks: list[dict[str, Any]] = []
+        if self.harmony:
+            channels = harmony.reply(text, self.tool_names)
+            if channels.reasoning is not None:
+                blocks.append({"type": "thinking", "thinking": channels.reasoning, "signature": ""})
+            if channels.content:
+                blocks.append({"type": "text", "text": channels.content})
+            for c in channels.calls:
+                blocks.append(
+                    {"type": "tool_use", "id": _tool_id(), "name": c.name, "input": _input(c.arguments)}
+                )
+            return blocks or [{"type": "text", "text": ""}], bool(channels.calls)
         if self.reasoning:
             parts = split(text, self.opened)
             if parts.reasoning is not None:
@@ -195,12 +218,35 @@ class _ReplyStream:
     blocks: _Blocks = field(default_factory=_Blocks)
     reasoning: ReasoningStream | None = None
     calls: CallStream | None = None
+    channels: HarmonyStream | None = None
 
     def __post_init__(self) -> None:
+        if self.fmt.harmony:
+            self.channels = HarmonyStream(self.fmt.tool_names)
+            return
         self.reasoning = ReasoningStream(self.fmt.opened) if self.fmt.reasoning else None
         self.calls = CallStream(self.fmt.layout) if self.fmt.layout is not None else None
 
+    def _harmony(self, channels: HarmonyStream, text: str, finished: bool) -> list[str]:
+        delta = channels.push(text, finished)
+        events: list[str] = []
+        thought = delta.get("reasoning_content", "")
+        if thought:
+            if self.blocks.kind != "thinking":
+                events += self.blocks.open({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self.blocks.delta("thinking_delta", {"thinking": thought}))
+        events += self._text(delta.get("content", ""))
+        for entry in delta.get("tool_calls", ()):
+            name = entry["function"]["name"]
+            events += self.blocks.open({"type": "tool_use", "id": _tool_id(), "name": name, "input": {}})
+            events.append(
+                self.blocks.delta("input_json_delta", {"partial_json": entry["function"]["arguments"]})
+            )
+        return events
+
     def push(self, text: str, finished: bool) -> list[str]:
+        if self.channels is not None:
+            return self._harmony(self.channels, text, finished)
         thought, body = ("", text) if self.reasoning is None else self.reasoning.push(text)
         if finished and self.reasoning is not None:
             more_thought, more_body = self.reasoning.finish()
@@ -241,6 +287,8 @@ class _ReplyStream:
 
     @property
     def made_calls(self) -> bool:
+        if self.channels is not None:
+            return self.channels.num_calls > 0
         return self.calls is not None and self.calls.num_calls > 0
 
 

@@ -7,7 +7,9 @@ the template's source holds (server/tool_formats); a template that renders no to
 probe, said in one log line) gets the generic format. A template that runs past its deadline on the
 probe (model/template_budget.py) stops the server with one line: it would on every chat.
 `--reasoning-parser auto` splits `<think>` blocks off replies when the template's source mentions
-`<think>`.
+`<think>`. A template that writes harmony (gpt-oss's channels, server/core/harmony.py) makes the chat a
+harmony chat: replies keep their markup and are parsed into reasoning, content and calls, whatever the
+two options say.
 """
 
 import json
@@ -20,6 +22,7 @@ from jinja2 import TemplateError
 from kvserve.errors import ConfigError
 from kvserve.model.template_budget import TemplateBudgetError
 from kvserve.model.tokenizer import TemplateArgs, Tokenizer
+from kvserve.server.core.harmony import is_harmony
 from kvserve.server.core.reasoning import THINK_OPEN
 from kvserve.server.core.tool_formats import GENERIC, ToolFormat, choose
 
@@ -44,6 +47,9 @@ class ChatSetup:
     tools: ToolFormat = GENERIC
     reasoning: bool = False
     keep_special_tokens: bool = False
+    # The template writes harmony (server/core/harmony.py): the replies' channels are their reasoning,
+    # content and calls.
+    harmony: bool = False
 
     def args(self) -> TemplateArgs:
         return TemplateArgs(source=self.template)
@@ -80,6 +86,9 @@ def chat_setup(
     tokenizer: Tokenizer, template: str | None, tool_call_format: str, reasoning_parser: str
 ) -> ChatSetup:
     source = template if template is not None else tokenizer.chat_template
+    if is_harmony(source):
+        log.info("chat: harmony format (channels for reasoning and tool calls)")
+        return ChatSetup(template, GENERIC, reasoning=True, keep_special_tokens=True, harmony=True)
     has_template = source is not None
     tools = choose(tool_call_format, source, has_template and renders_tools(tokenizer, template))
     if reasoning_parser == "auto":

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from kvserve.engine.async_engine import Reservation
 from kvserve.engine.outputs import PromptOutputs, RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.server.core import harmony
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.output import Choice, ResponseIds, TokenUsage
 from kvserve.server.core.plan import RequestPlan
@@ -186,16 +187,25 @@ class EventStreamResponse(StreamingResponse):
 
 def remember_parts(
     ctx: ServerContext,
-    reply_part: Callable[[Choice], str | None],
+    reply_part: Callable[[Choice], str | tuple[str, ...] | None],
     generations: Sequence[Generation],
     namespace: str,
 ) -> None:
     """Tell the reply memory which finished replies come back to their clients as a part (the content
-    after a think block), so that a later turn that renders the block again reads their KV."""
+    after a think block, or a harmony reply's keys), so that a later turn that renders the block again
+    reads their KV."""
+    eos = ctx.async_engine.tokenizer.eos_token_ids
     for g in generations:
         part = reply_part(g.choice) if g.choice.finish_reason is not None else None
-        if part is not None:
-            ctx.async_engine.remember_reply_part(namespace, part, g.choice.text, g.tenant)
+        for p in (part,) if isinstance(part, str) else part or ():
+            if harmony.is_reply_key(p):
+                # Keyed by its prompt, so the reply's own ids: the same text written in other tokens
+                # elsewhere is another reply. The stop token that ended it was never run.
+                ids = g.choice.output.token_ids
+                ids = ids[:-1] if g.choice.finish_reason == "stop" and ids and ids[-1] in eos else ids
+                ctx.async_engine.remember_reply(namespace, p, ids, g.tenant)
+            else:
+                ctx.async_engine.remember_reply_part(namespace, p, g.choice.text, g.tenant)
 
 
 async def start_all(generations: Sequence[Generation]) -> None:

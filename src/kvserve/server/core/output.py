@@ -14,6 +14,8 @@ from pydantic import BaseModel
 
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import PromptOutputs, SampleOutput
+from kvserve.server.core import harmony
+from kvserve.server.core.harmony import HarmonyStream
 from kvserve.server.core.plan import PlannedPrompt
 from kvserve.server.core.reasoning import ReasoningStream, split
 from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
@@ -92,9 +94,10 @@ class OutputFormat(Protocol):
 
     def response(self, ids: ResponseIds, choices: Sequence[Choice], usage: TokenUsage) -> BaseModel: ...
 
-    def reply_part(self, choice: Choice) -> str | None:
+    def reply_part(self, choice: Choice) -> str | tuple[str, ...] | None:
         """What of a finished choice's text its client sends back as content, when that is not the
-        whole text (a reasoning reply without its think block)."""
+        whole text (a reasoning reply without its think block), or the keys a harmony reply comes back
+        under."""
         ...
 
 
@@ -131,15 +134,25 @@ class ReplyParser:
         reasoning: bool = False,
         opened: bool = False,
         tool_names: frozenset[str] | None = None,
+        harmony: bool = False,
     ) -> None:
         self._tools = tools
         self._names = tool_names
         self._reasoning = reasoning
         self._opened = opened
         self._streams: dict[int, _ChoiceStream] = {}
+        # A harmony chat's replies (server/core/harmony.py): channels, not think blocks and layouts.
+        self._harmony = harmony
+        self._harmony_streams: dict[int, HarmonyStream] = {}
 
     def delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """Choice `index`'s next piece of text as a delta, and its finish reason."""
+        if self._harmony:
+            hs = self._harmony_streams.setdefault(index, HarmonyStream(self._names))
+            pieces = hs.push(text, finish_reason is not None)
+            if finish_reason == "stop" and hs.num_calls:
+                finish_reason = "tool_calls"
+            return pieces, finish_reason
         stream = self._streams.setdefault(
             index,
             _ChoiceStream(
@@ -161,14 +174,26 @@ class ReplyParser:
             delta["content"] = body
         return delta, finish_reason
 
-    def reply_part(self, text: str) -> str | None:
-        """The content after a finished reply's think block, when it has one and content."""
+    def reply_part(self, text: str, prompt: Sequence[int] = ()) -> str | tuple[str, ...] | None:
+        """The content after a finished reply's think block, when it has one and content; a harmony
+        reply's keys (`harmony.reply_key` of its `prompt`, with its reasoning and without)."""
+        if self._harmony:
+            channels = harmony.reply(text, self._names)
+            return tuple(
+                harmony.reply_key(prompt, channels.content, channels.calls, r)
+                for r in (channels.reasoning, None)
+            )
         if not self._reasoning:
             return None
         parts = split(text, self._opened)
         return parts.content if parts.reasoning is not None and parts.content else None
 
     def whole(self, text: str, finish_reason: str | None) -> ParsedReply:
+        if self._harmony:
+            channels = harmony.reply(text, self._names)
+            if channels.calls:
+                return ParsedReply(channels.content, channels.reasoning, channels.calls, "tool_calls")
+            return ParsedReply(channels.content or "", channels.reasoning, None, finish_reason)
         parts = split(text, self._opened) if self._reasoning else None
         reasoning = None if parts is None else parts.reasoning
         body = text if parts is None else parts.content

@@ -19,6 +19,7 @@ from kvserve.engine.grammar import ConstraintRejected
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import InvalidRequestError
+from kvserve.server.core import harmony
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.prompts import chat_prompt
 from kvserve.server.core.reasoning import closes_reasoning, opens_reasoning
@@ -101,6 +102,7 @@ def chat_plan(ctx: ServerContext, request: ChatRequest, namespace: str) -> Reque
         request.tools,
         ctx.chat,
         request.template_kwargs,
+        request.reasoning_effort,
     )
     return rendered_chat_plan(ctx, request, token_ids, namespace)
 
@@ -119,10 +121,23 @@ def rendered_chat_plan(
         params = dataclasses.replace(params, max_tokens=max_tokens)
     tools = request.tools
     tail = ctx.async_engine.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    opened = ctx.chat.reasoning and opens_reasoning(tail)
+    harmony_chat = ctx.chat.harmony
+    opened = ctx.chat.reasoning and not harmony_chat and opens_reasoning(tail)
     may_think = ctx.chat.reasoning and not closes_reasoning(tail)
     tools_constrain = False
-    if tools is not None and params.structured_outputs is None:
+    if harmony_chat:
+        # A harmony reply's channels are its markup: it stays in the text to be parsed; tools constrain
+        # the reply to an analysis and a call in the model's own header form (or a final answer).
+        params = dataclasses.replace(params, skip_special_tokens=False)
+        if tools is not None and tools.choice != "none":
+            if params.structured_outputs is not None:
+                raise InvalidRequestError("tools cannot be combined with an output constraint.", "tools")
+            named = [
+                (t.name, t.parameters) for t in tools.tools if tools.choice in ("auto", "required", t.name)
+            ]
+            params = dataclasses.replace(params, structured_outputs=harmony.constraint(named, tools.choice))
+            tools_constrain = True
+    elif tools is not None and params.structured_outputs is None:
         think = IN_THINK if opened else MAY_THINK if may_think else NO_THINK
         params = dataclasses.replace(
             params,

@@ -16,8 +16,10 @@ from jinja2 import TemplateError
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer import KnownReply, MessageDict, TemplateArgs, Tokenizer
+from kvserve.server.core import harmony
 from kvserve.server.core.chat_setup import ChatSetup
 from kvserve.server.core.messages import ChatMessage
+from kvserve.server.core.tool_formats.layout import ParsedCall
 from kvserve.server.core.tools import ToolUse, conversation, template_tools
 
 # chat_template_kwargs: template variables a client may set, within these bounds. The names the
@@ -108,6 +110,25 @@ def template_kwargs(raw: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(raw)
 
 
+# Efforts other APIs name that harmony's three stand for.
+_EFFORT_ALIASES = {"minimal": "low", "xhigh": "high", "max": "high"}
+
+
+def with_effort(kwargs: dict[str, Any], effort: str | None) -> dict[str, Any]:
+    """A harmony chat's template variables with the API's reasoning effort as `reasoning_effort`
+    (gpt-oss's template writes it into the system message: `Reasoning: low|medium|high`), unless they
+    set it already; an effort harmony has not (after its aliases: minimal is low) is a 400."""
+    if effort is None:
+        return kwargs
+    effort = _EFFORT_ALIASES.get(effort, effort)
+    if effort not in harmony.EFFORTS:
+        raise InvalidRequestError(
+            f"reasoning_effort must be one of {', '.join(harmony.EFFORTS)}, not {effort!r}",
+            "reasoning_effort",
+        )
+    return {"reasoning_effort": effort, **kwargs}
+
+
 def chat_turns(
     guard: PromptGuard,
     messages: Sequence[ChatMessage],
@@ -120,12 +141,16 @@ def chat_turns(
     The guard reads the turns as rendered, so every text the request carries counts before anything is
     tokenized: contents and their parts, calls' arguments, reasoning and tool results (param
     `messages`), then the tools' names, descriptions and schemas (param `tools`)."""
-    plain = conversation(messages, None, setup.tools)
-    guard.check([t.get("content", "") + t.get("reasoning_content", "") for t in plain], "messages")
-    turns = conversation(messages, tools, setup.tools)
+    if setup.harmony:
+        turns = harmony_conversation(messages)
+        guard.check([(t.get("content") or "") + t.get("thinking", "") for t in turns], "messages")
+    else:
+        plain = conversation(messages, None, setup.tools)
+        guard.check([t.get("content", "") + t.get("reasoning_content", "") for t in plain], "messages")
+        turns = conversation(messages, tools, setup.tools)
     listed = None
     if tools is not None:
-        if setup.tools.in_template:
+        if setup.tools.in_template or setup.harmony:
             listed = template_tools(tools)
             guard.check([json.dumps(listed)], "tools")
         else:
@@ -142,13 +167,54 @@ def chat_prompt(
     tools: ToolUse | None = None,
     setup: ChatSetup | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    reasoning_effort: str | None = None,
 ) -> list[int]:
     """Token ids of a conversation (with its tools, calls and results in the server's tool format,
     server/core/tools.py, and the template variables `kwargs`), behind the guard (`chat_turns`); earlier
     replies of this engine come back as their exact ids, so the next turn of a chat finds its whole
     history in the prefix cache."""
-    turns, args = chat_turns(guard, messages, tools, setup or ChatSetup(), kwargs)
+    setup = setup or ChatSetup()
+    if setup.harmony:
+        kwargs = with_effort(dict(kwargs or {}), reasoning_effort)
+    turns, args = chat_turns(guard, messages, tools, setup, kwargs)
+    if setup.harmony:
+        return harmony_prompt(async_engine, turns, namespace, add_generation_prompt, args)
     return async_engine.encode_chat(turns, namespace, add_generation_prompt, args)
+
+
+def harmony_conversation(messages: Sequence[ChatMessage]) -> list[MessageDict]:
+    """The messages as gpt-oss's template takes them: an assistant turn's reasoning as `thinking` and
+    its call with object arguments (server/core/harmony.py), tool results and the rest as they are."""
+    out: list[MessageDict] = []
+    for m in messages:
+        if m.role == "assistant":
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            calls = [ParsedCall(c.function.name, c.function.arguments) for c in m.tool_calls or ()]
+            out.append(harmony.harmony_turn("assistant", m.text, reasoning, calls))
+        else:
+            out.append({"role": m.role, "content": m.text})
+    return out
+
+
+def harmony_prompt(
+    async_engine: AsyncEngine,
+    turns: Sequence[MessageDict],
+    namespace: str,
+    add_generation_prompt: bool,
+    args: TemplateArgs,
+) -> list[int]:
+    """A harmony conversation's ids: rendered by the template, earlier replies spliced back as the ids
+    the model wrote, analysis included (`harmony.encode`)."""
+    try:
+        text = async_engine.tokenizer.render_chat(turns, add_generation_prompt, args)
+    except (ValueError, TemplateError, TypeError, AttributeError, LookupError, RecursionError) as e:
+        raise InvalidRequestError(f"The chat template cannot render these messages: {e}", "messages") from e
+
+    def lookup(key: str) -> list[int] | None:
+        known = async_engine.lookup_reply(namespace, key)
+        return None if known is None else list(known.ids)
+
+    return harmony.encode(async_engine.tokenizer, turns, text, lookup)
 
 
 @dataclass(frozen=True)

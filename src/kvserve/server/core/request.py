@@ -39,6 +39,8 @@ class ChatRequest:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     over_context: OverContext = OverContext.REFUSE
     prompt_param: str = "messages"
+    # The API's reasoning effort, which a harmony chat's template takes (server/core/prompts.py).
+    reasoning_effort: str | None = None
 
     def max_tokens(self, prompt_tokens: int, max_model_len: int) -> int | None:
         """The max_tokens the engine gets for a prompt of `prompt_tokens`, under `over_context`."""

@@ -106,7 +106,7 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     tools = tool_use(body)
     kwargs = template_kwargs(body.chat_template_kwargs)
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    return ChatRequest(tuple(body.messages), params, tools, kwargs)
+    return ChatRequest(tuple(body.messages), params, tools, kwargs, reasoning_effort=body.reasoning_effort)
 
 
 def chat_completion_plan(ctx: ServerContext, body: ChatCompletionRequest, namespace: str) -> RequestPlan:
@@ -127,6 +127,7 @@ def chat_completion_plan(ctx: ServerContext, body: ChatCompletionRequest, namesp
             request.tools,
             ctx.chat,
             request.template_kwargs,
+            request.reasoning_effort,
         )
 
     plan = chat_plan(ctx, request, namespace)

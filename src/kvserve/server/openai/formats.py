@@ -62,10 +62,11 @@ class ChatFormat:
         reasoning: bool = False,
         opened: bool = False,
         tool_names: frozenset[str] | None = None,
+        harmony: bool = False,
     ) -> None:
         self._renderer = renderer
         self._logprobs = logprobs
-        self._parser = ReplyParser(tools, reasoning, opened, tool_names)
+        self._parser = ReplyParser(tools, reasoning, opened, tool_names, harmony)
 
     def _render(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         return self._renderer.chat(entries) if self._logprobs else None
@@ -91,8 +92,8 @@ class ChatFormat:
         )
         return self._chunk(ids, [piece])
 
-    def reply_part(self, choice: Choice) -> str | None:
-        return self._parser.reply_part(choice.text)
+    def reply_part(self, choice: Choice) -> str | tuple[str, ...] | None:
+        return self._parser.reply_part(choice.text, choice.prompt.token_ids)
 
     def _message(self, choice: Choice) -> tuple[AssistantMessage, str | None]:
         reply = self._parser.whole(choice.text, choice.finish_reason)

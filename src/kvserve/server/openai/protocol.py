@@ -82,6 +82,9 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     # Variables for the chat template (e.g. {"enable_thinking": false}), checked by server/core/prompts.py.
     chat_template_kwargs: dict[str, Any] | None = None
+    # low, medium or high: the template's `reasoning_effort` (gpt-oss's system message), unless
+    # chat_template_kwargs sets it.
+    reasoning_effort: str | None = None
     # Checked by server/core/prompt_cache.py.
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None

@@ -59,6 +59,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
             ctx.chat.reasoning,
             plan.opens_reasoning,
             plan.tool_names,
+            ctx.chat.harmony,
         )
         return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
 

@@ -441,15 +441,22 @@ def responses_plan(
     tools = offered_tools(
         listed.tools, chat_tool_choice(body.tool_choice, listed.tools), body.parallel_tool_calls
     )
-    token_ids, prompt_text = continued_chat_prompt(
-        ctx.async_engine,
-        ctx.prompt_guard,
-        messages,
-        namespace,
-        tools,
-        ctx.chat,
-        previous.continuation if previous is not None else None,
-    )
+    if ctx.chat.harmony:
+        effort = body.reasoning.effort if body.reasoning else None
+        token_ids = chat_prompt(
+            ctx.async_engine, ctx.prompt_guard, messages, namespace, True, tools, ctx.chat, {}, effort
+        )
+        prompt_text = ctx.async_engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+    else:
+        token_ids, prompt_text = continued_chat_prompt(
+            ctx.async_engine,
+            ctx.prompt_guard,
+            messages,
+            namespace,
+            tools,
+            ctx.chat,
+            previous.continuation if previous is not None else None,
+        )
     params = SamplingParams(
         max_tokens=0 if policy.prewarm else body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -460,7 +467,10 @@ def responses_plan(
     plan = rendered_chat_plan(ctx, request, token_ids, namespace)
 
     def render(cut: Sequence[ChatMessage]) -> list[int]:
-        return chat_prompt(ctx.async_engine, ctx.prompt_guard, cut, namespace, False, tools, ctx.chat, {})
+        effort = body.reasoning.effort if body.reasoning else None
+        return chat_prompt(
+            ctx.async_engine, ctx.prompt_guard, cut, namespace, False, tools, ctx.chat, {}, effort
+        )
 
     markers = input_markers(body.input, instructions, history, policy)
     plan = dataclasses.replace(plan, breakpoints=cache_breakpoints(policy, markers, token_ids, render))

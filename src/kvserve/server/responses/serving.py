@@ -32,7 +32,13 @@ from pydantic import BaseModel
 from kvserve.engine.async_engine import Reservation
 from kvserve.engine.outputs import PromptOutputs
 from kvserve.server.core.context import ServerContext
-from kvserve.server.core.generation import EventStreamResponse, Generation, cancel_on_disconnect, usage
+from kvserve.server.core.generation import (
+    EventStreamResponse,
+    Generation,
+    cancel_on_disconnect,
+    remember_parts,
+    usage,
+)
 from kvserve.server.core.messages import ChatMessage, FunctionCall, ToolCall
 from kvserve.server.core.output import Choice, ReplyParser
 from kvserve.server.core.prompts import Continuation
@@ -178,6 +184,7 @@ class _Run:
             ctx.chat.reasoning,
             plan.opens_reasoning,
             plan.tool_names,
+            ctx.chat.harmony,
         )
         (prompt,) = plan.prompts
         self.choice = Choice(0, prompt, PromptOutputs.start(len(prompt.token_ids), 1), 0)
@@ -240,6 +247,18 @@ class _Run:
             total_tokens=counted.prompt_tokens + counted.completion_tokens,
         )
 
+    def remember(self, generation: Generation) -> None:
+        """A harmony reply's keys in the reply memory: its next turn (by previous_response_id or sent
+        whole) splices it back as its own ids (server/core/harmony.py)."""
+        if self.ctx.chat.harmony:
+            parts = self.parser.reply_part
+            remember_parts(
+                self.ctx,
+                lambda c: parts(c.text, c.prompt.token_ids),
+                [generation],
+                self.prepared.plan.namespace,
+            )
+
     def status(self) -> str:
         return "incomplete" if self.choice.finish_reason == "length" else "completed"
 
@@ -285,7 +304,8 @@ class _Run:
         if ids and output.finish_reason == "stop" and ids[-1] in stops:
             # The reply is its tokens but the stop token that ended it, which the template writes itself.
             ids = ids[:-1]
-        if tokenizer.decode(ids, sample.skip_special_tokens) != text:
+        if tokenizer.decode(ids, sample.skip_special_tokens) != text or self.ctx.chat.harmony:
+            # A harmony reply goes back through the reply memory (`remember`).
             return None
         (turn,) = conversation([assistant], None, self.ctx.chat.tools)
         content = turn["content"]
@@ -562,6 +582,7 @@ async def _events(
         if writer.reply.message is None and not writer.reply.calls and not run.prepared.plan.prewarm:
             # An empty reply is still one message, as the whole response has (a pre-warm has none).
             writer.reply.message = OutputMessage(id=_item_id("msg"), content=[OutputText(text="")])
+        run.remember(generation)
         run.kept = await retain_plan(run.ctx, run.prepared.plan)
         response = run.response(writer.reply, generation, run.status())
         data = await run.answer(response, writer.reply, tenant)
@@ -597,6 +618,7 @@ async def respond_responses(
         return EventStreamResponse(_events(run, request, generation, tenant), [generation])
     await cancel_on_disconnect(request, generation.run())
     reply = _whole_reply(run)
+    run.remember(generation)
     run.kept = await retain_plan(ctx, prepared.plan)
     response = run.response(reply, generation, run.status())
     data = await run.answer(response, reply, tenant)

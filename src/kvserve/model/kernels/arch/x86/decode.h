@@ -42,8 +42,9 @@ static ALWAYS_INLINE void x86_quants(int type, const uint8_t *row, int64_t s, __
         return;
     }
     if (type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 || type == TYPE_IQ4_NL ||
-        type == TYPE_IQ4_XS) {
-        const int at = type == TYPE_Q4_0 || type == TYPE_IQ4_NL ? 2
+        type == TYPE_IQ4_XS || type == TYPE_MXFP4) {
+        const int at = type == TYPE_MXFP4                       ? 1
+                       : type == TYPE_Q4_0 || type == TYPE_IQ4_NL ? 2
                        : type == TYPE_Q4_1                      ? 4
                        : type == TYPE_Q5_0                      ? 6
                        : type == TYPE_Q5_1                      ? 8
@@ -59,8 +60,8 @@ static ALWAYS_INLINE void x86_quants(int type, const uint8_t *row, int64_t s, __
             const __m128i bias = _mm_set1_epi8(type == TYPE_Q5_0 ? 16 : 0);
             *lo = _mm_sub_epi8(_mm_or_si128(*lo, fifth_bits(b + qh, 0)), bias);
             *hi = _mm_sub_epi8(_mm_or_si128(*hi, fifth_bits(b + qh, 1)), bias);
-        } else if (type == TYPE_IQ4_NL || type == TYPE_IQ4_XS) {
-            const __m128i table = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
+        } else if (type == TYPE_IQ4_NL || type == TYPE_IQ4_XS || type == TYPE_MXFP4) {
+            const __m128i table = _mm_loadu_si128((const __m128i *)(type == TYPE_MXFP4 ? MXFP4_VALUES : IQ4_VALUES));
             *lo = _mm_shuffle_epi8(table, *lo);
             *hi = _mm_shuffle_epi8(table, *hi);
         }
@@ -116,6 +117,7 @@ static ALWAYS_INLINE int quant_bias(int type)
     case TYPE_Q8_0:
     case TYPE_IQ4_NL:
     case TYPE_IQ4_XS:
+    case TYPE_MXFP4:
         return 128;
     default:
         return 0;
@@ -130,10 +132,10 @@ static ALWAYS_INLINE __m256i nibbles(const uint8_t *p)
     return _mm256_and_si256(_mm256_srlv_epi16(raw, shift), _mm256_set1_epi8(0x0f));
 }
 
-/* IQ4_VALUES plus 128, in both halves (a table for the byte shuffle). */
-static ALWAYS_INLINE __m256i iq4_biased(void)
+/* A table of 16 values (IQ4_VALUES, MXFP4_VALUES) plus 128, in both halves (for the byte shuffle). */
+static ALWAYS_INLINE __m256i table_biased(const int8_t *table)
 {
-    const __m128i values = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
+    const __m128i values = _mm_loadu_si128((const __m128i *)table);
     return _mm256_broadcastsi128_si256(_mm_xor_si128(values, _mm_set1_epi8((char)0x80)));
 }
 
@@ -151,7 +153,7 @@ static ALWAYS_INLINE __m256i x86_biased(int type, const uint8_t *row, int64_t s)
     case TYPE_Q4_0:
         return nibbles(b + 2);
     case TYPE_IQ4_NL:
-        return _mm256_shuffle_epi8(iq4_biased(), nibbles(b + 2));
+        return _mm256_shuffle_epi8(table_biased(IQ4_VALUES), nibbles(b + 2));
     case TYPE_Q4_1:
         return nibbles(b + 4);
     case TYPE_Q5_0:
@@ -163,7 +165,9 @@ static ALWAYS_INLINE __m256i x86_biased(int type, const uint8_t *row, int64_t s)
         return _mm256_mask_add_epi8(u, (__mmask32)qh, u, bit4);
     }
     case TYPE_IQ4_XS:
-        return _mm256_shuffle_epi8(iq4_biased(), nibbles(b + 8 + 16 * j));
+        return _mm256_shuffle_epi8(table_biased(IQ4_VALUES), nibbles(b + 8 + 16 * j));
+    case TYPE_MXFP4:
+        return _mm256_shuffle_epi8(table_biased(MXFP4_VALUES), nibbles(b + 1));
     case TYPE_Q2_K:
         return bits(b + 16 + 32 * (j / 4), 2 * (j % 4), 3);
     case TYPE_Q3_K: {

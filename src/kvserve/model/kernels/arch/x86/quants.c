@@ -723,7 +723,8 @@ struct tiles {
     X(q5_k, TYPE_Q5_K)                                                                                   \
     X(q6_k, TYPE_Q6_K)                                                                                   \
     X(iq4_nl, TYPE_IQ4_NL)                                                                               \
-    X(iq4_xs, TYPE_IQ4_XS)
+    X(iq4_xs, TYPE_IQ4_XS)                                                                               \
+    X(mxfp4, TYPE_MXFP4)
 #define FOR_FLOAT_TYPES(X)                                                                                \
     X(f32, TYPE_F32)                                                                                     \
     X(f16, TYPE_F16)                                                                                     \
