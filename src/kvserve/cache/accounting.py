@@ -35,6 +35,9 @@ class Admission:
     hits: dict[str, int] = field(default_factory=dict)
     # The same copy in the sliding layers' group, where its ids are its own.
     sliding_copy: tuple[int, int] | None = None
+    # Tokens of the cached prefix recomputed for want of a state checkpoint (a hybrid model's recurrent
+    # layers; 0 for attention alone): their miss reason is `no_checkpoint` (cache_miss.py).
+    num_recomputed_for_checkpoint: int = 0
 
 
 @dataclass(frozen=True)

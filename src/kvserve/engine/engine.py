@@ -4,7 +4,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     # What a step costs here, as measured (engine/step_cost.py); None where speculation is off.
     step_costs: StepCosts | None = None
+    # Admissions that computed text their namespace had seen, by reason (cache/cache_miss.py).
+    misses_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -359,6 +361,7 @@ class Engine:
                 if lp is not None and a.token_ids
             ],
             prompt_logprobs=taken.prompt_logprobs,
+            cache_miss=request.cache_miss,
         )
 
     def _finish(self, request: Request, reason: str) -> None:
@@ -432,4 +435,5 @@ class Engine:
             spec_draft_tokens=c.draft_tokens,
             spec_accepted_tokens=c.accepted_tokens,
             step_costs=None if self.step_costs is None else self.step_costs.costs,
+            misses_by_reason=dict(c.misses),
         )

@@ -7,6 +7,7 @@ count of the prompt) in one place.
 
 from dataclasses import dataclass, field
 
+from kvserve.cache.cache_miss import CacheMiss
 from kvserve.engine.logprobs import TokenLogprob
 
 
@@ -25,6 +26,8 @@ class RequestDelta:
     num_output_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Why its admission computed text its namespace had seen (None: it did not, or not yet admitted).
+    cache_miss: CacheMiss | None = None
 
 
 @dataclass
@@ -38,6 +41,7 @@ class SampleOutput:
     num_output_tokens: int = 0
     # What the prefix cache held of the prompt when the sample was admitted; None before its first delta.
     num_cached_tokens: int | None = None
+    cache_miss: CacheMiss | None = None
 
 
 @dataclass
@@ -61,6 +65,7 @@ class PromptOutputs:
         out.finish_reason = delta.finish_reason
         out.num_output_tokens = delta.num_output_tokens
         out.num_cached_tokens = delta.num_cached_tokens
+        out.cache_miss = delta.cache_miss
         self.num_prompt_tokens = delta.num_prompt_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
@@ -71,6 +76,11 @@ class PromptOutputs:
         """What was cached of the prompt before the request: the fewest any sample found (the samples
         after the first find what the first computed)."""
         return min((s.num_cached_tokens for s in self.samples if s.num_cached_tokens is not None), default=0)
+
+    @property
+    def cache_miss(self) -> CacheMiss | None:
+        """The prompt's miss, as the sample that computed it found it (the others read what it did)."""
+        return next((s.cache_miss for s in self.samples if s.cache_miss is not None), None)
 
     @property
     def num_output_tokens(self) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.cache.cache_miss import CacheMiss
 from kvserve.cache.loader import LoadJob
 from kvserve.cache.manager import SequenceBlocks
 from kvserve.engine.grammar import GrammarState
@@ -82,6 +83,8 @@ class Request:
         self.load: LoadJob | None = None
         self.num_computed = 0
         self.num_cached_tokens: int | None = None
+        # Why its first admission computed text its namespace had seen (None: it did not).
+        self.cache_miss: CacheMiss | None = None
         self.num_skips = 0
         # Wall-clock times for introspection (the dashboard's TTFT column).
         self.arrival_time = time.time()
