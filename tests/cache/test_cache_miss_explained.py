@@ -12,6 +12,7 @@ from kvserve.cache.cache_miss import (
     MISS_LOAD_TIMEOUT,
     MISS_NO_CHECKPOINT,
     MISS_TIER_UNAVAILABLE,
+    CacheMiss,
     Losses,
     explain,
 )
@@ -29,7 +30,7 @@ def run(kv: KVCacheManager, namespace: str, tokens: list[int]) -> None:
     kv.release(admission.seq, tokens, len(tokens))
 
 
-def admit_and_explain(kv: KVCacheManager, namespace: str, tokens: list[int]):  # type: ignore[no-untyped-def]
+def admit_and_explain(kv: KVCacheManager, namespace: str, tokens: list[int]) -> CacheMiss | None:
     admission = kv.admit(namespace, tokens, len(tokens))
     assert admission is not None
     miss = kv.explain(namespace, tokens, admission)
@@ -42,10 +43,10 @@ def test_the_index_finds_the_token_where_a_prompt_parts_from_what_was_seen() -> 
     seen = list(range(100, 130))
     index.remember("a", seen)
     assert index.seen("a", seen) == Seen(30, False, 30)
-    changed = seen[:13] + [7] + seen[14:]
+    changed = [*seen[:13], 7, *seen[14:]]
     assert index.seen("a", changed) == Seen(13, True, 30)
     # A prompt that goes on past what was seen parts from nothing: new text.
-    assert index.seen("a", seen + [1, 2, 3]) == Seen(30, False, 30)
+    assert index.seen("a", [*seen, 1, 2, 3]) == Seen(30, False, 30)
     # Another namespace saw nothing.
     assert index.seen("b", seen) == Seen(0, False, 0)
 
@@ -58,7 +59,9 @@ def test_explain_orders_the_reasons() -> None:
     timed_out = explain(lost, 49, 8, BS, Losses(tier_down=True, load_timed_out=True))
     assert timed_out is not None and timed_out.reason == MISS_LOAD_TIMEOUT and timed_out.missed_tokens == 32
     checkpoint = explain(lost, 49, 40, BS, Losses(no_checkpoint_tokens=12))
-    assert checkpoint is not None and checkpoint.reason == MISS_NO_CHECKPOINT and checkpoint.missed_tokens == 12
+    assert (
+        checkpoint is not None and checkpoint.reason == MISS_NO_CHECKPOINT and checkpoint.missed_tokens == 12
+    )
     # Cached as far as it was seen: no miss; never seen: no miss.
     assert explain(lost, 49, 40, BS, Losses()) is None
     assert explain(Seen(0, False, 0), 49, 0, BS, Losses(tier_down=True)) is None
@@ -77,7 +80,7 @@ def test_the_manager_says_diverged_evicted_and_expired_and_never_crosses_namespa
     # Another namespace's identical prompt is never seen.
     assert admit_and_explain(kv, "b", prompt) is None
     # A token changed at 9: diverged there.
-    changed = prompt[:9] + [5] + prompt[10:]
+    changed = [*prompt[:9], 5, *prompt[10:]]
     miss = admit_and_explain(kv, "a", changed)
     assert miss is not None and miss.reason == MISS_DIVERGED and miss.position == 9
     # A flood evicts it.

@@ -12,7 +12,9 @@ The reasons, one per miss, first that applies:
 - `tier_unavailable`: a lower tier is down (its calls fail) and memory no longer held the blocks;
 - `expired`: a retention held the first lost block until it expired, then the block was evicted;
 - `evicted`: memory gave the blocks up for others (and no tier below gave them back);
-- `diverged`: the prompt parts from what was seen at `position`, where what was seen went on.
+- `diverged`: the prompt parts from what was seen at `position`, where what was seen went on. A prompt
+  that shares less than a block with what was seen (a chat template's opening, say) is new text, not
+  a changed one.
 """
 
 from dataclasses import dataclass
@@ -77,7 +79,7 @@ def explain(seen: Seen, limit: int, cached: int, block_size: int, losses: Losses
         else:
             reason = MISS_EVICTED
         return CacheMiss(reason, cached, known - cached, seen.tokens, cached)
-    if seen.diverged and seen.tokens < limit:
+    if seen.diverged and block_size <= seen.tokens < limit:
         missed = min(seen.through, limit) - max(cached, seen.tokens)
         if missed > 0:
             return CacheMiss(MISS_DIVERGED, cached, missed, seen.tokens, seen.tokens)

@@ -29,7 +29,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context) -> Res
             plan.opens_reasoning,
             tuple(body.stop_sequences or ()),
         )
-        return await respond_messages(ctx, request, fmt, plan, room, body.stream)
+        return await respond_messages(ctx, request, fmt, plan, room, body.stream, body.diagnostics)
 
 
 @ROUTES.api.post("/v1/messages/count_tokens")

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import PromptOutputs, SampleOutput
+from kvserve.server.core.cache_report import CacheReport
 from kvserve.server.core.plan import PlannedPrompt
 from kvserve.server.core.reasoning import ReasoningStream, split
 from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
@@ -70,6 +71,8 @@ class TokenUsage:
     cached_tokens: int
     # What the request's cache breakpoints kept past the cached tokens (server/core/retention.py).
     cache_write_tokens: int = 0
+    # The request's cache report, where its API shows it (server/core/cache_report.py).
+    cache_report: CacheReport | None = None
 
 
 class OutputFormat(Protocol):
