@@ -69,6 +69,12 @@ class Live:
         ids: list[int] = r.json()["tokens"]
         return ids
 
+    def stats(self, tenant: str) -> dict[str, Any]:
+        r = httpx.get(f"{self.url}/v1/cache/stats", headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+        assert r.status_code == 200, r.text
+        stats: dict[str, Any] = r.json()
+        return stats
+
     def flood(self, tenant: str = "b", prompts: int = 10) -> None:
         """Unique prompts that cycle the pool (another tenant's: the pool is shared)."""
         client = self.openai(tenant)
@@ -134,6 +140,11 @@ def test_a_changed_system_byte_is_diverged_in_system_at_its_token(live: Live) ->
         "position": str(position),
         "part": "system",
     }
+    # The dashboard's "why it missed": the caller's own namespace, no text unless the server shows it.
+    (last, *_) = live.stats("a")["misses"]
+    assert (last["reason"], last["part"], last["position"]) == ("diverged", "system", position)
+    assert last["before"] is None and last["after"] is None
+    assert not any(m["reason"] == "diverged" for m in live.stats("c")["misses"])
 
 
 def test_a_reordered_tool_list_is_tools_changed_in_anthropics_diagnostics(live: Live) -> None:
@@ -265,7 +276,8 @@ def test_a_stopped_redis_tier_is_tier_unavailable(
             secret=b"s" * 32,
         )
         async_engine = AsyncEngine(engine)
-        with serve_app(create_app(async_engine, ServerOptions(served_model_name=NAME))) as url:
+        options = ServerOptions(served_model_name=NAME, dashboard_show_text=True)
+        with serve_app(create_app(async_engine, options)) as url:
             live = Live(url, async_engine)
             client: Any = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
             prompt = "Parcels held at the depot, " + " ".join(f"d{j}" for j in range(80))
@@ -283,6 +295,9 @@ def test_a_stopped_redis_tier_is_tier_unavailable(
                 model=NAME, prompt=prompt, max_tokens=1, temperature=0
             )
             assert _header(raw)["reason"] == "tier_unavailable", _header(raw)
+            # With --dashboard-show-text, the text on each side of where the miss starts.
+            (last, *_) = httpx.get(f"{url}/v1/cache/stats").json()["misses"]
+            assert last["reason"] == "tier_unavailable" and last["after"], last
             assert live.url
     finally:
         redis.stop()
