@@ -13,8 +13,9 @@ The concerns, each in its module, each an object that does nothing when its feat
   `admit(..., load=job)` gives each block that arrived a fresh memory block, copies it there and
   inserts it into the tree as if it had just been computed;
 - pins and retentions (Holds, holds.py; NoPins when pinning is off), whose references outlive requests;
-- the recent prefixes each namespace computed (RecentPrefixes, recent_prefixes.py), which `explain`
-  reads to say why an admission computed text its namespace had seen (cache_miss.py).
+- the recent prefixes each namespace computed (RecentPrefixes, recent_prefixes.py; NoRecentPrefixes
+  without the prefix cache), which `explain` reads to say why an admission computed text its namespace
+  had seen (cache_miss.py).
 """
 
 import time
@@ -42,7 +43,7 @@ from kvserve.cache.no_prefix_cache import NoPrefixCache
 from kvserve.cache.pins import Pin as Pin
 from kvserve.cache.pins import PinRefused as PinRefused
 from kvserve.cache.prefix_cache import MatchResult, PrefixCache
-from kvserve.cache.recent_prefixes import RecentPrefixes
+from kvserve.cache.recent_prefixes import NoRecentPrefixes, RecentPrefixes
 from kvserve.cache.retention import Retention, Retentions
 from kvserve.cache.sequence_blocks import SequenceBlocks as SequenceBlocks
 from kvserve.cache.sequence_blocks import blocks_for
@@ -89,7 +90,7 @@ class KVCacheManager:
         pins = pins_for(self.accounts, config.max_pinned_blocks, config.max_pinned_blocks_per_namespace)
         self.holds = Holds(self.accounts, pins, retentions)
         self.tiers = TierLoads(lower, self.accounts, config.load_budget_s) if lower is not None else NoTiers()
-        self.recent = RecentPrefixes(bs) if config.enable_prefix_caching else None
+        self.recent = RecentPrefixes(bs) if config.enable_prefix_caching else NoRecentPrefixes()
 
     # Loads from the lower tiers.
 
@@ -200,8 +201,6 @@ class KVCacheManager:
         """Why `admission` (of `tokens`, the first) computed text `namespace` had seen lately, or None:
         no miss (cache_miss.py). `load_timed_out`: the blocks read for it ran out of time. Only the
         namespace's own index is read: another namespace's prompts are never seen here."""
-        if self.recent is None:
-            return None
         seen = self.recent.seen(namespace, tokens)
         cached = admission.num_cached_tokens
         losses = Losses(
@@ -259,7 +258,7 @@ class KVCacheManager:
             n = blocks_for(num_computed, self.block_size)
             sliding = self.sliding.entries(seq, n)
             self.prefix_cache.insert(seq.namespace, tokens[:num_computed], seq.blocks[:n], sliding)
-        if self.recent is not None and num_computed:
+        if num_computed:
             self.recent.remember(seq.namespace, tokens[:num_computed])
         self.accounts.release_all(seq)
         seq.num_published = 0
@@ -322,9 +321,8 @@ class KVCacheManager:
         """Drop every retention whose time is over; its blocks stay cached, evictable (and should they be
         evicted, a miss of them says `expired`)."""
         now = self.clock()
-        if self.recent is not None:
-            for retention in self.holds.retentions.expired(now):
-                self.recent.mark_expired(retention.namespace, retention.tokens)
+        for retention in self.holds.retentions.expired(now):
+            self.recent.mark_expired(retention.namespace, retention.tokens)
         return self.holds.retentions.expire(now)
 
     def retentions(self, namespace: str) -> list[Retention]:

@@ -62,7 +62,29 @@ def _fingerprints(tokens: Sequence[int]) -> bytes:
     return (mixed >> np.uint64(48)).astype("<u2").tobytes()
 
 
-class RecentPrefixes:
+class NoRecentPrefixes:
+    """No prefix cache, so nothing to tell a miss from: every prompt is never seen."""
+
+    enabled = False
+
+    def remember(self, namespace: str, tokens: Sequence[int]) -> None:
+        """The namespace saw `tokens`."""
+
+    def seen(self, namespace: str, tokens: Sequence[int]) -> Seen:
+        """How much of `tokens` the namespace saw lately."""
+        return Seen(0, False, 0)
+
+    def expired(self, namespace: str, tokens: Sequence[int], start: int) -> bool:
+        """Whether a retention that ended held the block of `tokens` holding token `start`."""
+        return False
+
+    def mark_expired(self, namespace: str, tokens: Sequence[int]) -> None:
+        """A retention of `tokens` (whole blocks) ended."""
+
+
+class RecentPrefixes(NoRecentPrefixes):
+    enabled = True
+
     def __init__(
         self,
         block_size: int,
@@ -90,11 +112,10 @@ class RecentPrefixes:
             keys.append(int.from_bytes(h.digest(), "little"))
         return keys
 
-    def remember(self, namespace: str, tokens: Sequence[int], keys: Sequence[int] | None = None) -> None:
-        """The namespace saw `tokens` (`keys`: their `keys`, when known)."""
+    def remember(self, namespace: str, tokens: Sequence[int]) -> None:
         if not tokens:
             return
-        keys = self.keys(tokens) if keys is None else keys
+        keys = self.keys(tokens)
         table = self._of.get(namespace)
         if table is None:
             table = self._of[namespace] = OrderedDict()
@@ -121,12 +142,12 @@ class RecentPrefixes:
             if not victim:
                 del self._of[oldest]
 
-    def seen(self, namespace: str, tokens: Sequence[int], keys: Sequence[int] | None = None) -> Seen:
-        """How much of `tokens` the namespace saw lately (see the module docstring); nothing is changed."""
+    def seen(self, namespace: str, tokens: Sequence[int]) -> Seen:
+        """See the module docstring; nothing is changed."""
         table = self._of.get(namespace)
         if table is None or 0 not in table:
             return Seen(0, False, 0)
-        keys = self.keys(tokens) if keys is None else keys
+        keys = self.keys(tokens)
         j = 0
         while j + 1 < len(keys) and keys[j + 1] in table:
             j += 1
@@ -143,7 +164,6 @@ class RecentPrefixes:
         return Seen(j * bs + m, diverged, through)
 
     def expired(self, namespace: str, tokens: Sequence[int], start: int) -> bool:
-        """Whether a retention that ended held the block of `tokens` holding token `start`."""
         table = self._of.get(namespace)
         end = (start // self.block_size + 1) * self.block_size
         if table is None or end > len(tokens):
@@ -152,7 +172,7 @@ class RecentPrefixes:
         return value is not None and bool(value[0] & _EXPIRED)
 
     def mark_expired(self, namespace: str, tokens: Sequence[int]) -> None:
-        """A retention of `tokens` (whole blocks) ended: its blocks, if they go, went for that."""
+        # Its blocks, should they go, went for that.
         table = self._of.get(namespace)
         if table is None:
             return
