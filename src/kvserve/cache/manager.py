@@ -202,14 +202,16 @@ class KVCacheManager:
         no miss (cache_miss.py). `load_timed_out`: the blocks read for it ran out of time. Only the
         namespace's own index is read: another namespace's prompts are never seen here."""
         seen = self.recent.seen(namespace, tokens)
-        cached = admission.num_cached_tokens
+        cached, limit = admission.num_cached_tokens, self._cache_limit(tokens, max_cached)
+        # Hashed again only for a loss: whether its first lost block was a retention's that ended.
+        lost = min(seen.tokens, limit) // self.block_size > cached // self.block_size
         losses = Losses(
             admission.num_recomputed_for_checkpoint,
             load_timed_out,
             self.tiers.down(),
-            self.recent.expired(namespace, tokens, cached),
+            lost and self.recent.expired(namespace, tokens, cached),
         )
-        return explain(seen, self._cache_limit(tokens, max_cached), cached, self.block_size, losses)
+        return explain(seen, limit, cached, self.block_size, losses)
 
     def grow(self, seq: SequenceBlocks, num_tokens: int, speculative: bool = False) -> bool:
         """Make `seq.blocks` cover `num_tokens` tokens; False, with nothing taken, if the pool cannot.

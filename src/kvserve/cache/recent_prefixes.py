@@ -106,10 +106,11 @@ class RecentPrefixes(NoRecentPrefixes):
         keys = [0]
         data = np.asarray(tokens[: len(tokens) // bs * bs], dtype="<u4").tobytes()
         step = 4 * bs
+        blake2b, from_bytes = hashlib.blake2b, int.from_bytes
         for j in range(len(tokens) // bs):
-            h = hashlib.blake2b(keys[-1].to_bytes(8, "little"), digest_size=8)
+            h = blake2b(keys[-1].to_bytes(8, "little"), digest_size=8)
             h.update(data[j * step : (j + 1) * step])
-            keys.append(int.from_bytes(h.digest(), "little"))
+            keys.append(from_bytes(h.digest(), "little"))
         return keys
 
     def remember(self, namespace: str, tokens: Sequence[int]) -> None:
@@ -121,11 +122,12 @@ class RecentPrefixes(NoRecentPrefixes):
             table = self._of[namespace] = OrderedDict()
         self._of.move_to_end(namespace)
         bs, n = self.block_size, len(tokens)
-        through = min(n, 2**32 - 1)
+        header = _HEADER.pack(0, min(n, 2**32 - 1))
+        prints = _fingerprints(tokens)
         for j, key in enumerate(keys):
             if key not in table:
                 self.num_entries += 1
-            table[key] = _HEADER.pack(0, through) + _fingerprints(tokens[j * bs : (j + 1) * bs])
+            table[key] = header + prints[2 * j * bs : 2 * (j + 1) * bs]
             table.move_to_end(key)
         self._bound(namespace)
 
