@@ -2,7 +2,8 @@
 
 A changed system prompt byte (diverged in `system`, at the first differing token), a reordered tool list
 (`tools`), a tool call's arguments re-spaced (`message 2`), an eviction flood (`evicted`), a retention
-that expired before a flood (`expired`) and a Redis tier stopped (`tier_unavailable`); another tenant's
+that expired before a flood (`expired`), a Redis tier paused past the load budget (`load_timeout`) and
+stopped (`tier_unavailable`); another tenant's
 identical prompt reads exactly as a never-seen one. Chat reports in its header and, when asked, in its
 usage; Messages answers Anthropic's `diagnostics`, Responses OpenAI's `prompt_cache_diagnostics`.
 """
@@ -262,9 +263,11 @@ def test_responses_name_a_changed_instruction_input_changed(live: Live) -> None:
     assert diagnostics.cache_missed_tokens > 0
 
 
-def test_a_stopped_redis_tier_is_tier_unavailable(
+def test_a_paused_redis_is_load_timeout_and_a_stopped_one_tier_unavailable(
     make_tiny_engine: Callable[..., Engine], serve_app: Callable[[FastAPI], AbstractContextManager[str]]
 ) -> None:
+    """Two prompts written to Redis, then evicted from memory by a flood: one asked for while Redis is
+    paused past the load budget (load_timeout), the other once Redis is stopped (tier_unavailable)."""
     redis = RedisServer()
     redis.start()
     try:
@@ -278,26 +281,32 @@ def test_a_stopped_redis_tier_is_tier_unavailable(
         async_engine = AsyncEngine(engine)
         options = ServerOptions(served_model_name=NAME, dashboard_show_text=True)
         with serve_app(create_app(async_engine, options)) as url:
-            live = Live(url, async_engine)
             client: Any = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-            prompt = "Parcels held at the depot, " + " ".join(f"d{j}" for j in range(80))
-            client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0)
-            store = redis.client()
+
+            def complete(prompt: str) -> dict[str, str]:
+                raw = client.completions.with_raw_response.create(
+                    model=NAME, prompt=prompt, max_tokens=1, temperature=0
+                )
+                return _header(raw)
+
+            stopped = "Parcels held at the depot, " + " ".join(f"d{j}" for j in range(80))
+            paused = "Parcels late at customs, " + " ".join(f"c{j}" for j in range(80))
+            complete(stopped)
+            complete(paused)
+            admin = redis.client()
             deadline = time.monotonic() + 30
-            while store.dbsize() < 4 and time.monotonic() < deadline:
+            while admin.dbsize() < 8 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            store.close()
             for i in range(10):
-                words = " ".join(f"z{i}x{j}" for j in range(60))
-                client.completions.create(model=NAME, prompt=words, max_tokens=1, temperature=0)
+                complete(" ".join(f"z{i}x{j}" for j in range(60)))
+            engine.kv.tiers.set_budget(0.05)
+            admin.client_pause(5000)
+            assert complete(paused)["reason"] == "load_timeout"
+            admin.close()
             redis.stop()
-            raw = client.completions.with_raw_response.create(
-                model=NAME, prompt=prompt, max_tokens=1, temperature=0
-            )
-            assert _header(raw)["reason"] == "tier_unavailable", _header(raw)
+            assert complete(stopped)["reason"] == "tier_unavailable"
             # With --dashboard-show-text, the text on each side of where the miss starts.
             (last, *_) = httpx.get(f"{url}/v1/cache/stats").json()["misses"]
             assert last["reason"] == "tier_unavailable" and last["after"], last
-            assert live.url
     finally:
         redis.stop()

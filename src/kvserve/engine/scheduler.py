@@ -356,7 +356,7 @@ class Scheduler:
                     continue
             # Match, lock and allocate in one call per request: an earlier admission's eviction may
             # have reused blocks that the hint above still points at.
-            load_timed_out = request.load is not None and not request.load.done
+            load_timed_out = request.load is not None and request.load.timed_out
             admission = self.kv.admit(
                 request.namespace, request.token_ids, budget, request.max_cached_tokens, request.load
             )
