@@ -192,9 +192,22 @@ def test_re_spaced_tool_call_arguments_are_diverged_in_that_message(live: Live) 
         ]
 
     _chat(client, conversation('{"city": "Paris"}'), tools=TOOLS)
-    raw = _chat(client, conversation('{"city":"Paris"}'), tools=TOOLS)
-    figures = _header(raw)
+    # Streamed: the header goes out with the status line, the report in the usage chunk.
+    with client.chat.completions.with_streaming_response.create(
+        model=NAME,
+        messages=conversation('{"city":"Paris"}'),
+        tools=TOOLS,
+        max_tokens=1,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"kvserve_cache_report": True},
+    ) as raw:
+        figures = _header(raw)
+        chunks = list(raw.parse())
     assert figures["reason"] == "diverged" and figures["part"] == "message-2", figures
+    report = chunks[-1].usage.model_extra["kvserve_cache_report"]
+    assert (report["reason"], report["part"]) == ("diverged", "message 2")
 
 
 def test_an_eviction_flood_is_evicted_and_counted(live: Live) -> None:
