@@ -1,5 +1,6 @@
 """A miss explained: the recent-prefix index and the manager's `explain`, each reason produced on purpose."""
 
+import random
 import tracemalloc
 
 from hypothesis import given, settings
@@ -40,19 +41,25 @@ def admit_and_explain(kv: KVCacheManager, namespace: str, tokens: list[int]) -> 
 
 def test_the_index_finds_the_token_where_a_prompt_parts_from_what_was_seen() -> None:
     index = RecentPrefixes(BS)
-    seen = list(range(100, 130))
+    seen = list(range(1000, 1200))
     index.remember("a", seen)
-    assert index.seen("a", seen) == Seen(30, False, 30)
-    changed = [*seen[:13], 7, *seen[14:]]
-    assert index.seen("a", changed) == Seen(13, True, 30)
+    assert index.seen("a", seen) == Seen(200)
+    # One token changed at 13: the rest is found again by its chunks.
+    changed = index.seen("a", [*seen[:13], 7, *seen[14:]])
+    assert (changed.tokens, changed.diverged) == (13, True) and changed.realigned >= 150
+    # Five tokens inserted at 40: the chunks after them are found whatever they shifted by.
+    inserted = index.seen("a", [*seen[:40], 1, 2, 3, 4, 5, *seen[40:]])
+    assert (inserted.tokens, inserted.diverged) == (40, True) and inserted.realigned >= 120
+    # Parting into text never seen: diverged, with nothing found again.
+    assert index.seen("a", [*seen[:20], *range(5000, 5180)]).realigned < 16
     # A prompt that goes on past what was seen parts from nothing: new text.
-    assert index.seen("a", [*seen, 1, 2, 3]) == Seen(30, False, 30)
+    assert index.seen("a", [*seen, 1, 2, 3]) == Seen(200)
     # Another namespace saw nothing.
-    assert index.seen("b", seen) == Seen(0, False, 0)
+    assert index.seen("b", seen) == Seen(0)
 
 
 def test_explain_orders_the_reasons() -> None:
-    lost = Seen(40, False, 40)
+    lost = Seen(40)
     assert explain(lost, 49, 8, BS, Losses()).reason == MISS_EVICTED  # type: ignore[union-attr]
     assert explain(lost, 49, 8, BS, Losses(expired=True)).reason == MISS_EXPIRED  # type: ignore[union-attr]
     assert explain(lost, 49, 8, BS, Losses(tier_down=True)).reason == MISS_TIER_UNAVAILABLE  # type: ignore[union-attr]
@@ -64,10 +71,27 @@ def test_explain_orders_the_reasons() -> None:
     )
     # Cached as far as it was seen: no miss; never seen: no miss.
     assert explain(lost, 49, 40, BS, Losses()) is None
-    assert explain(Seen(0, False, 0), 49, 0, BS, Losses(tier_down=True)) is None
+    assert explain(Seen(0), 49, 0, BS, Losses(tier_down=True)) is None
+    # Diverged at 10 with 30 of the 39 tokens after it seen: missed; with 8 seen, new text.
+    diverged = explain(Seen(10, True, 30), 49, 8, BS, Losses())
+    assert diverged is not None and diverged.reason == MISS_DIVERGED and diverged.missed_tokens == 30
+    assert explain(Seen(10, True, 8), 49, 8, BS, Losses()) is None
 
 
-def test_the_manager_says_diverged_evicted_and_expired_and_never_crosses_namespaces() -> None:
+def test_the_manager_says_diverged_and_never_crosses_namespaces() -> None:
+    kv = KVCacheManager(CacheConfig(num_blocks=256, block_size=BS))
+    prompt = list(range(100, 300))
+    run(kv, "a", prompt)
+    # The same prompt again: cached as far as it was seen; another namespace's is never seen.
+    assert admit_and_explain(kv, "a", prompt) is None
+    assert admit_and_explain(kv, "b", prompt) is None
+    # A token changed at 9: diverged there, the rest seen.
+    miss = admit_and_explain(kv, "a", [*prompt[:9], 5, *prompt[10:]])
+    assert miss is not None and miss.reason == MISS_DIVERGED and miss.position == 9
+    assert miss.missed_tokens >= 150
+
+
+def test_the_manager_says_evicted_and_expired() -> None:
     now = [0.0]
     kv = KVCacheManager(
         CacheConfig(num_blocks=12, block_size=BS, max_retained_blocks=8, max_retained_blocks_per_namespace=8),
@@ -75,14 +99,6 @@ def test_the_manager_says_diverged_evicted_and_expired_and_never_crosses_namespa
     )
     prompt = list(range(100, 121))
     run(kv, "a", prompt)
-    # The same prompt again: cached as far as it was seen.
-    assert admit_and_explain(kv, "a", prompt) is None
-    # Another namespace's identical prompt is never seen.
-    assert admit_and_explain(kv, "b", prompt) is None
-    # A token changed at 9: diverged there.
-    changed = [*prompt[:9], 5, *prompt[10:]]
-    miss = admit_and_explain(kv, "a", changed)
-    assert miss is not None and miss.reason == MISS_DIVERGED and miss.position == 9
     # A flood evicts it.
     for i in range(6):
         run(kv, "c", [1000 + 50 * i + t for t in range(20)])
@@ -119,16 +135,17 @@ def test_the_index_stays_under_its_bounds_under_a_flood_of_unique_prompts(
 
 
 def test_the_index_memory_per_namespace_is_bounded_by_its_entries() -> None:
-    """The measure the docs cite: bytes per entry of a full namespace, at 16 tokens a block."""
-    index = RecentPrefixes(16, max_entries_per_namespace=4096, max_entries=4096)
+    """The measure the docs cite: bytes per key of a full namespace (8,192 keys), at 16 tokens a block."""
+    index = RecentPrefixes(16, max_entries_per_namespace=8192, max_entries=8192)
+    rng = random.Random(0)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    for i in range(600):
-        index.remember("t", [i * 1000 + t for t in range(16 * 8)] + [i])
+    for i in range(1200):
+        index.remember("t", [rng.randrange(50000) for _ in range(16 * 8)] + [i])
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert index.num_entries_in("t") == 4096
-    per_entry = used / 4096
-    assert entry_bytes(16) == 37
-    # A key (int), a value (bytes of at most 37), and the ordered dict's slot for them.
-    assert per_entry < 260, per_entry
+    assert index.num_entries_in("t") == 8192
+    assert entry_bytes(16) == 33
+    # A key (int), a value (bytes of at most 33, or the shared empty one of a chunk key), and the ordered
+    # dict's slot for them: about 201 bytes measured.
+    assert used / 8192 < 260, used / 8192

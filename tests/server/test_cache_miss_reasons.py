@@ -124,7 +124,7 @@ def test_a_changed_system_byte_is_diverged_in_system_at_its_token(live: Live) ->
     client = live.openai()
     ask = {"role": "user", "content": "Where is my parcel?"}
     before = [{"role": "system", "content": SYSTEM}, ask]
-    after = [{"role": "system", "content": SYSTEM[:-20] + "X" + SYSTEM[-19:]}, ask]
+    after = [{"role": "system", "content": SYSTEM[:12] + "X" + SYSTEM[13:]}, ask]
     first = _chat(client, before)
     assert _header(first)["reason"] == "none"
     # Off by default: OpenAI's usage, nothing new.
@@ -266,7 +266,7 @@ def test_responses_name_a_changed_instruction_input_changed(live: Live) -> None:
     )
     second = client.responses.create(
         model=NAME,
-        instructions=SYSTEM + "Today is Tuesday.",
+        instructions="Today is Tuesday. " + SYSTEM,
         input="Refund policy?",
         max_output_tokens=1,
         prompt_cache_options={"comparison_response_id": first.id},

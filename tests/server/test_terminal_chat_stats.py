@@ -93,13 +93,13 @@ def test_stats_text_shows_the_measured_step_cost_with_speculation_on(tiny_model:
 
 
 def test_stats_prints_the_last_prompts_miss_reason(tiny_model: LoadedModel) -> None:
-    """A prompt whose system part changed at token 40 after one that was computed: diverged there."""
+    """A prompt whose system part changed at token 8 after one that was computed: diverged there."""
     engine = Engine.from_config(
         EngineConfig(kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32", speculative="off"),
         model=tiny_model,
     )
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    changed = [*SYSTEM[:40], 999, *SYSTEM[41:]]
+    changed = [*SYSTEM[:8], 999, *SYSTEM[9:]]
     misses = []
     for i, prompt in enumerate(([*SYSTEM, 300, 301], [*changed, 300, 301])):
         engine.add_request(str(i), prompt, params)
@@ -107,4 +107,4 @@ def test_stats_prints_the_last_prompts_miss_reason(tiny_model: LoadedModel) -> N
             for delta in engine.step():
                 misses.append(delta.cache_miss)
     assert miss_text(misses[0]).startswith("last miss: none")
-    assert miss_text(misses[-1]).startswith("last miss: diverged at token 40, ")
+    assert miss_text(misses[-1]).startswith("last miss: diverged at token 8, ")

@@ -12,9 +12,10 @@ The reasons, one per miss, first that applies:
 - `tier_unavailable`: a lower tier is down (its calls fail) and memory no longer held the blocks;
 - `expired`: a retention held the first lost block until it expired, then the block was evicted;
 - `evicted`: memory gave the blocks up for others (and no tier below gave them back);
-- `diverged`: the prompt parts from what was seen at `position`, where what was seen went on. A prompt
-  that shares less than a block with what was seen (a chat template's opening, say) is new text, not
-  a changed one.
+- `diverged`: the prompt parts from what was seen at `position`, where what was seen went on, and at
+  least a block of what follows, and half of it, is text the namespace saw (found again by its chunks:
+  recent_prefixes.py): a changed byte early in a prompt seen before. A prompt that parts from what was
+  seen into text never seen (a new conversation over a shared system prompt) is new text.
 """
 
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ MISS_REASONS = (
 @dataclass(frozen=True)
 class CacheMiss:
     """One admission's miss: `missed_tokens` computed that were seen (lost: from the cached prefix to
-    the seen one; diverged: from `position` to where what was seen ended), `cached_tokens` the cache
+    the seen one; diverged: the text after `position` the namespace saw), `cached_tokens` the cache
     gave, `seen_tokens` the prefix the namespace saw, and `position` the first token computed that
     was seen (lost) or the first that differs (diverged)."""
 
@@ -79,8 +80,8 @@ def explain(seen: Seen, limit: int, cached: int, block_size: int, losses: Losses
         else:
             reason = MISS_EVICTED
         return CacheMiss(reason, cached, known - cached, seen.tokens, cached)
-    if seen.diverged and block_size <= seen.tokens < limit:
-        missed = min(seen.through, limit) - max(cached, seen.tokens)
-        if missed > 0:
-            return CacheMiss(MISS_DIVERGED, cached, missed, seen.tokens, seen.tokens)
+    after = limit - seen.tokens
+    if seen.diverged and after > 0 and seen.realigned >= block_size and 2 * seen.realigned >= after:
+        missed = min(seen.realigned, after)
+        return CacheMiss(MISS_DIVERGED, cached, missed, seen.tokens, seen.tokens)
     return None

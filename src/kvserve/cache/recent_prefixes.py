@@ -4,17 +4,21 @@ The prefix tree forgets a prefix when it evicts it; this index remembers that th
 that a prefill of text seen before is told from text never seen, and where a prompt parts from what was
 seen is known to the token. It keeps no token and no KV: per namespace, an LRU of chained block keys
 (`key(j+1) = blake2b(key(j) || tokens of block j)`, the root's key 0), each with the fingerprints of the
-tokens that last followed it (up to a block, 16 bits each) and the length of the longest sequence seen
-through it, plus a flag set when a retention that held the block expired.
+tokens that last followed it (up to a block, 16 bits each), plus a flag set when a retention that held
+the block expired.
 
 `seen(namespace, tokens)` walks the keys of `tokens` while the namespace holds them, then compares the
 fingerprints of the continuation stored at the last key with the prompt's next tokens: the seen prefix
 ends at the first that differs (or where the stored continuation ends). When the stored continuation
-went on past that point with other tokens, the prompt diverged there.
+went on past that point with other tokens, the prompt diverged there; how much of the prompt after
+that point the namespace had seen anyway (`realigned`) comes from a second kind of key, unchained:
+the hash of each content-defined chunk of what it saw (a chunk ends after a token whose fingerprint's
+low 4 bits are 0, or at 64 tokens), so that text after a change is found again whatever it shifted by.
 
 Invariants (`check`): a namespace holds at most `max_entries_per_namespace` keys and all namespaces at
 most `max_entries` (past either bound the least recently used keys go, of the namespace that is over,
-or of the least recently used namespace); a namespace's keys are found only by that namespace (one
+or of the least recently used namespace; a sequence's deepest keys are its least recently used, so the
+prefixes left stay walkable from the root); a namespace's keys are found only by that namespace (one
 table per namespace, never a shared one); the memory this costs is bounded by the entries (one int key
 and one bytes value of at most ENTRY_BYTES each).
 """
@@ -27,16 +31,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Keys per namespace, and in all: 4096 keys are 65,536 tokens of distinct prefixes at 16 a block.
-MAX_ENTRIES_PER_NAMESPACE = 4096
-MAX_ENTRIES = 65536
+# Keys per namespace, and in all: a chain key and about one chunk key per 16 tokens, so 8,192 keys are
+# about 65,536 tokens of distinct text at 16 a block.
+MAX_ENTRIES_PER_NAMESPACE = 8192
+MAX_ENTRIES = 131072
 
-# A value: flags (1 byte), the longest length seen through the key (4 bytes), then 2 bytes per token of
-# the continuation.
-_HEADER = struct.Struct("<BI")
+# A value: flags (1 byte), then 2 bytes per token of the continuation.
+_HEADER = struct.Struct("<B")
 _EXPIRED = 1
 # An odd multiplier's high bits: a token's 16-bit fingerprint (two tokens share one with odds 2**-16).
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+# Content-defined chunks: about 16 tokens on average, at most 64. Their keys lie above the chain keys'
+# 64 bits, so the two kinds never meet.
+_CHUNK_MASK = 15
+_MAX_CHUNK = 64
+_CHUNK_SPACE = 1 << 64
 
 
 def entry_bytes(block_size: int) -> int:
@@ -47,12 +56,12 @@ def entry_bytes(block_size: int) -> int:
 @dataclass(frozen=True)
 class Seen:
     """What a namespace saw of a prompt: its first `tokens` tokens, and `diverged` when what it saw went
-    on past them with other tokens (`through`: the longest sequence seen through that point, in
-    tokens)."""
+    on past them with other tokens (`realigned`: the prompt's tokens after that point in chunks the
+    namespace saw)."""
 
     tokens: int
-    diverged: bool
-    through: int
+    diverged: bool = False
+    realigned: int = 0
 
 
 def _fingerprints(tokens: Sequence[int]) -> bytes:
@@ -60,6 +69,31 @@ def _fingerprints(tokens: Sequence[int]) -> bytes:
         return b""
     mixed = np.asarray(tokens, dtype=np.uint64) * _MIX
     return (mixed >> np.uint64(48)).astype("<u2").tobytes()
+
+
+def _chunks(tokens: Sequence[int], prints: bytes) -> list[tuple[int, int]]:
+    """The content-defined chunks of `tokens` as (start, end), the last one cut where the tokens end."""
+    low = np.frombuffer(prints, dtype="<u2") & _CHUNK_MASK
+    out, start = [], 0
+    for end in (np.flatnonzero(low == 0) + 1).tolist():
+        while end - start > _MAX_CHUNK:
+            out.append((start, start + _MAX_CHUNK))
+            start += _MAX_CHUNK
+        out.append((start, end))
+        start = end
+    while start < len(tokens):
+        out.append((start, min(len(tokens), start + _MAX_CHUNK)))
+        start += _MAX_CHUNK
+    return out
+
+
+def _chunk_keys(tokens: Sequence[int], chunks: Sequence[tuple[int, int]]) -> list[int]:
+    data = np.asarray(tokens, dtype="<u4").tobytes()
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    return [
+        _CHUNK_SPACE | from_bytes(blake2b(data[4 * start : 4 * end], digest_size=8).digest(), "little")
+        for start, end in chunks
+    ]
 
 
 class NoRecentPrefixes:
@@ -72,7 +106,7 @@ class NoRecentPrefixes:
 
     def seen(self, namespace: str, tokens: Sequence[int]) -> Seen:
         """How much of `tokens` the namespace saw lately."""
-        return Seen(0, False, 0)
+        return Seen(0)
 
     def expired(self, namespace: str, tokens: Sequence[int], start: int) -> bool:
         """Whether a retention that ended held the block of `tokens` holding token `start`."""
@@ -121,15 +155,22 @@ class RecentPrefixes(NoRecentPrefixes):
         if table is None:
             table = self._of[namespace] = OrderedDict()
         self._of.move_to_end(namespace)
-        bs, n = self.block_size, len(tokens)
-        header = _HEADER.pack(0, min(n, 2**32 - 1))
+        bs = self.block_size
+        header = _HEADER.pack(0)
         prints = _fingerprints(tokens)
-        for j, key in enumerate(keys):
-            if key not in table:
-                self.num_entries += 1
-            table[key] = header + prints[2 * j * bs : 2 * (j + 1) * bs]
-            table.move_to_end(key)
+        # Chunks first, then the chain from its deepest key to the root: the root and the shallow keys,
+        # which every later prompt walks first, are the last to go.
+        for chunk in _chunk_keys(tokens, _chunks(tokens, prints)):
+            self._touch(table, chunk, b"")
+        for j in reversed(range(len(keys))):
+            self._touch(table, keys[j], header + prints[2 * j * bs : 2 * (j + 1) * bs])
         self._bound(namespace)
+
+    def _touch(self, table: OrderedDict[int, bytes], key: int, value: bytes) -> None:
+        if key not in table:
+            self.num_entries += 1
+        table[key] = value
+        table.move_to_end(key)
 
     def _bound(self, namespace: str) -> None:
         table = self._of[namespace]
@@ -148,13 +189,12 @@ class RecentPrefixes(NoRecentPrefixes):
         """See the module docstring; nothing is changed."""
         table = self._of.get(namespace)
         if table is None or 0 not in table:
-            return Seen(0, False, 0)
+            return Seen(0)
         keys = self.keys(tokens)
         j = 0
         while j + 1 < len(keys) and keys[j + 1] in table:
             j += 1
         value = table[keys[j]]
-        through = _HEADER.unpack_from(value)[1]
         stored = value[_HEADER.size :]
         bs = self.block_size
         mine = _fingerprints(tokens[j * bs : (j + 1) * bs])
@@ -162,8 +202,17 @@ class RecentPrefixes(NoRecentPrefixes):
         while 2 * m < min(len(stored), len(mine)) and stored[2 * m : 2 * m + 2] == mine[2 * m : 2 * m + 2]:
             m += 1
         # Diverged: what was seen goes on past the common part, and so does the prompt, otherwise.
-        diverged = 2 * m < len(stored) and m < len(tokens) - j * bs
-        return Seen(j * bs + m, diverged, through)
+        common = j * bs + m
+        diverged = 2 * m < len(stored) and common < len(tokens)
+        if not diverged:
+            return Seen(common)
+        # The prompt's chunks after the first boundary past the common part, as the namespace chunked
+        # what it saw (a chunk's bounds depend only on its tokens).
+        rest = tokens[common:]
+        chunks = _chunks(rest, _fingerprints(rest))[1:]
+        found = zip(chunks, _chunk_keys(rest, chunks), strict=True)
+        realigned = sum(end - start for (start, end), key in found if key in table)
+        return Seen(common, True, realigned)
 
     def expired(self, namespace: str, tokens: Sequence[int], start: int) -> bool:
         table = self._of.get(namespace)
@@ -195,6 +244,8 @@ class RecentPrefixes(NoRecentPrefixes):
             raise AssertionError("the recent-prefix index is over its bound")
         limit = entry_bytes(self.block_size)
         for namespace, table in self._of.items():
+            if any(key >= _CHUNK_SPACE and value for key, value in table.items()):
+                raise AssertionError("a chunk key holds a value")
             if not table or len(table) > self.max_entries_per_namespace:
                 raise AssertionError(f"namespace {namespace!r} is empty or over its bound")
             if any(len(v) > limit for v in table.values()):
