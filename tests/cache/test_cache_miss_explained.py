@@ -118,20 +118,27 @@ def test_the_manager_says_evicted_and_expired() -> None:
 @settings(max_examples=25, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.integers(0, 5), st.lists(st.integers(0, 2**31), min_size=1, max_size=200)),
-        min_size=1,
-        max_size=60,
+        st.tuples(st.integers(0, 5), st.lists(st.integers(0, 2**31), min_size=40, max_size=200)),
+        min_size=8,
+        max_size=40,
     )
 )
 def test_the_index_stays_under_its_bounds_under_a_flood_of_unique_prompts(
     prompts: list[tuple[int, list[int]]],
 ) -> None:
+    names = [f"t{n}" for n in range(6)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
     index = RecentPrefixes(BS, max_entries_per_namespace=32, max_entries=80)
     for namespace, tokens in prompts:
-        index.remember(f"t{namespace}", tokens)
+        index.remember(names[namespace], tokens)
         index.check()
-        assert all(index.num_entries_in(f"t{n}") <= 32 for n in range(6))
+        assert all(index.num_entries_in(n) <= 32 for n in names)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
     assert index.num_entries <= 80
+    # Its memory: at most 80 keys of at most 260 bytes each, and a table per namespace present.
+    assert used <= 80 * 260 + 6 * 1024 + 4096, used
 
 
 def test_the_index_memory_per_namespace_is_bounded_by_its_entries() -> None:
