@@ -16,6 +16,7 @@ from kvserve.flags import add_flags, from_flags
 from kvserve.options import ServerOptions
 
 if TYPE_CHECKING:
+    from kvserve.cache.cache_miss import CacheMiss
     from kvserve.engine.engine import Engine
     from kvserve.engine.sampling_params import SamplingParams
     from kvserve.llm import LLM
@@ -99,12 +100,25 @@ def cache_stats_text(engine: "Engine") -> str:
     return "\n".join(lines)
 
 
+def miss_text(miss: "CacheMiss | None") -> str:
+    """/stats' line on the last reply's prompt: why it computed again text the chat had seen, if it did
+    (cache/cache_miss.py)."""
+    if miss is None:
+        return "last miss: none (the last prompt found all of itself the chat had computed)"
+    where = f" at token {miss.position}" if miss.reason == "diverged" else ""
+    return (
+        f"last miss: {miss.reason}{where}, {miss.missed_tokens} tokens computed again "
+        f"({miss.cached_tokens} cached)"
+    )
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """A terminal chat; after each reply: time to first token, decode speed, prompt and cached tokens."""
     from kvserve.model.tokenizer import MessageDict
 
     llm = _llm(args)
     messages: list[MessageDict] = []
+    last_miss: CacheMiss | None = None
     if args.system:
         messages.append({"role": "system", "content": args.system})
     print(
@@ -124,6 +138,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if line == "/stats":
             print(cache_stats_text(llm.engine), file=sys.stderr)
+            print(miss_text(last_miss), file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         ids = llm.chat_token_ids(messages)
@@ -137,6 +152,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(delta.text, end="", flush=True)
             reply += delta.text
             cached, n_out = delta.num_cached_tokens, delta.num_output_tokens
+            last_miss = delta.cache_miss
         end = time.monotonic()
         print()
         messages.append({"role": "assistant", "content": reply})

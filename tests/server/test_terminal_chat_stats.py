@@ -4,7 +4,7 @@ speculation's acceptance, and the shared system prompt as the heaviest prefix.""
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvserve.cli import cache_stats_text
+from kvserve.cli import cache_stats_text, miss_text
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
@@ -90,3 +90,21 @@ def test_stats_text_shows_the_measured_step_cost_with_speculation_on(tiny_model:
     assert f"({costs.draft / costs.fixed:.2f} of the fixed part)" in line
     plain = Engine.from_config(replace(config, speculative="off"), model=tiny_model)
     assert not any(x.startswith("step cost") for x in cache_stats_text(plain).splitlines())
+
+
+def test_stats_prints_the_last_prompts_miss_reason(tiny_model: LoadedModel) -> None:
+    """A prompt whose system part changed at token 8 after one that was computed: diverged there."""
+    engine = Engine.from_config(
+        EngineConfig(kv_cache_memory=4 * 2**20, max_model_len=256, weight_dtype="float32", speculative="off"),
+        model=tiny_model,
+    )
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    changed = [*SYSTEM[:8], 999, *SYSTEM[9:]]
+    misses = []
+    for i, prompt in enumerate(([*SYSTEM, 300, 301], [*changed, 300, 301])):
+        engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                misses.append(delta.cache_miss)
+    assert miss_text(misses[0]).startswith("last miss: none")
+    assert miss_text(misses[-1]).startswith("last miss: diverged at token 8, ")

@@ -36,7 +36,7 @@ class Admission:
     # The same copy in the sliding layers' group, where its ids are its own.
     sliding_copy: tuple[int, int] | None = None
     # A hybrid model's tokens that the KV cache held but that are recomputed, for want of a state
-    # checkpoint nearer the match's end.
+    # checkpoint nearer the match's end: their miss reason is `no_checkpoint` (cache_miss.py).
     recomputed: int = 0
 
 

@@ -64,6 +64,15 @@ class LoadJob:
     nbytes: int = 0
     done: bool = False
     over: bool = False
+    # When its reader finished (None: still reading): past the deadline, its budget ran out first.
+    done_at: float | None = None
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether its budget ran out before its run was read (checked once it is ready)."""
+        if self.deadline is None:
+            return False
+        return self.done_at is None or self.done_at >= self.deadline
 
 
 class BlockLoader:
@@ -199,6 +208,7 @@ class BlockLoader:
             finally:
                 with self._cond:
                     job.done = True
+                    job.done_at = time.monotonic()
                     self._cond.notify_all()
 
     @classmethod

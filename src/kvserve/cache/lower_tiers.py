@@ -20,7 +20,7 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from kvserve.cache.block_key import ROOT, chain_key
-from kvserve.cache.tiers import Arrived, BlockIO, BlockRecord, LowerTier, Prefetching, TierUsage
+from kvserve.cache.tiers import Arrived, BlockIO, BlockRecord, Health, LowerTier, Prefetching, TierUsage
 
 log = logging.getLogger("kvserve.cache")
 
@@ -189,6 +189,10 @@ class LowerTiers:
 
     def usage(self) -> list[TierUsage]:
         return [t.usage() for t in self.tiers]
+
+    def down(self) -> bool:
+        """Whether a tier is down now (a remote one whose calls fail)."""
+        return any(t.down() for t in self.tiers if isinstance(t, Health))
 
     def flush(self) -> None:
         for tier in self.tiers:

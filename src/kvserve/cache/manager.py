@@ -12,7 +12,10 @@ The concerns, each in its module, each an object that does nothing when its feat
   `start_load` hands the loader the run that would continue the match, the request waits, and
   `admit(..., load=job)` gives each block that arrived a fresh memory block, copies it there and
   inserts it into the tree as if it had just been computed;
-- pins and retentions (Holds, holds.py; NoPins when pinning is off), whose references outlive requests.
+- pins and retentions (Holds, holds.py; NoPins when pinning is off), whose references outlive requests;
+- the recent prefixes each namespace computed (RecentPrefixes, recent_prefixes.py; NoRecentPrefixes
+  without the prefix cache), which `explain` reads to say why an admission computed text its namespace
+  had seen (cache_miss.py).
 """
 
 import time
@@ -31,6 +34,7 @@ from kvserve.cache.block_pool import BlockPool
 
 # CacheConfig is part of the manager's API: what it is built from.
 from kvserve.cache.cache_config import CacheConfig as CacheConfig
+from kvserve.cache.cache_miss import CacheMiss, Losses, explain
 from kvserve.cache.holds import Holds, pins_for
 from kvserve.cache.loader import LoadJob
 from kvserve.cache.lower_tiers import LowerTiers
@@ -40,6 +44,7 @@ from kvserve.cache.no_prefix_cache import NoPrefixCache
 from kvserve.cache.pins import Pin as Pin
 from kvserve.cache.pins import PinRefused as PinRefused
 from kvserve.cache.prefix_cache import MatchResult, PrefixCache
+from kvserve.cache.recent_prefixes import NoRecentPrefixes, RecentPrefixes
 from kvserve.cache.retention import Retention, Retentions
 from kvserve.cache.sequence_blocks import SequenceBlocks as SequenceBlocks
 from kvserve.cache.sequence_blocks import blocks_for
@@ -101,6 +106,7 @@ class KVCacheManager:
         pins = pins_for(self.accounts, config.max_pinned_blocks, config.max_pinned_blocks_per_namespace)
         self.holds = Holds(self.accounts, pins, retentions)
         self.tiers = TierLoads(lower, self.accounts, config.load_budget_s) if lower is not None else NoTiers()
+        self.recent = RecentPrefixes(bs) if config.enable_prefix_caching else NoRecentPrefixes()
 
     # Loads from the lower tiers.
 
@@ -223,6 +229,29 @@ class KVCacheManager:
             admission, recomputed=match.recomputed + match.num_tokens - admission.num_cached_tokens
         )
 
+    def explain(
+        self,
+        namespace: str,
+        tokens: Sequence[int],
+        admission: Admission,
+        max_cached: int | None = None,
+        load_timed_out: bool = False,
+    ) -> CacheMiss | None:
+        """Why `admission` (of `tokens`, the first) computed text `namespace` had seen lately, or None:
+        no miss (cache_miss.py). `load_timed_out`: the blocks read for it ran out of time. Only the
+        namespace's own index is read: another namespace's prompts are never seen here."""
+        seen = self.recent.seen(namespace, tokens)
+        cached, limit = admission.num_cached_tokens, self._cache_limit(tokens, max_cached)
+        # Hashed again only for a loss: whether its first lost block was a retention's that ended.
+        lost = min(seen.tokens, limit) // self.block_size > cached // self.block_size
+        losses = Losses(
+            admission.recomputed,
+            load_timed_out,
+            self.tiers.down(),
+            lost and self.recent.expired(namespace, tokens, cached),
+        )
+        return explain(seen, limit, cached, self.block_size, losses)
+
     def grow(self, seq: SequenceBlocks, num_tokens: int, speculative: bool = False) -> bool:
         """Make `seq.blocks` cover `num_tokens` tokens; False, with nothing taken, if the pool cannot.
 
@@ -274,6 +303,8 @@ class KVCacheManager:
             # The state where the sequence stopped is the next turn's (or the resumed preemption's).
             self.checkpoint(seq, tokens, num_computed)
         self._release_states(seq, tokens, num_computed)
+        if num_computed:
+            self.recent.remember(seq.namespace, tokens[:num_computed])
         self.accounts.release_all(seq)
         seq.num_published = 0
         self.accounts.live.discard(seq)
@@ -415,8 +446,12 @@ class KVCacheManager:
         return self.holds.retain(namespace, tokens, breakpoints, self.clock)
 
     def expire_retentions(self) -> int:
-        """Drop every retention whose time is over; its blocks stay cached, evictable."""
-        return self.holds.retentions.expire(self.clock())
+        """Drop every retention whose time is over; its blocks stay cached, evictable (and should they be
+        evicted, a miss of them says `expired`)."""
+        now = self.clock()
+        for retention in self.holds.retentions.expired(now):
+            self.recent.mark_expired(retention.namespace, retention.tokens)
+        return self.holds.retentions.expire(now)
 
     def retentions(self, namespace: str) -> list[Retention]:
         return self.holds.retentions.of(namespace)

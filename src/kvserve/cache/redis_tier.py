@@ -188,6 +188,9 @@ class RedisTier(WriteBehindTier):
         with self._lock:
             return time.monotonic() >= self._down_until
 
+    def down(self) -> bool:
+        return not self._available()
+
     def _failed(self, what: str, error: Exception) -> None:
         with self._lock:
             self.errors += 1

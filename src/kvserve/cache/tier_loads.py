@@ -92,6 +92,10 @@ class NoTiers:
     def usage(self) -> tuple[TierUsage, ...]:
         return ()
 
+    def down(self) -> bool:
+        """Whether a tier below memory is down now (its blocks cannot come back)."""
+        return False
+
     def flush(self) -> None:
         """Wait until every load is ready and every offered block written (tests)."""
 
@@ -221,6 +225,9 @@ class TierLoads(NoTiers):
 
     def usage(self) -> tuple[TierUsage, ...]:
         return tuple(self.lower.usage())
+
+    def down(self) -> bool:
+        return self.lower.down()
 
     def flush(self) -> None:
         self.loader.settle()

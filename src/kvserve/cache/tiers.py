@@ -139,6 +139,15 @@ class Prefetching(Protocol):
         ...
 
 
+@runtime_checkable
+class Health(Protocol):
+    """A lower tier that can be down (a remote one): its calls fail for a while, and it misses."""
+
+    def down(self) -> bool:
+        """Whether the tier is down now (its last call failed and it waits before trying again)."""
+        ...
+
+
 class BlockIO(Protocol):
     """Reads and writes one memory block's KV (the model's KVCache), whatever its tensor layout. Where
     the sliding layers have block ids of their own, `sliding_block` is the same positions' block there;

@@ -4,7 +4,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,6 +57,8 @@ class EngineStats:
     # A hybrid model's prompt tokens the cache held but that were recomputed for want of a state
     # checkpoint at or nearer the match's end.
     recomputed_tokens: int = 0
+    # Admissions that computed text their namespace had seen, by reason (cache/cache_miss.py).
+    misses_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -383,6 +385,7 @@ class Engine:
                 if lp is not None and a.token_ids
             ],
             prompt_logprobs=taken.prompt_logprobs,
+            cache_miss=request.cache_miss,
         )
 
     def _finish(self, request: Request, reason: str) -> None:
@@ -457,4 +460,5 @@ class Engine:
             spec_draft_tokens=c.draft_tokens,
             spec_accepted_tokens=c.accepted_tokens,
             step_costs=None if self.step_costs is None else self.step_costs.costs,
+            misses_by_reason=dict(c.misses),
         )

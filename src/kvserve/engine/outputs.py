@@ -7,6 +7,7 @@ count of the prompt) in one place.
 
 from dataclasses import dataclass, field
 
+from kvserve.cache.cache_miss import CacheMiss
 from kvserve.engine.logprobs import TokenLogprob
 
 
@@ -27,6 +28,8 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # A hybrid model's prompt tokens the cache held but recomputed for want of a state checkpoint.
     num_recomputed_tokens: int = 0
+    # Why its admission computed text its namespace had seen (None: it did not, or not yet admitted).
+    cache_miss: CacheMiss | None = None
 
 
 @dataclass
@@ -42,6 +45,7 @@ class SampleOutput:
     num_cached_tokens: int | None = None
     # What it held past that but was recomputed (a hybrid model's missing checkpoint).
     num_recomputed_tokens: int = 0
+    cache_miss: CacheMiss | None = None
 
 
 @dataclass
@@ -66,6 +70,7 @@ class PromptOutputs:
         out.num_output_tokens = delta.num_output_tokens
         out.num_cached_tokens = delta.num_cached_tokens
         out.num_recomputed_tokens = delta.num_recomputed_tokens
+        out.cache_miss = delta.cache_miss
         self.num_prompt_tokens = delta.num_prompt_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
@@ -83,6 +88,11 @@ class PromptOutputs:
         in the sample that found the fewest cached."""
         started = [s for s in self.samples if s.num_cached_tokens is not None]
         return min(started, key=lambda s: s.num_cached_tokens or 0).num_recomputed_tokens if started else 0
+
+    @property
+    def cache_miss(self) -> CacheMiss | None:
+        """The prompt's miss, as the sample that computed it found it (the others read what it did)."""
+        return next((s.cache_miss for s in self.samples if s.cache_miss is not None), None)
 
     @property
     def num_output_tokens(self) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.cache.cache_miss import CacheMiss
 from kvserve.cache.loader import LoadJob
 from kvserve.cache.manager import SequenceBlocks
 from kvserve.engine.grammar import GrammarState
@@ -90,6 +91,8 @@ class Request:
         # state checkpoint (the first admission's, as num_cached_tokens).
         self.num_recomputed_tokens: int | None = None
         self.checkpoints = tuple(sorted({p for p in checkpoints if 0 < p <= len(prompt_token_ids)}))
+        # Why its first admission computed text its namespace had seen (None: it did not).
+        self.cache_miss: CacheMiss | None = None
         self.num_skips = 0
         # Wall-clock times for introspection (the dashboard's TTFT column).
         self.arrival_time = time.time()

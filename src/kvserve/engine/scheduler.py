@@ -142,6 +142,8 @@ class SchedulerCounters:
     cache_hits: int = 0
     # The hits split by the cache tier that held them (memory, disk).
     hits_by_tier: Counter[str] = field(default_factory=Counter)
+    # Admissions that computed text their namespace had seen, by reason (cache/cache_miss.py).
+    misses: Counter[str] = field(default_factory=Counter)
     prefill_tokens_computed: int = 0
     preemptions: int = 0
     # Admissions that waited for blocks read from a lower tier.
@@ -404,6 +406,7 @@ class Scheduler:
                     continue
             # Match, lock and allocate in one call per request: an earlier admission's eviction may
             # have reused blocks that the hint above still points at.
+            load_timed_out = request.load is not None and request.load.timed_out
             admission = self.kv.admit(
                 request.namespace, request.token_ids, budget, request.max_cached_tokens, request.load
             )
@@ -416,6 +419,11 @@ class Scheduler:
                 request.num_cached_tokens = admission.num_cached_tokens
                 request.num_recomputed_tokens = admission.recomputed
                 self.counters.recomputed_tokens += admission.recomputed
+                request.cache_miss = self.kv.explain(
+                    request.namespace, request.token_ids, admission, request.max_cached_tokens, load_timed_out
+                )
+                if request.cache_miss is not None:
+                    self.counters.misses[request.cache_miss.reason] += 1
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.counters.cache_queries += request.num_tokens

@@ -63,3 +63,39 @@ def test_claude_codes_first_request_is_answered_and_its_next_run_is_cached(
     assert total == prompt
     assert second["cache_read_input_tokens"] >= 0.9 * prompt
     assert_no_leak(server.wait_idle())
+
+
+def _diagnosed(server: Server, recorded: dict[str, Any], body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The request streamed with a short reply; its `message_start` message and the cache header."""
+    headers = {k: v for k, v in recorded["headers"].items() if k.lower() not in _NOT_RESENT}
+    headers["x-api-key"] = KEY
+    with httpx.stream(
+        "POST", f"{server.url}{recorded['path']}", json=body, headers=headers, timeout=600
+    ) as r:
+        text = "".join(r.iter_text())
+        assert r.status_code == 200, text[:2000]
+        header = r.headers["x-kvserve-cache"]
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    message: dict[str, Any] = events[0]["message"]
+    return message, header
+
+
+def test_a_next_step_with_one_tool_description_changed_reports_tools_and_the_position(
+    server: Server, recorded: dict[str, Any]
+) -> None:
+    body = {**recorded["body"], "max_tokens": 4}
+    first, _ = _diagnosed(server, recorded, {**body, "diagnostics": {"previous_message_id": None}})
+    assert first["diagnostics"]["cache_miss_reason"] is None
+    tools = [dict(t) for t in body["tools"]]
+    tools[4]["description"] += " Mind the file's size."
+    asked = {**body, "tools": tools, "diagnostics": {"previous_message_id": first["id"]}}
+    second, header = _diagnosed(server, recorded, asked)
+    reason = second["diagnostics"]["cache_miss_reason"]
+    assert reason["type"] == "tools_changed" and reason["cache_missed_input_tokens"] > 0, reason
+    figures = dict(field.split("=", 1) for field in header.split("; "))
+    assert figures["reason"] == "diverged" and figures["part"] == "tools", figures
+    assert (
+        0
+        < int(figures["position"])
+        < second["usage"]["input_tokens"] + second["usage"]["cache_read_input_tokens"]
+    )

@@ -72,3 +72,31 @@ def test_codexs_first_request_is_answered_and_its_next_run_is_cached(
     assert usage["input_tokens"] == first["usage"]["input_tokens"]
     assert usage["input_tokens_details"]["cached_tokens"] >= 0.9 * usage["input_tokens"]
     assert_no_leak(server.wait_idle())
+
+
+def test_a_next_step_with_one_tool_description_changed_reports_tools_and_the_position(
+    server: Server, recorded: dict[str, Any]
+) -> None:
+    body = {**recorded["body"], "max_output_tokens": 4}
+    sent = {k: v for k, v in recorded["headers"].items() if k.lower() not in _NOT_RESENT}
+    sent["authorization"] = f"Bearer {KEY}"
+
+    def step(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        r = httpx.post(
+            f"{server.url}/v1/responses", json={**body, "stream": False}, headers=sent, timeout=600
+        )
+        assert r.status_code == 200, r.text[:2000]
+        figures = dict(field.split("=", 1) for field in r.headers["x-kvserve-cache"].split("; "))
+        response: dict[str, Any] = r.json()
+        return response, figures
+
+    first, _ = step(body)
+    groups = [{**g, "tools": [dict(t) for t in g["tools"]]} for g in body["input"][0]["tools"]]
+    groups[0]["tools"][1]["description"] += " Mind the clock."
+    changed = [{**body["input"][0], "tools": groups}, *body["input"][1:]]
+    options = {"comparison_response_id": first["id"]}
+    second, figures = step({**body, "input": changed, "prompt_cache_options": options})
+    diagnostics = second["prompt_cache_diagnostics"]
+    assert diagnostics["type"] == "cache_miss" and diagnostics["reason"] == "tools_changed", diagnostics
+    assert figures["reason"] == "diverged" and figures["part"] == "tools", figures
+    assert 0 < int(figures["position"]) < second["usage"]["input_tokens"]

@@ -403,6 +403,13 @@ def messages_plan(ctx: ServerContext, body: MessagesRequest, namespace: str) -> 
         stop=list(body.stop_sequences or []),
         structured_outputs=_output_format(body),
     )
-    request = ChatRequest(tuple(chat.messages), params, chat.tools, chat.kwargs, OverContext.CLAMP)
+    request = ChatRequest(
+        tuple(chat.messages),
+        params,
+        chat.tools,
+        chat.kwargs,
+        OverContext.CLAMP,
+        system_apart=body.system is not None,
+    )
     plan = rendered_chat_plan(ctx, request, token_ids, namespace)
     return dataclasses.replace(plan, breakpoints=_breakpoints(ctx, chat, token_ids, namespace))

@@ -83,6 +83,13 @@ class MessagesBase(AnthropicRequest):
     cache_control: CacheControl | None = None
 
 
+class DiagnosticsRequest(BaseModel):
+    """Anthropic's cache diagnosis (beta `cache-diagnosis-2026-04-07`): the message to compare with,
+    None on a first turn (the request opts in)."""
+
+    previous_message_id: str | None = None
+
+
 class MessagesRequest(MessagesBase):
     max_tokens: int
     stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
@@ -94,6 +101,7 @@ class MessagesRequest(MessagesBase):
     metadata: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None
     service_tier: str | None = None
+    diagnostics: DiagnosticsRequest | None = None
 
 
 class CountTokensRequest(MessagesBase):
@@ -108,6 +116,10 @@ class AnthropicUsage(BaseModel):
     output_tokens: int
     cache_creation_input_tokens: int
     cache_read_input_tokens: int
+    # cache_creation_input_tokens by the TTL of the breakpoint that keeps them.
+    cache_creation: dict[str, int] = Field(
+        default_factory=lambda: {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+    )
 
 
 class MessageResponse(BaseModel):
@@ -119,6 +131,8 @@ class MessageResponse(BaseModel):
     stop_reason: str | None
     stop_sequence: str | None = None
     usage: AnthropicUsage
+    # Only when the request sent `diagnostics` (serving.py's `diagnosis`).
+    diagnostics: dict[str, Any] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TokenCount(BaseModel):

@@ -30,7 +30,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context) -> Res
             tuple(body.stop_sequences or ()),
             ctx.chat.harmony,
         )
-        return await respond_messages(ctx, request, fmt, plan, room, body.stream)
+        return await respond_messages(ctx, request, fmt, plan, room, body.stream, body.diagnostics)
 
 
 @ROUTES.api.post("/v1/messages/count_tokens")

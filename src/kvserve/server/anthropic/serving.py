@@ -15,6 +15,11 @@ add up to the prompt. A stream's `message_start` goes out before the retention i
 is the most the breakpoints could keep; `message_delta`, whose usage clients take as final, counts what
 was kept.
 
+`cache_creation` splits the created tokens by the TTL of the breakpoint that keeps them (an hour or
+more: `ephemeral_1h_input_tokens`, less: `ephemeral_5m_input_tokens`). A request that sends
+`diagnostics` gets Anthropic's cache diagnosis in the message (`diagnosis`), and every answer the
+x-kvserve-cache header (server/core/cache_report.py).
+
 A pre-warm (max_tokens 0) runs the same path: the prompt is computed, its blocks published and its
 breakpoints retained; the answer has no content blocks (a stream none between `message_start` and
 `message_delta`), stop_reason `max_tokens`, and the usage of the write.
@@ -31,18 +36,22 @@ from typing import Any
 
 from fastapi import Request, Response
 
+from kvserve.cache.cache_miss import MISS_DIVERGED
+from kvserve.cache.retention import MAX_RETENTION_TTL_S
 from kvserve.engine.async_engine import Reservation
 from kvserve.engine.outputs import RequestDelta
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.server.anthropic.errors import anthropic_error
-from kvserve.server.anthropic.protocol import AnthropicUsage, MessageResponse
+from kvserve.server.anthropic.protocol import AnthropicUsage, DiagnosticsRequest, MessageResponse
 from kvserve.server.core import harmony
+from kvserve.server.core.cache_report import CACHE_HEADER, NO_MISS, PART_SYSTEM, PART_TOOLS, CacheReport
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.generation import (
     EventStreamResponse,
     Generation,
     cancel_on_disconnect,
     remember_parts,
+    report,
     run_all,
     start,
 )
@@ -167,17 +176,54 @@ class MessagesFormat:
         return blocks, bool(calls)
 
 
-def anthropic_usage(choice: Choice, kept: int) -> AnthropicUsage:
-    """The prompt's usage, where the breakpoints' retentions hold its first `kept` tokens."""
+# Kept prefixes as (tokens held, TTL in seconds), one per breakpoint, shortest first.
+Held = Sequence[tuple[int, float]]
+
+
+def anthropic_usage(choice: Choice, held: Held) -> AnthropicUsage:
+    """The prompt's usage, where the breakpoints' retentions hold `held`: each breakpoint's prefix kept
+    for its TTL, the tokens past the one before it created for that TTL."""
     prompt = choice.outputs.num_prompt_tokens
     read = choice.outputs.num_cached_tokens
-    created = max(0, min(kept, prompt) - read)
+    by_ttl = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+    start = read
+    for tokens, ttl_s in held:
+        end = min(tokens, prompt)
+        if end > start:
+            key = "ephemeral_1h_input_tokens" if ttl_s >= MAX_RETENTION_TTL_S else "ephemeral_5m_input_tokens"
+            by_ttl[key] += end - start
+            start = end
+    created = sum(by_ttl.values())
     return AnthropicUsage(
         input_tokens=prompt - read - created,
         output_tokens=choice.output.num_output_tokens,
         cache_creation_input_tokens=created,
         cache_read_input_tokens=read,
+        cache_creation=by_ttl,
     )
+
+
+def diagnosis(
+    ctx: ServerContext, namespace: str, asked: DiagnosticsRequest, figures: CacheReport
+) -> dict[str, Any]:
+    """Anthropic's `diagnostics` of a message: `cache_miss_reason` null where nothing was missed (or on
+    a first turn, `previous_message_id` null), `previous_message_not_found` for an id this namespace was
+    not answered lately (another tenant's included), `system_changed`, `tools_changed` or
+    `messages_changed` with `cache_missed_input_tokens` for a prompt that parts from what was seen, and
+    `unavailable` for text lost from the cache (evicted, expired, ...: the prompt did not change); the
+    engine's own figures ride along as `kvserve_cache_report`."""
+    reason: dict[str, Any] | None = None
+    previous = asked.previous_message_id
+    if previous is not None and not ctx.misses.known(namespace, previous):
+        reason = {"type": "previous_message_not_found"}
+    elif previous is not None and figures.reason == MISS_DIVERGED:
+        kind = {PART_SYSTEM: "system_changed", PART_TOOLS: "tools_changed"}.get(
+            figures.part or "", "messages_changed"
+        )
+        reason = {"type": kind, "cache_missed_input_tokens": figures.missed_tokens}
+    elif previous is not None and figures.reason != NO_MISS:
+        reason = {"type": "unavailable"}
+    return {"cache_miss_reason": reason, "kvserve_cache_report": figures.as_dict()}
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
@@ -321,13 +367,19 @@ async def _events(
     g: Generation,
     fmt: MessagesFormat,
     message_id: str,
+    diagnostics: dict[str, Any] | None,
 ) -> AsyncGenerator[str, None]:
     reply = _ReplyStream(fmt)
     try:
-        last = plan.breakpoints[-1].tokens if plan.breakpoints else 0
-        usage = anthropic_usage(g.choice, ctx.async_engine.retainable_length(last))
+        most = [(ctx.async_engine.retainable_length(b.tokens), b.ttl_s) for b in plan.breakpoints]
+        usage = anthropic_usage(g.choice, most)
         message = MessageResponse(
-            id=message_id, model=ctx.model_name, content=[], stop_reason=None, usage=usage
+            id=message_id,
+            model=ctx.model_name,
+            content=[],
+            stop_reason=None,
+            usage=usage,
+            diagnostics=diagnostics,
         ).model_dump()
         yield _event("message_start", {"message": message})
         yield _event("ping", {})
@@ -343,12 +395,12 @@ async def _events(
             yield event
         remember_parts(ctx, fmt.reply_part, [g], plan.namespace)
         stop_reason, stop_sequence = fmt.stop(g.choice, reply.made_calls)
-        kept = await _retain(ctx, plan)
+        held = await _retain(ctx, plan)
         yield _event(
             "message_delta",
             {
                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                "usage": anthropic_usage(g.choice, kept).model_dump(),
+                "usage": anthropic_usage(g.choice, held).model_dump(),
             },
         )
         yield _event("message_stop", {})
@@ -360,13 +412,14 @@ async def _events(
         yield _event("error", {"error": anthropic_error(error)["error"]})
 
 
-async def _retain(ctx: ServerContext, plan: RequestPlan) -> int:
+async def _retain(ctx: ServerContext, plan: RequestPlan) -> Held:
     """Hold each breakpoint's prefix once the reply is out (while it ran, its own sequence held the
     prompt's blocks, and an engine call before its first token would have delayed that token by a
-    step); returns how many of the prompt's first tokens the retentions now hold."""
+    step); returns how many of the prompt's first tokens each breakpoint's retention now holds, with
+    its TTL."""
     breakpoints = [(b.tokens, b.ttl_s) for b in plan.breakpoints]
     held = await retain_breakpoints(ctx, plan.namespace, plan.prompts[0].token_ids, breakpoints)
-    return max(held, default=0)
+    return list(zip(held, (b.ttl_s for b in plan.breakpoints), strict=True))
 
 
 async def respond_messages(
@@ -376,15 +429,27 @@ async def respond_messages(
     plan: RequestPlan,
     room: Reservation,
     stream: bool,
+    diagnose: DiagnosticsRequest | None = None,
 ) -> Response:
-    """Run a message plan (one prompt, one sample) and answer in Anthropic's shape."""
+    """Run a message plan (one prompt, one sample) and answer in Anthropic's shape, with its cache
+    diagnosis when `diagnose` (the request's `diagnostics`)."""
     ids, generations = await start(ctx, request, "msg", plan, room)
     (g,) = generations
+    try:
+        figures = await report(ctx, plan, generations)
+    except BaseException:
+        await g.close()
+        raise
+    diagnostics = None if diagnose is None else diagnosis(ctx, plan.namespace, diagnose, figures)
+    ctx.misses.answered(plan.namespace, ids.id, figures)
     if stream:
-        return EventStreamResponse(_events(ctx, request, plan, g, fmt, ids.id), generations)
+        events = _events(ctx, request, plan, g, fmt, ids.id, diagnostics)
+        response: Response = EventStreamResponse(events, generations)
+        response.headers[CACHE_HEADER] = figures.header()
+        return response
     choices: Sequence[Choice] = await cancel_on_disconnect(request, run_all(generations))
     remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
-    kept = await _retain(ctx, plan)
+    held = await _retain(ctx, plan)
     (choice,) = choices
     content, calls = ([], False) if plan.prewarm else fmt.content(choice)
     stop_reason, stop_sequence = fmt.stop(choice, calls)
@@ -394,6 +459,8 @@ async def respond_messages(
         content=content,
         stop_reason=stop_reason,
         stop_sequence=stop_sequence,
-        usage=anthropic_usage(choice, kept),
+        usage=anthropic_usage(choice, held),
+        diagnostics=diagnostics,
     )
-    return Response(result.model_dump_json(), media_type="application/json")
+    headers = {CACHE_HEADER: figures.header()}
+    return Response(result.model_dump_json(), media_type="application/json", headers=headers)

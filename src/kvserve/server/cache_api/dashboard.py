@@ -119,6 +119,20 @@ class RequestStats(BaseModel):
     age_s: float
 
 
+class MissStats(BaseModel):
+    """One of the caller's namespace's last misses (server/core/cache_report.py): why, how much, where;
+    the text on each side of the position only with --dashboard-show-text."""
+
+    time: float
+    reason: str
+    missed_tokens: int
+    cached_tokens: int
+    position: int | None
+    part: str | None
+    before: str | None
+    after: str | None
+
+
 class CacheStatsResponse(BaseModel):
     """`scope` is "all", or "tenant" when a tenant's key sees only its own namespace (its counters,
     prefixes and requests; no server-wide history, and no `speculation`: the server's acceptance comes from
@@ -134,6 +148,8 @@ class CacheStatsResponse(BaseModel):
     branches: list[BranchStats]
     requests: list[RequestStats]
     num_requests: int
+    # The caller's own namespace's last misses, the newest first ("why it missed").
+    misses: list[MissStats] = Field(default_factory=list)
 
 
 def short_label(namespace: str) -> str:

@@ -3,7 +3,7 @@
 from fastapi import Request, Response
 
 from kvserve.errors import InvalidRequestError
-from kvserve.server.cache_api.dashboard import ASSETS, CacheStatsResponse, Dashboard, asset
+from kvserve.server.cache_api.dashboard import ASSETS, CacheStatsResponse, Dashboard, MissStats, asset
 from kvserve.server.cache_api.pins import check_pinning_on, pin_plan, pin_prefix, unpin
 from kvserve.server.cache_api.protocol import CacheStatus, PinDeleted, PinInfo, PinRequest
 from kvserve.server.cache_api.views import cache_status
@@ -18,7 +18,8 @@ ROUTES = Routers()
 @ROUTES.api.get("/v1/cache/stats")
 async def cache_stats(request: Request, ctx: Context) -> CacheStatsResponse:
     """The prefix cache and the requests now, and the counters' history (the dashboard's data): all
-    namespaces for the admin key (or a server without keys), only its own for a tenant's key."""
+    namespaces for the admin key (or a server without keys), only its own for a tenant's key; and
+    whichever the key, the last misses of the caller's own namespace."""
     dashboard: Dashboard = request.app.state.dashboard
     namespace = stats_scope(request)
 
@@ -26,9 +27,14 @@ async def cache_stats(request: Request, ctx: Context) -> CacheStatsResponse:
         return ctx.tenants.label(namespace, [ADMIN_TENANT])
 
     if namespace is None:
-        return await dashboard.stats(ctx.async_engine, ctx.model_name, label=label)
-    totals = ctx.metrics.tenant_prefix_cache_totals(caller(request).tenant.name)
-    return await dashboard.stats(ctx.async_engine, ctx.model_name, namespace, totals, label)
+        stats = await dashboard.stats(ctx.async_engine, ctx.model_name, label=label)
+    else:
+        totals = ctx.metrics.tenant_prefix_cache_totals(caller(request).tenant.name)
+        stats = await dashboard.stats(ctx.async_engine, ctx.model_name, namespace, totals, label)
+    misses = ctx.misses.misses(cache_namespace(request))
+    return stats.model_copy(
+        update={"misses": [MissStats.model_validate(m, from_attributes=True) for m in misses]}
+    )
 
 
 # The page and its scripts are a static shell with no data in them: everything shown comes from

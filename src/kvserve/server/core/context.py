@@ -1,12 +1,13 @@
 """ServerContext: what every route needs, built once by `create_app` and shared by the route modules."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.options import ServerOptions
+from kvserve.server.core.cache_report import MissLog
 from kvserve.server.core.chat_setup import ChatSetup
 from kvserve.server.core.preparation import PreparationPool
 from kvserve.server.core.prompts import PromptGuard
@@ -20,10 +21,11 @@ from kvserve.server.http.tenants import Tenants
 class ServerContext:
     """What every route needs: the engine's door, the served model's name and limits, metrics, the
     tenants (with the admin key) and the server's options, the two checks only the server makes
-    (`in_flight`, `prompt_guard`), the threads that prepare requests, by tenant (`preparation`), and the
-    chat template with its tool and reasoning formats (`chat`). An API's own state (the Responses API's
-    stored responses) is its own, kept beside it by app.py. `model_name` is the name answers show,
-    `model_names` every name a request may send (it and its aliases)."""
+    (`in_flight`, `prompt_guard`), the threads that prepare requests, by tenant (`preparation`), the
+    chat template with its tool and reasoning formats (`chat`), and the log of cache misses
+    (`misses`). An API's own state (the Responses API's stored responses) is its own, kept beside it by
+    app.py. `model_name` is the name answers show, `model_names` every name a request may send (it and
+    its aliases)."""
 
     async_engine: AsyncEngine
     model_name: str
@@ -37,6 +39,8 @@ class ServerContext:
     options: ServerOptions
     preparation: PreparationPool
     chat: ChatSetup
+    # Each namespace's last misses and the response ids a cache diagnosis may compare with.
+    misses: MissLog = field(default_factory=MissLog)
 
 
 def _context(request: Request) -> ServerContext:

@@ -21,6 +21,7 @@ from kvserve.engine.async_engine import Reservation
 from kvserve.engine.outputs import PromptOutputs, RequestDelta
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.core import harmony
+from kvserve.server.core.cache_report import NO_MISS, CacheReport, cache_report, miss_record
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.output import Choice, ResponseIds, TokenUsage
 from kvserve.server.core.plan import RequestPlan
@@ -134,6 +135,36 @@ def usage(generations: Sequence[Generation]) -> TokenUsage:
     prompt_tokens = sum(p.num_prompt_tokens for p in prompts)
     completion_tokens = sum(g.choice.output.num_output_tokens for g in generations)
     return TokenUsage(prompt_tokens, completion_tokens, sum(p.num_cached_tokens for p in prompts))
+
+
+async def report(ctx: ServerContext, plan: RequestPlan, generations: Sequence[Generation]) -> CacheReport:
+    """The request's cache report once every generation has its first delta (cache_report.py): its
+    prompts' figures summed, the first miss's reason and place. A miss goes into its namespace's log.
+    Naming a diverged miss's part renders the chat again: a preparation job of the caller's tenant."""
+    prompts = list({id(g.choice.outputs): g.choice for g in generations}.values())
+    tokenizer = ctx.async_engine.tokenizer
+    reports = []
+    for choice in prompts:
+        miss = choice.outputs.cache_miss
+        token_ids = choice.prompt.token_ids
+        if miss is not None and plan.parts is not None:
+            one = await ctx.preparation.run(
+                generations[0].tenant, cache_report, choice.outputs, token_ids, plan.parts, tokenizer
+            )
+        else:
+            one = cache_report(choice.outputs, token_ids, None, tokenizer)
+        if one.reason != NO_MISS:
+            shown = tokenizer if ctx.options.dashboard_show_text else None
+            ctx.misses.record(plan.namespace, miss_record(one, time.time(), token_ids, shown))
+        reports.append(one)
+    first = next((r for r in reports if r.reason != NO_MISS), reports[0])
+    return CacheReport(
+        sum(r.cached_tokens for r in reports),
+        sum(r.missed_tokens for r in reports),
+        first.reason,
+        first.position,
+        first.part,
+    )
 
 
 async def _disconnected(request: Request) -> None:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import PromptOutputs, SampleOutput
 from kvserve.server.core import harmony
+from kvserve.server.core.cache_report import CacheReport
 from kvserve.server.core.harmony import HarmonyStream
 from kvserve.server.core.plan import PlannedPrompt
 from kvserve.server.core.reasoning import ReasoningStream, split
@@ -72,6 +73,8 @@ class TokenUsage:
     cached_tokens: int
     # What the request's cache breakpoints kept past the cached tokens (server/core/retention.py).
     cache_write_tokens: int = 0
+    # The request's cache report, where its API shows it (server/core/cache_report.py).
+    cache_report: CacheReport | None = None
 
 
 class OutputFormat(Protocol):

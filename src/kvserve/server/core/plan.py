@@ -20,6 +20,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.validation import CheckedPrompt
 from kvserve.errors import InvalidRequestError
 from kvserve.server.core import harmony
+from kvserve.server.core.cache_report import PromptParts
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.prompts import chat_prompt
 from kvserve.server.core.reasoning import closes_reasoning, opens_reasoning
@@ -69,6 +70,8 @@ class RequestPlan:
     # Where a request's cache breakpoints fall (Anthropic's or OpenAI's), first to last: the prefixes
     # to keep, for the retention that keeps them.
     breakpoints: tuple[CacheBreakpoint, ...] = ()
+    # A chat's parts, to name where a changed prompt parts from what its namespace saw.
+    parts: PromptParts | None = None
 
     @property
     def n(self) -> int:
@@ -152,7 +155,10 @@ def rendered_chat_plan(
     try:
         plan = plan_prompts(ctx, [token_ids], params, namespace)
         names = None if tools is None else frozenset(t.name for t in tools.tools)
-        return dataclasses.replace(plan, opens_reasoning=opened, tool_names=names)
+        parts = PromptParts(
+            request.messages, request.tools, ctx.chat, request.template_kwargs, request.system_apart
+        )
+        return dataclasses.replace(plan, opens_reasoning=opened, tool_names=names, parts=parts)
     except ConstraintRejected as e:
         if not tools_constrain:
             raise

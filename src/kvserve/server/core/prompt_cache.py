@@ -7,7 +7,8 @@ their rules live (server/core/retention.py makes the retentions, cache/retention
 - `prompt_cache_options`: `mode` `implicit` (the default) puts one breakpoint at the prompt's end,
   `explicit` none; `ttl` (`30m`, or `12h`) is every breakpoint's TTL unless its own says otherwise.
   `prewarm: true` makes the request a pre-warm (max_tokens 0: the prompt computed and kept, no
-  output), as OpenAI documents it. Its other keys (`comparison_response_id`) are not read here.
+  output), as OpenAI documents it. `comparison_response_id` is the
+  Responses writer's (its diagnostics).
 - `prompt_cache_breakpoint` on a content part (`{"mode": "explicit", "ttl": ...}`, both optional)
   retains the prompt up to that part, for its TTL; the latest four are written (three with the
   implicit one), as OpenAI writes them, the older ones ignored.

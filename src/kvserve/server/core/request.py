@@ -31,7 +31,8 @@ class OverContext(Enum):
 class ChatRequest:
     """A conversation to answer: its messages, its sampling (the API's defaults applied, `max_tokens`
     None for "up to the context"), its tools, the chat template's variables, the rule for a max_tokens
-    over the room the prompt leaves, and the field an error on the prompt names."""
+    over the room the prompt leaves, the field an error on the prompt names, and whether a system prompt
+    came apart from the messages."""
 
     messages: tuple[ChatMessage, ...]
     params: SamplingParams
@@ -41,6 +42,8 @@ class ChatRequest:
     prompt_param: str = "messages"
     # The API's reasoning effort, which a harmony chat's template takes (server/core/prompts.py).
     reasoning_effort: str | None = None
+    # Its first message is a system prompt its API sends apart from the messages (cache_report.py).
+    system_apart: bool = False
 
     def max_tokens(self, prompt_tokens: int, max_model_len: int) -> int | None:
         """The max_tokens the engine gets for a prompt of `prompt_tokens`, under `over_context`."""

@@ -21,6 +21,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from kvserve.cache.cache_miss import MISS_REASONS
 from kvserve.cache.retention import DROPPED_BUDGET, DROPPED_MEMORY, DROPPED_SERVER_CAP
 from kvserve.cache.tiers import TIER_MEMORY, LatencySnapshot, TierUsage
 from kvserve.engine.async_engine import AsyncEngine
@@ -209,6 +210,7 @@ class EngineStatsCollector:
             family.add_metric([self.model_name], value)
             yield family
         yield from self._retentions_dropped(s)
+        yield from self._misses(s)
         yield from self._tiers(s)
 
     def _retentions_dropped(self, s: EngineStats) -> Iterable[Metric]:
@@ -230,6 +232,17 @@ class EngineStatsCollector:
             blocks.add_metric([self.model_name, reason], s.cache.retained_blocks_dropped.get(reason, 0))
         yield dropped
         yield blocks
+
+    def _misses(self, s: EngineStats) -> Iterable[Metric]:
+        """Admissions that computed text their namespace had seen, by reason (cache/cache_miss.py)."""
+        misses = CounterMetricFamily(
+            "kvserve_cache_misses",
+            "Prompts that computed again text their namespace had seen lately, by reason.",
+            labels=[*_LABELS, "reason"],
+        )
+        for reason in MISS_REASONS:
+            misses.add_metric([self.model_name, reason], s.misses_by_reason.get(reason, 0))
+        yield misses
 
     def _tiers(self, s: EngineStats) -> Iterable[Metric]:
         """Hits per tier (memory, disk) and each lower tier's usage and latencies, labelled by tier."""

@@ -17,6 +17,7 @@ from kvserve.server.core.tool_formats.stream import new_call_id
 from kvserve.server.openai.logprobs import LogprobRenderer
 from kvserve.server.openai.protocol import (
     AssistantMessage,
+    CacheReportModel,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -38,6 +39,9 @@ def openai_usage(usage: TokenUsage) -> Usage:
         prompt_tokens_details=PromptTokensDetails(
             cached_tokens=usage.cached_tokens, cache_write_tokens=usage.cache_write_tokens
         ),
+        kvserve_cache_report=None
+        if usage.cache_report is None
+        else CacheReportModel.model_validate(usage.cache_report.as_dict()),
     )
 
 

@@ -56,6 +56,8 @@ class SamplingRequest(OpenAIRequest):
     frequency_penalty: float | None = None
     # OpenAI sends token ids as JSON object keys, hence strings.
     logit_bias: dict[str, float] | None = None
+    # kvserve's: the request's cache report in its usage (server/core/cache_report.py); off, as OpenAI.
+    kvserve_cache_report: bool = False
     # vLLM's extras.
     min_tokens: int = 0
     repetition_penalty: float | None = None
@@ -142,11 +144,24 @@ class PromptTokensDetails(BaseModel):
     cache_write_tokens: int = 0
 
 
+class CacheReportModel(BaseModel):
+    """kvserve's cache report (server/core/cache_report.py): what was found cached, what was computed
+    again that the namespace had seen, why, and for a changed prompt where."""
+
+    cached_tokens: int
+    missed_tokens: int
+    reason: str
+    position: int | None = None
+    part: str | None = None
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Only when the request asked for it (`kvserve_cache_report: true`).
+    kvserve_cache_report: CacheReportModel | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class AssistantMessage(BaseModel):

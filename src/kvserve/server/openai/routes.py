@@ -61,7 +61,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
             plan.tool_names,
             ctx.chat.harmony,
         )
-        return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
+        return await respond(
+            ctx, request, fmt, plan, room, body.stream, _include_usage(body), body.kvserve_cache_report
+        )
 
 
 @ROUTES.api.post("/v1/completions")
@@ -75,7 +77,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
     tenant = caller(request).tenant.name
     with ctx.async_engine.reserve(tenant, num_prompts, body.n) as room:
         plan = await ctx.preparation.run(tenant, completion_plan, ctx, body, namespace)
-        return await respond(ctx, request, fmt, plan, room, body.stream, _include_usage(body))
+        return await respond(
+            ctx, request, fmt, plan, room, body.stream, _include_usage(body), body.kvserve_cache_report
+        )
 
 
 @ROUTES.api.post("/tokenize")

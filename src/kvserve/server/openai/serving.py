@@ -17,12 +17,14 @@ from fastapi import Request, Response
 from kvserve.engine.async_engine import Reservation
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import RequestDelta
+from kvserve.server.core.cache_report import CACHE_HEADER, CacheReport
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.generation import (
     EventStreamResponse,
     Generation,
     cancel_on_disconnect,
     remember_parts,
+    report,
     run_all,
     start,
     usage,
@@ -74,11 +76,14 @@ async def _merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _usage(ctx: ServerContext, plan: RequestPlan, generations: Sequence[Generation]) -> TokenUsage:
-    """The usage once the plan's breakpoints are held (after the reply, as Anthropic's are)."""
+async def _usage(
+    ctx: ServerContext, plan: RequestPlan, generations: Sequence[Generation], cache: CacheReport | None
+) -> TokenUsage:
+    """The usage once the plan's breakpoints are held (after the reply, as Anthropic's are), with the
+    cache report where the request asked for it."""
     kept = await retain_plan(ctx, plan)
     written = written_tokens(generations[0].choice, kept)
-    return dataclasses.replace(usage(generations), cache_write_tokens=written)
+    return dataclasses.replace(usage(generations), cache_write_tokens=written, cache_report=cache)
 
 
 def _sse(data: str) -> str:
@@ -93,6 +98,7 @@ async def _events(
     ids: ResponseIds,
     include_usage: bool,
     plan: RequestPlan,
+    cache: CacheReport | None,
 ) -> AsyncGenerator[str, None]:
     # OpenAI's chunks carry "usage": null until the last one when usage is asked for, and no key otherwise.
     exclude = None if include_usage else {"usage"}
@@ -110,7 +116,7 @@ async def _events(
                     yield _sse(chunk.model_dump_json(exclude=exclude))
                     held.clear()
         remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
-        counted = await _usage(ctx, plan, generations)
+        counted = await _usage(ctx, plan, generations, cache)
         if include_usage:
             yield _sse(fmt.usage_chunk(ids, counted).model_dump_json())
     except Exception as exc:
@@ -130,14 +136,27 @@ async def respond(
     room: Reservation,
     stream: bool,
     include_usage: bool,
+    cache_report: bool = False,
 ) -> Response:
     """Run the plan through the engine (`start`) and answer with every choice, whole or as a stream
-    of chunks. A stream's last chunk carries the usage when `include_usage`."""
+    of chunks. A stream's last chunk carries the usage when `include_usage`; the usage carries the cache
+    report when `cache_report`, and the CACHE_HEADER always."""
     ids, generations = await start(ctx, request, fmt.id_prefix, plan, room)
+    try:
+        figures = await report(ctx, plan, generations)
+    except BaseException:
+        for g in generations:
+            await g.close()
+        raise
+    ctx.misses.answered(plan.namespace, ids.id, figures)
+    cache = figures if cache_report else None
     if stream:
-        events = _events(ctx, request, generations, fmt, ids, include_usage, plan)
-        return EventStreamResponse(events, generations)
-    choices = await cancel_on_disconnect(request, run_all(generations))
-    remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
-    result = fmt.response(ids, choices, await _usage(ctx, plan, generations))
-    return Response(result.model_dump_json(), media_type="application/json")
+        events = _events(ctx, request, generations, fmt, ids, include_usage, plan, cache)
+        response: Response = EventStreamResponse(events, generations)
+    else:
+        choices = await cancel_on_disconnect(request, run_all(generations))
+        remember_parts(ctx, fmt.reply_part, generations, plan.namespace)
+        result = fmt.response(ids, choices, await _usage(ctx, plan, generations, cache))
+        response = Response(result.model_dump_json(), media_type="application/json")
+    response.headers[CACHE_HEADER] = figures.header()
+    return response

@@ -463,7 +463,14 @@ def responses_plan(
         top_p=1.0 if body.top_p is None else body.top_p,
         structured_outputs=structured_outputs(text_format),
     )
-    request = ChatRequest(messages, params, tools, over_context=OverContext.FILL, prompt_param="input")
+    request = ChatRequest(
+        messages,
+        params,
+        tools,
+        over_context=OverContext.FILL,
+        prompt_param="input",
+        system_apart=bool(instructions),
+    )
     plan = rendered_chat_plan(ctx, request, token_ids, namespace)
 
     def render(cut: Sequence[ChatMessage]) -> list[int]:

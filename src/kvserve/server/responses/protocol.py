@@ -203,6 +203,8 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    # Only when the request named `prompt_cache_options.comparison_response_id` (serving.py).
+    prompt_cache_diagnostics: dict[str, Any] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ResponseDeleted(BaseModel):

@@ -29,14 +29,18 @@ from typing import Any
 from fastapi import Request, Response
 from pydantic import BaseModel
 
+from kvserve.cache.cache_miss import MISS_DIVERGED
 from kvserve.engine.async_engine import Reservation
 from kvserve.engine.outputs import PromptOutputs
+from kvserve.errors import InvalidRequestError
+from kvserve.server.core.cache_report import CACHE_HEADER, NO_MISS, PART_TOOLS, CacheReport
 from kvserve.server.core.context import ServerContext
 from kvserve.server.core.generation import (
     EventStreamResponse,
     Generation,
     cancel_on_disconnect,
     remember_parts,
+    report,
     usage,
 )
 from kvserve.server.core.messages import ChatMessage, FunctionCall, ToolCall
@@ -191,6 +195,8 @@ class _Run:
         self.log_id: str = getattr(request.state, "request_id", self.id)
         # The prompt's first tokens this request's cache breakpoints hold, once its reply is out.
         self.kept = 0
+        # Its prompt_cache_diagnostics, when asked for (`diagnosis`).
+        self.diagnostics: dict[str, Any] | None = None
 
     def generation(self, room: Reservation) -> Generation:
         plan = self.prepared.plan
@@ -229,6 +235,7 @@ class _Run:
             usage=None if generation is None else self._usage(generation, reply),
             user=body.user,
             metadata=dict(body.metadata or {}),
+            prompt_cache_diagnostics=self.diagnostics,
         )
 
     def _usage(self, generation: Generation, reply: _Reply) -> ResponseUsage:
@@ -597,6 +604,41 @@ async def _events(
         )
 
 
+def comparison_id(body: ResponsesRequest) -> str | None:
+    """`prompt_cache_options.comparison_response_id`, when the request names one."""
+    options = body.prompt_cache_options
+    if not isinstance(options, dict) or options.get("comparison_response_id") is None:
+        return None
+    value = options["comparison_response_id"]
+    if not isinstance(value, str):
+        raise InvalidRequestError(
+            "prompt_cache_options.comparison_response_id must be a string",
+            "prompt_cache_options.comparison_response_id",
+        )
+    return value
+
+
+def diagnosis(ctx: ServerContext, namespace: str, compared: str, figures: CacheReport) -> dict[str, Any]:
+    """OpenAI's `prompt_cache_diagnostics`: `comparison_response_not_found` for an id this namespace was
+    not answered lately (another tenant's included), `cache_miss` with `tools_changed` or
+    `input_changed` and `cache_missed_tokens` for a prompt that parts from what was seen, `unavailable`
+    for text lost from the cache (evicted, expired, ...: the prompt did not change), `cache_hit`
+    otherwise; the engine's own figures ride along as `kvserve_cache_report`."""
+    out: dict[str, Any]
+    if not ctx.misses.known(namespace, compared):
+        out = {"type": "comparison_response_not_found"}
+    elif figures.reason == MISS_DIVERGED:
+        reason = "tools_changed" if figures.part == PART_TOOLS else "input_changed"
+        out = {"type": "cache_miss", "reason": reason, "cache_missed_tokens": figures.missed_tokens}
+        if figures.position is not None:
+            out["comparison_reusable_tokens"] = figures.position
+    elif figures.reason != NO_MISS:
+        out = {"type": "unavailable"}
+    else:
+        out = {"type": "cache_hit"}
+    return {**out, "kvserve_cache_report": figures.as_dict()}
+
+
 async def respond_responses(
     ctx: ServerContext,
     store: ResponseStore,
@@ -609,17 +651,26 @@ async def respond_responses(
     """Run the plan's one sample and answer as a Responses object or its event stream."""
     run = _Run(ctx, store, request, body, prepared)
     generation = run.generation(room)
+    plan = prepared.plan
     try:
         await cancel_on_disconnect(request, generation.start())
+        figures = await report(ctx, plan, [generation])
     except BaseException:
         await generation.close(log_line=False)
         raise
+    compared = comparison_id(body)
+    if compared is not None:
+        run.diagnostics = diagnosis(ctx, plan.namespace, compared, figures)
+    ctx.misses.answered(plan.namespace, run.id, figures)
+    headers = {CACHE_HEADER: figures.header()}
     if body.stream:
-        return EventStreamResponse(_events(run, request, generation, tenant), [generation])
+        streamed = EventStreamResponse(_events(run, request, generation, tenant), [generation])
+        streamed.headers.update(headers)
+        return streamed
     await cancel_on_disconnect(request, generation.run())
     reply = _whole_reply(run)
     run.remember(generation)
-    run.kept = await retain_plan(ctx, prepared.plan)
+    run.kept = await retain_plan(ctx, plan)
     response = run.response(reply, generation, run.status())
     data = await run.answer(response, reply, tenant)
-    return Response(data, media_type="application/json")
+    return Response(data, media_type="application/json", headers=headers)

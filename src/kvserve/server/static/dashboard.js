@@ -169,6 +169,29 @@ function drawRequests(requests, total) {
   $("#requests .empty").hidden = total > 0;
 }
 
+// The caller's namespace's last misses, and how many of them each reason explains. The text around the
+// position comes only from a server started with --dashboard-show-text.
+function drawMisses(misses, now) {
+  const counts = {};
+  for (const m of misses) counts[m.reason] = (counts[m.reason] || 0) + 1;
+  $("#miss-reasons").textContent = Object.entries(counts)
+    .map(([reason, n]) => `${reason}: ${n}`)
+    .join(" · ");
+  const body = $("#misses tbody");
+  body.replaceChildren();
+  for (const m of misses) {
+    const row = body.insertRow();
+    cell(row, (now - m.time).toFixed(0) + " s");
+    cell(row, m.reason);
+    cell(row, formatCount(m.missed_tokens));
+    cell(row, formatCount(m.cached_tokens));
+    cell(row, m.part === null ? "–" : m.part);
+    cell(row, m.position === null ? "–" : String(m.position));
+    cell(row, m.before === null ? "–" : `${m.before} ‖ ${m.after}`);
+  }
+  $("#misses .empty").hidden = misses.length > 0;
+}
+
 function setStatus(text, error) {
   const status = $("#status");
   status.textContent = text;
@@ -197,6 +220,7 @@ async function poll() {
     drawSpeculation(stats.speculation);
     drawBranches(stats.branches, stats.time);
     drawRequests(stats.requests, stats.num_requests);
+    drawMisses(stats.misses, stats.time);
     setStatus(`${stats.model} · updated ${new Date(stats.time * 1000).toLocaleTimeString()}`);
   } catch (error) {
     setStatus("cannot reach the server", true);
