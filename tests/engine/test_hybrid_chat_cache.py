@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from kvserve.cache.cache_miss import MISS_NO_CHECKPOINT, CacheMiss
 from kvserve.config import default_cache_dir
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
@@ -93,6 +94,23 @@ def test_a_match_past_the_last_checkpoint_counts_what_it_recomputes(lfm2: Loaded
     values = {s.name: s.value for family in collector.collect() for s in family.samples}
     assert values["kvserve_state_recomputed_tokens_total"] == len(system)
     assert values["kvserve_state_checkpoints"] == stats.cache.num_state_checkpoints
+
+
+def test_a_recomputed_match_is_a_no_checkpoint_miss(lfm2: LoadedModel) -> None:
+    """The tokens recomputed for want of a checkpoint are the request's miss, reason no_checkpoint (what
+    every API reports), and counted by that reason."""
+    engine = engine_with_blocks(lfm2, 200, 4, speculative="off")
+    system = list(range(100, 130))
+    _run(engine, "a", [*system, 7, 8, 9])
+    engine.add_request(
+        "b", [*system, 17, 18, 19], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    )
+    misses: list[CacheMiss] = []
+    while engine.has_unfinished_requests():
+        misses += [d.cache_miss for d in engine.step() if d.cache_miss is not None]
+    assert misses and {m.reason for m in misses} == {MISS_NO_CHECKPOINT}
+    assert misses[0].cached_tokens == 0 and misses[0].missed_tokens >= len(system) // 4 * 4
+    assert engine.stats().misses_by_reason == {MISS_NO_CHECKPOINT: 1}
 
 
 def test_message_ends_are_checkpointed_without_being_named(lfm2: LoadedModel) -> None:
