@@ -6,13 +6,16 @@ without the prefix cache gives the same tokens."""
 
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
 from kvserve.cache.cache_miss import MISS_NO_CHECKPOINT, CacheMiss
-from kvserve.config import default_cache_dir
+from kvserve.config import EngineConfig, default_cache_dir
 from kvserve.engine.engine import Engine
+from kvserve.engine.factory import STATE_SHARE, state_slots
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.errors import ConfigError
 from kvserve.model.loader import LoadedModel, load_model
 from tests.harness import engine_with_blocks
 from tests.helpers import save_tiny_model
@@ -173,3 +176,18 @@ def test_drafts_stop_at_checkpoint_positions(lfm2: LoadedModel) -> None:
         node, k = tree._checkpoints[slot]
         ends.add(node.depth - len(node.tokens) + k)
     assert set(range(4, 10 + 24, 4)) <= ends, sorted(ends)
+
+
+def test_states_too_big_for_the_defaults_shrink_the_running_sequences(lfm2: LoadedModel) -> None:
+    """A real hybrid's state is megabytes (Qwen3.5-0.8B's 19 MiB): the default 64 running sequences
+    and 256 checkpoints would not fit the pool. The live states and the checkpoints then each take a
+    quarter of the memory, the engine runs as many sequences as it has live slots, and serves."""
+    per_slot = state_slots(EngineConfig(), lfm2)[2] // (1 + 64 + 256)
+    config = EngineConfig(kv_cache_memory=40 * STATE_SHARE * per_slot, block_size=4, dtype="float32")
+    engine = Engine.from_config(config, model=lfm2)
+    assert engine.config.max_num_seqs == 40
+    assert engine.kv.states.checkpoint_slots == 40
+    reply, _, _ = _run(engine, "a", list(range(100, 140)))
+    assert len(reply) == 9
+    with pytest.raises(ConfigError, match="recurrent state"):
+        Engine.from_config(replace(config, kv_cache_memory=per_slot), model=lfm2)

@@ -64,6 +64,15 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     max_model_len = _max_model_len(config, model)
     bytes_per_block = kv_bytes_per_token(model.config, config.kv_cache_dtype) * config.block_size
     live_slots, checkpoint_slots, state_memory = state_slots(config, model)
+    if live_slots and live_slots < config.max_num_seqs:
+        log.info(
+            "max_num_seqs %d -> %d: a running sequence's recurrent state takes a slot, and the live slots "
+            "take at most a %dth of kv_cache_memory",
+            config.max_num_seqs,
+            live_slots,
+            STATE_SHARE,
+        )
+        config = replace(config, max_num_seqs=live_slots)
     num_blocks = (config.kv_cache_memory - state_memory) // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(
@@ -167,18 +176,32 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     )
 
 
+# The share of --kv-cache-memory a hybrid model's live states may take, and its checkpoints as much
+# again: the attention layers' KV keeps at least half (a real shape's state is megabytes: Qwen3.5-0.8B's
+# is 19 MiB, 1,644 tokens of its KV, so 64 live slots and 256 checkpoints would take 6 GiB).
+STATE_SHARE = 4
+
+
 def state_slots(config: EngineConfig, model: LoadedModel) -> tuple[int, int, int]:
-    """A hybrid model's state pool (cache/state_pool.py): its live slots (one per running sequence), its
-    checkpoint slots (drafts' snapshots take theirs there), and the bytes they take with the model's
-    scratch slot, out of --kv-cache-memory; (0, 0, 0) for any other model."""
+    """A hybrid model's state pool (cache/state_pool.py): its live slots (one per running sequence, so at
+    most `max_num_seqs`), its checkpoint slots (drafts' snapshots take theirs there), and the bytes they
+    take with the model's scratch slot, out of --kv-cache-memory; (0, 0, 0) for any other model. Live
+    slots and checkpoints each take at most 1 / STATE_SHARE of the memory; the engine then runs at most
+    as many sequences as it has live slots."""
     if not model.config.hybrid:
         return 0, 0, 0
     per_slot = sum(
         s.num_bytes for s in state_specs(model.config, TORCH_DTYPES[config.dtype]) if s is not None
     )
-    live = config.max_num_seqs
+    share = config.kv_cache_memory // STATE_SHARE // per_slot
+    if share < 1:
+        raise ConfigError(
+            f"kv_cache_memory {format_bytes(config.kv_cache_memory)} holds no running sequence's recurrent "
+            f"state ({format_bytes(per_slot)}, at most a {STATE_SHARE}th of it): raise --kv-cache-memory"
+        )
+    live = min(config.max_num_seqs, share)
     # Without the prefix cache the checkpoint slots serve drafts' snapshots only: one per sequence.
-    checkpoints = config.state_checkpoints if config.enable_prefix_caching else 0
+    checkpoints = min(config.state_checkpoints, share) if config.enable_prefix_caching else 0
     if config.speculative != "off" and not config.enable_prefix_caching:
         checkpoints = live
     return live, checkpoints, (1 + live + checkpoints) * per_slot
