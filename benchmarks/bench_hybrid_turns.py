@@ -75,18 +75,29 @@ def build_model(folder: str) -> str:
 
 
 def turn(engine: Engine, rid: str, ids: list[int], reply_tokens: int) -> dict[str, Any]:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     engine.add_request(rid, ids, SamplingParams(max_tokens=reply_tokens, temperature=0, ignore_eos=True))
     first: float | None = None
+    first_cpu = 0.0
     text, tokens, cached, recomputed = "", 0, 0, 0
     while engine.has_unfinished_requests():
         for delta in engine.step():
-            first = first or time.perf_counter()
+            if first is None:
+                first, first_cpu = time.perf_counter(), time.process_time()
             text += delta.text
             tokens += len(delta.token_ids)
             cached, recomputed = delta.num_cached_tokens, delta.num_recomputed_tokens
     ttft = (first or time.perf_counter()) - start
-    return {"ttft_s": ttft, "text": text, "reply_tokens": tokens, "cached": cached, "recomputed": recomputed}
+    # The process's CPU time to the first token: what the turn cost, less what other jobs on a shared
+    # machine took from it (wall time counts their share too).
+    return {
+        "ttft_s": ttft,
+        "ttft_cpu_s": first_cpu - cpu,
+        "text": text,
+        "reply_tokens": tokens,
+        "cached": cached,
+        "recomputed": recomputed,
+    }
 
 
 def chat(
@@ -152,6 +163,7 @@ def main() -> None:
         "threads": threads,
         "turns": rows,
         "ttft_turn10_over_turn2": rows[-1]["ttft_s"] / rows[1]["ttft_s"],
+        "ttft_cpu_turn10_over_turn2": rows[-1]["ttft_cpu_s"] / rows[1]["ttft_cpu_s"],
         "recomputed_tokens": stats.recomputed_tokens,
         "state_bytes_per_sequence": state_bytes,
         "kv_bytes_per_token": kv_token,
@@ -163,17 +175,19 @@ def main() -> None:
     lines = [
         f"Qwen3.5-0.8B shape, random weights, {threads} threads, KV {engine.config.kv_cache_dtype}",
         "",
-        "| turn | prompt | cached | ideal | recomputed | cached / prompt | TTFT / turn 2 |",
-        "|---|---|---|---|---|---|---|",
+        "| turn | prompt | cached | ideal | recomputed | cached / prompt | TTFT / turn 2 | CPU / turn 2 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['turn']} | {r['prompt_tokens']} | {r['cached']} | {r['ideal_cached']} | {r['recomputed']} "
-            f"| {r['cached'] / r['prompt_tokens']:.3f} | {r['ttft_s'] / rows[1]['ttft_s']:.2f} |"
+            f"| {r['cached'] / r['prompt_tokens']:.3f} | {r['ttft_s'] / rows[1]['ttft_s']:.2f} "
+            f"| {r['ttft_cpu_s'] / rows[1]['ttft_cpu_s']:.2f} |"
         )
     lines += [
         "",
-        f"TTFT turn 10 / turn 2: {results['ttft_turn10_over_turn2']:.2f}x (turn 1: "
+        f"TTFT turn 10 / turn 2: {results['ttft_turn10_over_turn2']:.2f}x wall, "
+        f"{results['ttft_cpu_turn10_over_turn2']:.2f}x CPU (turn 1: "
         f"{rows[0]['ttft_s'] / rows[1]['ttft_s']:.1f}x turn 2)",
         f"state per sequence (one slot, {engine.config.dtype}): {state_bytes:,} bytes = "
         f"{state_bytes / kv_token:.0f} tokens of KV ({kv_token:,} bytes a token); a checkpoint is one slot",
