@@ -6,7 +6,6 @@ cache up to everything before its new message, as with an attention model, with 
 want of a state checkpoint (/metrics)."""
 
 import json
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -39,8 +38,10 @@ WEATHER_PARAMETERS: Any = {
 
 
 @pytest.fixture(scope="module")
-def server(serve_app: Callable[[FastAPI], AbstractContextManager[str]]) -> Iterator[Server]:
-    folder = tempfile.mkdtemp(prefix="kvserve-qwen3_5-")
+def server(
+    serve_app: Callable[[FastAPI], AbstractContextManager[str]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("qwen3_5")
     family, overrides = FAMILY_KINDS["qwen3_5-hybrid"]
     path = save_tiny_model(f"{folder}/m", family, max_position_embeddings=2048, **overrides)
     template = f"{folder}/qwen3.jinja"
