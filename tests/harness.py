@@ -44,12 +44,9 @@ def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **o
         max_model_len=MAX_MODEL_LEN,
         **overrides,
     )
-    # A hybrid model's recurrent states come out of the same memory: add theirs, for the memory they are
-    # then sized by (their slots grow with it up to their caps, so until nothing changes).
-    pool, states = config.kv_cache_memory, -1
-    while states != state_slots(config, model)[2]:
-        states = state_slots(config, model)[2]
-        config = replace(config, kv_cache_memory=pool + states)
+    # A hybrid model's recurrent states come out of the same memory: add theirs (as asked: they then fit).
+    unbounded = replace(config, kv_cache_memory=1 << 62)
+    config = replace(config, kv_cache_memory=config.kv_cache_memory + state_slots(unbounded, model)[2])
     engine = Engine.from_config(config, model=model)
     # A sliding pool of its own (a sliding model, the prefix cache off) is taken only where the global
     # pool then holds at least the blocks that one pool would.

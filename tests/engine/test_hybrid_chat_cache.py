@@ -180,8 +180,8 @@ def test_drafts_stop_at_checkpoint_positions(lfm2: LoadedModel) -> None:
 
 def test_states_too_big_for_the_defaults_shrink_the_running_sequences(lfm2: LoadedModel) -> None:
     """A real hybrid's state is megabytes (Qwen3.5-0.8B's 19 MiB): the default 64 running sequences
-    and 256 checkpoints would not fit the pool. The live states and the checkpoints then each take a
-    quarter of the memory, the engine runs as many sequences as it has live slots, and serves."""
+    and 256 checkpoints would not fit the pool. The live states and the checkpoints then take a quarter
+    of the memory each, the engine runs as many sequences as it has live slots, and serves."""
     per_slot = state_slots(EngineConfig(), lfm2)[2] // (1 + 64 + 256)
     config = EngineConfig(kv_cache_memory=40 * STATE_SHARE * per_slot, block_size=4, dtype="float32")
     engine = Engine.from_config(config, model=lfm2)

@@ -176,34 +176,39 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     )
 
 
-# The share of --kv-cache-memory a hybrid model's live states may take, and its checkpoints as much
-# again: the attention layers' KV keeps at least half (a real shape's state is megabytes: Qwen3.5-0.8B's
-# is 19 MiB, 1,644 tokens of its KV, so 64 live slots and 256 checkpoints would take 6 GiB).
+# Where the asked states leave no room for KV, the share of --kv-cache-memory a hybrid model's live states
+# take, and its checkpoints as much again, so that the attention layers' KV keeps half. A real shape's
+# state is megabytes: Qwen3.5-0.8B's is 19 MiB (1,644 tokens of its KV), so the default 64 running
+# sequences and 256 checkpoints would take 6 GiB of the default 2.
 STATE_SHARE = 4
 
 
 def state_slots(config: EngineConfig, model: LoadedModel) -> tuple[int, int, int]:
     """A hybrid model's state pool (cache/state_pool.py): its live slots (one per running sequence, so at
     most `max_num_seqs`), its checkpoint slots (drafts' snapshots take theirs there), and the bytes they
-    take with the model's scratch slot, out of --kv-cache-memory; (0, 0, 0) for any other model. Live
-    slots and checkpoints each take at most 1 / STATE_SHARE of the memory; the engine then runs at most
-    as many sequences as it has live slots."""
+    take with the model's scratch slot, out of --kv-cache-memory; (0, 0, 0) for any other model. Where
+    `max_num_seqs` live slots and `state_checkpoints` leave less than a KV block, each group takes
+    1 / STATE_SHARE of the memory instead, and the engine runs as many sequences as it has live slots."""
     if not model.config.hybrid:
         return 0, 0, 0
     per_slot = sum(
         s.num_bytes for s in state_specs(model.config, TORCH_DTYPES[config.dtype]) if s is not None
     )
-    share = config.kv_cache_memory // STATE_SHARE // per_slot
-    if share < 1:
-        raise ConfigError(
-            f"kv_cache_memory {format_bytes(config.kv_cache_memory)} holds no running sequence's recurrent "
-            f"state ({format_bytes(per_slot)}, at most a {STATE_SHARE}th of it): raise --kv-cache-memory"
-        )
-    live = min(config.max_num_seqs, share)
+    live = config.max_num_seqs
     # Without the prefix cache the checkpoint slots serve drafts' snapshots only: one per sequence.
-    checkpoints = min(config.state_checkpoints, share) if config.enable_prefix_caching else 0
+    checkpoints = config.state_checkpoints if config.enable_prefix_caching else 0
     if config.speculative != "off" and not config.enable_prefix_caching:
         checkpoints = live
+    block = kv_bytes_per_token(model.config, config.kv_cache_dtype) * config.block_size
+    if (1 + live + checkpoints) * per_slot + block > config.kv_cache_memory:
+        share = config.kv_cache_memory // STATE_SHARE // per_slot
+        if share < 1:
+            raise ConfigError(
+                f"kv_cache_memory {format_bytes(config.kv_cache_memory)} holds no running sequence's "
+                f"recurrent state ({format_bytes(per_slot)}, at most a {STATE_SHARE}th of it where the "
+                "asked states do not fit): raise --kv-cache-memory"
+            )
+        live, checkpoints = min(live, share), min(checkpoints, share)
     return live, checkpoints, (1 + live + checkpoints) * per_slot
 
 
