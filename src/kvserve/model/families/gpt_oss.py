@@ -20,7 +20,13 @@ import numpy as np
 import torch
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.families.base import Family, GgufMetadata, LayerTensors, gguf_common_config
+from kvserve.model.families.base import (
+    LLAMA_GGUF_LAYER,
+    Family,
+    GgufMetadata,
+    LayerTensors,
+    gguf_common_config,
+)
 from kvserve.model.mlp import ClampedSwiGlu, Expert, Mlp
 from kvserve.model.moe import SparseMoe
 from kvserve.model.quant_blocks import MXFP4, QuantizedWeight
@@ -40,16 +46,9 @@ from kvserve.model.weights import ModelWeights, Rows
 
 TENSORS = LayerTensors(sinks="self_attn.sinks")
 GGUF_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
+    # Llama's attention names; the MLP is the experts below.
+    **{name: hf for name, hf in LLAMA_GGUF_LAYER.items() if name.startswith("attn_")},
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_sinks.weight": "self_attn.sinks",
     "attn_sinks": "self_attn.sinks",
     "ffn_gate_inp.weight": "mlp.router.weight",
