@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from kvserve.cache.block_pool import RELEASED, BlockPool
 from kvserve.cache.sliding_pool import NO_SLIDING_POOL, NoSlidingPool
 from kvserve.cache.state_pool import NoStatePool
+from kvserve.sequences import common_prefix_len
 
 NO_STATE_POOL = NoStatePool()
 
@@ -83,15 +84,6 @@ class MatchResult:
     # match is empty), and the tokens the KV match held past it, which the request recomputes.
     checkpoint: int | None = None
     recomputed: int = 0
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PrefixCache:
@@ -188,7 +180,7 @@ class PrefixCache:
         best, best_node = 0, None
         rest = tokens[i : i + bs] if partial else ()
         for child in node.children.values():
-            n = _common_prefix(child.tokens, rest)
+            n = common_prefix_len(child.tokens, rest)
             # Ties go to the most recently used child, so that which block is copied (and kept warm) is
             # a rule, not an accident of dict order.
             if n > best or (
@@ -239,7 +231,7 @@ class PrefixCache:
             for child in parent.children.values():
                 if not child.checkpoints:
                     continue
-                n = _common_prefix(child.tokens, level)
+                n = common_prefix_len(child.tokens, level)
                 for k in child.checkpoints:
                     if k <= n and (allow_partial or k == bs) and (best is None or k > best[0]):
                         best = (k, child)

@@ -60,6 +60,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.model.recurrent import SCRATCH_SLOT
 from kvserve.model.runner import ForwardBatch, SequenceChunk
+from kvserve.sequences import common_prefix_len
 
 _ORDERED_WINDOW = 128
 # However many tenants wait, each has at least this many requests in the admission window.
@@ -154,20 +155,6 @@ class SchedulerCounters:
     accepted_tokens: int = 0
     # A hybrid model's prompt tokens the cache held but that were recomputed for want of a checkpoint.
     recomputed_tokens: int = 0
-
-
-def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _cache_limit(request: Request) -> int:
@@ -468,7 +455,7 @@ class Scheduler:
                 continue
             if request.token_ids[0] != other.token_ids[0]:
                 continue
-            shared = _common_prefix_len(request.token_ids, other.token_ids, other.num_prompt_tokens)
+            shared = common_prefix_len(request.token_ids, other.token_ids, other.num_prompt_tokens)
             if shared - max(cached, other.num_computed) >= self.block_size:
                 return True
         return False
@@ -484,7 +471,7 @@ class Scheduler:
                 continue
             if request.token_ids[0] != other.token_ids[0]:
                 continue
-            shared = _common_prefix_len(request.token_ids, other.token_ids, other.num_prompt_tokens)
+            shared = common_prefix_len(request.token_ids, other.token_ids, other.num_prompt_tokens)
             if shared - cached >= self.block_size:
                 return True
         return False

@@ -21,6 +21,7 @@ from typing import Any
 from kvserve.cache.cache_miss import MISS_DIVERGED, CacheMiss
 from kvserve.engine.outputs import PromptOutputs
 from kvserve.model.tokenizer import TemplateArgs, Tokenizer
+from kvserve.sequences import common_prefix_len
 from kvserve.server.core.chat_setup import ChatSetup
 from kvserve.server.core.messages import ChatMessage
 from kvserve.server.core.tools import ToolUse, conversation, template_tools
@@ -99,13 +100,13 @@ class PromptParts:
         whole = self._render(tokenizer, self.messages, self.tools, True)
         if self.tools is not None:
             bare = self._render(tokenizer, self.messages, None, True)
-            start = _common(whole, bare)
+            start = common_prefix_len(whole, bare)
             if start <= offset < start + max(0, len(whole) - len(bare)):
                 return PART_TOOLS
 
         def end_of(k: int) -> int:
             """Where the render of the first k messages parts from the whole (its end, mostly)."""
-            return _common(self._render(tokenizer, self.messages[:k], self.tools, False), whole)
+            return common_prefix_len(self._render(tokenizer, self.messages[:k], self.tools, False), whole)
 
         lo, hi = 1, len(self.messages)
         if not self.messages or offset >= end_of(hi):
@@ -121,19 +122,6 @@ class PromptParts:
             return PART_SYSTEM
         first = 1 if self.system_apart and self.messages[0].role == "system" else 0
         return f"message {k - first}"
-
-
-def _common(a: str, b: str) -> int:
-    """The length of the common prefix of two strings (by halves: a chat's render is long)."""
-    n = min(len(a), len(b))
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def cache_report(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
+from kvserve.sequences import common_prefix_len
 from kvserve.server.core.messages import ChatMessage
 from kvserve.server.core.plan import CacheBreakpoint
 
@@ -125,15 +126,6 @@ def chat_markers(messages: Sequence[ChatMessage], policy: CachePolicy) -> list[M
     return found
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def cache_breakpoints(
     policy: CachePolicy,
     markers: Sequence[Marker],
@@ -171,5 +163,5 @@ def breakpoint_at(
         ids = render([*messages, ChatMessage(role="user", content="")])
     except InvalidRequestError:
         return None
-    tokens = _common_prefix(ids, token_ids)
+    tokens = common_prefix_len(ids, token_ids)
     return CacheBreakpoint(tokens, ttl_s) if tokens else None
