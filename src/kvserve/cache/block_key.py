@@ -3,6 +3,10 @@
 key = sha256(fingerprint, namespace, parent key, the block's token ids), with lengths framing each part,
 so two blocks share a key only if they hold the same tokens after the same prefix, in the same
 namespace, computed by the same model and settings. The first block's parent is ROOT.
+
+A hybrid model's state checkpoint after P tokens is keyed alike (`state_key`): its parent is the key of
+the last full block before P, its tokens the 0 to block_size - 1 tokens after it, and the state's
+layout (a digest of its tensors' shapes and dtypes) is framed in after a tag no block key begins with.
 """
 
 import hashlib
@@ -12,8 +16,26 @@ from collections.abc import Sequence
 ROOT = bytes(32)
 
 
+STATE_TAG = b"kvserve state checkpoint"
+
+
 def chain_key(fingerprint: bytes, namespace: str, parent: bytes, tokens: Sequence[int]) -> bytes:
+    return _framed(hashlib.sha256(), fingerprint, namespace, parent, tokens)
+
+
+def state_key(
+    fingerprint: bytes, layout: bytes, namespace: str, parent: bytes, tokens: Sequence[int]
+) -> bytes:
     h = hashlib.sha256()
+    h.update(struct.pack("<II", len(STATE_TAG), len(layout)))
+    h.update(STATE_TAG)
+    h.update(layout)
+    return _framed(h, fingerprint, namespace, parent, tokens)
+
+
+def _framed(
+    h: "hashlib._Hash", fingerprint: bytes, namespace: str, parent: bytes, tokens: Sequence[int]
+) -> bytes:
     ns = namespace.encode()
     h.update(struct.pack("<II", len(fingerprint), len(ns)))
     h.update(fingerprint)
@@ -21,3 +43,12 @@ def chain_key(fingerprint: bytes, namespace: str, parent: bytes, tokens: Sequenc
     h.update(parent)
     h.update(struct.pack(f"<I{len(tokens)}q", len(tokens), *tokens))
     return h.digest()
+
+
+def record_key(
+    fingerprint: bytes, namespace: str, parent: bytes, tokens: Sequence[int], layout: bytes | None
+) -> bytes:
+    """A stored value's key: a block's (`layout` None) or a state checkpoint's of that layout."""
+    if layout is None:
+        return chain_key(fingerprint, namespace, parent, tokens)
+    return state_key(fingerprint, layout, namespace, parent, tokens)

@@ -20,6 +20,8 @@ from kvserve.cache.accounting import BlockAccounts
 from kvserve.cache.loader import LOAD_BUDGET_S, BlockLoader, LoadJob
 from kvserve.cache.lower_tiers import LowerTiers
 from kvserve.cache.sequence_blocks import SequenceBlocks
+from kvserve.cache.state_pool import StatePool
+from kvserve.cache.tier_states import FoundState, TierStates, WantedState
 from kvserve.cache.tiers import TIER_MEMORY, Arrived, TierUsage
 
 
@@ -31,9 +33,12 @@ class NoTiers:
     def set_budget(self, seconds: float) -> None:
         """How long a request waits at most for blocks read from the tiers (tests change it)."""
 
-    def start_load(self, namespace: str, prompt: Sequence[int]) -> LoadJob | None:
+    def start_load(
+        self, namespace: str, prompt: Sequence[int], state: tuple[int, int] | None = None
+    ) -> LoadJob | None:
         """A job reading the blocks of `prompt` past its memory match that a tier may hold, or None:
-        nothing to read."""
+        nothing to read. `state` (a hybrid model's): (memory's last checkpoint, the end of the KV memory
+        holds); the job then also looks for a checkpoint past the first, within the KV it reaches."""
         return None
 
     @staticmethod
@@ -51,6 +56,10 @@ class NoTiers:
     def take(self, job: LoadJob | None) -> list[Arrived]:
         """The blocks that arrived for `job`; the job is over."""
         return []
+
+    def take_state(self, job: LoadJob | None) -> FoundState | None:
+        """The state checkpoint found for `job` (before `take`)."""
+        return None
 
     @property
     def pending(self) -> int:
@@ -89,6 +98,23 @@ class NoTiers:
     ) -> None:
         """Blocks `start..` of `blocks` were just computed: every tier that lacks one gets a copy."""
 
+    def offer_state(
+        self,
+        keys: list[bytes],
+        namespace: str,
+        tokens: Sequence[int],
+        position: int,
+        slot: int,
+        pool: StatePool,
+    ) -> None:
+        """The checkpoint in `slot` (after `tokens[:position]`) joined the tree: every tier that lacks it
+        gets a copy."""
+
+    def write_state(self, slot: int, found: FoundState, pool: StatePool) -> bool:
+        """Write a checkpoint read from a tier into `slot`; False, writing nothing, where its tensors
+        disagree with the model's state."""
+        return False
+
     def usage(self) -> tuple[TierUsage, ...]:
         return ()
 
@@ -111,7 +137,10 @@ class TierLoads(NoTiers):
     def __init__(self, lower: LowerTiers, accounts: BlockAccounts, budget_s: float = LOAD_BUDGET_S) -> None:
         self.lower = lower
         self.accounts = accounts
-        self.loader = BlockLoader(lower, budget_s=budget_s)
+        self.states = TierStates(lower, lower.state_io) if lower.state_io is not None else None
+        self.loader = BlockLoader(lower, states=self.states, budget_s=budget_s)
+        # State checkpoints read from a tier whose tensors disagreed with the model's (a miss).
+        self.states_refused = 0
 
     def _matched(self, namespace: str, tokens: Sequence[int]) -> int:
         """How many whole blocks of `tokens` memory holds now (nothing locked)."""
@@ -120,12 +149,22 @@ class TierLoads(NoTiers):
     def set_budget(self, seconds: float) -> None:
         self.loader.budget_s = seconds
 
-    def start_load(self, namespace: str, prompt: Sequence[int]) -> LoadJob | None:
+    def start_load(
+        self, namespace: str, prompt: Sequence[int], state: tuple[int, int] | None = None
+    ) -> LoadJob | None:
         start = self._matched(namespace, prompt)
-        if not self.lower.may_continue(namespace, prompt, start):
+        blocks = self.lower.may_continue(namespace, prompt, start)
+        bs = self.accounts.block_size
+        whole = len(prompt) // bs * bs
+        if state is None:
+            return self.loader.submit(namespace, tuple(prompt[:whole]), start) if blocks else None
+        after, end = state
+        if self.states is None or (not blocks and end <= after):
             return None
-        whole = len(prompt) // self.accounts.block_size * self.accounts.block_size
-        return self.loader.submit(namespace, tuple(prompt[:whole]), start)
+        wanted = WantedState(after, end, tuple(prompt))
+        return self.loader.submit(
+            namespace, tuple(prompt[:whole]), start if blocks else whole // bs, wanted=wanted
+        )
 
     def restart_load(self, job: LoadJob) -> LoadJob | None:
         """A ready job whose blocks no longer continue the memory match (memory lost some of it while
@@ -136,13 +175,49 @@ class TierLoads(NoTiers):
         if start >= job.start:
             return None
         self.loader.cancel(job)
-        return self.loader.submit(job.namespace, job.tokens, start, job.deadline)
+        return self.loader.submit(job.namespace, job.tokens, start, job.deadline, job.wanted)
 
     def cancel(self, job: LoadJob) -> None:
         self.loader.cancel(job)
 
     def take(self, job: LoadJob | None) -> list[Arrived]:
         return self.loader.take(job) if job is not None else []
+
+    def take_state(self, job: LoadJob | None) -> FoundState | None:
+        return self.loader.take_state(job) if job is not None else None
+
+    def offer_state(
+        self,
+        keys: list[bytes],
+        namespace: str,
+        tokens: Sequence[int],
+        position: int,
+        slot: int,
+        pool: StatePool,
+    ) -> None:
+        if self.states is not None:
+            states = self.states
+            self.states.offer(
+                keys, namespace, tokens, position, lambda: states.io.read_slot(self._now(pool, slot))
+            )
+
+    def write_state(self, slot: int, found: FoundState, pool: StatePool) -> bool:
+        if self.states is None:
+            return False
+        try:
+            self.states.io.write_slot(self._now(pool, slot), self.states.unpack(found.packed))
+        except ValueError:
+            # StateShapeError: never a wrong state, never a crash.
+            self.states_refused += 1
+            return False
+        return True
+
+    def _now(self, pool: StatePool, slot: int) -> int:
+        """Run the state copies logged so far, in order, so that `slot` may be read or written directly
+        (the runner runs the rest before the next forward pass, as ever); returns `slot`."""
+        assert self.states is not None
+        self.states.io.apply(pool.take_copies())
+        return slot
 
     @property
     def pending(self) -> int:
