@@ -197,10 +197,10 @@ def test_a_bad_checkpoint_value_in_redis_is_a_counted_miss(
     client = redis_server.client()
     states = [k for k in client.scan_iter(b"kvserve:*") if client.getrange(k, 0, 3) == b"KVSS"]
     assert len(states) >= 2
+    values = [client.get(k) for k in states]
     for i, key in enumerate(states):
-        value = client.get(key)
-        assert value is not None
-        other = client.get(states[(i + 1) % len(states)])
+        value, other = values[i], values[(i + 1) % len(values)]
+        assert isinstance(value, bytes) and isinstance(other, bytes)
         client.set(key, value[: len(value) // 2] if corrupt == "truncated" else other)
     client.close()
     engine = _engine(model, None, redis_server)

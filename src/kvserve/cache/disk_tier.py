@@ -26,6 +26,9 @@ file names and sizes alone; no KV is read until a request matches it. Space is k
 `capacity_bytes` by deleting the least recently stored or loaded files. Files of other models (or
 settings) may share the folder: they are indexed, and evicted, like this model's, but never found.
 
+A hybrid model's state checkpoints (tier_states.py) are files of the same form beside the blocks, with
+a magic and header of their own (STATE_MAGIC, the state layout), indexed and evicted alike.
+
 The engine thread only queues a copy of the block (`store`); one writer thread does the disk work
 (write_behind.py). A store that finds the queue over `queue_bytes` is dropped (counted): the block is
 then simply not on disk.

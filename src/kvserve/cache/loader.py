@@ -5,7 +5,8 @@ a step that admits many requests would wait for every one of them, and every str
 it. So the engine thread only asks the loader for the run of blocks that would continue a prompt's memory
 match (`submit`), and the request waits while the steps go on. The loader's threads read and verify the
 blocks into host tensors (`LowerTiers.read_run`); a later admission takes what has arrived (`take`) and
-copies it into pool blocks on the engine thread.
+copies it into pool blocks on the engine thread. A hybrid model's job then looks for the newest state
+checkpoint within the KV it reaches (tier_states.py), in the same budget, held like the blocks.
 
 Invariants:
 - The loader never touches the KV pool or the prefix tree: it holds host tensors only, and the

@@ -125,11 +125,13 @@ class KVCacheManager:
         """Before admitting `tokens`: when a lower tier may continue their memory match by a block or
         more, start reading those blocks off the engine thread and return the job. The request then
         waits until `load_ready(job)`, and `admit(..., load=job)` copies what arrived into the pool.
-        None when there is nothing to read: admit at once. Reads nothing here, locks nothing."""
+        None when there is nothing to read: admit at once. Reads nothing here, locks nothing. A hybrid
+        model's job also looks for a state checkpoint past memory's last one (tier_states.py), and is
+        started where memory's KV alone reaches past that checkpoint too."""
         if not tokens:
             return None
         prompt = tokens[: self._cache_limit(tokens, max_cached)]
-        if not self.states.enabled:
+        if not self.states.enabled or not self.tiers.enabled:
             return self.tiers.start_load(namespace, prompt)
         # A hybrid model's: a checkpoint past memory's last one is looked for too (tier_states.py).
         tree = self.prefix_cache

@@ -19,6 +19,10 @@ pipeline. A value of any other size (an old format, a value some other writer pu
 is refused without being read; one of the right size is opened. Anything that is not what this replica
 would have written under that name is refused (a warning, counted in `loads_failed`), never served.
 
+A hybrid model's state checkpoints (tier_states.py) are values of the same form under their own keys,
+with STATE_MAGIC and the state layout in the header: `find` asks for many at once (one pipelined
+EXISTS), and `load` reads the one chosen with one bounded read.
+
 Loads happen off the engine thread, on a BlockLoader's threads (loader.py): `prefetch` names the run of
 blocks that would continue a prompt's memory match, and the first `contains` of a block of that run, on
 the same thread, reads it and the next few with one pipelined read (chunks: one huge read of a long

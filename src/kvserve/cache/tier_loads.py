@@ -4,7 +4,8 @@ It joins the LowerTiers (which keys, offers, reads and lands blocks, lower_tiers
 BlockLoader that reads them off the engine thread (loader.py). The KVCacheManager asks it to start a
 load that would continue a memory match, to read a pin's blocks at once, to land what arrived into
 fresh memory blocks of a sequence (`land`: each joins the tree as if just computed), and offers it
-every newly published full block. `NoTiers` answers the same calls with nothing to read and nowhere
+every newly published full block (and a hybrid model's every new checkpoint, `offer_state`; one read
+joins the tree through `write_state`). `NoTiers` answers the same calls with nothing to read and nowhere
 to write.
 
 Invariant: the loader holds host tensors only (no pool block, no reference, no tree node is ever its),
