@@ -248,3 +248,26 @@ def test_a_checkpoint_whose_tensors_disagree_with_the_model_is_refused(
         assert tiers.states_refused == 1
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", HYBRIDS)
+def test_a_chat_s_next_turn_after_a_restart_recomputes_nothing(
+    family_model: Callable[[str], LoadedModel], tmp_path: Path, kind: str
+) -> None:
+    """Turn 2 on a restarted engine: the tiers hold turn 1's whole blocks and, with a checkpoint every
+    block, the state at their end; it resumes there, its reply that of a no-cache engine."""
+    model = family_model(kind)
+    first = _engine(model, tmp_path, None, state_checkpoint_interval=BLOCK)
+    reply = _run(first, PROMPT)[0]
+    first.close()
+    turn2 = [*PROMPT, *reply, 7, 8, 9]
+    engine = _engine(model, tmp_path, None, state_checkpoint_interval=BLOCK)
+    plain = engine_with_blocks(model, 64, BLOCK, enable_prefix_caching=False)
+    try:
+        again, cached, recomputed = _run(engine, turn2)
+        assert again == _run(plain, turn2)[0]
+        # Turn 1 computed all but its reply's last token; the tiers hold its whole blocks.
+        assert (cached, recomputed) == ((len(PROMPT) + len(reply) - 1) // BLOCK * BLOCK, 0)
+        assert engine.stats().hits_by_tier[TIER_DISK] == cached
+    finally:
+        engine.close()

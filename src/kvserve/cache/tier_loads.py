@@ -162,10 +162,9 @@ class TierLoads(NoTiers):
         after, end = state
         if self.states is None or (not blocks and end <= after):
             return None
+        # Blocks from `start` too, whatever `blocks` said (a tier may have one by the time it is read).
         wanted = WantedState(after, end, tuple(prompt))
-        return self.loader.submit(
-            namespace, tuple(prompt[:whole]), start if blocks else whole // bs, wanted=wanted
-        )
+        return self.loader.submit(namespace, tuple(prompt[:whole]), start, wanted=wanted)
 
     def restart_load(self, job: LoadJob) -> LoadJob | None:
         """A ready job whose blocks no longer continue the memory match (memory lost some of it while
