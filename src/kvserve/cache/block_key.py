@@ -20,22 +20,7 @@ STATE_TAG = b"kvserve state checkpoint"
 
 
 def chain_key(fingerprint: bytes, namespace: str, parent: bytes, tokens: Sequence[int]) -> bytes:
-    return _framed(hashlib.sha256(), fingerprint, namespace, parent, tokens)
-
-
-def state_key(
-    fingerprint: bytes, layout: bytes, namespace: str, parent: bytes, tokens: Sequence[int]
-) -> bytes:
     h = hashlib.sha256()
-    h.update(struct.pack("<II", len(STATE_TAG), len(layout)))
-    h.update(STATE_TAG)
-    h.update(layout)
-    return _framed(h, fingerprint, namespace, parent, tokens)
-
-
-def _framed(
-    h: "hashlib._Hash", fingerprint: bytes, namespace: str, parent: bytes, tokens: Sequence[int]
-) -> bytes:
     ns = namespace.encode()
     h.update(struct.pack("<II", len(fingerprint), len(ns)))
     h.update(fingerprint)
@@ -43,6 +28,34 @@ def _framed(
     h.update(parent)
     h.update(struct.pack(f"<I{len(tokens)}q", len(tokens), *tokens))
     return h.digest()
+
+
+def state_key(
+    fingerprint: bytes, layout: bytes, namespace: str, parent: bytes, tokens: Sequence[int]
+) -> bytes:
+    return StateKeys(fingerprint, layout, namespace).key(parent, tokens)
+
+
+class StateKeys:
+    """`state_key` for one model, state layout and namespace: what they share is hashed once, so that
+    an admission's thousands of candidate positions cost a copy and two updates each."""
+
+    def __init__(self, fingerprint: bytes, layout: bytes, namespace: str) -> None:
+        h = hashlib.sha256()
+        h.update(struct.pack("<II", len(STATE_TAG), len(layout)))
+        h.update(STATE_TAG)
+        h.update(layout)
+        ns = namespace.encode()
+        h.update(struct.pack("<II", len(fingerprint), len(ns)))
+        h.update(fingerprint)
+        h.update(ns)
+        self._base = h
+
+    def key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
+        h = self._base.copy()
+        h.update(parent)
+        h.update(struct.pack(f"<I{len(tokens)}q", len(tokens), *tokens))
+        return h.digest()
 
 
 def record_key(

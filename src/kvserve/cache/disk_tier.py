@@ -172,7 +172,10 @@ class DiskTier(WriteBehindTier):
         return self._writes.holds(key)
 
     def find(self, keys: Sequence[bytes]) -> int | None:
-        return next((i for i, key in enumerate(keys) if self.contains(key)), None)
+        with self._lock:
+            indexed = next((i for i, key in enumerate(keys) if key in self._index), None)
+        queued = self._writes.first(keys if indexed is None else keys[:indexed])
+        return indexed if queued is None else queued
 
     def store(self, record: BlockRecord, kv: torch.Tensor) -> None:
         with self._lock:

@@ -342,21 +342,20 @@ class RedisTier(WriteBehindTier):
 
     def find(self, keys: Sequence[bytes]) -> int | None:
         """One pipelined EXISTS of the keys' names (a miss while down or when it fails)."""
-        for i, key in enumerate(keys):
-            if self._writes.holds(key):
-                return i
-        if not self._available() or not keys:
-            return None
+        queued = self._writes.first(keys)
+        asked = keys if queued is None else keys[:queued]
+        if not self._available() or not asked:
+            return queued
         try:
             pipe = self._client.pipeline(transaction=False)
-            for key in keys:
+            for key in asked:
                 pipe.exists(self.redis_key(key))
             replies = pipe.execute()
         except redis.RedisError as e:
-            self._failed(f"looking up {len(keys)} state checkpoints", e)
-            return None
+            self._failed(f"looking up {len(asked)} state checkpoints", e)
+            return queued
         self._succeeded()
-        return next((i for i, held in enumerate(replies) if held), None)
+        return next((i for i, held in enumerate(replies) if held), queued)
 
     def _load_state(
         self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype

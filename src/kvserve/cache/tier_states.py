@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.block_key import ROOT, state_key
+from kvserve.cache.block_key import ROOT, StateKeys
 from kvserve.cache.lower_tiers import LowerTiers
 from kvserve.cache.tiers import BlockRecord, StateIO
 
@@ -69,16 +69,21 @@ class TierStates:
         ]
         self.num_bytes = sum(dtype.itemsize * _numel(shape) for shape, dtype in self._tensors)
 
-    def record(self, keys: list[bytes], namespace: str, tokens: Sequence[int], position: int) -> BlockRecord:
-        """The record of the checkpoint after `tokens[:position]`; `keys` are the prefix's chain keys so
-        far (extended as needed)."""
+    def records(
+        self, keys: list[bytes], namespace: str, tokens: Sequence[int], positions: Sequence[int]
+    ) -> list[BlockRecord]:
+        """The records of the checkpoints after `tokens[:p]` for each p of `positions`; `keys` are the
+        prefix's chain keys so far (extended as needed)."""
         bs = self.lower.block_size
-        full = position // bs
-        self.lower.extend_keys(keys, namespace, tokens, full)
-        parent = keys[full - 1] if full else ROOT
-        rest = tuple(tokens[full * bs : position])
-        key = state_key(self.lower.fingerprint, self.layout, namespace, parent, rest)
-        return BlockRecord(key, parent, namespace, rest, self.layout)
+        state_keys = StateKeys(self.lower.fingerprint, self.layout, namespace)
+        self.lower.extend_keys(keys, namespace, tokens, max(positions, default=0) // bs)
+        out = []
+        for position in positions:
+            full = position // bs
+            parent = keys[full - 1] if full else ROOT
+            rest = tuple(tokens[full * bs : position])
+            out.append(BlockRecord(state_keys.key(parent, rest), parent, namespace, rest, self.layout))
+        return out
 
     def offer(
         self,
@@ -90,7 +95,7 @@ class TierStates:
     ) -> None:
         """The checkpoint after `tokens[:position]` joined the tree: every tier that lacks it gets a copy
         (written behind); `read()` gives the slot's state, called only if one does."""
-        record = self.record(keys, namespace, tokens, position)
+        (record,) = self.records(keys, namespace, tokens, [position])
         missing = [t for t in self.lower.tiers if not t.contains(record.key)]
         if missing:
             packed = self.pack(read())
@@ -105,8 +110,7 @@ class TierStates:
         low = max(after + 1, end - MAX_STATE_PROBES + 1, 1)
         if end < low:
             return None
-        keys: list[bytes] = []
-        records = [self.record(keys, namespace, tokens, p) for p in range(low, end + 1)][::-1]
+        records = self.records([], namespace, tokens, range(end, low - 1, -1))
         names = [r.key for r in records]
         found = []
         for tier in self.lower.tiers:
