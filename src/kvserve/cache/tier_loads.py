@@ -12,6 +12,7 @@ Invariant: the loader holds host tensors only (no pool block, no reference, no t
 and a block read from a tier is verified there before it is landed.
 """
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -24,6 +25,9 @@ from kvserve.cache.sequence_blocks import SequenceBlocks
 from kvserve.cache.state_pool import StatePool
 from kvserve.cache.tier_states import FoundState, TierStates, WantedState
 from kvserve.cache.tiers import TIER_MEMORY, Arrived, TierUsage
+from kvserve.model.recurrent import StateShapeError
+
+log = logging.getLogger("kvserve.cache")
 
 
 class NoTiers:
@@ -206,9 +210,10 @@ class TierLoads(NoTiers):
             return False
         try:
             self.states.io.write_slot(self._now(pool, slot), self.states.unpack(found.packed))
-        except ValueError:
-            # StateShapeError: never a wrong state, never a crash.
+        except StateShapeError as e:
+            # Never a wrong state, never a crash: a miss.
             self.states_refused += 1
+            log.warning("a state checkpoint read from %s was refused (%s); recomputed", found.tier, e)
             return False
         return True
 
