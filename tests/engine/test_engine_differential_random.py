@@ -338,7 +338,8 @@ def test_hybrid_model_matches_a_no_cache_engine(
     case: Case,
 ) -> None:
     """LFM2's hybrid (recurrent state beside attention): state checkpoints at every interval drawn,
-    tiny checkpoint pools that evict, speculation on and off, lower tiers (which a hybrid's hits skip)."""
+    tiny checkpoint pools that evict, speculation on and off, lower tiers (which carry checkpoints too:
+    with memory dropped every few steps, most hits resume from a checkpoint read back from a tier)."""
     check_case(family_model("lfm2-hybrid"), family_references("lfm2-hybrid"), redis_session, case)
 
 

@@ -26,6 +26,9 @@ file names and sizes alone; no KV is read until a request matches it. Space is k
 `capacity_bytes` by deleting the least recently stored or loaded files. Files of other models (or
 settings) may share the folder: they are indexed, and evicted, like this model's, but never found.
 
+A hybrid model's state checkpoints (tier_states.py) are files of the same form beside the blocks, with
+a magic and header of their own (STATE_MAGIC, the state layout), indexed and evicted alike.
+
 The engine thread only queues a copy of the block (`store`); one writer thread does the disk work
 (write_behind.py). A store that finds the queue over `queue_bytes` is dropped (counted): the block is
 then simply not on disk.
@@ -39,10 +42,11 @@ import stat
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
-from kvserve.cache.block_key import chain_key
+from kvserve.cache.block_key import record_key
 from kvserve.cache.block_seal import BlockSeal, sealed_size
 from kvserve.cache.tiers import TIER_DISK, BlockRecord
 from kvserve.cache.write_behind import Block, WriteBehindTier, payload_bytes
@@ -51,6 +55,8 @@ from kvserve.private_files import open_private_file, private_dir
 log = logging.getLogger("kvserve.cache")
 
 MAGIC = b"KVSBLOCK"
+# A hybrid model's state checkpoint (tier_states.py): the same file format, a magic and header of its own.
+STATE_MAGIC = b"KVSSTATE"
 # 3: sealed (AES-256-GCM); 2 was MAC'd, its files are refused (their size and header differ).
 VERSION = 3
 _SUFFIX = ".kv"
@@ -65,15 +71,24 @@ class CorruptBlock(Exception):
     """A block file that must not be served; the message says why."""
 
 
-def file_layout(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
+def file_layout(shape: tuple[int, ...], dtype: torch.dtype, layout: bytes | None = None) -> tuple[bytes, int]:
     """(MAGIC, the header's length and the header; the payload's size) of every file of blocks of this
-    shape and dtype: a file's first bytes are known before it is read."""
+    shape and dtype (of state checkpoints of this `layout`, with STATE_MAGIC): a file's first bytes are
+    known before it is read."""
     payload_bytes = dtype.itemsize
     for d in shape:
         payload_bytes *= d
-    header = {"version": VERSION, "dtype": str(dtype), "shape": list(shape), "payload_bytes": payload_bytes}
+    header: dict[str, object] = {
+        "version": VERSION,
+        "dtype": str(dtype),
+        "shape": list(shape),
+        "payload_bytes": payload_bytes,
+    }
+    if layout is not None:
+        header["layout"] = layout.hex()
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + len(encoded).to_bytes(_LENGTH_BYTES, "little") + encoded, payload_bytes
+    magic = MAGIC if layout is None else STATE_MAGIC
+    return magic + len(encoded).to_bytes(_LENGTH_BYTES, "little") + encoded, payload_bytes
 
 
 class DiskTier(WriteBehindTier):
@@ -156,6 +171,12 @@ class DiskTier(WriteBehindTier):
                 return True
         return self._writes.holds(key)
 
+    def find(self, keys: Sequence[bytes]) -> int | None:
+        with self._lock:
+            indexed = next((i for i, key in enumerate(keys) if key in self._index), None)
+        queued = self._writes.first(keys if indexed is None else keys[:indexed])
+        return indexed if queued is None else queued
+
     def store(self, record: BlockRecord, kv: torch.Tensor) -> None:
         with self._lock:
             if record.key in self._index:
@@ -190,9 +211,10 @@ class DiskTier(WriteBehindTier):
         self.load_latency.observe(time.monotonic() - started)
 
     def _read(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if chain_key(self.fingerprint, record.namespace, record.parent, record.tokens) != record.key:
+        r = record
+        if record_key(self.fingerprint, r.namespace, r.parent, r.tokens, r.layout) != r.key:
             raise CorruptBlock("the key does not match the block's tokens")
-        head, payload_bytes = file_layout(shape, dtype)
+        head, payload_bytes = file_layout(shape, dtype, record.layout)
         size = sealed_size(head, payload_bytes)
         fd = open_private_file(self._path(record.key))
         try:
@@ -225,7 +247,7 @@ class DiskTier(WriteBehindTier):
     def _write(self, record: BlockRecord, kv: torch.Tensor) -> int:
         path = self._path(record.key)
         folder = private_dir(self.directory, os.path.basename(os.path.dirname(path)))
-        head, _ = file_layout(tuple(kv.shape), kv.dtype)
+        head, _ = file_layout(tuple(kv.shape), kv.dtype, record.layout)
         sealed = self._seal.seal(record.key, head, payload_bytes(kv))
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=_TMP)
         try:

@@ -5,7 +5,8 @@ a step that admits many requests would wait for every one of them, and every str
 it. So the engine thread only asks the loader for the run of blocks that would continue a prompt's memory
 match (`submit`), and the request waits while the steps go on. The loader's threads read and verify the
 blocks into host tensors (`LowerTiers.read_run`); a later admission takes what has arrived (`take`) and
-copies it into pool blocks on the engine thread.
+copies it into pool blocks on the engine thread. A hybrid model's job then looks for the newest state
+checkpoint within the KV it reaches (tier_states.py), in the same budget, held like the blocks.
 
 Invariants:
 - The loader never touches the KV pool or the prefix tree: it holds host tensors only, and the
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.cache.lower_tiers import LowerTiers
+from kvserve.cache.tier_states import FoundState, TierStates, WantedState
 from kvserve.cache.tiers import Arrived
 
 log = logging.getLogger("kvserve.cache")
@@ -66,6 +68,10 @@ class LoadJob:
     over: bool = False
     # When its reader finished (None: still reading): past the deadline, its budget ran out first.
     done_at: float | None = None
+    # A hybrid model's admission: the state checkpoint it looks for once its blocks are read, and the
+    # one found (tier_states.py).
+    wanted: WantedState | None = None
+    state: FoundState | None = None
 
     @property
     def timed_out(self) -> bool:
@@ -80,11 +86,13 @@ class BlockLoader:
         self,
         lower: LowerTiers,
         *,
+        states: TierStates | None = None,
         budget_s: float = LOAD_BUDGET_S,
         max_bytes: int = LOAD_BYTES,
         threads: int = LOADER_THREADS,
     ) -> None:
         self.lower = lower
+        self.states = states
         self.budget_s = budget_s
         self.max_bytes = max_bytes
         self._cond = threading.Condition()
@@ -103,11 +111,16 @@ class BlockLoader:
     # The engine thread's side.
 
     def submit(
-        self, namespace: str, tokens: tuple[int, ...], start: int, deadline: float | None = None
+        self,
+        namespace: str,
+        tokens: tuple[int, ...],
+        start: int,
+        deadline: float | None = None,
+        wanted: WantedState | None = None,
     ) -> LoadJob:
-        """Read blocks `start..` of `tokens` until `deadline` (by default, the budget from when a loader
-        thread takes the job up)."""
-        job = LoadJob(namespace, tokens, start, deadline)
+        """Read blocks `start..` of `tokens` (then the state checkpoint `wanted`) until `deadline` (by
+        default, the budget from when a loader thread takes the job up)."""
+        job = LoadJob(namespace, tokens, start, deadline, wanted=wanted)
         with self._cond:
             self._jobs.add(job)
             self._queue.append(job)
@@ -126,6 +139,11 @@ class BlockLoader:
             self._end(job)
         return arrived
 
+    def take_state(self, job: LoadJob) -> FoundState | None:
+        """The state checkpoint found for the job (before `take`, which ends it)."""
+        with self._cond:
+            return job.state
+
     def cancel(self, job: LoadJob) -> None:
         """The request left (aborted, finished): drop the job and what it read."""
         with self._cond:
@@ -135,6 +153,7 @@ class BlockLoader:
         """Caller holds the lock."""
         job.over = True
         job.arrived = []
+        job.state = None
         self._bytes -= job.nbytes
         job.nbytes = 0
         self._jobs.discard(job)
@@ -201,6 +220,8 @@ class BlockLoader:
                         functools.partial(self._stopped, job),
                         functools.partial(self._arrive, job),
                     )
+                if job.wanted is not None and self.states is not None and not self._stopped(job):
+                    self._read_state(job, self.states, job.wanted)
             # The tiers turn their own errors into misses; anything else is the loader's bug, and must
             # not stop the thread that every later load needs.
             except Exception:
@@ -210,6 +231,21 @@ class BlockLoader:
                     job.done = True
                     job.done_at = time.monotonic()
                     self._cond.notify_all()
+
+    def _read_state(self, job: LoadJob, states: TierStates, wanted: WantedState) -> None:
+        """Look for the newest checkpoint the KV held for the job reaches (memory's, and the blocks
+        read), past memory's last one."""
+        end = max(wanted.end, (job.start + len(job.arrived)) * self.lower.block_size)
+        found = states.read(
+            job.namespace, wanted.tokens, wanted.after, end, functools.partial(self._stopped, job)
+        )
+        if found is None:
+            return
+        with self._cond:
+            if not self._stopped(job):
+                job.state = found
+                job.nbytes += _nbytes(found.packed)
+                self._bytes += _nbytes(found.packed)
 
     @classmethod
     def _stopped(cls, job: LoadJob) -> bool:

@@ -20,7 +20,16 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from kvserve.cache.block_key import ROOT, chain_key
-from kvserve.cache.tiers import Arrived, BlockIO, BlockRecord, Health, LowerTier, Prefetching, TierUsage
+from kvserve.cache.tiers import (
+    Arrived,
+    BlockIO,
+    BlockRecord,
+    Health,
+    LowerTier,
+    Prefetching,
+    StateIO,
+    TierUsage,
+)
 
 log = logging.getLogger("kvserve.cache")
 
@@ -38,9 +47,19 @@ class LoadedBlocks:
 
 
 class LowerTiers:
-    def __init__(self, tiers: Sequence[LowerTier], io: BlockIO, fingerprint: bytes, block_size: int) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[LowerTier],
+        io: BlockIO,
+        fingerprint: bytes,
+        block_size: int,
+        state_io: StateIO | None = None,
+    ) -> None:
+        """`state_io`: a hybrid model's state slots, whose checkpoints the tiers then carry too
+        (tier_states.py)."""
         self.tiers = list(tiers)
         self.io = io
+        self.state_io = state_io
         self.fingerprint = fingerprint
         self.block_size = block_size
         self._prefetching = [t for t in self.tiers if isinstance(t, Prefetching)]

@@ -50,7 +50,8 @@ from kvserve.cache.sequence_blocks import SequenceBlocks as SequenceBlocks
 from kvserve.cache.sequence_blocks import blocks_for
 from kvserve.cache.state_pool import StatePool
 from kvserve.cache.tier_loads import NoTiers, TierLoads
-from kvserve.cache.tiers import TIER_MEMORY
+from kvserve.cache.tier_states import FoundState
+from kvserve.cache.tiers import TIER_MEMORY, Arrived
 
 
 class KVCacheManager:
@@ -73,7 +74,8 @@ class KVCacheManager:
       copies have run. A checkpoint at P holds the state after exactly the tree's first P tokens of its
       path: it is made only from a live state at P, and leaves with its node. An admission's match ends
       at a checkpoint (`MatchResult.checkpoint`): the KV matched past it is recomputed and counted
-      (`Admission.recomputed`). Lower tiers carry no state: a hybrid model's hits come from memory.
+      (`Admission.recomputed`). A checkpoint that joins the tree is offered to the lower tiers, and one
+      read from them joins the tree (a slot written whole from verified bytes) before the match.
     """
 
     def __init__(
@@ -123,11 +125,19 @@ class KVCacheManager:
         """Before admitting `tokens`: when a lower tier may continue their memory match by a block or
         more, start reading those blocks off the engine thread and return the job. The request then
         waits until `load_ready(job)`, and `admit(..., load=job)` copies what arrived into the pool.
-        None when there is nothing to read: admit at once. Reads nothing here, locks nothing."""
-        if not tokens or self.states.enabled:
+        None when there is nothing to read: admit at once. Reads nothing here, locks nothing. A hybrid
+        model's job also looks for a state checkpoint past memory's last one (tier_states.py), and is
+        started where memory's KV alone reaches past that checkpoint too."""
+        if not tokens:
             return None
         prompt = tokens[: self._cache_limit(tokens, max_cached)]
-        return self.tiers.start_load(namespace, prompt)
+        if not self.states.enabled or not self.tiers.enabled:
+            return self.tiers.start_load(namespace, prompt)
+        # A hybrid model's: a checkpoint past memory's last one is looked for too (tier_states.py).
+        tree = self.prefix_cache
+        after = tree.match(namespace, prompt, record_hit=False, checkpointed=True).num_tokens
+        end = tree.match(namespace, prompt, record_hit=False).num_tokens
+        return self.tiers.start_load(namespace, prompt, (after, end))
 
     def load_ready(self, job: LoadJob) -> bool:
         """Whether the job's blocks have arrived, or its budget is over (admit with what has)."""
@@ -178,16 +188,23 @@ class KVCacheManager:
         if budget < 1 or not tokens:
             raise ValueError("admission needs a positive budget and at least one token")
         accounts, bs = self.accounts, self.block_size
+        found = self.tiers.take_state(load)
         arrived = self.tiers.take(load)
         seq = SequenceBlocks(namespace)
         prompt = tokens[: self._cache_limit(tokens, max_cached)]
         states = self.states.enabled
-        match = self.prefix_cache.match(namespace, prompt, checkpointed=states)
-        accounts.hold(seq, match)
-        hits = {TIER_MEMORY: match.num_tokens}
-        if self.tiers.land(seq, prompt, arrived, hits, load):
-            # The loaded blocks are new leaves: nothing in memory continues them.
-            match = MatchResult(tuple(seq.blocks), len(seq.blocks) * bs)
+        if states and load is not None:
+            hits = self._land_hybrid(seq, prompt, arrived, found, load)
+            match = self.prefix_cache.match(namespace, prompt, checkpointed=True)
+            accounts.hold(seq, match)
+            hits = self._cut_hits(hits, match.num_tokens)
+        else:
+            match = self.prefix_cache.match(namespace, prompt, checkpointed=states)
+            accounts.hold(seq, match)
+            hits = {TIER_MEMORY: match.num_tokens}
+            if self.tiers.land(seq, prompt, arrived, hits, load):
+                # The loaded blocks are new leaves: nothing in memory continues them.
+                match = MatchResult(tuple(seq.blocks), len(seq.blocks) * bs)
         if match.partial_block is not None:
             accounts.hold_copy_source(seq, match)
             n = min(len(tokens) - match.num_tokens, budget)
@@ -216,6 +233,48 @@ class KVCacheManager:
             return self._live(accounts.admitted(seq, cached, n, hits), match)
         accounts.release_all(seq)
         return None
+
+    def _land_hybrid(
+        self,
+        seq: SequenceBlocks,
+        prompt: Sequence[int],
+        arrived: Sequence[Arrived],
+        found: FoundState | None,
+        load: LoadJob,
+    ) -> dict[str, int]:
+        """A hybrid model's load: the blocks read join the tree after memory's whole blocks, and the
+        checkpoint read, if newer than memory's last, joins it where the tree now holds its tokens, so
+        that the match that follows ends there. Returns the tokens held by tier, memory's first."""
+        tree, states = self.prefix_cache, self.states
+        self.accounts.hold(seq, tree.match(seq.namespace, prompt, record_hit=False, partial=False))
+        hits = {TIER_MEMORY: len(seq.blocks) * self.block_size}
+        self.tiers.land(seq, prompt, arrived, hits, load)
+        self.accounts.release_all(seq)
+        mine = tree.match(seq.namespace, prompt, record_hit=False, checkpointed=True).num_tokens
+        if found is None or found.position <= mine or not isinstance(states, StatePool):
+            return hits
+        slot = states.checkpoint()
+        if slot is None and tree.evict_checkpoint():
+            slot = states.checkpoint()
+        if slot is None:
+            self.checkpoint_misses += 1
+            return hits
+        if not self.tiers.write_state(slot, found, states) or not tree.add_checkpoint(
+            seq.namespace, prompt[: found.position], slot
+        ):
+            states.free_checkpoint(slot)
+        return hits
+
+    @staticmethod
+    def _cut_hits(hits: dict[str, int], cached: int) -> dict[str, int]:
+        """`hits` (tokens by tier, in prompt order, memory's whole blocks first) cut to the first `cached`
+        tokens; what is left (a partial block of memory's) is memory's."""
+        out = {}
+        for tier, n in hits.items():
+            out[tier] = min(n, cached)
+            cached -= out[tier]
+        out[TIER_MEMORY] += cached
+        return out
 
     def _live(self, admission: Admission, match: MatchResult) -> Admission:
         """A hybrid model's admission takes its live state slot, holding the match's checkpoint (zeros
@@ -342,6 +401,8 @@ class KVCacheManager:
                 left.append((position, slot))
             elif not self.prefix_cache.add_checkpoint(seq.namespace, tokens[:position], slot):
                 self.states.free_checkpoint(slot)
+            else:
+                self.tiers.offer_state(seq.keys, seq.namespace, tokens, position, slot, self.states)
         seq.pending = left
 
     def _release_states(self, seq: SequenceBlocks, tokens: Sequence[int], num_computed: int) -> None:

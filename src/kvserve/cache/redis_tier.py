@@ -19,6 +19,10 @@ pipeline. A value of any other size (an old format, a value some other writer pu
 is refused without being read; one of the right size is opened. Anything that is not what this replica
 would have written under that name is refused (a warning, counted in `loads_failed`), never served.
 
+A hybrid model's state checkpoints (tier_states.py) are values of the same form under their own keys,
+with STATE_MAGIC and the state layout in the header: `find` asks for many at once (one pipelined
+EXISTS), and `load` reads the one chosen with one bounded read.
+
 Loads happen off the engine thread, on a BlockLoader's threads (loader.py): `prefetch` names the run of
 blocks that would continue a prompt's memory match, and the first `contains` of a block of that run, on
 the same thread, reads it and the next few with one pipelined read (chunks: one huge read of a long
@@ -60,6 +64,8 @@ from kvserve.secret import REDIS_KEY_NAMES_PURPOSE, REDIS_VALUE_SEAL_PURPOSE, de
 log = logging.getLogger("kvserve.cache")
 
 MAGIC = b"KVSR"
+# A hybrid model's state checkpoint (tier_states.py): a magic of its own, the layout after the shape.
+STATE_MAGIC = b"KVSS"
 # 2: sealed (AES-256-GCM); 1 was MAC'd, its values are refused (their size and header differ).
 VERSION = 2
 KEY_PREFIX = b"kvserve:"
@@ -73,15 +79,17 @@ MIN_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 
 
-def value_header(shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
-    """The clear header of every value of blocks of this shape and dtype."""
+def value_header(shape: tuple[int, ...], dtype: torch.dtype, layout: bytes | None = None) -> bytes:
+    """The clear header of every value of blocks of this shape and dtype (of state checkpoints of this
+    `layout`)."""
     dtype_name = str(dtype).encode()
     return (
-        MAGIC
+        (MAGIC if layout is None else STATE_MAGIC)
         + bytes([VERSION, len(dtype_name)])
         + dtype_name
         + bytes([len(shape)])
         + struct.pack(f"<{len(shape)}I", *shape)
+        + (layout or b"")
     )
 
 
@@ -216,17 +224,25 @@ class RedisTier(WriteBehindTier):
     # Values.
 
     def encode(self, record: BlockRecord, kv: torch.Tensor) -> bytearray:
-        header = value_header(tuple(kv.shape), kv.dtype)
+        header = value_header(tuple(kv.shape), kv.dtype, record.layout)
         return self._seal.seal(self.redis_key(record.key), header, payload_bytes(kv))
 
-    def value_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    def value_size(self, shape: tuple[int, ...], dtype: torch.dtype, layout: bytes | None = None) -> int:
         """The size of every value of a block of this shape and dtype: no other size is ever read."""
-        return sealed_size(value_header(shape, dtype), _payload_size(shape, dtype))
+        return sealed_size(value_header(shape, dtype, layout), _payload_size(shape, dtype))
 
-    def decode(self, name: bytes, value: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The block's KV from a value read under `name`; raises Unsealable unless it is exactly what this
-        replica would have written there."""
-        payload = self._seal.open(name, value_header(shape, dtype), value, _payload_size(shape, dtype))
+    def decode(
+        self,
+        name: bytes,
+        value: bytes,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        layout: bytes | None = None,
+    ) -> torch.Tensor:
+        """The block's KV (a state checkpoint's bytes, with its `layout`) from a value read under `name`;
+        raises Unsealable unless it is exactly what this replica would have written there."""
+        header = value_header(shape, dtype, layout)
+        payload = self._seal.open(name, header, value, _payload_size(shape, dtype))
         return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
 
     # LowerTier.
@@ -324,10 +340,56 @@ class RedisTier(WriteBehindTier):
                 values.append(value)
         return values
 
+    def find(self, keys: Sequence[bytes]) -> int | None:
+        """One pipelined EXISTS of the keys' names (a miss while down or when it fails)."""
+        queued = self._writes.first(keys)
+        asked = keys if queued is None else keys[:queued]
+        if not self._available() or not asked:
+            return queued
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in asked:
+                pipe.exists(self.redis_key(key))
+            replies = pipe.execute()
+        except redis.RedisError as e:
+            self._failed(f"looking up {len(asked)} state checkpoints", e)
+            return queued
+        self._succeeded()
+        return next((i for i, held in enumerate(replies) if held), queued)
+
+    def _load_state(
+        self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """A state checkpoint, read now with one bounded read (it is not part of a run of blocks)."""
+        if not self._available():
+            return None
+        name = self.redis_key(record.key)
+        try:
+            (value,) = self._read_bounded([name], self.value_size(shape, dtype, record.layout))
+        except redis.RedisError as e:
+            self._failed("reading a state checkpoint", e)
+            return None
+        self._succeeded()
+        if value is None:
+            with self._lock:
+                self.misses += 1
+            return None
+        try:
+            if isinstance(value, Unsealable):
+                raise value
+            return self.decode(name, value, shape, dtype, record.layout)
+        except Unsealable as e:
+            with self._lock:
+                self.loads_failed += 1
+            self._log.warning("bad value", "refused state %s (%s); it will be recomputed", name[8:24], e)
+            return None
+
     def load(self, record: BlockRecord, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         kv = self._run().staged.pop(record.key, None)
         if kv is None:
             kv = self._queued_copy(record, shape, dtype)
+        if kv is None and record.layout is not None:
+            kv = self._load_state(record, shape, dtype)
         if kv is None or tuple(kv.shape) != shape or kv.dtype != dtype:
             return None
         with self._lock:

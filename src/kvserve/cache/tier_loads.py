@@ -4,13 +4,15 @@ It joins the LowerTiers (which keys, offers, reads and lands blocks, lower_tiers
 BlockLoader that reads them off the engine thread (loader.py). The KVCacheManager asks it to start a
 load that would continue a memory match, to read a pin's blocks at once, to land what arrived into
 fresh memory blocks of a sequence (`land`: each joins the tree as if just computed), and offers it
-every newly published full block. `NoTiers` answers the same calls with nothing to read and nowhere
+every newly published full block (and a hybrid model's every new checkpoint, `offer_state`; one read
+joins the tree through `write_state`). `NoTiers` answers the same calls with nothing to read and nowhere
 to write.
 
 Invariant: the loader holds host tensors only (no pool block, no reference, no tree node is ever its),
 and a block read from a tier is verified there before it is landed.
 """
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -20,7 +22,12 @@ from kvserve.cache.accounting import BlockAccounts
 from kvserve.cache.loader import LOAD_BUDGET_S, BlockLoader, LoadJob
 from kvserve.cache.lower_tiers import LowerTiers
 from kvserve.cache.sequence_blocks import SequenceBlocks
+from kvserve.cache.state_pool import StatePool
+from kvserve.cache.tier_states import FoundState, TierStates, WantedState
 from kvserve.cache.tiers import TIER_MEMORY, Arrived, TierUsage
+from kvserve.model.recurrent import StateShapeError
+
+log = logging.getLogger("kvserve.cache")
 
 
 class NoTiers:
@@ -31,9 +38,12 @@ class NoTiers:
     def set_budget(self, seconds: float) -> None:
         """How long a request waits at most for blocks read from the tiers (tests change it)."""
 
-    def start_load(self, namespace: str, prompt: Sequence[int]) -> LoadJob | None:
+    def start_load(
+        self, namespace: str, prompt: Sequence[int], state: tuple[int, int] | None = None
+    ) -> LoadJob | None:
         """A job reading the blocks of `prompt` past its memory match that a tier may hold, or None:
-        nothing to read."""
+        nothing to read. `state` (a hybrid model's): (memory's last checkpoint, the end of the KV memory
+        holds); the job then also looks for a checkpoint past the first, within the KV it reaches."""
         return None
 
     @staticmethod
@@ -51,6 +61,10 @@ class NoTiers:
     def take(self, job: LoadJob | None) -> list[Arrived]:
         """The blocks that arrived for `job`; the job is over."""
         return []
+
+    def take_state(self, job: LoadJob | None) -> FoundState | None:
+        """The state checkpoint found for `job` (before `take`)."""
+        return None
 
     @property
     def pending(self) -> int:
@@ -89,6 +103,23 @@ class NoTiers:
     ) -> None:
         """Blocks `start..` of `blocks` were just computed: every tier that lacks one gets a copy."""
 
+    def offer_state(
+        self,
+        keys: list[bytes],
+        namespace: str,
+        tokens: Sequence[int],
+        position: int,
+        slot: int,
+        pool: StatePool,
+    ) -> None:
+        """The checkpoint in `slot` (after `tokens[:position]`) joined the tree: every tier that lacks it
+        gets a copy."""
+
+    def write_state(self, slot: int, found: FoundState, pool: StatePool) -> bool:
+        """Write a checkpoint read from a tier into `slot`; False, writing nothing, where its tensors
+        disagree with the model's state."""
+        return False
+
     def usage(self) -> tuple[TierUsage, ...]:
         return ()
 
@@ -111,7 +142,10 @@ class TierLoads(NoTiers):
     def __init__(self, lower: LowerTiers, accounts: BlockAccounts, budget_s: float = LOAD_BUDGET_S) -> None:
         self.lower = lower
         self.accounts = accounts
-        self.loader = BlockLoader(lower, budget_s=budget_s)
+        self.states = TierStates(lower, lower.state_io) if lower.state_io is not None else None
+        self.loader = BlockLoader(lower, states=self.states, budget_s=budget_s)
+        # State checkpoints read from a tier whose tensors disagreed with the model's (a miss).
+        self.states_refused = 0
 
     def _matched(self, namespace: str, tokens: Sequence[int]) -> int:
         """How many whole blocks of `tokens` memory holds now (nothing locked)."""
@@ -120,12 +154,21 @@ class TierLoads(NoTiers):
     def set_budget(self, seconds: float) -> None:
         self.loader.budget_s = seconds
 
-    def start_load(self, namespace: str, prompt: Sequence[int]) -> LoadJob | None:
+    def start_load(
+        self, namespace: str, prompt: Sequence[int], state: tuple[int, int] | None = None
+    ) -> LoadJob | None:
         start = self._matched(namespace, prompt)
-        if not self.lower.may_continue(namespace, prompt, start):
+        blocks = self.lower.may_continue(namespace, prompt, start)
+        bs = self.accounts.block_size
+        whole = len(prompt) // bs * bs
+        if state is None:
+            return self.loader.submit(namespace, tuple(prompt[:whole]), start) if blocks else None
+        after, end = state
+        if self.states is None or (not blocks and end <= after):
             return None
-        whole = len(prompt) // self.accounts.block_size * self.accounts.block_size
-        return self.loader.submit(namespace, tuple(prompt[:whole]), start)
+        # Blocks from `start` too, whatever `blocks` said (a tier may have one by the time it is read).
+        wanted = WantedState(after, end, tuple(prompt))
+        return self.loader.submit(namespace, tuple(prompt[:whole]), start, wanted=wanted)
 
     def restart_load(self, job: LoadJob) -> LoadJob | None:
         """A ready job whose blocks no longer continue the memory match (memory lost some of it while
@@ -136,13 +179,50 @@ class TierLoads(NoTiers):
         if start >= job.start:
             return None
         self.loader.cancel(job)
-        return self.loader.submit(job.namespace, job.tokens, start, job.deadline)
+        return self.loader.submit(job.namespace, job.tokens, start, job.deadline, job.wanted)
 
     def cancel(self, job: LoadJob) -> None:
         self.loader.cancel(job)
 
     def take(self, job: LoadJob | None) -> list[Arrived]:
         return self.loader.take(job) if job is not None else []
+
+    def take_state(self, job: LoadJob | None) -> FoundState | None:
+        return self.loader.take_state(job) if job is not None else None
+
+    def offer_state(
+        self,
+        keys: list[bytes],
+        namespace: str,
+        tokens: Sequence[int],
+        position: int,
+        slot: int,
+        pool: StatePool,
+    ) -> None:
+        if self.states is not None:
+            states = self.states
+            self.states.offer(
+                keys, namespace, tokens, position, lambda: states.io.read_slot(self._now(pool, slot))
+            )
+
+    def write_state(self, slot: int, found: FoundState, pool: StatePool) -> bool:
+        if self.states is None:
+            return False
+        try:
+            self.states.io.write_slot(self._now(pool, slot), self.states.unpack(found.packed))
+        except StateShapeError as e:
+            # Never a wrong state, never a crash: a miss.
+            self.states_refused += 1
+            log.warning("a state checkpoint read from %s was refused (%s); recomputed", found.tier, e)
+            return False
+        return True
+
+    def _now(self, pool: StatePool, slot: int) -> int:
+        """Run the state copies logged so far, in order, so that `slot` may be read or written directly
+        (the runner runs the rest before the next forward pass, as ever); returns `slot`."""
+        assert self.states is not None
+        self.states.io.apply(pool.take_copies())
+        return slot
 
     @property
     def pending(self) -> int:

@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvserve.model.recurrent import StateSpec
+
 # Every tier's name, once: hit counters, metrics labels and `GET /v1/cache` all show these.
 TIER_MEMORY = "memory"
 TIER_DISK = "disk"
@@ -38,6 +40,10 @@ class BlockRecord:
     parent: bytes
     namespace: str
     tokens: tuple[int, ...]
+    # None: a KV block. Otherwise the value is a hybrid model's recurrent-state checkpoint after
+    # `tokens` past the parent's block (0 to block_size - 1 of them), of this state layout (a digest of
+    # its tensors' shapes and dtypes): its bytes as one flat uint8 tensor (`StateIO`'s order).
+    layout: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,11 @@ class LowerTier(Protocol):
         after dropping what it held under that key."""
         ...
 
+    def find(self, keys: Sequence[bytes]) -> int | None:
+        """The index of the first of `keys` the tier holds (or is about to), or None; a hint as
+        `contains` is, read on a loader's thread (a remote tier asks in batches)."""
+        ...
+
     def flush(self) -> None:
         """Wait until every queued store has been written (tests, shutdown)."""
         ...
@@ -160,3 +171,17 @@ class BlockIO(Protocol):
     def write_block(self, block: int, data: torch.Tensor, sliding_block: int | None = None) -> None: ...
 
     def block_shape(self) -> tuple[int, ...]: ...
+
+
+class StateIO(Protocol):
+    """A hybrid model's recurrent-state slots (the model's RecurrentState): the copies the StatePool
+    logs, run now, and one slot read or written whole, every recurrent layer's tensors in layer order
+    (`write_slot` raises, writing nothing, for a state whose tensors disagree with `specs`)."""
+
+    specs: tuple[StateSpec | None, ...]
+
+    def apply(self, copies: Sequence[tuple[int, int]]) -> None: ...
+
+    def read_slot(self, slot: int) -> list[torch.Tensor]: ...
+
+    def write_slot(self, slot: int, state: Sequence[torch.Tensor]) -> None: ...

@@ -22,7 +22,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -94,6 +94,11 @@ class WriteBehind:
     def holds(self, key: bytes) -> bool:
         with self._lock:
             return key in self._pending
+
+    def first(self, keys: Sequence[bytes]) -> int | None:
+        """The index of the first of `keys` queued, or None (one lock for them all)."""
+        with self._lock:
+            return next((i for i, key in enumerate(keys) if key in self._pending), None)
 
     def get(self, key: bytes) -> Block | None:
         """The queued block under `key` (not to be changed: clone it to use it), or None."""

@@ -275,7 +275,7 @@ def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) 
         tiers.append(DiskTier(config.kv_disk, config.kv_disk_size, fingerprint, seal_key))
     if config.kv_remote is not None:
         tiers.append(RedisTier(config.kv_remote, secret))
-    return LowerTiers(tiers, runner.kv_cache, fingerprint, config.block_size)
+    return LowerTiers(tiers, runner.kv_cache, fingerprint, config.block_size, runner.state)
 
 
 def _max_model_len(config: EngineConfig, model: LoadedModel) -> int:
