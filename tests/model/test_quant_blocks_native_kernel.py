@@ -153,8 +153,9 @@ def test_every_mxfp4_scale_and_code_dequantizes_to_the_gguf_package_values_bit_f
 @pytest.mark.parametrize("int16", [True, False])
 def test_every_path_gives_the_same_bits_and_each_row_its_bits_alone(name: str, int16: bool) -> None:
     """Both activation modes; 131 outputs (the int16 tiles' 8- and 4-output tiles and three outputs one at a
-    time, the float tiles' 32 column tiles and three outputs outside any). int16: 37 rows take three groups
-    of 16 rows (AVX-512) or six halves (AVX2), the last padded, 9 one group, 3 the one-row tiles. float32:
+    time, the float tiles' 32 column tiles and three outputs outside any). int16: 37 rows take two groups
+    of 16 rows and a half group padded from 5 (AVX-512) or four halves and a padded one (AVX2), 9 one
+    group (AVX-512) or a half and one row of the few-row tiles (AVX2), 3 the few-row tiles. float32:
     37 rows take the AVX-512 tiles (six 6-row tiles and a 1-row one) where the build has them, 9 the AVX2
     ones (eight rows, then one)."""
     qtype = ALL[name]
@@ -177,10 +178,10 @@ def test_every_path_gives_the_same_bits_and_each_row_its_bits_alone(name: str, i
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_rows_property(data: st.DataObject) -> None:
-    """Any type, width, batch and activation mode: the tiles a batch falls into (int16: one-row tiles, or
-    groups of rows padded to 16, row chunks sized to the L2 cache; float32: eight, four or one rows per
-    output, AVX-512 tiles of one to six rows, row chunks sized to the L1 cache) give the bits of the
-    portable path and of each row alone."""
+    """Any type, width, batch and activation mode: the tiles a batch falls into (int16: few-row tiles, or
+    groups of rows padded to 16, up to 4 rows past them in few-row tiles, row chunks sized to the L2
+    cache; float32: eight, four or one rows per output, AVX-512 tiles of one to six rows, row chunks
+    sized to the L1 cache) give the bits of the portable path and of each row alone."""
     qtype = ALL[data.draw(st.sampled_from(sorted(ALL)), label="type")]
     n_in = row_unit(qtype) * data.draw(st.integers(1, 60 if row_unit(qtype) == QK else 8), label="units")
     n_out = data.draw(st.integers(1, 40), label="outputs")

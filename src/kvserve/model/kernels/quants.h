@@ -12,7 +12,7 @@
  *
  * The weights are never requantized. Two orders, one per activation mode (quant_linear's `int16`):
  *
- * int16 (every row of an integer type, `--activations int16`): each row's activations are quantized per block of
+ * int16 (the default; every row of an integer type): each row's activations are quantized per block of
  * 32 (quants.c's `quantize_q16`: dx = max |x| / 32767, q = x * (32767 / max |x|) rounded to nearest even).
  * Per sub-block, the sum of weight quants times activation quants over the 32 (over each half for the
  * split_scales types) is exact in int32, so its order is free; an output's total takes (float) that sum
