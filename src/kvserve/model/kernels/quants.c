@@ -91,45 +91,59 @@ void quantize_q16(const float *x, int64_t nb, int16_t *q, float *dx, int64_t ds)
     }
 }
 
-static float scalar_dot_q16(int type, const uint8_t *w, int64_t ns, const int16_t *xq, const float *dx,
-                            int64_t ds, const float *sx, int64_t ss)
+/* Up to Q16_FEW_ROWS int16 rows (`xs` apart) of one output, each sub-block decoded once for all of them:
+ * res[r]. */
+static void scalar_rows_q16(int type, const uint8_t *w, int64_t ns, int rows, const int16_t *xq, int64_t xs,
+                            const float *dx, const float *sx, int64_t ss, float *res)
 {
-    float acc = 0, offset = 0;
+    float acc[Q16_FEW_ROWS] = {0}, offset[Q16_FEW_ROWS] = {0};
     int8_t q[QK];
     for (int64_t s = 0; s < ns; s++) {
-        const int16_t *xb = xq + s * QK;
         sub_quants(type, w, s, q);
         float d[2], m[2];
         sub_scales(type, w, s, d, m);
-        int32_t half[2] = {0, 0};
-        for (int j = 0; j < QK; j++)
-            half[j / 16] += q[j] * xb[j];
-        if (split_scales(type)) {
-            acc = fmaf((float)half[0], d[0] * dx[s * ds], acc);
-            acc = fmaf((float)half[1], d[1] * dx[s * ds], acc);
-        } else {
-            acc = fmaf((float)(half[0] + half[1]), d[0] * dx[s * ds], acc);
-        }
-        if (has_offset(type) && split_scales(type)) {
-            offset = fmaf(m[0], sx[2 * s * ss], offset);
-            offset = fmaf(m[1], sx[(2 * s + 1) * ss], offset);
-        } else if (has_offset(type)) {
-            offset = fmaf(m[0], sx[s * ss], offset);
+        for (int r = 0; r < rows; r++) {
+            const int16_t *xb = xq + r * xs + s * QK;
+            int32_t half[2] = {0, 0};
+            for (int j = 0; j < QK; j++)
+                half[j / 16] += q[j] * xb[j];
+            const float x_scale = dx[s * ss + r];
+            if (split_scales(type)) {
+                acc[r] = fmaf((float)half[0], d[0] * x_scale, acc[r]);
+                acc[r] = fmaf((float)half[1], d[1] * x_scale, acc[r]);
+            } else {
+                acc[r] = fmaf((float)(half[0] + half[1]), d[0] * x_scale, acc[r]);
+            }
+            if (has_offset(type) && split_scales(type)) {
+                offset[r] = fmaf(m[0], sx[2 * s * ss + r], offset[r]);
+                offset[r] = fmaf(m[1], sx[(2 * s + 1) * ss + r], offset[r]);
+            } else if (has_offset(type)) {
+                offset[r] = fmaf(m[0], sx[s * ss + r], offset[r]);
+            }
         }
     }
-    return acc + offset;
+    for (int r = 0; r < rows; r++)
+        res[r] = acc[r] + offset[r];
 }
 
 void scalar_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1)
 {
-    for (int64_t t = 0; t < rows; t++)
-        for (int64_t o = o0; o < o1; o++) {
-            const uint8_t *w = row_of(p, o);
-            const float *sx = p->sx + t;
-            store(p, t, o,
-                  p->q16 ? scalar_dot_q16(p->type, w, p->ns, p->xq + t * p->n_in, p->dx + t, p->ss, sx, p->ss)
-                         : scalar_dot(p->type, w, p->ns, p->x + t * p->n_in, sx, p->ss));
+    if (p->q16) {
+        float res[Q16_FEW_ROWS];
+        for (int64_t t = 0; t < rows; t += Q16_FEW_ROWS) {
+            const int n = rows - t < Q16_FEW_ROWS ? (int)(rows - t) : Q16_FEW_ROWS;
+            for (int64_t o = o0; o < o1; o++) {
+                scalar_rows_q16(p->type, row_of(p, o), p->ns, n, p->xq + t * p->n_in, p->n_in, p->dx + t,
+                                p->sx + t, p->ss, res);
+                for (int r = 0; r < n; r++)
+                    store(p, t + r, o, res[r]);
+            }
         }
+        return;
+    }
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t o = o0; o < o1; o++)
+            store(p, t, o, scalar_dot(p->type, row_of(p, o), p->ns, p->x + t * p->n_in, p->sx + t, p->ss));
 }
 
 /* The values of ggml's dequantization, in its operations: d * q, plus the offset where the type has

@@ -12,7 +12,7 @@
  *
  * The weights are never requantized. Two orders, one per activation mode (quant_linear's `int16`):
  *
- * int16 (every row of an integer type, `--activations int16`): each row's activations are quantized per block of
+ * int16 (the default; every row of an integer type): each row's activations are quantized per block of
  * 32 (quants.c's `quantize_q16`: dx = max |x| / 32767, q = x * (32767 / max |x|) rounded to nearest even).
  * Per sub-block, the sum of weight quants times activation quants over the 32 (over each half for the
  * split_scales types) is exact in int32, so its order is free; an output's total takes (float) that sum
@@ -59,9 +59,11 @@
 #define Q16_MAX 32767.0f
 /* int16 rows are taken Q16_GROUP at a time (one row per lane) from Q16_GROUP_MIN rows on: their quants
  * are then also laid out by group (`struct product`'s xt) and the rows padded to a whole group. Fewer rows
- * take the one-row tiles. */
+ * (and up to Q16_FEW_ROWS rows past the last whole group) take the few-row tiles: Q16_FEW_ROWS rows at a
+ * time, each sub-block decoded from the file once for them. */
 #define Q16_GROUP 16
-#define Q16_GROUP_MIN 4
+#define Q16_GROUP_MIN 8
+#define Q16_FEW_ROWS 4
 
 /* A type's block: its bytes and the weights it holds (1 for the float types). */
 struct type_info {

@@ -179,16 +179,7 @@ static ALWAYS_INLINE void row_tile(int type, int cols, const uint8_t *w, size_t 
 /* ---- int16 rows (quants.c says how; quants.h the order). Each sub-block's integer sums are exact, so the
  * tiles add them in whatever order suits them; the float operations per sub-block are the portable ones. */
 
-/* The sums of eight vectors' lanes, vector c's in lane c (exact integers). */
-static ALWAYS_INLINE __m256i sum_lanes8(const __m256i v[8])
-{
-    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
-    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
-    const __m256i q = _mm256_hadd_epi32(h01, h23), r = _mm256_hadd_epi32(h45, h67);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(q, r, 0x20), _mm256_permute2x128_si256(q, r, 0x31));
-}
-
-/* Outputs of a one-row int16 tile, and of the group tiles (AVX2, AVX-512): as many as keep their sums and
+/* Outputs of a few-row int16 tile, and of the group tiles (AVX2, AVX-512): as many as keep their sums and
  * totals in registers. */
 #define Q16_ROW_COLS 8
 #define Q16_COLS 4
@@ -196,6 +187,19 @@ static ALWAYS_INLINE __m256i sum_lanes8(const __m256i v[8])
 /* Activation bytes of a chunk of rows: it is read again for every Q16_COLS outputs, so it should stay in the
  * L2 cache; its outputs' sub-blocks are widened once per chunk. */
 #define Q16_CHUNK_BYTES (1 << 20)
+
+/* int32 lanes plus the products of a's and b's int16 pairs: one vpdpwssd where the build has VNNI for
+ * 256-bit registers (AVX-VNNI, or AVX-512 VNNI with VL), else a multiply-add of pairs and an addition. */
+static ALWAYS_INLINE __m256i dot_pairs8(__m256i acc, __m256i a, __m256i b)
+{
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#elif HAVE_AVX512_VNNI && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
 
 #if HAVE_AVX512_VBMI
 /* Sub-block j's quants as 32 int16 in one register, plus `q16_bias(type)`: the byte-permute decoding's
@@ -210,20 +214,52 @@ static ALWAYS_INLINE __m512i q16_quants(int type, const uint8_t *row, int64_t j)
 }
 #endif
 
-/* One int16 row x `cols` outputs (a decode; Q16_ROW_COLS, or 1 for the last outputs), decoded from the
- * file: per sub-block each output's quants times the row's by pairs (vpmaddwd), the eight outputs' lanes
- * summed into one lane each, and their float chains side by side in one vector. res[c]. With AVX-512
- * VBMI the quants are the byte-permute decoding's, biased (quant_bias): the bias times the row's sum over
- * the sub-block (or half) is taken off the integer sums, exactly (at most 32 * 255 * 32767 < 2^31). */
-static ALWAYS_INLINE void q16_row_tile(int type, int cols, const uint8_t *w, size_t rs, int64_t ns,
-                                       const int16_t *xq, const float *dx, const float *sx, int64_t ss,
-                                       float *res)
+/* Eight vectors' lane sums, vector c's in lane c (exact integers), from h[i] = hadd(v[2i], v[2i + 1]). */
+static ALWAYS_INLINE __m256i sum_pairs8(const __m256i h[4])
+{
+    const __m256i q = _mm256_hadd_epi32(h[0], h[1]), r = _mm256_hadd_epi32(h[2], h[3]);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q, r, 0x20), _mm256_permute2x128_si256(q, r, 0x31));
+}
+
+#if HAVE_AVX512_VBMI
+/* vphaddd on 16 lanes: per 128 bits, a's adjacent pairs' sums then b's. */
+static ALWAYS_INLINE __m512i hadd16(__m512i a, __m512i b)
+{
+    const __m512 fa = _mm512_castsi512_ps(a), fb = _mm512_castsi512_ps(b);
+    return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(fa, fb, 0x88)),
+                            _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, 0xdd)));
+}
+
+/* `sum_pairs8` on eight vectors of 16 lanes, their low eight lanes (a low half's pair sums) and high eight
+ * summed apart: vector c's low sum in lane c of *lo, its high sum in lane c of *hi. */
+static ALWAYS_INLINE void sum_pairs16(const __m512i h[4], __m256i *lo, __m256i *hi)
+{
+    const __m512i q = hadd16(h[0], h[1]), r = hadd16(h[2], h[3]);
+    /* Per 128 bits, q holds vectors 0..3's partial sums, r 4..7's; the low halves' in its first two. */
+    const __m512i sum = _mm512_add_epi32(_mm512_shuffle_i32x4(q, r, 0x88), _mm512_shuffle_i32x4(q, r, 0xdd));
+    *lo = _mm512_castsi512_si256(_mm512_shuffle_i32x4(sum, sum, 0x08));
+    *hi = _mm512_castsi512_si256(_mm512_shuffle_i32x4(sum, sum, 0x0d));
+}
+#endif
+
+/* `rows` int16 rows (Q16_FEW_ROWS at most, `xs` apart) x `cols` outputs (Q16_ROW_COLS, or 1 for the last
+ * outputs), decoded from the file once for all the rows: per sub-block each output's quants times each
+ * row's by pairs, the eight outputs' lanes summed into one lane each per row (two outputs at a time, so
+ * that few sums stay live), and each row's float chains (and offset terms) side by side in one vector.
+ * res[r * Q16_ROW_COLS + c]. With AVX-512 VBMI the quants are the byte-permute decoding's, biased
+ * (quant_bias): the bias times the row's sum over the sub-block (or half) is taken off the integer sums,
+ * exactly (at most 32 * 255 * 32767 < 2^31), and the split types' two halves are summed in one 16-lane
+ * register. */
+static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
+                                        const int16_t *xq, int64_t xs, const float *dx, const float *sx,
+                                        int64_t ss, float *res)
 {
     const uint8_t *next = w + cols * rs;
     const size_t step = (cols * rs + (size_t)ns - 1) / (size_t)ns;
     const int split = split_scales(type);
-    __m256 acc = _mm256_setzero_ps();
-    float offset[Q16_ROW_COLS] = {0};
+    __m256 acc[Q16_FEW_ROWS], offset[Q16_FEW_ROWS];
+    for (int r = 0; r < rows; r++)
+        acc[r] = offset[r] = _mm256_setzero_ps();
     /* The super-block types a super-block at a time, its eight sub-blocks unrolled (their place in it a
      * constant: decode.h's bit positions and scales fold). */
     const int spb = TYPE_INFO[type].elems == QK_K ? 8 : 1;
@@ -239,74 +275,171 @@ static ALWAYS_INLINE void q16_row_tile(int type, int cols, const uint8_t *w, siz
         for (int j = 0; j < spb; j++) {
             const int64_t s = u * spb + j;
             prefetch_tile(next, s, step);
+            /* Each row's activations as two halves of 16, and (VBMI) its sums over each half, for the bias. */
+            __m256i x_lo[Q16_FEW_ROWS], x_hi[Q16_FEW_ROWS];
+            int32_t x_sum[Q16_FEW_ROWS][2];
 #if HAVE_AVX512_VBMI
-            const __m512i x16 = _mm512_loadu_si512((const void *)(xq + s * QK));
-            /* The row's sums over each half, for the bias. */
-            int32_t x_sum[2] = {0, 0};
-            if (q16_bias(type)) {
-                const __m512i pairs = _mm512_madd_epi16(x16, _mm512_set1_epi16(1));
-                x_sum[0] = _mm512_mask_reduce_add_epi32(0x00ff, pairs);
-                x_sum[1] = _mm512_mask_reduce_add_epi32(0xff00, pairs);
-            }
-#else
-            const __m256i x_lo = _mm256_loadu_si256((const __m256i *)(xq + s * QK));
-            const __m256i x_hi = _mm256_loadu_si256((const __m256i *)(xq + s * QK + 16));
+            __m512i x16[Q16_FEW_ROWS];
 #endif
-            __m256i lo[Q16_ROW_COLS], hi[Q16_ROW_COLS];
-            float d0[Q16_ROW_COLS] = {0}, d1[Q16_ROW_COLS] = {0};
-            for (int c = 0; c < Q16_ROW_COLS; c++) {
-                lo[c] = hi[c] = _mm256_setzero_si256();
-                if (c >= cols)
-                    continue;
-                const uint8_t *row = w + c * rs + u * ub;
+            for (int r = 0; r < rows; r++) {
+                const int16_t *xb = xq + r * xs + s * QK;
+                x_lo[r] = _mm256_loadu_si256((const __m256i *)xb);
+                x_hi[r] = _mm256_loadu_si256((const __m256i *)(xb + 16));
 #if HAVE_AVX512_VBMI
-                const __m512i products = _mm512_madd_epi16(q16_quants(type, row, j), x16);
-                lo[c] = _mm512_castsi512_si256(products);
-                hi[c] = _mm512_extracti64x4_epi64(products, 1);
-#else
-                __m128i q_lo, q_hi;
-                x86_quants(type, row, j, &q_lo, &q_hi);
-                lo[c] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q_lo), x_lo);
-                hi[c] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q_hi), x_hi);
-#endif
-                if (!split)
-                    lo[c] = _mm256_add_epi32(lo[c], hi[c]);
-                float d[2], m[2];
-                if (together) {
-                    const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
-                    d[0] = sd[c][k];
-                    d[1] = sd[c][k1];
-                    m[0] = sm[c][k];
-                    m[1] = sm[c][k1];
-                } else {
-                    sub_scales(type, row, j, d, m);
+                x16[r] = _mm512_loadu_si512((const void *)xb);
+                if (q16_bias(type)) {
+                    const __m512i pairs = _mm512_madd_epi16(x16[r], _mm512_set1_epi16(1));
+                    x_sum[r][0] = _mm512_mask_reduce_add_epi32(0x00ff, pairs);
+                    x_sum[r][1] = _mm512_mask_reduce_add_epi32(0xff00, pairs);
                 }
-                d0[c] = d[0];
-                d1[c] = d[1];
-                if (has_offset(type) && split)
-                    offset[c] = fmaf(m[1], sx[(2 * s + 1) * ss], fmaf(m[0], sx[2 * s * ss], offset[c]));
-                else if (has_offset(type))
-                    offset[c] = fmaf(m[0], sx[s * ss], offset[c]);
-            }
-            __m256i sum_lo = sum_lanes8(lo), sum_hi = split ? sum_lanes8(hi) : _mm256_setzero_si256();
-#if HAVE_AVX512_VBMI
-            if (q16_bias(type) && split) {
-                sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * x_sum[0]));
-                sum_hi = _mm256_sub_epi32(sum_hi, _mm256_set1_epi32(q16_bias(type) * x_sum[1]));
-            } else if (q16_bias(type)) {
-                sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * (x_sum[0] + x_sum[1])));
-            }
 #endif
-            const __m256 x_scale = _mm256_set1_ps(dx[s * ss]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lo), _mm256_mul_ps(_mm256_loadu_ps(d0), x_scale), acc);
-            if (split)
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_hi), _mm256_mul_ps(_mm256_loadu_ps(d1), x_scale), acc);
+            }
+            /* Per row, the outputs' pair sums after the first level of the lanes' sums (h: the low half, or
+             * the whole sub-block; h_hi: the high half of a split type without VBMI; h16: both halves of a
+             * split type with VBMI). */
+            __m256i h[Q16_FEW_ROWS][Q16_ROW_COLS / 2];
+#if HAVE_AVX512_VBMI
+            __m512i h16[Q16_FEW_ROWS][Q16_ROW_COLS / 2];
+#else
+            __m256i h_hi[Q16_FEW_ROWS][Q16_ROW_COLS / 2];
+#endif
+            float d0[Q16_ROW_COLS] = {0}, d1[Q16_ROW_COLS] = {0}, m0[Q16_ROW_COLS] = {0}, m1[Q16_ROW_COLS] = {0};
+            for (int c2 = 0; c2 < Q16_ROW_COLS / 2; c2++) {
+                __m256i lo[Q16_FEW_ROWS][2];
+#if HAVE_AVX512_VBMI
+                __m512i both[Q16_FEW_ROWS][2];
+#else
+                __m256i hi[Q16_FEW_ROWS][2];
+#endif
+                for (int e = 0; e < 2; e++) {
+                    const int c = 2 * c2 + e;
+                    if (c >= cols) {
+                        for (int r = 0; r < rows; r++) {
+                            lo[r][e] = _mm256_setzero_si256();
+#if HAVE_AVX512_VBMI
+                            both[r][e] = _mm512_setzero_si512();
+#else
+                            hi[r][e] = _mm256_setzero_si256();
+#endif
+                        }
+                        continue;
+                    }
+                    const uint8_t *row = w + c * rs + u * ub;
+#if HAVE_AVX512_VBMI
+                    const __m512i q = q16_quants(type, row, j);
+                    for (int r = 0; r < rows; r++) {
+                        if (split)
+                            both[r][e] = _mm512_madd_epi16(q, x16[r]);
+                        else
+                            lo[r][e] = dot_pairs8(_mm256_madd_epi16(_mm512_castsi512_si256(q), x_lo[r]),
+                                                  _mm512_extracti64x4_epi64(q, 1), x_hi[r]);
+                    }
+#else
+                    __m128i b_lo, b_hi;
+                    x86_quants(type, row, j, &b_lo, &b_hi);
+                    const __m256i q_lo = _mm256_cvtepi8_epi16(b_lo), q_hi = _mm256_cvtepi8_epi16(b_hi);
+                    for (int r = 0; r < rows; r++) {
+                        lo[r][e] = _mm256_madd_epi16(q_lo, x_lo[r]);
+                        if (split)
+                            hi[r][e] = _mm256_madd_epi16(q_hi, x_hi[r]);
+                        else
+                            lo[r][e] = dot_pairs8(lo[r][e], q_hi, x_hi[r]);
+                    }
+#endif
+                    float d[2], m[2];
+                    if (together) {
+                        const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
+                        d[0] = sd[c][k];
+                        d[1] = sd[c][k1];
+                        m[0] = sm[c][k];
+                        m[1] = sm[c][k1];
+                    } else {
+                        sub_scales(type, row, j, d, m);
+                    }
+                    d0[c] = d[0];
+                    d1[c] = d[1];
+                    m0[c] = m[0];
+                    m1[c] = m[1];
+                }
+                for (int r = 0; r < rows; r++) {
+#if HAVE_AVX512_VBMI
+                    if (split)
+                        h16[r][c2] = hadd16(both[r][0], both[r][1]);
+                    else
+                        h[r][c2] = _mm256_hadd_epi32(lo[r][0], lo[r][1]);
+#else
+                    h[r][c2] = _mm256_hadd_epi32(lo[r][0], lo[r][1]);
+                    if (split)
+                        h_hi[r][c2] = _mm256_hadd_epi32(hi[r][0], hi[r][1]);
+#endif
+                }
+            }
+            const __m256 d0v = _mm256_loadu_ps(d0), d1v = _mm256_loadu_ps(d1);
+            const __m256 m0v = _mm256_loadu_ps(m0), m1v = _mm256_loadu_ps(m1);
+            for (int r = 0; r < rows; r++) {
+                __m256i sum_lo, sum_hi = _mm256_setzero_si256();
+#if HAVE_AVX512_VBMI
+                if (split)
+                    sum_pairs16(h16[r], &sum_lo, &sum_hi);
+                else
+                    sum_lo = sum_pairs8(h[r]);
+                if (q16_bias(type) && split) {
+                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * x_sum[r][0]));
+                    sum_hi = _mm256_sub_epi32(sum_hi, _mm256_set1_epi32(q16_bias(type) * x_sum[r][1]));
+                } else if (q16_bias(type)) {
+                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * (x_sum[r][0] + x_sum[r][1])));
+                }
+#else
+                (void)x_sum;
+                sum_lo = sum_pairs8(h[r]);
+                if (split)
+                    sum_hi = sum_pairs8(h_hi[r]);
+#endif
+                const __m256 x_scale = _mm256_set1_ps(dx[s * ss + r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lo), _mm256_mul_ps(d0v, x_scale), acc[r]);
+                if (split)
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_hi), _mm256_mul_ps(d1v, x_scale), acc[r]);
+                /* Each output's offset chain in its lane: the same fused multiply-adds as one at a time. */
+                if (has_offset(type) && split) {
+                    offset[r] = _mm256_fmadd_ps(m0v, _mm256_set1_ps(sx[2 * s * ss + r]), offset[r]);
+                    offset[r] = _mm256_fmadd_ps(m1v, _mm256_set1_ps(sx[(2 * s + 1) * ss + r]), offset[r]);
+                } else if (has_offset(type)) {
+                    offset[r] = _mm256_fmadd_ps(m0v, _mm256_set1_ps(sx[s * ss + r]), offset[r]);
+                }
+            }
         }
     }
-    float lanes[Q16_ROW_COLS];
-    _mm256_storeu_ps(lanes, acc);
-    for (int c = 0; c < cols; c++)
-        res[c] = lanes[c] + offset[c];
+    for (int r = 0; r < rows; r++) {
+        float lanes[Q16_ROW_COLS], off[Q16_ROW_COLS];
+        _mm256_storeu_ps(lanes, acc[r]);
+        _mm256_storeu_ps(off, offset[r]);
+        for (int c = 0; c < cols; c++)
+            res[r * Q16_ROW_COLS + c] = lanes[c] + off[c];
+    }
+}
+
+/* `q16_rows_tile` with its rows and outputs as constants. */
+static ALWAYS_INLINE void q16_rows_of(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
+                                      const int16_t *xq, int64_t xs, const float *dx, const float *sx, int64_t ss,
+                                      float *res)
+{
+#define Q16_ROWS(R)                                                                                       \
+    do {                                                                                                 \
+        if (cols == Q16_ROW_COLS)                                                                        \
+            q16_rows_tile(type, R, Q16_ROW_COLS, w, rs, ns, xq, xs, dx, sx, ss, res);                    \
+        else                                                                                             \
+            q16_rows_tile(type, R, 1, w, rs, ns, xq, xs, dx, sx, ss, res);                               \
+    } while (0)
+    _Static_assert(Q16_FEW_ROWS == 4, "one case per row count");
+    if (rows == 1)
+        Q16_ROWS(1);
+    else if (rows == 2)
+        Q16_ROWS(2);
+    else if (rows == 3)
+        Q16_ROWS(3);
+    else
+        Q16_ROWS(4);
+#undef Q16_ROWS
 }
 
 /* `cols` outputs' sub-blocks widened to int16 once for the row groups of a chunk: output c's pair k of
@@ -321,7 +454,7 @@ static ALWAYS_INLINE void q16_widen(int type, int cols, const uint8_t *w, size_t
     const int split = split_scales(type);
     for (int c = 0; c < cols; c++)
         for (int64_t u = 0; u < ns / spb; u++) {
-            /* As in q16_row_tile: the K-quants' scales a super-block at a time. */
+            /* As in q16_rows_tile: the K-quants' scales a super-block at a time. */
             float sd[16], sm[16] = {0};
             if (together)
                 super_scales(type, w + c * rs + u * ub, sd, sm);
@@ -370,19 +503,6 @@ static ALWAYS_INLINE void q16_widen(int type, int cols, const uint8_t *w, size_t
             }                                                                                            \
         }                                                                                                \
     } while (0)
-
-/* int32 lanes plus the products of a's and b's int16 pairs: one vpdpwssd where the build has VNNI for
- * 256-bit registers (AVX-VNNI, or AVX-512 VNNI with VL), else a multiply-add of pairs and an addition. */
-static ALWAYS_INLINE __m256i dot_pairs8(__m256i acc, __m256i a, __m256i b)
-{
-#if defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#elif HAVE_AVX512_VNNI && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
 
 /* Eight int16 rows (one per lane; half a group of xt) x `cols` widened outputs: per sub-block and pair k,
  * the rows' pairs times output c's pair broadcast (dot_pairs8), added in int32; then each output's float
@@ -612,8 +732,8 @@ static ALWAYS_INLINE void wide_rows(int type, int rows, const float *buf, int64_
 
 typedef void (*tile_fn)(const uint8_t *, size_t, int64_t, const float *, int64_t, const float *, int64_t,
                         float *);
-typedef void (*q16_row_fn)(const uint8_t *, size_t, int64_t, const int16_t *, const float *, const float *,
-                           int64_t, float *);
+typedef void (*q16_rows_fn)(int, int, const uint8_t *, size_t, int64_t, const int16_t *, int64_t,
+                            const float *, const float *, int64_t, float *);
 typedef void (*q16_widen_fn)(int, const uint8_t *, size_t, int64_t, int32_t *, float *, float *);
 typedef void (*q16_group_fn)(const int32_t *, const float *, const float *, int64_t, const int32_t *,
                              const float *, const float *, int64_t, float *);
@@ -624,9 +744,10 @@ typedef void (*wide_fn)(int, const float *, int64_t, const float *, int64_t, con
 struct tiles {
     /* Float rows: eight rows of one output, four rows, one row of COL_TILE outputs, one of one. */
     tile_fn rows8, rows4, cols, one;
-    /* int16 rows: one row of Q16_ROW_COLS outputs, of one; the outputs widened; half a group of rows of
-     * Q16_COLS outputs, of one; a whole group of Q16_WIDE_COLS outputs, of one (NULL without AVX-512). */
-    q16_row_fn q16_row, q16_row_one;
+    /* int16 rows: 1..Q16_FEW_ROWS rows of Q16_ROW_COLS outputs or of one; the outputs widened; half a group
+     * of rows of Q16_COLS outputs, of one; a whole group of Q16_WIDE_COLS outputs, of one (NULL without
+     * AVX-512). */
+    q16_rows_fn q16_rows;
     q16_widen_fn q16_widen;
     q16_group_fn group8, group8_one, group16, group16_one;
     /* AVX-512: COL_TILE outputs' sub-blocks decoded into the buffer, then 1..WR rows of them
@@ -657,15 +778,11 @@ struct tiles {
         vector_tile(TYPE, 1, 1, w, rb, nb, x, xs, sx, ss, res);                                          \
     }
 #define DEFINE_Q16_TILES(NAME, TYPE)                                                                      \
-    static void NAME##_q16_row(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x, const float *dx, \
-                               const float *sx, int64_t ss, float *res)                                  \
+    static void NAME##_q16_rows(int rows, int cols, const uint8_t *w, size_t rb, int64_t nb,            \
+                                const int16_t *x, int64_t xs, const float *dx, const float *sx,           \
+                                int64_t ss, float *res)                                                   \
     {                                                                                                    \
-        q16_row_tile(TYPE, Q16_ROW_COLS, w, rb, nb, x, dx, sx, ss, res);                                 \
-    }                                                                                                    \
-    static void NAME##_q16_row_one(const uint8_t *w, size_t rb, int64_t nb, const int16_t *x,            \
-                                   const float *dx, const float *sx, int64_t ss, float *res)             \
-    {                                                                                                    \
-        q16_row_tile(TYPE, 1, w, rb, nb, x, dx, sx, ss, res);                                            \
+        q16_rows_of(TYPE, rows, cols, w, rb, nb, x, xs, dx, sx, ss, res);                                \
     }                                                                                                    \
     static void NAME##_q16_widen(int cols, const uint8_t *w, size_t rb, int64_t nb, int32_t *wb,         \
                                  float *db, float *mb)                                                   \
@@ -763,10 +880,10 @@ FOR_FLOAT_TYPES(DEFINE_WIDE_TILES)
 /* Every type's tiles, indexed by the type's id (the float types have no int16 tiles). */
 #define INTEGER_TILES(NAME, TYPE)                                                                         \
     [TYPE] = {NAME##_rows8,     NAME##_rows4,        NAME##_cols,   NAME##_one,                           \
-              NAME##_q16_row,   NAME##_q16_row_one,  NAME##_q16_widen,                                    \
+              NAME##_q16_rows,  NAME##_q16_widen,                                                     \
               NAME##_group8,    NAME##_group8_one,   Q16_WIDE_TILES_OF(NAME), WIDE_TILES_OF(NAME)},
 #define FLOAT_TILES(NAME, TYPE)                                                                           \
-    [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, NULL, NULL, NULL, NULL,  \
+    [TYPE] = {NAME##_rows8, NAME##_rows4, NAME##_cols, NAME##_one, NULL, NULL, NULL, NULL, NULL, NULL,        \
               WIDE_TILES_OF(NAME)},
 static const struct tiles TILES[TYPE_COUNT] = {FOR_INTEGER_TYPES(INTEGER_TILES) FOR_FLOAT_TYPES(FLOAT_TILES)};
 
@@ -783,29 +900,48 @@ static tile_fn row_tile_of(int type)
     }
 }
 
-/* Fewer than Q16_GROUP_MIN rows: each row across Q16_ROW_COLS outputs at a time, decoded from the file.
- * More: the rows by group (AVX-512: whole groups; AVX2: halves, the padding's skipped) across Q16_WIDE_COLS
- * or Q16_COLS outputs at a time, widened once per chunk of rows; the last outputs one at a time. */
+/* Rows [t0, t1) by the few-row tiles, Q16_FEW_ROWS at a time, across Q16_ROW_COLS outputs at a time (the
+ * last outputs one at a time). */
+static void q16_few_rows(const struct product *p, int64_t t0, int64_t t1, int64_t o0, int64_t o1)
+{
+    const struct tiles *k = &TILES[p->type];
+    const int64_t n = p->n_in;
+    float res[Q16_FEW_ROWS * Q16_ROW_COLS];
+    for (int64_t t = t0; t < t1; t += Q16_FEW_ROWS) {
+        const int rows = t1 - t < Q16_FEW_ROWS ? (int)(t1 - t) : Q16_FEW_ROWS;
+        for (int64_t o = o0; o < o1;) {
+            const int cols = o + Q16_ROW_COLS <= o1 ? Q16_ROW_COLS : 1;
+            k->q16_rows(rows, cols, row_of(p, o), p->row_bytes, p->ns, p->xq + t * n, n, p->dx + t, p->sx + t,
+                        p->ss, res);
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < cols; c++)
+                    store(p, t + r, o + c, res[r * Q16_ROW_COLS + c]);
+            o += cols;
+        }
+    }
+}
+
+/* Fewer than Q16_GROUP_MIN rows: the few-row tiles, each sub-block decoded from the file once per
+ * Q16_FEW_ROWS rows. More: the rows by group (AVX-512: whole groups; AVX2: halves, the padding's skipped)
+ * across Q16_WIDE_COLS or Q16_COLS outputs at a time, widened once per chunk of rows, the last outputs one
+ * at a time; where the rows past the last whole group (or half) are at most Q16_FEW_ROWS, they take the
+ * few-row tiles instead of a padded group (measured faster: docs/benchmarks.md). */
 void q16_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, int wide)
 {
     const struct tiles *k = &TILES[p->type];
     const int64_t ns = p->ns, n = p->n_in, ss = p->ss;
     const size_t rs = p->row_bytes;
     if (!p->xt) {
-        float res[Q16_ROW_COLS];
-        for (int64_t t = 0; t < rows; t++)
-            for (int64_t o = o0; o < o1;) {
-                const int cols = o + Q16_ROW_COLS <= o1 ? Q16_ROW_COLS : 1;
-                (cols > 1 ? k->q16_row : k->q16_row_one)(row_of(p, o), rs, ns, p->xq + t * n, p->dx + t,
-                                                          p->sx + t, ss, res);
-                for (int c = 0; c < cols; c++)
-                    store(p, t, o + c, res[c]);
-                o += cols;
-            }
+        q16_few_rows(p, 0, rows, o0, o1);
         return;
     }
     const int groups16 = wide && k->group16 != NULL;
     const int most = groups16 ? Q16_WIDE_COLS : Q16_COLS;
+    const int64_t rest = rows % (groups16 ? Q16_GROUP : Q16_GROUP / 2);
+    if (rest <= Q16_FEW_ROWS) {
+        q16_few_rows(p, rows - rest, rows, o0, o1);
+        rows -= rest;
+    }
     int32_t *wb = malloc(sizeof(int32_t) * (size_t)(most * n / 2) + sizeof(float) * (size_t)(4 * most * ns));
     if (!wb) {
         scalar_range(p, rows, o0, o1);
