@@ -236,7 +236,7 @@ class NativeDecoder:
         for t in layer.state:
             if t.dtype != torch.float32 or not t.is_contiguous():
                 raise KernelUnavailableError("the native decoder updates contiguous float32 states")
-        struct.mixer = native
+        struct.mixer = native.struct
         struct.conv_state = layer.state[0].data_ptr()
         if isinstance(mixer, ShortConv):
             struct.qkv, struct.o = _qlinear(mixer.in_proj), _qlinear(mixer.out_proj)

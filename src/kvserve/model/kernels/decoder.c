@@ -7,13 +7,18 @@
  * cos - x2 * sin, x2 * cos + x1 * sin, each product rounded: no contraction in this library); the K/V
  * write into the layer's paged cache (float32, rounded to float16 to nearest even as torch rounds, or
  * quantized to q8_0 as kv_quant.py does); the attention kernel over the layer's group (called through
- * the pointer the caller passes, from the attention library), with the layer's window; the o product plus
+ * the pointer the caller passes, from the attention library), with the layer's window and sinks; the
+ * output gate (gate_rows) where the layer has one; the o product plus
  * the residual, or, with a post-attention norm, the residual plus the normed product; rms_norm_rows; the
  * MLP: the gate product with silu or gelu(tanh) (gelu_tanh_rows, which the per-op path calls too), the up
  * product times it, the down product plus the residual (or plus its normed output); or the experts
  * (moe_route, then each chosen expert on the rows that chose it, weighted, summed by rank, plus the
- * residual). So a row's bits are those of the per-op path, and as batch-invariant. What it saves is the
- * per-op calls between the products. */
+ * residual), with a router bias, the clamped SwiGLU or a shared expert where the layer has them. A
+ * recurrent layer runs its input products, mixer_rows (the one-row step both paths call: the convolution
+ * over the slot's window, LFM2's gates or the DeltaNet's l2 norms, gates, delta rule and gated norm, the
+ * slot updated in place) and its out product plus the residual. So a row's bits are those of the per-op
+ * path, and as batch-invariant. Everything here is plain C, each sum in a fixed order: the same bits on
+ * every machine. What it saves is the per-op calls between the products. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -242,7 +247,8 @@ int mixer_rows(const struct mixer *mx, float *conv_state, float *delta_state, co
             const float *bcx = in + t * 3 * ch;
             float *window = conv_state + slots[t] * ch * held;
             for (int64_t c = 0; c < ch; c++) {
-                float conv = conv_step(window + c * held, mx->conv + c * mx->kernel, mx->kernel, bcx[c] * bcx[2 * ch + c]);
+                const float bx = bcx[c] * bcx[2 * ch + c];
+                float conv = conv_step(window + c * held, mx->conv + c * mx->kernel, mx->kernel, bx);
                 if (mx->conv_bias)
                     conv = conv + mx->conv_bias[c];
                 out[t * ch + c] = bcx[ch + c] * conv;
