@@ -230,13 +230,12 @@ class NativeDecoder:
         if mixer is None:
             struct.qkv, struct.o = _qlinear(layer.qkv), _qlinear(layer.o)
             return
-        native = getattr(mixer, "native", None)
-        if native is None or not isinstance(mixer, (ShortConv, GatedDeltaNet)):
+        if not isinstance(mixer, (ShortConv, GatedDeltaNet)) or mixer.native is None:
             raise KernelUnavailableError(f"the native decoder has no native {type(mixer).__name__} step")
         for t in layer.state:
             if t.dtype != torch.float32 or not t.is_contiguous():
                 raise KernelUnavailableError("the native decoder updates contiguous float32 states")
-        struct.mixer = native.struct
+        struct.mixer = mixer.native.struct
         struct.conv_state = layer.state[0].data_ptr()
         if isinstance(mixer, ShortConv):
             struct.qkv, struct.o = _qlinear(mixer.in_proj), _qlinear(mixer.out_proj)
