@@ -132,7 +132,7 @@ def test_the_gguf_embedding_reads_the_files_blocks_with_the_float_rows_values(
     assert torch.equal(transformer.embedding(ids), expected)
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "phi3", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "phi3", "gemma3", "gpt_oss")
 CONFIG_SEEDS = list(range(int(os.environ.get("KVSERVE_DECODER_CONFIGS", "1"))))
 VOCAB = 512
 
@@ -183,6 +183,14 @@ def random_config(family: str, seed: int) -> dict[str, Any]:
                 "short_factor": [1.0 + i / 4 for i in range(rotary // 2)],
                 "long_factor": [1.5 + i for i in range(rotary // 2)],
             },
+        )
+    elif family == "gpt_oss":
+        # Sinks, alternating sliding layers, the router's bias, the clamped SwiGLU (a limit that bites).
+        config.update(
+            sliding_window=window,
+            num_local_experts=rng.choice([4, 6]),
+            num_experts_per_tok=3 if seed == 0 else rng.choice([2, 3]),
+            swiglu_limit=1.5,
         )
     elif family == "gemma3":
         types = ["sliding_attention", "full_attention"] * layers

@@ -5,6 +5,8 @@ q and k RMS-normed per head, then partial rope (`ModelConfig.partial_rotary_fact
 of each head rotate; rope.apply_rotary passes the rest through).
 """
 
+import ctypes
+
 import torch
 
 from kvserve.model.linear import Linear
@@ -44,6 +46,11 @@ def split_gated_qkv(
     return qk, v, gate
 
 
-def gate_output(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The attention output [T, heads * head_dim] times sigmoid(gate), in place where attn allows it."""
-    return attn.mul_(torch.sigmoid(gate))
+def gate_output(attn: torch.Tensor, gate: torch.Tensor, native: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The attention output [T, heads * head_dim] times sigmoid(gate), in place where attn allows it;
+    through `native`'s `gate_rows` (the native decoder's own) for float32 rows where given."""
+    if native is None or attn.dtype != torch.float32:
+        return attn.mul_(torch.sigmoid(gate))
+    out, gate = attn.contiguous(), gate.contiguous()
+    native.gate_rows(out.data_ptr(), gate.data_ptr(), out.numel())
+    return out

@@ -23,7 +23,9 @@ A strictly lower triangular: U = (I + A)^-1 V_beta - (I + A)^-1 W S0, and then
   o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t . k_s) u_s,
   S_end = exp(G_end) S0 + sum_s exp(G_end - G_s) k_s u_s^T.
 Every exponent is of a decay summed forwards (<= 0), so nothing overflows. A one-row sequence (a decode)
-takes the recurrence itself, in place on its slot of the pool (no copy of its state).
+takes the recurrence itself, in place on its slot of the pool (no copy of its state); where the products
+are native, the native step (kvserve.model.native_mixer: convolution, gates, delta rule and gated norm in
+one call), the one the native decoder runs, so both paths give it the same bits.
 
 A sequence's rows and state are the same bits alone or in any batch, where the products are (the native
 block products are): each longer sequence is chunked on its own, each decode stepped on its own (calls of
@@ -38,9 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.kernel_abi import MIXER_KINDS, MixerStruct
 from kvserve.model.linear import Linear
+from kvserve.model.native_mixer import NativeStep, mix, native_library
 from kvserve.model.recurrent import SequenceRows, StateSpec
-from kvserve.model.spec import GatedDeltaNetConfig, ModelConfig
+from kvserve.model.spec import MIXER_GATED_DELTANET, GatedDeltaNetConfig, ModelConfig
 from kvserve.model.weights import ModelWeights, Rows
 
 CHUNK = 64
@@ -111,8 +115,28 @@ class GatedDeltaNet:
         self.conv = conv.float().contiguous()
         self.decay = decay.float()
         self.dt_bias = dt_bias.float()
-        self.norm = norm.float()
+        self.norm = norm.float().contiguous()
         self.spec = deltanet_state_spec(c)
+        small = [self.conv, self.decay, self.dt_bias, self.norm]
+        lib = native_library([qkv, z, b, a, out], small)
+        self.native: NativeStep | None = None
+        if lib is not None:
+            self.decay, self.dt_bias = self.decay.contiguous(), self.dt_bias.contiguous()
+            struct = MixerStruct(
+                kind=MIXER_KINDS[MIXER_GATED_DELTANET],
+                channels=c.conv_dim,
+                kernel=c.conv_kernel,
+                k_heads=c.num_k_heads,
+                v_heads=c.num_v_heads,
+                k_dim=c.k_head_dim,
+                v_dim=c.v_head_dim,
+                tiled=int(c.v_heads_tiled),
+                eps=eps,
+            )
+            struct.conv = self.conv.data_ptr()
+            struct.decay, struct.dt_bias = self.decay.data_ptr(), self.dt_bias.data_ptr()
+            struct.norm = self.norm.data_ptr()
+            self.native = NativeStep(lib, struct)
 
     def forward(self, x: torch.Tensor, rows: SequenceRows, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; each sequence's slots of `states` (its conv window and delta-rule
@@ -125,18 +149,40 @@ class GatedDeltaNet:
             found = [tuple(s.shape[1:]) for s in states]
             expected = list(self.spec.shapes)
             raise ValueError(f"a Gated DeltaNet state of shapes {found} per slot, not {expected}")
+        decodes = rows.decodes
+        n = x.shape[0]
+        inputs = [self.qkv(x, decodes), self.z(x, decodes), self.b(x, decodes), self.a(x, decodes)]
+
+        def torch_rows(t: list[torch.Tensor], r: SequenceRows) -> torch.Tensor:
+            mixed_in, z_in, b_in, a_in = t
+            return self._torch_rows(mixed_in, z_in, b_in, a_in, r, states)
+
+        normed = mix(self.native, torch_rows, inputs, rows, states, c.value_dim)
+        return self.out(normed.to(x.dtype).view(n, c.value_dim), decodes)
+
+    def _torch_rows(
+        self,
+        mixed_in: torch.Tensor,
+        z_in: torch.Tensor,
+        b_in: torch.Tensor,
+        a_in: torch.Tensor,
+        rows: SequenceRows,
+        states: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        """The gated norm of the delta rule's output [T, value_dim] (float32) from the products' rows, by
+        sequence, each sequence's states read and left after its last row."""
+        c = self.config
         conv_state, delta_state = states
         starts = rows.starts.tolist()
         lengths = [e - s for s, e in itertools.pairwise(starts)]
-        decodes = rows.decodes
-        n = x.shape[0]
-        mixed = self._convolve(self.qkv(x, decodes).float(), rows, lengths, conv_state)
+        n = mixed_in.shape[0]
+        mixed = self._convolve(mixed_in.float(), rows, lengths, conv_state)
         q, k, v = torch.split(mixed, [c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = self._per_value_head(l2_normalize(q.view(n, c.num_k_heads, c.k_head_dim))) * c.k_head_dim**-0.5
         k = self._per_value_head(l2_normalize(k.view(n, c.num_k_heads, c.k_head_dim)))
         v = v.reshape(n, c.num_v_heads, c.v_head_dim)
-        beta = rowwise(torch.sigmoid, self.b(x, decodes).float())
-        g = self.decay * rowwise(F.softplus, self.a(x, decodes).float() + self.dt_bias)
+        beta = rowwise(torch.sigmoid, b_in.float())
+        g = self.decay * rowwise(F.softplus, a_in.float() + self.dt_bias)
         o = torch.empty_like(v)
         single = [j for j, length in enumerate(lengths) if length == 1]
         if single:
@@ -149,9 +195,8 @@ class GatedDeltaNet:
                 span = slice(starts[j], starts[j] + length)
                 qj, kj, vj, gj, bj = (t[span] for t in (q, k, v, g, beta))
                 o[span] = chunked_delta_rule(qj, kj, vj, gj, bj, delta_state, rows.slots[j : j + 1])
-        z = self.z(x, decodes).float().view(n, c.num_v_heads, c.v_head_dim)
-        normed = gated_rms_norm(o, z, self.norm, self.eps).to(x.dtype)
-        return self.out(normed.view(n, c.value_dim), decodes)
+        z = z_in.float().view(n, c.num_v_heads, c.v_head_dim)
+        return gated_rms_norm(o, z, self.norm, self.eps).view(n, c.value_dim)
 
     def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
         """[T, num_k_heads, D] -> [T, num_v_heads, D]: each value head's key head, in the weights' order."""

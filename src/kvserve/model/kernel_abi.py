@@ -17,7 +17,7 @@ import torch
 
 from kvserve.errors import KernelAbiError
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -27,6 +27,10 @@ _C = ctypes.c_int
 OP_NONE, OP_SILU, OP_ADD, OP_MUL = 0, 1, 2, 3
 # The gated MLP's activation (ACT_* in kvserve.h), by its config name.
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+# gpt-oss's clamped SwiGLU (ACT_CLAMPED_SWIGLU), which no config names as an activation.
+ACT_CLAMPED_SWIGLU = 2
+# A layer's token mixer (MIXER_* in kvserve.h), by kvserve.model.spec's mixer kinds.
+MIXER_KINDS = {"attention": 0, "short_conv": 1, "gated_deltanet": 2}
 # The most parts one product holds (QLINEAR_PARTS in kvserve.h).
 QLINEAR_PARTS = 4
 
@@ -43,9 +47,30 @@ class QLinearStruct(ctypes.Structure):
     _fields_ = [("n_parts", _I), ("n_in", _I), ("n_out", _I), ("parts", QPartStruct * QLINEAR_PARTS)]
 
 
+class MixerStruct(ctypes.Structure):
+    """struct mixer: a recurrent layer's decode step past its input products (`mixer_rows`)."""
+
+    _fields_ = [
+        ("kind", _I),
+        ("channels", _I),
+        ("kernel", _I),
+        ("conv", _P),
+        ("conv_bias", _P),
+        ("k_heads", _I),
+        ("v_heads", _I),
+        ("k_dim", _I),
+        ("v_dim", _I),
+        ("tiled", _I),
+        ("decay", _P),
+        ("dt_bias", _P),
+        ("norm", _P),
+        ("eps", ctypes.c_double),
+    ]
+
+
 class DecoderLayerStruct(ctypes.Structure):
     """struct decoder_layer: a layer's norms (NULL where it has none), rope tables (NULL: NoPE), caches,
-    window, activation, products, and experts."""
+    window, activation, sinks, products, experts, and a recurrent layer's mixer and state."""
 
     _fields_ = [
         ("attn_norm", _P),
@@ -60,6 +85,10 @@ class DecoderLayerStruct(ctypes.Structure):
         ("v_cache", _P),
         ("window", _I),
         ("act", _I),
+        ("alpha", ctypes.c_double),
+        ("limit", ctypes.c_double),
+        ("sinks", _P),
+        ("output_gate", _I),
         ("qkv", QLinearStruct),
         ("o", QLinearStruct),
         ("gate", QLinearStruct),
@@ -69,7 +98,15 @@ class DecoderLayerStruct(ctypes.Structure):
         ("top_k", _I),
         ("norm_topk", _I),
         ("router", _P),
+        ("router_bias", _P),
         ("expert_products", ctypes.POINTER(QLinearStruct)),
+        ("shared_gate", _P),
+        ("mixer", MixerStruct),
+        ("z", QLinearStruct),
+        ("beta", QLinearStruct),
+        ("dt", QLinearStruct),
+        ("conv_state", _P),
+        ("delta_state", _P),
     ]
 
 
@@ -95,6 +132,7 @@ class DecoderStruct(ctypes.Structure):
 # In the order kvserve_struct_sizes writes their sizes, with their C names.
 STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
     ("qlinear", QLinearStruct),
+    ("mixer", MixerStruct),
     ("decoder_layer", DecoderLayerStruct),
     ("decoder", DecoderStruct),
 )
@@ -174,8 +212,12 @@ LINEAR = KernelLibrary(
         "quant_type_supported": Function(_C, [_C]),
         "rms_norm_rows": Function(None, [_P, _P, _P, _I, _I, ctypes.c_float]),
         "gelu_tanh_rows": Function(None, [_P, _P, _I]),
-        "moe_route": Function(_C, [_P, _P, _I, _I, _I, _I, _C, _P, _P]),
-        "decoder_layers": Function(_C, [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _C]),
+        "moe_route": Function(_C, [_P, _P, _P, _I, _I, _I, _I, _C, _P, _P]),
+        "clamped_swiglu_rows": Function(None, [_P, _P, _I, ctypes.c_float, ctypes.c_float]),
+        "gate_rows": Function(None, [_P, _P, _I]),
+        "shared_expert_rows": Function(None, [_P, _P, _P, _P, _I, _I]),
+        "mixer_rows": Function(_C, [_P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _C]),
+        "decoder_layers": Function(_C, [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _C]),
         "decoder_layers_kv16": Function(_C, []),
     },
 )

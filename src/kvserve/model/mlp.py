@@ -1,6 +1,7 @@
 """A layer's feed-forward block behind one interface, which the dense gated MLPs here and a
 mixture-of-experts block both implement."""
 
+import ctypes
 from abc import ABC, abstractmethod
 
 import torch
@@ -57,16 +58,32 @@ class GatedMlp(Mlp):
 class ClampedSwiGlu(Mlp):
     """gpt-oss's expert: down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)) with
     g = min(gate, limit), every product with its bias. The clamps keep the activations of a model
-    trained in low precision bounded; the +1 is part of the trained function, not an offset to drop."""
+    trained in low precision bounded; the +1 is part of the trained function, not an offset to drop.
+    `native`: the kernel library whose `clamped_swiglu_rows` (the native decoder's own) computes the
+    activation on float32 rows, where the products are native."""
 
-    def __init__(self, gate: Linear, up: Linear, down: Linear, alpha: float, limit: float) -> None:
+    def __init__(
+        self,
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+        alpha: float,
+        limit: float,
+        native: ctypes.CDLL | None = None,
+    ) -> None:
         self.gate = gate
         self.up = up
         self.down = down
         self.alpha = alpha
         self.limit = limit
+        self.native = native
 
     def _hidden(self, x: torch.Tensor, decodes: int) -> torch.Tensor:
+        if self.native is not None and x.dtype == torch.float32:
+            gated, up = self.gate(x, decodes).contiguous(), self.up(x, decodes).contiguous()
+            lib = self.native
+            lib.clamped_swiglu_rows(gated.data_ptr(), up.data_ptr(), up.numel(), self.alpha, self.limit)
+            return up
         gate = self.gate(x, decodes).clamp_(max=self.limit)
         up = self.up(x, decodes).clamp_(-self.limit, self.limit).add_(1.0)
         return up.mul_(gate * torch.sigmoid(gate * self.alpha))

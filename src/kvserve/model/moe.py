@@ -66,10 +66,15 @@ def route(
 
 
 def native_route(
-    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` through the native kernel (x and weight float32 on the CPU): the same choices and order,
-    the logits summed and the softmax taken in the kernel's own fixed order."""
+    """`route` through the native kernel (x, weight and bias float32 on the CPU): the same choices and
+    order, the logits summed and the softmax taken in the kernel's own fixed order."""
     x = x.contiguous()
     rows, hidden = x.shape
     chosen = torch.empty((rows, top_k), dtype=torch.int64)
@@ -77,6 +82,7 @@ def native_route(
     status = lib.moe_route(
         x.data_ptr(),
         weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
         rows,
         hidden,
         weight.shape[0],
@@ -97,7 +103,7 @@ class SparseMoe(Mlp):
     choices are discrete, and llama.cpp keeps it unquantized too); `experts` (each a dense gated MLP) in
     expert id order. `native_router`: the kernel library whose `moe_route` routes float32 rows (where the
     experts' products are native), else None. `router_bias`: gpt-oss's bias of the router's logits (its
-    experts are `ClampedSwiGlu`); it routes on the torch path."""
+    experts are `ClampedSwiGlu`)."""
 
     def __init__(
         self,
@@ -116,13 +122,18 @@ class SparseMoe(Mlp):
         self.experts = list(experts)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.router_bias = router_bias
-        self._lib = native_router if router_bias is None else None
+        self.router_bias = None if router_bias is None else router_bias.contiguous()
+        self._lib = native_router
+
+    @property
+    def native(self) -> ctypes.CDLL | None:
+        """The kernel library that routes float32 rows natively, or None."""
+        return self._lib
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts and their weights (`route`, or `native_route`)."""
         if self._lib is not None and x.dtype == torch.float32:
-            return native_route(self._lib, x, self.router, self.top_k, self.norm_topk_prob)
+            return native_route(self._lib, x, self.router, self.top_k, self.norm_topk_prob, self.router_bias)
         return route(x, self.router, self.top_k, self.norm_topk_prob, self.router_bias)
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:

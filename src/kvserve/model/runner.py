@@ -173,7 +173,7 @@ class ModelRunner:
         )
         self.state = RecurrentState(self._specs(), num_state_slots, self.device) if c.hybrid else None
         try:
-            self.transformer.attach_native_decoder(self.kv_cache)
+            self.transformer.attach_native_decoder(self.kv_cache, self.state)
         except KernelUnavailableError as e:
             log.info("decode steps run op by op: %s", e)
 

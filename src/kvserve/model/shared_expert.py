@@ -3,7 +3,8 @@ also runs the shared SwiGLU MLP, whose output is scaled by sigmoid(x . gate) and
 experts' sum.
 
 The gate's logit of a row is summed over that row alone (`moe.router_logits`, as the router's), so a row's
-output does not depend on its batch, as every product in kvserve keeps it.
+output does not depend on its batch, as every product in kvserve keeps it. Where the routing is native, so
+is the gate and the sum (`shared_expert_rows`, the native decoder's own function).
 """
 
 import torch
@@ -22,8 +23,19 @@ class SharedExpertMoe(Mlp):
         self.routed = routed
         self.shared = shared
         self.gate = gate.contiguous().view(1, -1)
+        # The routing's kernel library where it routes natively (and so float32 rows on the CPU).
+        self.native = routed.native if shared.activation == "silu" else None
 
     def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        if self.native is not None and x.dtype == torch.float32:
+            x = x.contiguous()
+            routed = self.routed(x, decodes).contiguous()
+            shared = self.shared(x, decodes).contiguous()
+            rows, hidden = x.shape
+            self.native.shared_expert_rows(
+                routed.data_ptr(), shared.data_ptr(), x.data_ptr(), self.gate.data_ptr(), rows, hidden
+            )
+            return routed
         scale = torch.sigmoid(router_logits(x, self.gate))
         return self.routed(x, decodes).addcmul_(self.shared(x, decodes), scale)
 

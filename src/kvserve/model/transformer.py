@@ -225,6 +225,9 @@ class Transformer:
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
             NativeRmsNorm(cache_dir) if any(isinstance(p, QuantLinear) for p in native) else rms_norm
         )
+        # The products' library where the norms are native: the ops the native decoder has and torch's
+        # are not bitwise (the output gate's sigmoid) run through it on both paths.
+        self._native_lib = self.rms_norm.lib if isinstance(self.rms_norm, NativeRmsNorm) else None
         self.scale = c.attention_scale
         self.cache_dir = cache_dir
         # The decode-only steps' native path, once a KV cache is attached (`attach_native_decoder`).
@@ -238,32 +241,29 @@ class Transformer:
         """The model's (global) rope."""
         return self.ropes[0]
 
-    def attach_native_decoder(self, kv: KVCache) -> None:
-        """Run steps of decodes only through one native call for every layer, over `kv`, where the
-        products, the norms and the attention are native (gguf or q8_0 weights on the CPU in float32).
-        Raises KernelUnavailableError when the decoder cannot serve this cache; the per-op path then
-        serves every step."""
+    def attach_native_decoder(self, kv: KVCache, state: RecurrentState | None = None) -> None:
+        """Run steps of decodes only through one native call for every layer, over `kv` (and a hybrid
+        model's recurrent `state`), where the products, the norms and the attention are native (gguf or
+        q8_0 weights on the CPU in float32). Raises KernelUnavailableError when the decoder cannot serve
+        this cache; the per-op path then serves every step."""
         if not isinstance(self.attention, NativeAttention):
             raise KernelUnavailableError("the native decoder calls the native attention kernel")
-        if self.config.attention_sinks:
-            raise KernelUnavailableError("the native decoder has no attention sinks")
         if not isinstance(self.rms_norm, NativeRmsNorm):
             raise KernelUnavailableError("the native decoder runs where the norms are native")
-        if self.config.hybrid:
-            raise KernelUnavailableError(
-                "the native decoder has no recurrent layers: hybrid models run op by op"
-            )
         c = self.config
+        if c.hybrid and state is None:
+            raise KernelUnavailableError("a hybrid model's native decoder needs its recurrent state")
         layers: list[DecoderLayer] = []
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv.layer(i)
+            kv_layer = self.kv_layer[i]
+            k_cache, v_cache = kv.layer(kv_layer) if kv_layer is not None else (None, None)
             rope = None if layer.rope is None else self.ropes[layer.rope]
             layers.append(
                 DecoderLayer(
                     attn_norm=layer.attn_norm,
                     mlp_norm=layer.mlp_norm,
-                    qkv=layer.qkv,
-                    o=layer.o,
+                    qkv=layer.qkv_proj,
+                    o=layer.o_proj,
                     mlp=layer.mlp,
                     rope=None if rope is None else (rope.cos, rope.sin),
                     k_cache=k_cache,
@@ -273,6 +273,10 @@ class Transformer:
                     k_norm=layer.k_norm if layer.q_norm is not None else None,
                     post_attn_norm=layer.post_attn_norm,
                     post_mlp_norm=layer.post_mlp_norm,
+                    sinks=layer.sinks,
+                    output_gate=c.attention_output_gate and layer.mixer is None,
+                    mixer=layer.mixer,
+                    state=() if state is None else state.layer(i),
                 )
             )
         # The rotated dimensions as apply_rotary takes them: twice the tables' width.
@@ -312,7 +316,10 @@ class Transformer:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         decoder = self.decoder
-        if decoder is not None and decoder.kv is kv and not meta.num_prefills:
+        # A hybrid model's step takes the decoder where each sequence is one row in a slot of its own (a
+        # decode with drafts runs its rows as one chunk, op by op).
+        one_row_each = rows is None or (rows.num_sequences == n and len(set(rows.slots.tolist())) == n)
+        if decoder is not None and decoder.kv is kv and not meta.num_prefills and one_row_each:
             # A decoder is attached only beside the native backend, so the step's metadata is that one's.
             attention = self.attention
             assert isinstance(attention, NativeAttention) and isinstance(meta, NativeAttentionMetadata)
@@ -331,6 +338,7 @@ class Transformer:
                 srows.tables,
                 decode_rows.lens,
                 attention.kernel,
+                None if rows is None else rows.slots,
             )
         tables = [rope.tables(positions) for rope in self.ropes]
         eps = c.rms_norm_eps
@@ -363,7 +371,7 @@ class Transformer:
                 q, k, v, *kv.layer(kv_layer), meta, self.scale, c.window(i), layer.sinks
             )
             if gate is not None:
-                attn = gate_output(attn.reshape(n, self.q_size), gate)
+                attn = gate_output(attn.reshape(n, self.q_size), gate, self._native_lib)
             if layer.post_attn_norm is None:
                 h = layer.o.add(attn.view(n, self.q_size), h, d)
             else:

@@ -27,9 +27,11 @@ from kvserve.model.families.base import (
     LayerTensors,
     gguf_common_config,
 )
+from kvserve.model.linear import Linear
 from kvserve.model.mlp import ClampedSwiGlu, Expert, Mlp
 from kvserve.model.moe import SparseMoe
 from kvserve.model.quant_blocks import MXFP4, QuantizedWeight
+from kvserve.model.quant_linear import QuantLinear
 from kvserve.model.spec import (
     ModelConfig,
     MoeConfig,
@@ -301,7 +303,7 @@ def _mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix
     router_bias = weights.tensor(prefix + "mlp.router.bias", (moe.num_experts,))
     w = _split_experts(weights, prefix, moe, hidden)
     alpha, limit = moe.clamped_swiglu
-    experts: list[Expert] = []
+    linears: list[tuple[Linear, Linear, Linear]] = []
     for e in range(moe.num_experts):
         p = f"{prefix}mlp.experts.{e}."
         gate = w.linear(
@@ -311,8 +313,14 @@ def _mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix
         down = w.linear(
             [Rows(p + "down_proj.weight", hidden)], inter, w.tensor(p + "down_proj.bias", (hidden,))
         )
-        experts.append(ClampedSwiGlu(gate, up, down, alpha, limit))
-    return SparseMoe(router, experts, moe.top_k, moe.norm_topk_prob, router_bias=router_bias)
+        linears.append((gate, up, down))
+    # Where every expert's products are native, so are the routing and the activation (the one-call
+    # decoder's own functions).
+    native = [p for products in linears for p in products if isinstance(p, QuantLinear)]
+    cpu32 = router.dtype == torch.float32 and router.device.type == "cpu"
+    lib = native[0].lib if cpu32 and len(native) == 3 * len(linears) else None
+    experts: list[Expert] = [ClampedSwiGlu(*products, alpha, limit, lib) for products in linears]
+    return SparseMoe(router, experts, moe.top_k, moe.norm_topk_prob, lib, router_bias)
 
 
 GPT_OSS = Family(

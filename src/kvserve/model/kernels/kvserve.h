@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define KVSERVE_ABI_VERSION 7
+#define KVSERVE_ABI_VERSION 8
 
 /* The weight types the products read: ggml's type ids (quants.h and decode.h hold the layouts). */
 enum {
@@ -44,8 +44,8 @@ enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
 /* ---- Both libraries ---- */
 
 int kvserve_abi_version(void);
-/* Writes the sizes of struct qlinear, struct decoder_layer and struct decoder, in that order, into
- * sizes[0, n) and returns how many structs there are (3), whatever n. */
+/* Writes the sizes of struct qlinear, struct mixer, struct decoder_layer and struct decoder, in that
+ * order, into sizes[0, n) and returns how many structs there are (4), whatever n. */
 int kvserve_struct_sizes(int64_t *sizes, int n);
 
 /* ---- Paged attention (paged_attention.c), for prefill and decode rows alike ----
@@ -109,8 +109,24 @@ int quant_type_supported(int type);
 
 /* ---- Decoder layers (decoder.c) ---- */
 
-/* The gated MLP's activation (`act`): silu, or gelu with the tanh approximation (gelu_tanh_rows). */
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+/* The gated MLP's activation (`act`): silu, gelu with the tanh approximation (gelu_tanh_rows), or
+ * gpt-oss's clamped SwiGLU (clamped_swiglu_rows, with the layer's alpha and limit). */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_CLAMPED_SWIGLU = 2 };
+/* A layer's token mixer (`mixer_kind`): attention over the KV cache, LFM2's gated short convolution, or
+ * Qwen3.5's Gated DeltaNet. */
+enum { MIXER_ATTENTION = 0, MIXER_SHORT_CONV = 1, MIXER_DELTANET = 2 };
+
+/* A recurrent layer's decode step past its input products (mixer_rows): the kind, the convolution over
+ * `channels` with `kernel` taps, conv [channels, kernel] and its bias (NULL: none); for the DeltaNet its
+ * heads (value head h reads key head h % k_heads where `tiled`, else h / (v_heads / k_heads)), the decay
+ * A [v_heads] (negative), dt_bias [v_heads], the gated norm's weight [v_dim] and its eps. */
+struct mixer {
+    int64_t kind, channels, kernel;
+    const float *conv, *conv_bias;
+    int64_t k_heads, v_heads, k_dim, v_dim, tiled;
+    const float *decay, *dt_bias, *norm;
+    double eps;
+};
 
 struct decoder_layer {
     const float *attn_norm, *mlp_norm;
@@ -123,16 +139,31 @@ struct decoder_layer {
     void *k_cache, *v_cache;
     /* 0: a global layer; else its sliding window, over the sliding group's slots and tables. */
     int64_t window;
-    /* ACT_*: the dense MLP's or the experts' activation. */
+    /* ACT_*: the dense MLP's or the experts' activation; alpha and limit: ACT_CLAMPED_SWIGLU's. */
     int64_t act;
+    double alpha, limit;
+    /* Each query head's sink logit [heads] (gpt-oss), NULL: none. */
+    const float *sinks;
+    /* 1: q's product holds, per head, the query's head_dim rows then as many of an output gate, and the
+     * attention's output is multiplied by sigmoid(gate) (Qwen3.5; gate_rows). */
+    int64_t output_gate;
     struct qlinear qkv, o;
     /* The dense MLP's products (unused where experts > 0). */
     struct qlinear gate, up, down;
     /* A mixture of experts where experts > 0 (moe_route, then each chosen expert's gated MLP): router
-     * [experts, hidden] float32; expert_products [experts * 3]: each expert's gate, up and down. */
+     * [experts, hidden] float32 and its bias [experts] (NULL: none); expert_products [experts * 3]: each
+     * expert's gate, up and down. A shared expert beside them where shared_gate is not NULL: the dense
+     * MLP's products, its output scaled by sigmoid(x . shared_gate) (shared_expert_rows). */
     int64_t experts, top_k, norm_topk;
-    const float *router;
+    const float *router, *router_bias;
     const struct qlinear *expert_products;
+    const float *shared_gate;
+    /* A recurrent layer (mixer.kind != MIXER_ATTENTION): qkv is its input product (LFM2's in_proj, the
+     * DeltaNet's in_proj_qkv), o its out_proj; z, beta and dt the DeltaNet's in_proj_z, in_proj_b and
+     * in_proj_a; conv_state and delta_state the state pool's tensors, indexed by the rows' state slots. */
+    struct mixer mixer;
+    struct qlinear z, beta, dt;
+    float *conv_state, *delta_state;
 };
 
 /* The decoder layers' KV cache formats (`kv_type`). */
@@ -159,17 +190,36 @@ void gelu_tanh_rows(const float *x, float *out, int64_t n);
  * first and the lower id on ties, into chosen [rows, top_k]; their probabilities into weights [rows,
  * top_k], divided by their sum where norm_topk. The per-op path (moe.py) calls it too. Returns 0, -1 for a
  * top_k not in [1, experts], -2 when out of memory. */
-int moe_route(const float *x, const float *router, int64_t rows, int64_t hidden, int64_t experts, int64_t top_k,
-              int norm_topk, int64_t *chosen, float *weights);
-/* h: [rows, hidden] hidden states of decode rows, updated in place through every layer. positions, slots:
- * [rows]; tables [rows, table_width] and lens [rows] as `attention` takes them, for the global layers;
+int moe_route(const float *x, const float *router, const float *bias, int64_t rows, int64_t hidden, int64_t experts,
+              int64_t top_k, int norm_topk, int64_t *chosen, float *weights);
+/* gpt-oss's expert activation, in place in up [n]: (clamp(up, -limit, limit) + 1) * (g * sigmoid(alpha * g))
+ * with g = min(gate, limit); the per-op path (mlp.ClampedSwiGlu) calls it too. */
+void clamped_swiglu_rows(const float *gate, float *up, int64_t n, float alpha, float limit);
+/* x[i] *= sigmoid(gate[i]) over n (Qwen3.5's attention output gate; the per-op path calls it too). */
+void gate_rows(float *x, const float *gate, int64_t n);
+/* A shared expert's share, in place in routed [rows, hidden]: routed + shared * sigmoid(x . gate), the
+ * logit summed over its row alone as moe_route's; the per-op path (shared_expert.py) calls it too. */
+void shared_expert_rows(float *routed, const float *shared, const float *x, const float *gate, int64_t rows,
+                        int64_t hidden);
+/* A recurrent layer's step for `rows` one-token sequences, row r in state slot slots[r] (distinct), each
+ * slot updated in place. Short conv: in [rows, 3 * channels] (B, C, x) -> out [rows, channels], C times
+ * the convolution of B * x over the slot's window. DeltaNet: in [rows, channels] (q, k, v before the
+ * convolution), z [rows, v_heads * v_dim], b and a [rows, v_heads] -> out [rows, v_heads * v_dim], the
+ * gated RMSNorm of the delta rule's output. conv_state [slots, channels, kernel - 1], delta_state [slots,
+ * v_heads, k_dim, v_dim]. Both paths call it for their one-row sequences. Returns 0, -1 for a refused
+ * shape, -2 when out of memory. */
+int mixer_rows(const struct mixer *mx, float *conv_state, float *delta_state, const float *in, const float *z,
+               const float *b, const float *a, int64_t rows, const int64_t *slots, float *out, int threads);
+/* h: [rows, hidden] hidden states of decode rows, updated in place through every layer. positions, slots,
+ * state_slots (each row's recurrent state slot, distinct; NULL without recurrent layers): [rows]; tables
+ * [rows, table_width] and lens [rows] as `attention` takes them, for the global layers;
  * sliding_slots and sliding_tables [rows, sliding_width] the same rows in the sliding layers' group
  * (the global ones where both groups share their ids). Returns 0, -1 for a refused shape or type, -2
  * when out of memory. */
 int decoder_layers(const struct decoder *m, float *h, int64_t rows, const int64_t *positions,
                    const int64_t *slots, const int64_t *tables, int64_t table_width, const int64_t *sliding_slots,
                    const int64_t *sliding_tables, int64_t sliding_width, const int64_t *lens,
-                   attention_kernel *attention, int threads);
+                   const int64_t *state_slots, attention_kernel *attention, int threads);
 /* 1 when this build can write a float16 or q8_0 cache (both need the compiler's _Float16). */
 int decoder_layers_kv16(void);
 
