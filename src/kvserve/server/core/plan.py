@@ -25,6 +25,7 @@ from kvserve.server.core.context import ServerContext
 from kvserve.server.core.prompts import chat_prompt
 from kvserve.server.core.reasoning import closes_reasoning, opens_reasoning
 from kvserve.server.core.request import ChatRequest
+from kvserve.server.core.tool_formats.syntax import CallSyntax
 from kvserve.server.core.tools import IN_THINK, MAY_THINK, NO_THINK, constraint
 
 # A prompt's last tokens that say whether its generation prompt opened a think block (`<think>\n`) or
@@ -67,6 +68,8 @@ class RequestPlan:
     opens_reasoning: bool = False
     # A chat's tools, by name: only calls of these are its replies' tool calls.
     tool_names: frozenset[str] | None = None
+    # How its replies' calls are read: the server's call syntax bound to its tools (None without).
+    call_syntax: CallSyntax | None = None
     # Where a request's cache breakpoints fall (Anthropic's or OpenAI's), first to last: the prefixes
     # to keep, for the retention that keeps them.
     breakpoints: tuple[CacheBreakpoint, ...] = ()
@@ -155,10 +158,17 @@ def rendered_chat_plan(
     try:
         plan = plan_prompts(ctx, [token_ids], params, namespace)
         names = None if tools is None else frozenset(t.name for t in tools.tools)
+        syntax = (
+            None
+            if tools is None
+            else ctx.chat.tools.layout.bind([(t.name, t.parameters) for t in tools.tools])
+        )
         parts = PromptParts(
             request.messages, request.tools, ctx.chat, request.template_kwargs, request.system_apart
         )
-        return dataclasses.replace(plan, opens_reasoning=opened, tool_names=names, parts=parts)
+        return dataclasses.replace(
+            plan, opens_reasoning=opened, tool_names=names, call_syntax=syntax, parts=parts
+        )
     except ConstraintRejected as e:
         if not tools_constrain:
             raise

@@ -184,7 +184,7 @@ class _Run:
         self.created = int(time.time())
         plan = prepared.plan
         self.parser = ReplyParser(
-            ctx.chat.tools.layout if prepared.tools is not None else None,
+            plan.call_syntax,
             ctx.chat.reasoning,
             plan.opens_reasoning,
             plan.tool_names,
