@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvserve.engine.grammar import GrammarCompiler
 from kvserve.errors import InvalidRequestError
+from kvserve.model.tokenizer import TemplateArgs
 from kvserve.server.core.tool_formats import FORMATS, choose
 from kvserve.server.core.tool_formats.layout import ParsedCall
 from kvserve.server.core.tool_formats.qwen3_xml import QWEN3_XML, XmlCalls
@@ -25,6 +26,7 @@ WEATHER: Any = {
         "city": {"type": "string"},
         "days": {"type": "integer"},
         "units": {"enum": ["C", "F"]},
+        "zone": {"type": "string", "minLength": 2, "maxLength": 3},
         "detail": {"type": "object"},
         "tags": {"type": "array", "items": {"type": "string"}},
         "hourly": {"type": "boolean"},
@@ -172,3 +174,24 @@ def test_the_grammar_takes_the_written_calls_and_refuses_the_rest(
     assert not takes("required", SYNTAX.calls_text([ParsedCall("get_weather", '{"days":3,"city":"x"}')]))
     assert takes("required", SYNTAX.calls_text([ParsedCall("get_weather", '{"city":"x","units":"F"}')]))
     assert not takes("required", SYNTAX.calls_text([ParsedCall("get_weather", '{"city":"x","units":"K"}')]))
+    for zone, ok in (("U", False), ("UTC", True), ("UTC+1", False)):
+        zoned = SYNTAX.calls_text([ParsedCall("get_weather", json.dumps({"city": "x", "zone": zone}))])
+        assert takes("required", zoned) == ok
+
+
+def test_the_written_calls_are_what_qwen3_5s_template_renders_from_tool_calls(default_model: Any) -> None:
+    """A client's calls written into the assistant's text render exactly as the template's own rendering
+    of `tool_calls`: the form the model was trained on, text before them included."""
+    arguments = {"city": "Oslo", "days": 3, "tags": ["a", "b"], "hourly": False}
+    calls = [ParsedCall("get_weather", json.dumps(arguments)), ParsedCall("note", '{"text":"x\\ny"}')]
+    template_calls = [
+        {"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+        for c in calls
+    ]
+    args = TemplateArgs(source=chat_templates.QWEN3_5)
+    user = {"role": "user", "content": "Weather?"}
+    for content in ("", "Checking."):
+        ours = [user, {"role": "assistant", "content": SYNTAX.reply_text(content, calls)}]
+        theirs = [user, {"role": "assistant", "content": content, "tool_calls": template_calls}]
+        render = default_model.tokenizer.render_chat
+        assert render(ours, False, args) == render(theirs, False, args)

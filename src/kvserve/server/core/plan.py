@@ -22,7 +22,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.server.core import harmony
 from kvserve.server.core.cache_report import PromptParts
 from kvserve.server.core.context import ServerContext
-from kvserve.server.core.prompts import chat_prompt
+from kvserve.server.core.prompts import chat_prompt, reply_turn_start
 from kvserve.server.core.reasoning import closes_reasoning, opens_reasoning
 from kvserve.server.core.request import ChatRequest
 from kvserve.server.core.tool_formats.syntax import CallSyntax
@@ -75,6 +75,16 @@ class RequestPlan:
     breakpoints: tuple[CacheBreakpoint, ...] = ()
     # A chat's parts, to name where a changed prompt parts from what its namespace saw.
     parts: PromptParts | None = None
+    # A hybrid model's chat: where its generation prompt parts from the reply's turn as the next turn
+    # renders it (server/core/prompts.py), kept as a state checkpoint.
+    reply_turn_start: int | None = None
+
+    @property
+    def state_checkpoints(self) -> list[int]:
+        """The prompt positions a hybrid model keeps its state at, besides those the engine finds: the
+        breakpoints and the reply turn's start."""
+        ends = [b.tokens for b in self.breakpoints]
+        return ends if self.reply_turn_start is None else [*ends, self.reply_turn_start]
 
     @property
     def n(self) -> int:
@@ -166,8 +176,22 @@ def rendered_chat_plan(
         parts = PromptParts(
             request.messages, request.tools, ctx.chat, request.template_kwargs, request.system_apart
         )
+        start = reply_turn_start(
+            ctx.async_engine,
+            ctx.prompt_guard,
+            request.messages,
+            tools,
+            ctx.chat,
+            request.template_kwargs,
+            token_ids,
+        )
         return dataclasses.replace(
-            plan, opens_reasoning=opened, tool_names=names, call_syntax=syntax, parts=parts
+            plan,
+            opens_reasoning=opened,
+            tool_names=names,
+            call_syntax=syntax,
+            parts=parts,
+            reply_turn_start=start,
         )
     except ConstraintRejected as e:
         if not tools_constrain:

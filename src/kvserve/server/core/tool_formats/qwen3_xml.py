@@ -260,9 +260,17 @@ class XmlCalls:
         return f"(FIRST body{more} | TEXT)", [*rules, first, self.text_rule()]
 
 
+def _length(schema: dict[str, Any]) -> str:
+    """A string schema's length bounds as a regex repetition, `{MIN,MAX}`."""
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    low = low if isinstance(low, int) and low > 0 else 0
+    return "{" + f"{low},{high if isinstance(high, int) and high >= low else ''}" + "}"
+
+
 def _body_rules(i: int, name: str, parameters: dict[str, Any]) -> list[str]:
     """A call's rules after its `<tool_call>`: its parameters in the schema's order, the required ones
-    present; without properties, any parameters as strings."""
+    present, a string within its schema's length bounds or enum; without properties, any parameters
+    as strings."""
     props = parameters.get("properties")
     required = parameters.get("required")
     required = set(required) if isinstance(required, list) else set()
@@ -281,6 +289,9 @@ def _body_rules(i: int, name: str, parameters: dict[str, Any]) -> list[str]:
             values = [v for v in enum if isinstance(v, str)] if isinstance(enum, list) else []
             if values:
                 value = "(" + " | ".join(json.dumps(v) for v in values) + f") {close}"
+            elif _is_string(schema) and ("maxLength" in schema or "minLength" in schema):
+                rules.append(f"v_{i}_{j}[lazy]: /(?s:.{_length(schema)})/ {close}")
+                value = f"v_{i}_{j}"
             elif _is_string(schema):
                 value = "sval"
             else:
