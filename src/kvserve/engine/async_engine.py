@@ -221,14 +221,17 @@ class AsyncEngine:
             self.tokenizer, self.engine.replies, messages, namespace, add_generation_prompt, args, known_reply
         )
 
+    @property
+    def keeps_states(self) -> bool:
+        """A hybrid model: its recurrent state is kept only at chosen positions (checkpoints)."""
+        return self.engine.kv.states.enabled
+
     def reply_turn_start(
         self, messages: Sequence[MessageDict], args: TemplateArgs, token_ids: Sequence[int]
     ) -> int | None:
-        """A hybrid model's chat prompt: where its generation prompt parts from the reply's turn as the
-        next turn renders it (engine/chat.py), a position to keep the state at; None on other models
-        (they keep every token), or where there is none. Any thread; it renders the chat again."""
-        if not self.engine.kv.states.enabled:
-            return None
+        """A chat prompt's position where its generation prompt parts from the reply's turn as the next
+        turn renders it (engine/chat.py), a checkpoint for a hybrid model. Any thread; it renders the
+        chat again."""
         return reply_turn_start(self.tokenizer, messages, args, token_ids)
 
     def lookup_reply(self, namespace: str, text: str) -> KnownReply | None:

@@ -193,8 +193,9 @@ def reply_turn_start(
 ) -> int | None:
     """A hybrid model's chat prompt `token_ids`: where its generation prompt parts from the reply's turn
     as the next turn renders it (`AsyncEngine.reply_turn_start`), the position to keep the state at so
-    that the next turn resumes there; None for harmony chats (their replies come back whole)."""
-    if setup.harmony:
+    that the next turn resumes there; None on other models (they keep every token) and for harmony
+    chats (their replies come back whole)."""
+    if setup.harmony or not async_engine.keeps_states:
         return None
     turns, args = chat_turns(guard, messages, tools, setup, kwargs)
     return async_engine.reply_turn_start(turns, args, token_ids)
