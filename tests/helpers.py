@@ -41,6 +41,7 @@ TINY_CLASSES: dict[str, tuple[str, str]] = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 

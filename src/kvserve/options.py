@@ -12,7 +12,7 @@ from kvserve.flags import option
 
 # Kept here, below the server, so that the command line offers them without importing it; the server's
 # registries (server/tool_formats, server/core/chat_setup.py) hold the same names.
-TOOL_CALL_FORMATS = ("auto", "generic", "phi4", "mistral", "hermes", "llama3_json")
+TOOL_CALL_FORMATS = ("auto", "generic", "phi4", "mistral", "qwen3_xml", "hermes", "llama3_json")
 REASONING_PARSERS = ("auto", "off", "think")
 
 

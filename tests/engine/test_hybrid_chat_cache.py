@@ -12,14 +12,18 @@ import pytest
 
 from kvserve.cache.cache_miss import MISS_NO_CHECKPOINT, CacheMiss
 from kvserve.config import EngineConfig, default_cache_dir
+from kvserve.engine.chat import reply_turn_start
 from kvserve.engine.engine import Engine
 from kvserve.engine.factory import STATE_SHARE, state_slots
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import ConfigError
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.tokenizer import MessageDict, TemplateArgs
+from kvserve.sequences import common_prefix_len
 from tests.harness import engine_with_blocks
 from tests.helpers import save_tiny_model
 from tests.model.family_cases import LFM2_HYBRID
+from tests.server import chat_templates
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +195,36 @@ def test_states_too_big_for_the_defaults_shrink_the_running_sequences(lfm2: Load
     assert len(reply) == 9
     with pytest.raises(ConfigError, match="recurrent state"):
         Engine.from_config(replace(config, kv_cache_memory=per_slot), model=lfm2)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_the_next_turn_resumes_where_the_generation_prompt_parts_from_the_reply(kept: bool) -> None:
+    """Qwen3's template with thinking off ends the generation prompt with an empty think block, which
+    it drops from the reply's turn once a user message follows: turn 2 shares turn 1's prompt up to
+    the end of the turn's header. With the state kept there (`reply_turn_start`, which the server
+    passes), turn 2 reads all of it from the cache, the ideal, nothing recomputed; without it, the
+    hit resumes at the last message end and the header is recomputed (counted)."""
+    folder = tempfile.mkdtemp(prefix="kvserve-lfm2-")
+    model = load_model(save_tiny_model(folder + "/m", "lfm2", **LFM2_HYBRID), default_cache_dir())
+    tokenizer = model.tokenizer
+    args = TemplateArgs(source=chat_templates.QWEN3, kwargs={"enable_thinking": False})
+    chat: list[MessageDict] = [
+        {"role": "system", "content": "Answer briefly. " * 6},
+        {"role": "user", "content": "Hello there."},
+    ]
+    engine = engine_with_blocks(model, 200, 4, speculative="off")
+    prompt = tokenizer.encode_chat(chat, True, args=args)
+    start = reply_turn_start(tokenizer, chat, args, prompt)
+    assert start is not None
+    assert prompt[start:] == tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    reply, _, _ = _run(engine, "one", prompt, [start] if kept else [])
+    text = tokenizer.decode(reply, skip_special_tokens=True)
+    turn = [*chat, {"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
+    second = tokenizer.encode_chat(turn, True, args=args)
+    ideal = common_prefix_len(prompt + reply, second)
+    assert ideal == start
+    _, cached, recomputed = _run(engine, "two", second)
+    if kept:
+        assert (cached, recomputed) == (ideal, 0)
+    else:
+        assert cached + recomputed == ideal and 0 < recomputed < 8

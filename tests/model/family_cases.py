@@ -85,6 +85,24 @@ FAMILY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
             "linear_value_head_dim": 16,
         },
     ),
+    # Qwen3.5-MoE's layers with the DeltaNet's projections fused by key head, a dense last layer.
+    "qwen3_next-hybrid": (
+        "qwen3_next",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 24,
+            "mlp_only_layers": [2],
+        },
+    ),
     # Sinks, a window of 5 on the even layers, biases and the clamped experts.
     "gpt-oss-window-5": (
         "gpt_oss",

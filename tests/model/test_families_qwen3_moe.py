@@ -169,9 +169,12 @@ def expert_blocks(w: np.ndarray, kind: str, seed: int) -> tuple[np.ndarray, np.n
     return data, values, qtype
 
 
-def write_gguf(model: Any, path: str, kind: str, expert_count: int | None = None) -> None:
+def write_gguf(
+    model: Any, path: str, kind: str, expert_count: int | None = None, fused: bool = False
+) -> None:
     """llama.cpp's Qwen3-MoE GGUF of transformers' `model`: the experts' products as `kind`, the other
-    matrices F32 or (in a quantized file) Q8_0; `model` takes the dequantized values the file holds."""
+    matrices F32 or (in a quantized file) Q8_0; `model` takes the dequantized values the file holds.
+    `fused`: the experts' gate and up rows in one tensor, as newer converters write them."""
     import gguf
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
@@ -234,13 +237,9 @@ def write_gguf(model: Any, path: str, kind: str, expert_count: int | None = None
         experts = layer.mlp.experts
         with torch.no_grad():
             gate_up, down = experts.gate_up_proj, experts.down_proj
-            for j, (name, w) in enumerate(
-                (
-                    ("ffn_gate_exps", gate_up[:, :inter]),
-                    ("ffn_up_exps", gate_up[:, inter:]),
-                    ("ffn_down_exps", down),
-                )
-            ):
+            halves = (("ffn_gate_exps", gate_up[:, :inter]), ("ffn_up_exps", gate_up[:, inter:]))
+            fused_or_not = (("ffn_gate_up_exps", gate_up),) if fused else halves
+            for j, (name, w) in enumerate((*fused_or_not, ("ffn_down_exps", down))):
                 data, values, qtype = expert_blocks(np.ascontiguousarray(w.numpy()), kind, seed=i * 3 + j)
                 writer.add_tensor(b + name + ".weight", data, raw_dtype=qtype)
                 w.copy_(torch.from_numpy(values))
@@ -273,6 +272,35 @@ def test_a_gguf_matches_transformers_on_its_dequantized_weights(tmp_path: Any, k
         assert all(isinstance(p, QuantLinear) for e in first.experts for p in (e.gate, e.up, e.down))
     error = check_parity(ours, theirs, weight_dtype)
     print(f"qwen3_moe gguf {kind}: max abs logit error {error:.2e}")
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+def test_a_gguf_with_fused_gate_and_up_experts_matches_transformers(tmp_path: Any, kind: str) -> None:
+    """`ffn_gate_up_exps` (transformers' `gate_up_proj` as one tensor): its first half of rows is each
+    expert's gate, its second the up projection, read natively from the file's blocks."""
+    theirs = tiny_moe(str(tmp_path / "moe"), tie_word_embeddings=False)
+    path = str(tmp_path / f"fused-{kind}.gguf")
+    write_gguf(theirs, path, kind, fused=True)
+    ours = load_model(path, default_cache_dir())
+    weight_dtype = "float32" if kind == "F32" else "gguf"
+    if kind != "F32":
+        first = exact_runner(ours, weight_dtype=weight_dtype).transformer.layers[0].mlp
+        assert isinstance(first, SparseMoe)
+        assert all(isinstance(p, QuantLinear) for e in first.experts for p in (e.gate, e.up))
+    error = check_parity(ours, theirs, weight_dtype)
+    print(f"qwen3_moe gguf fused {kind}: max abs logit error {error:.2e}")
+
+
+def test_a_fused_gate_and_up_tensor_of_odd_rows_is_one_error_at_load(tmp_path: Any) -> None:
+    theirs = tiny_moe(str(tmp_path / "moe"))
+    for layer in theirs.model.layers:
+        experts = layer.mlp.experts
+        odd = torch.cat([experts.gate_up_proj.detach(), experts.gate_up_proj.detach()[:, :1]], 1)
+        experts.gate_up_proj = torch.nn.Parameter(odd)
+    path = str(tmp_path / "odd.gguf")
+    write_gguf(theirs, path, "F32", fused=True)
+    with pytest.raises(ModelLoadError, match="even count of rows"):
+        load_model(path, default_cache_dir())
 
 
 @pytest.mark.parametrize("source", ["folder", "gguf"])

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.engine.chat import encode_chat
+from kvserve.engine.chat import encode_chat, reply_turn_start
 from kvserve.engine.engine import Engine, EngineStats
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.request import DEFAULT_TENANT
@@ -220,6 +220,19 @@ class AsyncEngine:
         return encode_chat(
             self.tokenizer, self.engine.replies, messages, namespace, add_generation_prompt, args, known_reply
         )
+
+    @property
+    def keeps_states(self) -> bool:
+        """A hybrid model: its recurrent state is kept only at chosen positions (checkpoints)."""
+        return self.engine.kv.states.enabled
+
+    def reply_turn_start(
+        self, messages: Sequence[MessageDict], args: TemplateArgs, token_ids: Sequence[int]
+    ) -> int | None:
+        """A chat prompt's position where its generation prompt parts from the reply's turn as the next
+        turn renders it (engine/chat.py), a checkpoint for a hybrid model. Any thread; it renders the
+        chat again."""
+        return reply_turn_start(self.tokenizer, messages, args, token_ids)
 
     def lookup_reply(self, namespace: str, text: str) -> KnownReply | None:
         """The reply memory's ids of the reply `text` stands for in `namespace` (a reply, or a part or

@@ -34,7 +34,7 @@ iterations (`rowwise`).
 """
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -315,9 +315,16 @@ PREFIX = "linear_attn."
 DECAY = PREFIX + "A"
 
 
-def gated_deltanet(weights: ModelWeights, config: ModelConfig, prefix: str) -> GatedDeltaNet:
+def gated_deltanet(
+    weights: ModelWeights,
+    config: ModelConfig,
+    prefix: str,
+    projections: Mapping[str, list[Rows]] | None = None,
+) -> GatedDeltaNet:
     """The Gated DeltaNet layer at `prefix` (`model.layers.{i}.`), its products through `weights.linear`
-    (a GGUF's blocks read natively) and its small tensors in float32, each checked against the config."""
+    (a GGUF's blocks read natively) and its small tensors in float32, each checked against the config.
+    `projections`: the rows an input projection (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`)
+    is made of where the checkpoint fuses them (Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`)."""
     c = config.deltanet
     if c is None:
         raise ValueError(f"the {config.architecture} config has no Gated DeltaNet layers")
@@ -325,7 +332,8 @@ def gated_deltanet(weights: ModelWeights, config: ModelConfig, prefix: str) -> G
     p = prefix + PREFIX
 
     def linear(name: str, rows: int, inputs: int = hidden) -> Linear:
-        return weights.linear([Rows(p + name + ".weight", rows)], inputs)
+        parts = (projections or {}).get(name) or [Rows(p + name + ".weight", rows)]
+        return weights.linear(parts, inputs)
 
     def small(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return weights.tensor(name, shape).float()

@@ -9,7 +9,9 @@ stores interleaved for its rotary kernel (`Family.gguf_permuted_qk`), are copied
 row order; whole rows of blocks move, so the copy is exact, and it is not kept (the product built from
 it keeps its own). A name's float values are read when asked for: a view for
 F32, dequantized (by the gguf package) on each request otherwise, and not kept. llama.cpp's 3-D expert
-tensors ([experts, rows, in]) answer the checkpoint's per-expert names.
+tensors ([experts, rows, in]) answer the checkpoint's per-expert names; a fused `ffn_gate_up_exps`
+(newer converters' form of transformers' `gate_up_proj`) answers the gate's with its first half of
+rows and the up projection's with its second.
 """
 
 import logging
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(0|[1-9]\d*)(\..+)")
 _LAYER = re.compile(r"blk\.(0|[1-9]\d*)\.")
 _PERMUTED = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")
+# The experts' gate and up projections in one tensor, the gate's rows first, and the names of each.
+FUSED_GATE_UP = "ffn_gate_up_exps.weight"
+_FUSED_PARTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 
 
 @dataclass(frozen=True)
@@ -42,11 +47,17 @@ class Entry:
     tensor: TensorInfo
     data: np.ndarray
     heads: int = 0
+    # Which half of a fused tensor's rows this name reads (0: the first), or None: all of them.
+    half: int | None = None
 
     def rows(self, expert: int | None) -> np.ndarray:
-        """The data in Hugging Face's row order (an expert's slice of a 3-D tensor): a view, or for
-        interleaved q/k rows a copy (not kept: the one product that reads it keeps its own)."""
+        """The data in Hugging Face's row order (an expert's slice of a 3-D tensor, a fused tensor's
+        half): a view, or for interleaved q/k rows a copy (not kept: the one product that reads it
+        keeps its own)."""
         data = self.data if expert is None else self.data[expert]
+        if self.half is not None:
+            n = data.shape[0] // 2
+            data = data[self.half * n : (self.half + 1) * n]
         if not self.heads:
             return data
         n = data.shape[0]
@@ -63,6 +74,9 @@ class GgufTensors:
         self._plain: dict[str, Entry] = {}
         self._experts: dict[str, Entry] = {}
         for t in file.tensors.values():
+            if t.name.endswith("." + FUSED_GATE_UP):
+                self._add_fused(file, family, t)
+                continue
             name = hf_name(family, t.name)
             if name is None:
                 continue
@@ -92,6 +106,26 @@ class GgufTensors:
                 self._experts[name] = Entry(t, data, n_heads)
             else:
                 self._plain[name] = Entry(t, data, n_heads)
+
+    def _add_fused(self, file: GgufFile, family: Family, t: TensorInfo) -> None:
+        """A fused gate-and-up expert tensor, as the family's gate and up expert tensors (its halves)."""
+        prefix = t.name[: -len(FUSED_GATE_UP)]
+        names = [hf_name(family, prefix + part) for part in _FUSED_PARTS]
+        if any(n is None or "{expert}" not in n for n in names):
+            return
+        if len(t.dims) != 3 or t.dims[1] % 2:
+            raise ModelLoadError(
+                file.path,
+                f"tensor {t.name} holds experts' gate and up rows, so needs 3 dimensions "
+                f"[experts, rows, in] with an even count of rows, not {list(t.shape)}",
+            )
+        if not dequantizable(t.qtype):
+            raise ModelLoadError(
+                file.path, f"tensor {t.name} is of {type_name(t.qtype)}, which kvserve does not read"
+            )
+        data = file.array(t)
+        for half, name in enumerate(names):
+            self._experts[str(name)] = Entry(t, data, half=half)
 
     def find(self, name: str) -> tuple[Entry, int | None] | None:
         """The entry holding `name` and, for an expert's matrix, the expert's index."""

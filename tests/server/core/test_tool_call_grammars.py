@@ -49,7 +49,7 @@ def _use(choice: Any) -> ToolUse:
 
 
 def _takes(
-    compiler: GrammarCompiler, default_model: Any, use: ToolUse, fmt: ToolFormat, think: str, text: str
+    compiler: GrammarCompiler, default_model: Any, use: ToolUse, fmt: ToolFormat[Any], think: str, text: str
 ) -> bool:
     """Whether the constraint takes `text`, tokenized, whole (and may end there)."""
     state = compiler.compile(constraint(use, fmt.layout, think)).start()
@@ -59,7 +59,7 @@ def _takes(
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=lambda f: f.name)
 def test_each_formats_grammar_takes_its_calls_and_refuses_the_rest(
-    compiler: GrammarCompiler, default_model: Any, fmt: ToolFormat
+    compiler: GrammarCompiler, default_model: Any, fmt: ToolFormat[Any]
 ) -> None:
     calls = fmt.layout.calls_text([CALL])
     two = fmt.layout.calls_text([CALL, CALL])

@@ -16,17 +16,18 @@ from hypothesis import strategies as st
 from kvserve.options import TOOL_CALL_FORMATS
 from kvserve.server.core.reasoning import ReasoningStream, closes_reasoning, opens_reasoning, split
 from kvserve.server.core.tool_formats import CHOICES, FORMATS, ToolFormat, choose
-from kvserve.server.core.tool_formats.layout import ParsedCall
-from kvserve.server.core.tool_formats.stream import CallStream
+from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
 
 ALL = list(FORMATS.values())
+# The formats of JSON calls, one CallLayout each (Qwen3.5's XML has its own tests).
+JSON = [f for f in ALL if isinstance(f.layout, CallLayout)]
 ARGS = ['{"city":"Oslo}</tool_call>]"}', '{"zone":"UTC","n":[1,{"a":"<|/tool_call|>"}]}']
 CALLS = [ParsedCall("get_weather", ARGS[0]), ParsedCall("get-time_2", ARGS[1])]
 
 
-def _streamed(fmt: ToolFormat, text: str, size: int) -> tuple[list[tuple[str, str]], str]:
+def _streamed(fmt: ToolFormat[Any], text: str, size: int) -> tuple[list[tuple[str, str]], str]:
     """The calls and the content a stream of `text` in pieces of `size` sends."""
-    stream = CallStream(fmt.layout)
+    stream = fmt.layout.stream()
     got: dict[int, dict[str, str]] = {}
     content = ""
     for i in range(0, len(text), size):
@@ -36,7 +37,7 @@ def _streamed(fmt: ToolFormat, text: str, size: int) -> tuple[list[tuple[str, st
             entry = got.setdefault(d["index"], {"name": "", "arguments": ""})
             entry["name"] += d.get("function", {}).get("name", "")
             entry["arguments"] += d["function"]["arguments"]
-    return [(g["name"], g["arguments"]) for g in got.values()], content
+    return [(g["name"], g["arguments"]) for g in got.values()], content + stream.finish()
 
 
 def test_the_options_offer_the_registrys_formats() -> None:
@@ -45,8 +46,8 @@ def test_the_options_offer_the_registrys_formats() -> None:
     assert choose("auto", "{{ tools }} <tool_call>", False) is FORMATS["generic"]
 
 
-@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
-def test_written_calls_parse_back_exactly_whole_and_streamed(fmt: ToolFormat) -> None:
+@pytest.mark.parametrize("fmt", JSON, ids=lambda f: f.name)
+def test_written_calls_parse_back_exactly_whole_and_streamed(fmt: ToolFormat[Any]) -> None:
     text = fmt.layout.calls_text(CALLS)
     assert fmt.layout.parse_calls(text) == CALLS
     assert fmt.layout.parse_calls(text + "\n") == CALLS
@@ -58,8 +59,8 @@ def test_written_calls_parse_back_exactly_whole_and_streamed(fmt: ToolFormat) ->
     assert _streamed(fmt, "Hello there", 3) == ([], "Hello there")
 
 
-@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
-def test_a_reply_cut_short_keeps_the_calls_it_completed(fmt: ToolFormat) -> None:
+@pytest.mark.parametrize("fmt", JSON, ids=lambda f: f.name)
+def test_a_reply_cut_short_keeps_the_calls_it_completed(fmt: ToolFormat[Any]) -> None:
     text = fmt.layout.calls_text(CALLS)
     first_end = len(fmt.layout.open) + len(fmt.layout.call_text(CALLS[0].name, CALLS[0].arguments))
     for cut in range(len(text)):
@@ -119,7 +120,7 @@ HOSTILE = [
 
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
 @pytest.mark.parametrize("text", HOSTILE, ids=range(len(HOSTILE)))
-def test_hostile_text_is_no_call(fmt: ToolFormat, text: str) -> None:
+def test_hostile_text_is_no_call(fmt: ToolFormat[Any], text: str) -> None:
     assert fmt.layout.parse_calls(text) is None
     # A reply cut short keeps only whole calls, whose arguments are whole JSON values.
     for call in fmt.layout.complete_calls(text):

@@ -1,9 +1,11 @@
 """Qwen3.5 (Gated DeltaNet layers beside gated attention) served over HTTP in its own formats, through
-the official `openai` and `anthropic` clients: Qwen3's template (think blocks, `<tool_call>` calls),
-so the server picks the hermes tool-call format and the think reasoning parser; a tool call forced by
-tool_choice (grammar-constrained, so valid on random weights); and each chat's next turn read from the
-cache up to everything before its new message, as with an attention model, with nothing recomputed for
-want of a state checkpoint (/metrics)."""
+the official `openai` and `anthropic` clients: Qwen3.5's template (think blocks, XML tool calls), so the
+server picks the qwen3_xml tool-call format and the think reasoning parser; tool calls forced by
+tool_choice (grammar-constrained, so valid on random weights), whole and streamed alike; and each
+chat's next turn read from the cache up to everything before its new message that the template renders
+again, as with an attention model, with nothing recomputed for want of a state checkpoint (/metrics):
+after a call, the call as the model wrote it; after a plain reply, up to the generation prompt's end of
+the turn's header, where the template drops the empty think block."""
 
 import json
 from collections.abc import Callable, Iterator
@@ -31,8 +33,11 @@ NAME = "qwen3.5-tiny"
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 4
 WEATHER_PARAMETERS: Any = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}},
-    "required": ["city"],
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
     "additionalProperties": False,
 }
 
@@ -44,9 +49,9 @@ def server(
     folder = tmp_path_factory.mktemp("qwen3_5")
     family, overrides = FAMILY_KINDS["qwen3_5-hybrid"]
     path = save_tiny_model(f"{folder}/m", family, max_position_embeddings=2048, **overrides)
-    template = f"{folder}/qwen3.jinja"
+    template = f"{folder}/qwen3_5.jinja"
     with open(template, "w") as f:
-        f.write(chat_templates.QWEN3)
+        f.write(chat_templates.QWEN3_5)
     model = load_model(path, default_cache_dir())
     engine = Engine.from_config(EngineConfig(kv_cache_memory=16 * 2**20, max_model_len=2048), model=model)
     async_engine = AsyncEngine(engine)
@@ -68,42 +73,66 @@ def _chat(client: openai.OpenAI, messages: list[Any], **fields: Any) -> Any:
 
 
 NO_THINK: Any = {"chat_template_kwargs": {"enable_thinking": False}}
+# The generation prompt's part after the turn's header that the template drops from a plain reply's
+# turn once a user message follows it.
+EMPTY_THINK = "<think>\n\n</think>\n\n"
 TOOL: Any = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}}
 
 
-def test_openai_chat_and_a_forced_tool_call_read_the_previous_turn_from_the_cache(server: Server) -> None:
+def _header_end(server: Server, prompt_tokens: int) -> int:
+    """Where a prompt closed by an empty think block ends its generation prompt's turn header."""
+    return prompt_tokens - len(server.async_engine.tokenizer.encode(EMPTY_THINK, add_special_tokens=False))
+
+
+def test_openai_chat_and_forced_tool_calls_read_the_previous_turn_from_the_cache(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
     history: list[Any] = [
         {"role": "system", "content": "OpenAI turn. " + SYSTEM},
         {"role": "user", "content": "Say hello."},
     ]
-    one = _chat(client, history, tools=[TOOL], tool_choice="none")
+    one = _chat(client, history, tools=[TOOL], tool_choice="none", extra_body=NO_THINK)
     assert one.usage.prompt_tokens_details.cached_tokens < 8
     history += [
         {"role": "assistant", "content": one.choices[0].message.content},
         {"role": "user", "content": "What is the weather in Paris?"},
     ]
     # The grammar forces the call; with thinking off no think block may come first.
-    forced = {"type": "function", "function": {"name": "get_weather"}}
-    two = _chat(client, history, tools=[TOOL], tool_choice=forced, max_tokens=40, extra_body=NO_THINK)
-    # Everything before the new message is read from the cache: turn 1's prompt and all of its reply
-    # but the last sampled token, to the token, nothing recomputed for want of a checkpoint.
-    assert two.usage.prompt_tokens_details.cached_tokens == one.usage.prompt_tokens + 8 - 1
+    forced: Any = {"type": "function", "function": {"name": "get_weather"}}
+    two = _chat(client, history, tools=[TOOL], tool_choice=forced, max_tokens=60, extra_body=NO_THINK)
+    # Turn 1's reply renders without the empty think block: the match ends at its turn's header, where
+    # a checkpoint of the generation prompt waits, nothing recomputed.
+    assert two.usage.prompt_tokens_details.cached_tokens == _header_end(server, one.usage.prompt_tokens)
     assert _recomputed(server) == 0
     assert two.choices[0].finish_reason == "tool_calls"
     (call,) = two.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
-    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments["city"], str) and arguments["days"] in range(1, 10)
+    # Streamed, the same call comes in pieces that add up to the same arguments.
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=history,
+        temperature=0,
+        max_tokens=60,
+        tools=[TOOL],
+        tool_choice=forced,
+        extra_body=NO_THINK,
+        stream=True,
+    )
+    pieces: list[Any] = [d for chunk in stream for d in chunk.choices[0].delta.tool_calls or ()]
+    assert pieces[0].id and pieces[0].function.name == "get_weather" and len(pieces) > 2
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
     history += [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."},
     ]
     three = _chat(client, history, tools=[TOOL])
-    # The template re-renders turn 2's generation prompt without its empty think block, so the match
-    # ends there; the state resumes from the last message end before it, a few tokens back (counted).
-    prompt_two = two.usage.prompt_tokens
-    assert prompt_two - 16 <= three.usage.prompt_tokens_details.cached_tokens < prompt_two
-    assert 0 < _recomputed(server) < 16
+    # The call renders back as the model wrote it: turn 2's prompt and all of its reply that a step
+    # fed are read from the cache, all but its last token or the closing tags the grammar forced after
+    # the last step.
+    whole = two.usage.prompt_tokens + two.usage.completion_tokens
+    assert whole - 8 <= three.usage.prompt_tokens_details.cached_tokens < whole
+    assert _recomputed(server) == 0
     assert_no_leak(server.wait_idle())
 
 
@@ -113,31 +142,36 @@ def test_anthropic_chat_and_a_forced_tool_use_read_the_previous_turn_from_the_ca
     system = "Anthropic turn. " + SYSTEM
     ask: Any = [{"role": "user", "content": "Say hello."}]
     fields: Any = {"model": NAME, "system": system, "tools": [tool], "extra_body": {"temperature": 0}}
-    # Thinking left to the model, as the OpenAI turn above: the template's generation prompt is then
-    # the one it renders the reply's turn with.
-    adaptive: Any = {"type": "adaptive"}
+    off: Any = {"type": "disabled"}
     one = client.messages.create(
-        messages=ask, max_tokens=8, tool_choice={"type": "none"}, thinking=adaptive, **fields
+        messages=ask, max_tokens=8, tool_choice={"type": "none"}, thinking=off, **fields
     )
     prompt_one = one.usage.input_tokens + (one.usage.cache_read_input_tokens or 0)
-    # Turn 1 may recompute the template's opening it shares with the other test's chat.
     recomputed = _recomputed(server)
     history: Any = [
         *ask,
         {"role": "assistant", "content": [{"type": "text", "text": one.content[0].text}]},  # type: ignore[union-attr]
         {"role": "user", "content": "What is the weather in Paris?"},
     ]
-    two = client.messages.create(
-        messages=history,
-        max_tokens=40,
-        tool_choice={"type": "tool", "name": "get_weather"},
-        thinking={"type": "disabled"},
-        **fields,
-    )
-    assert two.usage.cache_read_input_tokens == prompt_one + one.usage.output_tokens - 1
+    forced: Any = {"type": "tool", "name": "get_weather"}
+    two = client.messages.create(messages=history, max_tokens=60, tool_choice=forced, thinking=off, **fields)
+    assert two.usage.cache_read_input_tokens == _header_end(server, prompt_one)
     assert _recomputed(server) == recomputed
     assert two.stop_reason == "tool_use"
     (use,) = two.content
     assert use.type == "tool_use" and use.name == "get_weather"
-    assert isinstance(use.input["city"], str)  # type: ignore[index]
+    assert isinstance(use.input["city"], str) and use.input["days"] in range(1, 10)  # type: ignore[index]
+    history += [
+        {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C."}],
+        },
+    ]
+    three = client.messages.create(messages=history, max_tokens=8, thinking=off, **fields)
+    prompt_two = two.usage.input_tokens + (two.usage.cache_read_input_tokens or 0)
+    # The tool use's input comes back as an object and still renders as the model wrote it.
+    whole = prompt_two + two.usage.output_tokens
+    assert whole - 8 <= (three.usage.cache_read_input_tokens or 0) < whole
+    assert _recomputed(server) == recomputed
     assert_no_leak(server.wait_idle())

@@ -16,6 +16,7 @@ from kvserve.model.families.qwen2 import QWEN2
 from kvserve.model.families.qwen3 import QWEN3
 from kvserve.model.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from kvserve.model.families.qwen3_moe import QWEN3_MOE
+from kvserve.model.families.qwen3_next import QWEN3_NEXT
 from kvserve.model.families.smollm3 import SMOLLM3
 from kvserve.model.spec import ModelConfig
 
@@ -31,6 +32,7 @@ FAMILIES: tuple[Family, ...] = (
     LFM2,
     QWEN3_5,
     QWEN3_5_MOE,
+    QWEN3_NEXT,
     GPT_OSS,
 )
 

@@ -44,6 +44,7 @@ from kvserve.model.spec import (
     MIXER_GATED_DELTANET,
     GatedDeltaNetConfig,
     ModelConfig,
+    MoeConfig,
     decoder_config,
     integer,
     layer_count,
@@ -150,7 +151,8 @@ def _rotary_fraction(raw: Mapping[str, Any]) -> float:
     return float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
 
 
-def _common(raw: Mapping[str, Any], architecture: str, **fields: Any) -> ModelConfig:
+def hybrid_config(raw: Mapping[str, Any], architecture: str, **fields: Any) -> ModelConfig:
+    """A config of Gated DeltaNet and gated attention layers (Qwen3.5's, Qwen3-Next's)."""
     layers = layer_count(raw)
     return decoder_config(
         raw,
@@ -164,7 +166,7 @@ def _common(raw: Mapping[str, Any], architecture: str, **fields: Any) -> ModelCo
 
 
 def _config(raw: Mapping[str, Any]) -> ModelConfig:
-    return _common(_text(raw), "qwen3_5")
+    return hybrid_config(_text(raw), "qwen3_5")
 
 
 def _moe_config(raw: Mapping[str, Any]) -> ModelConfig:
@@ -174,14 +176,19 @@ def _moe_config(raw: Mapping[str, Any]) -> ModelConfig:
     # so intermediate_size (which the config lacks) is the experts'.
     defaults = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512}
     moe_fields = {**defaults, **text, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
-    moe = moe_config(moe_fields, layers)
-    shared = integer(text.get("shared_expert_intermediate_size", 512), "shared_expert_intermediate_size")
+    moe = with_shared_expert(text, moe_config(moe_fields, layers))
+    with_size = {**text, "intermediate_size": text.get("intermediate_size", moe.expert_intermediate_size)}
+    return hybrid_config(with_size, "qwen3_5_moe", moe=moe)
+
+
+def with_shared_expert(raw: Mapping[str, Any], moe: MoeConfig) -> MoeConfig:
+    """The MoE config with its shared expert's size (`shared_expert_intermediate_size`, 0: none)."""
+    shared = integer(raw.get("shared_expert_intermediate_size", 512), "shared_expert_intermediate_size")
     if not 0 <= shared <= MAX_INTERMEDIATE_SIZE:
         raise ValueError(
             f"shared_expert_intermediate_size must be 0 to {MAX_INTERMEDIATE_SIZE}, not {shared}"
         )
-    with_size = {**text, "intermediate_size": text.get("intermediate_size", moe.expert_intermediate_size)}
-    return _common(with_size, "qwen3_5_moe", moe=replace(moe, shared_expert_intermediate_size=shared))
+    return replace(moe, shared_expert_intermediate_size=shared)
 
 
 def _gguf_config(meta: GgufMetadata, hf_architecture: str, model_type: str) -> dict[str, Any]:
@@ -246,14 +253,13 @@ def state_spec(config: ModelConfig, layer: int, dtype: torch.dtype) -> StateSpec
     return deltanet_state_spec(c)
 
 
-def _moe_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix: str) -> Mlp:
-    """The layer's routed experts (Qwen3-MoE's block) and its shared expert. `prefix` is
-    `model.layers.{i}.`."""
+def shared_expert_mlp(weights: ModelWeights, config: ModelConfig, names: LayerTensors, prefix: str) -> Mlp:
+    """The layer's routed experts (Qwen3-MoE's block) and its shared expert, or a dense layer's MLP
+    (Qwen3-Next's `mlp_only_layers`). `prefix` is `model.layers.{i}.`."""
     moe = config.moe
     assert moe is not None
     routed = moe_mlp(weights, config, names, prefix)
-    assert isinstance(routed, SparseMoe)
-    if not moe.shared_expert_intermediate_size:
+    if not isinstance(routed, SparseMoe) or not moe.shared_expert_intermediate_size:
         return routed
     shared_config = replace(config, intermediate_size=moe.shared_expert_intermediate_size, mlp_bias=False)
     shared = gated_mlp(weights, shared_config, SHARED_EXPERT, prefix)
@@ -289,7 +295,7 @@ QWEN3_5_MOE = Family(
     hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     config=_moe_config,
     tensors=TENSORS,
-    mlp=_moe_mlp,
+    mlp=shared_expert_mlp,
     norm_offset=1.0,
     gguf_architectures=("qwen35moe",),
     gguf_config=_gguf_moe,

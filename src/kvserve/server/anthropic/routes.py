@@ -23,7 +23,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context) -> Res
         plan = await ctx.preparation.run(tenant, messages_plan, ctx, body, namespace)
         fmt = MessagesFormat(
             ctx.async_engine.tokenizer,
-            ctx.chat.tools.layout if plan.tool_names is not None else None,
+            plan.call_syntax,
             plan.tool_names,
             ctx.chat.reasoning,
             plan.opens_reasoning,

@@ -60,8 +60,8 @@ from kvserve.server.core.output import Choice
 from kvserve.server.core.plan import RequestPlan
 from kvserve.server.core.reasoning import ReasoningStream, split
 from kvserve.server.core.retention import retain_breakpoints
-from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
-from kvserve.server.core.tool_formats.stream import CallStream
+from kvserve.server.core.tool_formats.layout import ParsedCall
+from kvserve.server.core.tool_formats.syntax import CallStreamer, CallSyntax
 from kvserve.server.http.errors import to_api_error
 
 log = logging.getLogger("kvserve.server")
@@ -85,12 +85,12 @@ def _input(arguments: str) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class MessagesFormat:
-    """How this request's replies are read: the call layout of its tools (None without tools), the
+    """How this request's replies are read: the call syntax of its tools (None without tools), the
     tools' names, whether think blocks are split off (`reasoning`) and whether the prompt opened one,
     and the stop sequences, to name the one a reply stopped at."""
 
     tokenizer: Tokenizer
-    layout: CallLayout | None
+    layout: CallSyntax | None
     tool_names: frozenset[str] | None
     reasoning: bool
     opened: bool
@@ -164,7 +164,10 @@ class MessagesFormat:
                 blocks.append({"type": "thinking", "thinking": parts.reasoning, "signature": ""})
             text = parts.content
         calls = self.calls(text, choice.finish_reason)
-        if calls is not None:
+        if calls is not None and self.layout is not None:
+            lead = self.layout.lead(text)
+            if lead:
+                blocks.append({"type": "text", "text": lead})
             for c in calls:
                 blocks.append(
                     {"type": "tool_use", "id": _tool_id(), "name": c.name, "input": _input(c.arguments)}
@@ -263,7 +266,7 @@ class _ReplyStream:
     fmt: MessagesFormat
     blocks: _Blocks = field(default_factory=_Blocks)
     reasoning: ReasoningStream | None = None
-    calls: CallStream | None = None
+    calls: CallStreamer | None = None
     channels: HarmonyStream | None = None
 
     def __post_init__(self) -> None:
@@ -271,7 +274,7 @@ class _ReplyStream:
             self.channels = HarmonyStream(self.fmt.tool_names)
             return
         self.reasoning = ReasoningStream(self.fmt.opened) if self.fmt.reasoning else None
-        self.calls = CallStream(self.fmt.layout) if self.fmt.layout is not None else None
+        self.calls = self.fmt.layout.stream() if self.fmt.layout is not None else None
 
     def _harmony(self, channels: HarmonyStream, text: str, finished: bool) -> list[str]:
         delta = channels.push(text, finished)
@@ -305,6 +308,8 @@ class _ReplyStream:
             events.append(self.blocks.delta("thinking_delta", {"thinking": thought}))
         if body:
             events += self._body(body)
+        if finished and self.calls is not None:
+            events += self._text(self.calls.finish())
         return events
 
     def _body(self, text: str) -> list[str]:

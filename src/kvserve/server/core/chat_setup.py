@@ -16,6 +16,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -44,7 +45,7 @@ class ChatSetup:
     parsed."""
 
     template: str | None = None
-    tools: ToolFormat = GENERIC
+    tools: ToolFormat[Any] = GENERIC
     reasoning: bool = False
     keep_special_tokens: bool = False
     # The template writes harmony (server/core/harmony.py): the replies' channels are their reasoning,

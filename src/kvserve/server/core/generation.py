@@ -50,7 +50,7 @@ class Generation:
         checkpoints: Sequence[int] = (),
     ) -> None:
         """`checkpoints`: prompt positions where a hybrid model should keep its state (the request's
-        cache breakpoints)."""
+        cache breakpoints and its reply turn's start: `RequestPlan.state_checkpoints`)."""
         self.log_id = log_id
         self.choice = choice
         self._metrics = ctx.metrics
@@ -278,7 +278,7 @@ async def start(
                     sample,
                     plan.namespace,
                     room,
-                    [b.tokens for b in plan.breakpoints] if len(plan.prompts) == 1 else (),
+                    plan.state_checkpoints if len(plan.prompts) == 1 else (),
                 )
             )
     await cancel_on_disconnect(request, start_all(generations))

@@ -19,8 +19,8 @@ from kvserve.server.core.cache_report import CacheReport
 from kvserve.server.core.harmony import HarmonyStream
 from kvserve.server.core.plan import PlannedPrompt
 from kvserve.server.core.reasoning import ReasoningStream, split
-from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
-from kvserve.server.core.tool_formats.stream import CallStream
+from kvserve.server.core.tool_formats.layout import ParsedCall
+from kvserve.server.core.tool_formats.syntax import CallStreamer, CallSyntax
 
 
 @dataclass(frozen=True)
@@ -121,11 +121,11 @@ class _ChoiceStream:
     """One streamed choice's parsers: its think block first, then its calls or content."""
 
     reasoning: ReasoningStream | None
-    calls: CallStream | None
+    calls: CallStreamer | None
 
 
 class ReplyParser:
-    """With `tools` (the server's call layout), replies made of tool calls are calls; with
+    """With `tools` (the request's call syntax), replies made of tool calls are calls; with
     `reasoning`, a reply's think block is reasoning, streamed before the content. `opened`: the prompt
     opened the block. A reply whose calls name a function not among `tool_names` (possible only
     unconstrained) is content. A streamed piece is a delta in OpenAI's chat shape (`reasoning_content`,
@@ -133,7 +133,7 @@ class ReplyParser:
 
     def __init__(
         self,
-        tools: CallLayout | None = None,
+        tools: CallSyntax | None = None,
         reasoning: bool = False,
         opened: bool = False,
         tool_names: frozenset[str] | None = None,
@@ -160,7 +160,7 @@ class ReplyParser:
             index,
             _ChoiceStream(
                 ReasoningStream(self._opened) if self._reasoning else None,
-                CallStream(self._tools) if self._tools is not None else None,
+                self._tools.stream() if self._tools is not None else None,
             ),
         )
         reasoning, body = ("", text) if stream.reasoning is None else stream.reasoning.push(text)
@@ -171,6 +171,9 @@ class ReplyParser:
         delta: dict[str, Any] = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
         if stream.calls is not None:
             delta.update(stream.calls.push(body))
+            held = stream.calls.finish() if finish_reason is not None else ""
+            if held:
+                delta["content"] = delta.get("content", "") + held
             if finish_reason == "stop" and stream.calls.num_calls > 0:
                 finish_reason = "tool_calls"
         elif body:
@@ -205,8 +208,8 @@ class ReplyParser:
         if layout is not None and finish_reason == "stop":
             calls = layout.parse_calls(body, self._names)
             if calls is not None:
-                return ParsedReply(None, reasoning, calls, "tool_calls")
+                return ParsedReply(layout.lead(body), reasoning, calls, "tool_calls")
         elif layout is not None and finish_reason == "length" and layout.is_call_text(body):
             # Cut short while calling: the calls it completed, never the markup of the unfinished one.
-            return ParsedReply(None, reasoning, layout.complete_calls(body), "length")
+            return ParsedReply(layout.lead(body), reasoning, layout.complete_calls(body), "length")
         return ParsedReply(content, reasoning, None, finish_reason)

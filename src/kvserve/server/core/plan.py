@@ -22,9 +22,10 @@ from kvserve.errors import InvalidRequestError
 from kvserve.server.core import harmony
 from kvserve.server.core.cache_report import PromptParts
 from kvserve.server.core.context import ServerContext
-from kvserve.server.core.prompts import chat_prompt
+from kvserve.server.core.prompts import chat_prompt, reply_turn_start
 from kvserve.server.core.reasoning import closes_reasoning, opens_reasoning
 from kvserve.server.core.request import ChatRequest
+from kvserve.server.core.tool_formats.syntax import CallSyntax
 from kvserve.server.core.tools import IN_THINK, MAY_THINK, NO_THINK, constraint
 
 # A prompt's last tokens that say whether its generation prompt opened a think block (`<think>\n`) or
@@ -67,11 +68,23 @@ class RequestPlan:
     opens_reasoning: bool = False
     # A chat's tools, by name: only calls of these are its replies' tool calls.
     tool_names: frozenset[str] | None = None
+    # How its replies' calls are read: the server's call syntax bound to its tools (None without).
+    call_syntax: CallSyntax | None = None
     # Where a request's cache breakpoints fall (Anthropic's or OpenAI's), first to last: the prefixes
     # to keep, for the retention that keeps them.
     breakpoints: tuple[CacheBreakpoint, ...] = ()
     # A chat's parts, to name where a changed prompt parts from what its namespace saw.
     parts: PromptParts | None = None
+    # A hybrid model's chat: where its generation prompt parts from the reply's turn as the next turn
+    # renders it (server/core/prompts.py), kept as a state checkpoint.
+    reply_turn_start: int | None = None
+
+    @property
+    def state_checkpoints(self) -> list[int]:
+        """The prompt positions a hybrid model keeps its state at, besides those the engine finds: the
+        breakpoints and the reply turn's start."""
+        ends = [b.tokens for b in self.breakpoints]
+        return ends if self.reply_turn_start is None else [*ends, self.reply_turn_start]
 
     @property
     def n(self) -> int:
@@ -155,10 +168,31 @@ def rendered_chat_plan(
     try:
         plan = plan_prompts(ctx, [token_ids], params, namespace)
         names = None if tools is None else frozenset(t.name for t in tools.tools)
+        syntax = (
+            None
+            if tools is None
+            else ctx.chat.tools.layout.bind([(t.name, t.parameters) for t in tools.tools])
+        )
         parts = PromptParts(
             request.messages, request.tools, ctx.chat, request.template_kwargs, request.system_apart
         )
-        return dataclasses.replace(plan, opens_reasoning=opened, tool_names=names, parts=parts)
+        start = reply_turn_start(
+            ctx.async_engine,
+            ctx.prompt_guard,
+            request.messages,
+            tools,
+            ctx.chat,
+            request.template_kwargs,
+            token_ids,
+        )
+        return dataclasses.replace(
+            plan,
+            opens_reasoning=opened,
+            tool_names=names,
+            call_syntax=syntax,
+            parts=parts,
+            reply_turn_start=start,
+        )
     except ConstraintRejected as e:
         if not tools_constrain:
             raise

@@ -182,6 +182,25 @@ def chat_prompt(
     return async_engine.encode_chat(turns, namespace, add_generation_prompt, args)
 
 
+def reply_turn_start(
+    async_engine: AsyncEngine,
+    guard: PromptGuard,
+    messages: Sequence[ChatMessage],
+    tools: ToolUse | None,
+    setup: ChatSetup,
+    kwargs: Mapping[str, Any] | None,
+    token_ids: Sequence[int],
+) -> int | None:
+    """A hybrid model's chat prompt `token_ids`: where its generation prompt parts from the reply's turn
+    as the next turn renders it (`AsyncEngine.reply_turn_start`), the position to keep the state at so
+    that the next turn resumes there; None on other models (they keep every token) and for harmony
+    chats (their replies come back whole)."""
+    if setup.harmony or not async_engine.keeps_states:
+        return None
+    turns, args = chat_turns(guard, messages, tools, setup, kwargs)
+    return async_engine.reply_turn_start(turns, args, token_ids)
+
+
 def harmony_conversation(messages: Sequence[ChatMessage]) -> list[MessageDict]:
     """The messages as gpt-oss's template takes them: an assistant turn's reasoning as `thinking` and
     its call with object arguments (server/core/harmony.py), tool results and the rest as they are."""

@@ -33,7 +33,8 @@ from kvserve.model.tokenizer import MessageDict
 from kvserve.server.core.messages import ChatMessage
 from kvserve.server.core.reasoning import THINK_CLOSE, THINK_OPEN, THINK_SEP
 from kvserve.server.core.tool_formats import ToolFormat
-from kvserve.server.core.tool_formats.layout import NAME_PATTERN, CallLayout, ParsedCall
+from kvserve.server.core.tool_formats.layout import NAME_PATTERN, ParsedCall
+from kvserve.server.core.tool_formats.syntax import CallSyntax
 
 CALL_OPEN = "<tool_call>"
 RESPONSE_OPEN = "<tool_response>"
@@ -118,16 +119,12 @@ def _system_text(use: ToolUse) -> str:
     return TOOLS_HEADER + "\n".join(lines) + "\n" + CALL_HOWTO
 
 
-def _assistant_text(message: ChatMessage, layout: CallLayout) -> str:
-    """An assistant message's text with its calls written as the model writes them, arguments verbatim."""
+def _assistant(message: ChatMessage, layout: CallSyntax) -> MessageDict:
+    """An assistant message with its calls written in its text as the model writes them."""
     calls = [
         ParsedCall(c.function.name, c.function.arguments) for c in message.tool_calls or () if c.function
     ]
-    return "\n".join(([message.text] if message.text else []) + ([layout.calls_text(calls)] if calls else []))
-
-
-def _assistant(message: ChatMessage, layout: CallLayout) -> MessageDict:
-    turn: MessageDict = {"role": "assistant", "content": _assistant_text(message, layout)}
+    turn: MessageDict = {"role": "assistant", "content": layout.reply_text(message.text, calls)}
     reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
     if reasoning is not None:
         turn["reasoning_content"] = reasoning
@@ -146,7 +143,7 @@ def template_tools(use: ToolUse) -> list[dict[str, Any]]:
 
 
 def _generic_conversation(
-    messages: Sequence[ChatMessage], use: ToolUse | None, fmt: ToolFormat
+    messages: Sequence[ChatMessage], use: ToolUse | None, fmt: ToolFormat[Any]
 ) -> list[MessageDict]:
     """Tools in the system prompt, calls and results as text in the generic format (a template need
     not know roles other than system, user, assistant)."""
@@ -173,7 +170,7 @@ def _generic_conversation(
 
 
 def _template_conversation(
-    messages: Sequence[ChatMessage], use: ToolUse | None, fmt: ToolFormat
+    messages: Sequence[ChatMessage], use: ToolUse | None, fmt: ToolFormat[Any]
 ) -> list[MessageDict]:
     """The messages for a template that renders tools itself: `tool` messages as they are (with the
     called function's name, which some templates print), calls as the assistant's text."""
@@ -198,18 +195,13 @@ def _template_conversation(
     return out
 
 
-def conversation(messages: Sequence[ChatMessage], use: ToolUse | None, fmt: ToolFormat) -> list[MessageDict]:
+def conversation(
+    messages: Sequence[ChatMessage], use: ToolUse | None, fmt: ToolFormat[Any]
+) -> list[MessageDict]:
     """The messages as the chat template sees them under the tool format `fmt`."""
     if fmt.in_template:
         return _template_conversation(messages, use, fmt)
     return _generic_conversation(messages, use, fmt)
-
-
-def _strict(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema with compact JSON, as every constrained output here (a schema may still override)."""
-    extra = schema.get("x-guidance")
-    guidance = {"whitespace_flexible": False, **(extra if isinstance(extra, dict) else {})}
-    return {**schema, "x-guidance": guidance}
 
 
 # Where a reply may reason before it answers: not at all, optionally (the reply may open a think
@@ -229,31 +221,14 @@ def _think_rules(think: str) -> tuple[str, list[str]]:
     return "", []
 
 
-def constraint(use: ToolUse, layout: CallLayout, think: str = NO_THINK) -> StructuredOutputs:
+def constraint(use: ToolUse, layout: CallSyntax, think: str = NO_THINK) -> StructuredOutputs:
     """The grammar of what the model may answer under `use`, in `layout`'s calls."""
     prefix, lines = _think_rules(think)
-    text_rule = "TEXT: /[^" + re.escape(layout.first_char) + r"][\s\S]*/"
     if use.choice == "none":
-        return StructuredOutputs(grammar="\n".join([f"start: {prefix}TEXT", text_rule, *lines]) + "\n")
-    tools = [t for t in use.tools if use.choice in ("auto", "required", t.name)]
-    rules = []
-    for i, t in enumerate(tools):
-        rules.append(f"call_{i}: {json.dumps(layout.head(t.name))} args_{i} {json.dumps(layout.tail)}")
-        rules.append(f"args_{i}: %json {json.dumps(_strict(t.parameters))}")
-    calls = (
-        f"call ({json.dumps(layout.sep)} call)*"
-        if use.parallel and use.choice in ("auto", "required")
-        else "call"
-    )
-    calls = " ".join(json.dumps(s) for s in (layout.open,) if s) + (" " if layout.open else "") + calls
-    calls += (" " + json.dumps(layout.close)) if layout.close else ""
-    body = f"({calls}" + (" | TEXT)" if use.choice == "auto" else ")")
-    lines = [
-        f"start: {prefix}{body}",
-        "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
-        *rules,
-        *lines,
-    ]
-    if use.choice == "auto":
-        lines.append(text_rule)
-    return StructuredOutputs(grammar="\n".join(lines) + "\n")
+        return StructuredOutputs(
+            grammar="\n".join([f"start: {prefix}TEXT", layout.text_rule(), *lines]) + "\n"
+        )
+    tools = [(t.name, t.parameters) for t in use.tools if use.choice in ("auto", "required", t.name)]
+    parallel = use.parallel and use.choice in ("auto", "required")
+    body, rules = layout.calls_grammar(tools, parallel, use.choice == "auto")
+    return StructuredOutputs(grammar="\n".join([f"start: {prefix}{body}", *rules, *lines]) + "\n")

@@ -12,8 +12,9 @@ from pydantic import BaseModel
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.server.core.messages import FunctionCall, ToolCall
 from kvserve.server.core.output import Choice, ReplyParser, ResponseIds, TokenUsage
-from kvserve.server.core.tool_formats.layout import CallLayout, ParsedCall
+from kvserve.server.core.tool_formats.layout import ParsedCall
 from kvserve.server.core.tool_formats.stream import new_call_id
+from kvserve.server.core.tool_formats.syntax import CallSyntax
 from kvserve.server.openai.logprobs import LogprobRenderer
 from kvserve.server.openai.protocol import (
     AssistantMessage,
@@ -62,7 +63,7 @@ class ChatFormat:
         self,
         renderer: LogprobRenderer,
         logprobs: bool,
-        tools: CallLayout | None = None,
+        tools: CallSyntax | None = None,
         reasoning: bool = False,
         opened: bool = False,
         tool_names: frozenset[str] | None = None,

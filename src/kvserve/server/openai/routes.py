@@ -55,7 +55,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         fmt = ChatFormat(
             LogprobRenderer(ctx.async_engine.tokenizer),
             body.logprobs,
-            ctx.chat.tools.layout if body.tools else None,
+            plan.call_syntax,
             ctx.chat.reasoning,
             plan.opens_reasoning,
             plan.tool_names,

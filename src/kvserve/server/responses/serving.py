@@ -184,7 +184,7 @@ class _Run:
         self.created = int(time.time())
         plan = prepared.plan
         self.parser = ReplyParser(
-            ctx.chat.tools.layout if prepared.tools is not None else None,
+            plan.call_syntax,
             ctx.chat.reasoning,
             plan.opens_reasoning,
             plan.tool_names,
@@ -200,9 +200,15 @@ class _Run:
 
     def generation(self, room: Reservation) -> Generation:
         plan = self.prepared.plan
-        breakpoints = [b.tokens for b in plan.breakpoints]
         return Generation(
-            self.ctx, self.log_id, self.id, self.choice, plan.samples[0], plan.namespace, room, breakpoints
+            self.ctx,
+            self.log_id,
+            self.id,
+            self.choice,
+            plan.samples[0],
+            plan.namespace,
+            room,
+            plan.state_checkpoints,
         )
 
     def response(self, reply: _Reply, generation: Generation | None, status: str) -> ResponseObject:

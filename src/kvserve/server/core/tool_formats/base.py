@@ -1,13 +1,16 @@
-"""The interface every tool-call format implements: a `ToolFormat` names its call layout, the markers
+"""The interface every tool-call format implements: a `ToolFormat` names its call syntax, the markers
 that identify its chat templates, and how its tools reach the template."""
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from kvserve.server.core.tool_formats.layout import CallLayout
+from kvserve.server.core.tool_formats.syntax import CallSyntax
+
+Syntax = TypeVar("Syntax", bound=CallSyntax)
 
 
 @dataclass(frozen=True)
-class ToolFormat:
+class ToolFormat(Generic[Syntax]):
     """One family's way of calling tools.
 
     `in_template`: the chat template renders the tools (passed as its `tools` variable), the calls
@@ -18,7 +21,7 @@ class ToolFormat:
     does, besides its `tools` variable."""
 
     name: str
-    layout: CallLayout
+    layout: Syntax
     markers: tuple[str, ...] = ()
     in_template: bool = True
     tools_in_system: bool = False

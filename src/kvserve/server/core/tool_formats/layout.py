@@ -15,9 +15,12 @@ unterminated markup, deep nesting) is just not a call.
 import functools
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from kvserve.server.core.tool_formats.stream import CallStream
 
 # OpenAI's rule for function names; it also keeps names free of JSON escapes.
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"
@@ -65,9 +68,47 @@ class CallLayout:
         """One call as the constrained model writes it; `arguments` verbatim."""
         return self.head(name) + arguments + self.tail
 
-    def calls_text(self, calls: list[ParsedCall]) -> str:
+    def calls_text(self, calls: Sequence[ParsedCall]) -> str:
         """A reply made of these calls, exactly as the constrained model writes it."""
         return self.open + self.sep.join(self.call_text(c.name, c.arguments) for c in calls) + self.close
+
+    def bind(self, tools: Sequence[tuple[str, dict[str, Any]]]) -> "CallLayout":
+        """The same layout: JSON arguments are the model's own text, whatever the schemas."""
+        return self
+
+    def reply_text(self, content: str, calls: Sequence[ParsedCall]) -> str:
+        """An assistant message's text, its calls after its content (a constrained reply has only one)."""
+        return "\n".join(([content] if content else []) + ([self.calls_text(calls)] if calls else []))
+
+    def lead(self, text: str) -> None:
+        """A reply of calls in a JSON format starts with them: it has no content."""
+        return None
+
+    def stream(self) -> "CallStream":
+        # Imported here: the stream module builds on this one.
+        from kvserve.server.core.tool_formats.stream import CallStream
+
+        return CallStream(self)
+
+    def text_rule(self) -> str:
+        """A reply that is not calls cannot start as calls do."""
+        return "TEXT: /[^" + re.escape(self.first_char) + r"][\s\S]*/"
+
+    def calls_grammar(
+        self, tools: Sequence[tuple[str, dict[str, Any]]], parallel: bool, auto: bool
+    ) -> tuple[str, list[str]]:
+        """`open call (sep call)* close`, each call the layout's head, the tool's arguments as compact
+        JSON of its schema, and the tail; with `auto`, or TEXT."""
+        rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+        for i, (name, parameters) in enumerate(tools):
+            rules.append(f"call_{i}: {json.dumps(self.head(name))} args_{i} {json.dumps(self.tail)}")
+            rules.append(f"args_{i}: %json {json.dumps(strict_schema(parameters))}")
+        calls = f"call ({json.dumps(self.sep)} call)*" if parallel else "call"
+        calls = (f"{json.dumps(self.open)} " if self.open else "") + calls
+        calls += f" {json.dumps(self.close)}" if self.close else ""
+        if not auto:
+            return f"({calls})", rules
+        return f"({calls} | TEXT)", [*rules, self.text_rule()]
 
     def markup(self) -> tuple[str, ...]:
         """The literal pieces of the layout's markup (a tokenizer may hold some as special tokens)."""
@@ -179,6 +220,13 @@ def _regexes(layout: CallLayout) -> _Regexes:
         sep=re.compile(r"\s*" + _flexible(layout.sep.strip()) + r"\s*"),
         close=re.compile(r"\s*" + _flexible(layout.close)),
     )
+
+
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with compact JSON, as every constrained output here (a schema may still override)."""
+    extra = schema.get("x-guidance")
+    guidance = {"whitespace_flexible": False, **(extra if isinstance(extra, dict) else {})}
+    return {**schema, "x-guidance": guidance}
 
 
 def json_end(text: str, start: int) -> int | None:

@@ -72,3 +72,7 @@ class CallStream:
             self._pos = parsed[2]
             self._args_start = None
         return {"tool_calls": list(entries.values())} if entries else {}
+
+    def finish(self) -> str:
+        """Nothing is held back: a reply's first characters decide between text and calls."""
+        return ""
