@@ -139,7 +139,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     tokenizer = model.tokenizer
     # Structured outputs: compiled where requests are validated, never on the engine thread's step.
     grammars = GrammarCompiler(
-        tokenizer.hf_tokenizer,
+        tokenizer.backend,
         tokenizer.vocab_size,
         tokenizer.eos_token_ids,
         max_cached_bytes=config.grammar_cache_bytes,
