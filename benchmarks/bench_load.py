@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 import httpx
+import psutil
 
 from benchmarks.bench_peer import build_llama_server, llama_argv
 from kvserve.config import default_cache_dir
@@ -59,9 +60,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def time_to_health(argv: Sequence[str], port: int, env: dict[str, str] | None = None) -> float:
-    """Seconds from starting `argv` to its `/health` answering 200 on `port` (polled every 20 ms); the
-    port must be free (another server's answer would time nothing)."""
+def time_to_health(argv: Sequence[str], port: int, env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Seconds from starting `argv` to its `/health` answering 200 on `port` (polled every 20 ms), and
+    the CPU seconds the process had taken by then (user and system; less swayed by the machine's other
+    load than the wall time). The port must be free (another server's answer would time nothing)."""
     url = f"http://127.0.0.1:{port}/health"
     with socket.socket() as s:
         # Connections of the last start may wait out their close on it; a listener may not.
@@ -73,7 +75,9 @@ def time_to_health(argv: Sequence[str], port: int, env: dict[str, str] | None = 
         while True:
             try:
                 if httpx.get(url, timeout=2).status_code == 200:
-                    return time.perf_counter() - start
+                    wall = time.perf_counter() - start
+                    cpu = psutil.Process(process.pid).cpu_times()
+                    return wall, cpu.user + cpu.system
             except httpx.HTTPError:
                 pass
             if process.poll() is not None:
@@ -98,18 +102,30 @@ def serve_starts(model: str, repeats: int) -> None:
     with tempfile.TemporaryDirectory() as cache:
         shutil.copytree(kernels, os.path.join(cache, "kernels"))
         env = {**os.environ, "KVSERVE_CACHE_DIR": cache}
-        first = time_to_health(kvserve_argv(model, port, False), port, env)
-    print(f"load average {os.getloadavg()[0]:.2f}; kvserve first start (fresh cache folder): {first:.2f} s")
-    starts: dict[str, list[float]] = {"kvserve": [], "kvserve --speculative off": [], "llama-server": []}
+        first, first_cpu = time_to_health(kvserve_argv(model, port, False), port, env)
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; kvserve --speculative off, first start (fresh cache folder):"
+    )
+    print(f"  {first:.2f} s ({first_cpu:.2f} s CPU)")
+    starts: dict[str, list[tuple[float, float]]] = {
+        "kvserve": [],
+        "kvserve --speculative off": [],
+        "llama-server": [],
+    }
     for _ in range(repeats):
         starts["llama-server"].append(time_to_health(llama_argv(binary, model, port, False), port))
         starts["kvserve"].append(time_to_health(kvserve_argv(model, port, True), port))
         starts["kvserve --speculative off"].append(time_to_health(kvserve_argv(model, port, False), port))
-    llama = statistics.median(starts["llama-server"])
+    llama = statistics.median(wall for wall, _ in starts["llama-server"])
+    llama_cpu = statistics.median(cpu for _, cpu in starts["llama-server"])
     for name, times in starts.items():
-        runs = ", ".join(f"{t:.2f}" for t in times)
-        median = statistics.median(times)
-        print(f"{name}: median {median:.2f} s ({median / llama:.2f}x llama-server's; runs {runs})")
+        wall = statistics.median(w for w, _ in times)
+        cpu = statistics.median(c for _, c in times)
+        runs = ", ".join(f"{w:.2f}" for w, _ in times)
+        print(
+            f"{name}: median {wall:.2f} s, {wall / llama:.2f}x llama-server's (runs {runs}); "
+            f"CPU {cpu:.2f} s, {cpu / llama_cpu:.2f}x"
+        )
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

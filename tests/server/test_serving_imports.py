@@ -16,7 +16,14 @@ from kvserve.model.loader import _hf_tokenizer, load_default_tokenizer, tokenize
 
 # Imported by nothing that serves: about 30 MiB (the plotting library), 60 MiB (the config stack), and
 # transformers itself (a second and a half of every start).
-UNUSED_AT_SERVING = ("matplotlib", "sympy", "transformers", "torch.distributed.tensor", "llguidance.hf")
+UNUSED_AT_SERVING = (
+    "matplotlib",
+    "sympy",
+    "transformers",
+    "gguf",
+    "torch.distributed.tensor",
+    "llguidance.hf",
+)
 
 _SERVE = """
 import sys
@@ -29,7 +36,7 @@ argv = ["serve", "--kv-cache-memory", "16MiB", "--threads", "1"]
 parts = build_parts(engine_config(build_parser(named_command(argv)).parse_args(argv)))
 parts.model.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
 parts.grammars.compile(StructuredOutputs(regex="[0-9]+"))
-top = {"matplotlib", "sympy", "transformers"}
+top = {"matplotlib", "sympy", "transformers", "gguf"}
 print(" ".join(m for m in sys.modules if m.split(".")[0] in top or m in {U}))
 """
 
