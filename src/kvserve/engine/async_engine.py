@@ -46,7 +46,7 @@ from kvserve.engine.snapshot import CacheView, PinView, Snapshot, pin_view, take
 from kvserve.engine.validation import CheckedPrompt, TooManySequencesError, check_sequences
 from kvserve.errors import EngineOverloadedError, KVServeError
 from kvserve.model import openmp
-from kvserve.model.heap import release_free_heap
+from kvserve.model.heap import release_free_heap, release_startup_pages
 from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, KnownReply, MessageDict, ReplyLookup, TemplateArgs
 
 log = logging.getLogger("kvserve.engine")
@@ -442,6 +442,10 @@ class AsyncEngine:
             elif self._probing():
                 self.engine.probe_step()
                 stepped = True
+                if not self.engine.probing:
+                    # Startup's end: what only the probe ran leaves the resident set, as `serve` lets
+                    # go of what loading ran (server/app.py).
+                    release_startup_pages()
 
     def _refuse_until_shutdown(self, error: EngineDeadError) -> None:
         """A dead engine still answers every command, with the error, so that no caller waits forever."""
