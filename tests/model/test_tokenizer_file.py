@@ -218,3 +218,13 @@ def test_something_else_in_the_files_place_is_built_around(folder_and_type: tupl
         assert_same(served, load_tokenizer(folder, None, model_type))
     assert os.path.isdir(os.path.join(folder, FILE_NAME))
     assert [n for n in os.listdir(folder) if n.startswith(f".{FILE_NAME}")] == []
+
+
+def test_another_tokenizers_version_builds_the_file_again(
+    folder_and_type: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, model_type = folder_and_type
+    _from_file(folder, model_type)
+    monkeypatch.setattr(tokenizer_cache.tokenizers, "__version__", "0.0.0-another")
+    assert _from_file(folder, model_type)[1] == 1
+    assert _from_file(folder, model_type)[1] == 0

@@ -2,12 +2,13 @@
 the specials transformers adds (`TokenizerSpecials`), written once, so that later starts parse one file
 in Rust and never import transformers (which took 2.5 s of a 262k-token Gemma 3's start).
 
-The file sits in the tokenizer folder that the metadata makes (model/gguf_tokenizer.py), which is named
-by a hash of the metadata's tokenizer fields: its key is that name and the model type the folder is read
-as. It is hostile input like any file: a line with the SHA-256 of the rest, a line of JSON (the format,
-the key, the specials), then the serialized tokenizer. One that is truncated, altered, of another format
-or key, or holding values of the wrong types or out of bounds is rebuilt from the folder (a warning
-says why), never used; it is written under a temporary name and moved into place whole.
+The file sits in the tokenizer folder that the metadata makes (model/gguf_tokenizer.py), which is named by
+a hash of the metadata's tokenizer fields: its key is that name, the model type the folder is read as and
+the tokenizers library's version. It is hostile input like any file: a line with the SHA-256 of the rest,
+a line of JSON (the format, the key, the specials), then the serialized tokenizer. One that is truncated,
+altered, of another format or key, or holding values of the wrong types or out of bounds is rebuilt from
+the folder (a warning says why), never used; it is written under a temporary name and moved into place
+whole.
 """
 
 import hashlib
@@ -18,6 +19,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 from kvserve.model.spec import MAX_VOCAB_SIZE
@@ -41,7 +43,9 @@ def cached_tokenizer(
     folder: str, key: str, build: Callable[[], Tokenizer]
 ) -> tuple[RustTokenizer, TokenizerSpecials]:
     """The tokenizer of `folder` under `key`: read from the derived file, else `build()` (transformers)
-    and written there."""
+    and written there. The tokenizers library's version is part of the key: another one may read the
+    serialization otherwise."""
+    key = f"{key}|tokenizers {tokenizers.__version__}"
     path = os.path.join(folder, FILE_NAME)
     try:
         return read(path, key)
