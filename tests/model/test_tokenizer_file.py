@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import gguf
+import tokenizers
 import pytest
 
 from kvserve.config import default_cache_dir
@@ -225,6 +226,6 @@ def test_another_tokenizers_version_builds_the_file_again(
 ) -> None:
     folder, model_type = folder_and_type
     _from_file(folder, model_type)
-    monkeypatch.setattr(tokenizer_cache.tokenizers, "__version__", "0.0.0-another")
+    monkeypatch.setattr(tokenizers, "__version__", "0.0.0-another")
     assert _from_file(folder, model_type)[1] == 1
     assert _from_file(folder, model_type)[1] == 0
