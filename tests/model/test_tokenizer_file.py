@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import gguf
-import tokenizers
 import pytest
+import tokenizers
 
 from kvserve.config import default_cache_dir
 from kvserve.model import tokenizer_cache
