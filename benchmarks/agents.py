@@ -92,7 +92,7 @@ def build_model(folder: str) -> str:
     vocab, eos = tokenizer.vocab_size, tokenizer.eos_token_ids[0]
     config = transformers.LlamaConfig(
         vocab_size=vocab,
-        bos_token_id=tokenizer.hf_tokenizer.bos_token_id,
+        bos_token_id=tokenizer.backend.token_to_id(str(tokenizer.specials.special_tokens_map["bos_token"])),
         eos_token_id=eos,
         hidden_size=64,
         intermediate_size=128,

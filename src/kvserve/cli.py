@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kvserve.cluster.launch import ClusterConfig, run_until_interrupted
 from kvserve.config import EngineConfig
 from kvserve.credentials import take_launch_nonce
 from kvserve.errors import KVServeError
@@ -176,7 +175,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     extra = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    from kvserve.cluster.launch import ClusterConfig, run_until_interrupted
+
     return run_until_interrupted(from_flags(ClusterConfig, args, serve_args=extra))
+
+
+# The commands whose parser leaves out the cluster's flags.
+_NOT_CLUSTER = ("serve", "chat", "generate", "bench")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -198,12 +203,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     cluster = sub.add_parser(
         "cluster", help="redis-server, replicas of `kvserve serve` sharing it, and the SMG router, locally"
     )
-    add_flags(cluster, ClusterConfig)
-    cluster.add_argument(
-        "serve_args",
-        nargs=argparse.REMAINDER,
-        help="after --: more `kvserve serve` arguments for every replica",
-    )
+    if command not in _NOT_CLUSTER:
+        # Its flags' module loads the HTTP client and Redis's process control (a quarter of a second),
+        # which no other command needs.
+        from kvserve.cluster.launch import ClusterConfig
+
+        add_flags(cluster, ClusterConfig)
+        cluster.add_argument(
+            "serve_args",
+            nargs=argparse.REMAINDER,
+            help="after --: more `kvserve serve` arguments for every replica",
+        )
     cluster.set_defaults(func=cmd_cluster)
 
     chat = sub.add_parser("chat", help="chat with the model in the terminal")

@@ -137,7 +137,7 @@ def test_a_rejected_constraint_is_remembered_per_namespace_without_compiling_aga
 def test_a_rejection_is_forgotten_after_its_time(model: LoadedModel) -> None:
     engine = _engine(model)
     compiler = GrammarCompiler(
-        engine.tokenizer.hf_tokenizer, engine.tokenizer.vocab_size, (2,), rejection_ttl_s=0.0
+        engine.tokenizer.backend, engine.tokenizer.vocab_size, (2,), rejection_ttl_s=0.0
     )
     bad = StructuredOutputs(regex="(ab")
     for _ in range(2):
@@ -160,12 +160,12 @@ def test_the_grammar_cache_is_keyed_by_namespace(model: LoadedModel) -> None:
 def test_the_grammar_cache_is_bounded_in_bytes_least_recently_used_first(model: LoadedModel) -> None:
     engine = _engine(model)
     specs = [StructuredOutputs(regex=f"{letter}{{1,3}}" + "x" * 20_000) for letter in "abcd"]
-    entry = GrammarCompiler(engine.tokenizer.hf_tokenizer, engine.tokenizer.vocab_size, (2,))
+    entry = GrammarCompiler(engine.tokenizer.backend, engine.tokenizer.vocab_size, (2,))
     entry.compile(specs[0])
     size = entry.cached_bytes
     assert size > 2 * 20_000  # the source and the library's text of it, both counted
     compiler = GrammarCompiler(
-        engine.tokenizer.hf_tokenizer, engine.tokenizer.vocab_size, (2,), max_cached_bytes=3 * size
+        engine.tokenizer.backend, engine.tokenizer.vocab_size, (2,), max_cached_bytes=3 * size
     )
     for spec in specs:
         compiler.compile(spec)
@@ -175,7 +175,7 @@ def test_the_grammar_cache_is_bounded_in_bytes_least_recently_used_first(model: 
     assert compiler.compiled == 5
     # An entry larger than the whole budget is used, not cached.
     small = GrammarCompiler(
-        engine.tokenizer.hf_tokenizer, engine.tokenizer.vocab_size, (2,), max_cached_bytes=size // 2
+        engine.tokenizer.backend, engine.tokenizer.vocab_size, (2,), max_cached_bytes=size // 2
     )
     assert small.compile(specs[1]).start() is not None
     assert len(small) == 0 and small.cached_bytes == 0

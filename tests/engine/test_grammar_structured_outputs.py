@@ -284,7 +284,7 @@ def test_grammars_compile_once_per_source_at_validation_never_in_the_step(
 
 
 def test_the_grammar_cache_is_bounded_least_recently_used_first(engine: Engine) -> None:
-    compiler = GrammarCompiler(engine.tokenizer.hf_tokenizer, engine.tokenizer.vocab_size, (2,), max_cached=2)
+    compiler = GrammarCompiler(engine.tokenizer.backend, engine.tokenizer.vocab_size, (2,), max_cached=2)
     a, b, c = (StructuredOutputs(regex=r) for r in ("a+", "b+", "c+"))
     compiler.compile(a)
     compiler.compile(b)

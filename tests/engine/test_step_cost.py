@@ -7,10 +7,15 @@
 - The startup probe leaves the cache as it found it: the free list in its order, no prefix-cache entry,
   no reply remembered, no request counted.
 - On the default model, the engine with its probe gives speculation off's greedy tokens.
+- A probe left for later (a server's, run once it listens) runs a step at a time, each leaving the cache as
+  it was, gives the costs the probe at construction gives, is finished by the first step before it
+  schedules, and runs on the AsyncEngine's thread once started, its pings answered before then.
 """
 
+import asyncio
 import math
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import EngineConfig
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.drafting import Drafter
 from kvserve.engine.engine import Engine
 from kvserve.engine.factory import build_parts
@@ -146,10 +152,10 @@ def _config(**overrides: Any) -> EngineConfig:
     )
 
 
-def _engine_on_clock(model: LoadedModel, clock: RowClock, **overrides: Any) -> Engine:
+def _engine_on_clock(model: LoadedModel, clock: RowClock, probe_now: bool = True, **overrides: Any) -> Engine:
     parts = build_parts(_config(**overrides), model)
     parts.runner.execute = clock.wrap(parts.runner.execute)  # type: ignore[method-assign,assignment]
-    return Engine(parts, clock)
+    return Engine(parts, clock, probe_now)
 
 
 COPY = list(range(100, 140)) * 3  # a prompt that repeats itself: its greedy reply is likely to copy too
@@ -212,3 +218,50 @@ def test_greedy_tokens_with_the_probe_on_the_default_model_are_those_without_spe
         out[speculative] = tokens
         engine.kv.check()
     assert out["suffix"] == out["off"]
+
+
+def test_a_probe_left_for_later_runs_a_step_at_a_time_and_gives_the_same_costs(
+    tiny_model: LoadedModel,
+) -> None:
+    eager = _engine_on_clock(tiny_model, RowClock(fixed=0.001, row=0.0001))
+    later = _engine_on_clock(tiny_model, RowClock(fixed=0.001, row=0.0001), probe_now=False)
+    plain = Engine(build_parts(_config(speculative="off"), tiny_model))
+    assert later.probing and later.step_costs is not None and later.step_costs.steps == 0
+    calls = 0
+    while later.probing:
+        later.probe_step()
+        calls += 1
+        assert later.kv.pool._free == plain.kv.pool._free and later.kv.usage() == plain.kv.usage()
+    assert eager.step_costs is not None and later.step_costs.steps == eager.step_costs.steps > 1
+    assert calls == later.step_costs.steps + 2  # the warm-up and the end besides the kept steps
+    assert later.step_costs.costs == eager.step_costs.costs
+    drafter = later.scheduler.drafter
+    assert isinstance(drafter, Drafter) and drafter.costs == later.step_costs.costs
+    later.kv.check()
+
+
+def test_the_first_step_finishes_a_probe_left_for_later(tiny_model: LoadedModel) -> None:
+    """Rows measured dear: the probe's costs, taken before the first step schedules, draft nothing."""
+    engine = _engine_on_clock(tiny_model, RowClock(fixed=0.01, row=1.0), probe_now=False)
+    engine.probe_step()
+    assert engine.probing
+    assert _drafted(engine) == 0
+    assert not engine.probing and engine.step_costs is not None and engine.step_costs.steps > 0
+
+
+def test_the_async_engine_runs_a_pending_probe_once_started_and_answers_before(
+    tiny_model: LoadedModel,
+) -> None:
+    engine = _engine_on_clock(tiny_model, RowClock(fixed=0.001, row=0.0001), probe_now=False)
+    async_engine = AsyncEngine(engine)
+    try:
+        asyncio.run(async_engine.ping())
+        assert engine.probing  # nothing runs it before the server says it listens
+        async_engine.start_probe()
+        deadline = time.monotonic() + 60
+        while engine.probing and time.monotonic() < deadline:
+            asyncio.run(async_engine.ping())
+        assert not engine.probing and engine.step_costs is not None and engine.step_costs.steps > 0
+        assert asyncio.run(async_engine.stats()).prompt_tokens == 0
+    finally:
+        async_engine.shutdown()

@@ -46,7 +46,7 @@ from kvserve.engine.snapshot import CacheView, PinView, Snapshot, pin_view, take
 from kvserve.engine.validation import CheckedPrompt, TooManySequencesError, check_sequences
 from kvserve.errors import EngineOverloadedError, KVServeError
 from kvserve.model import openmp
-from kvserve.model.heap import release_free_heap
+from kvserve.model.heap import release_free_heap, release_startup_pages
 from kvserve.model.tokenizer import NO_TEMPLATE_ARGS, KnownReply, MessageDict, ReplyLookup, TemplateArgs
 
 log = logging.getLogger("kvserve.engine")
@@ -119,12 +119,24 @@ class AsyncEngine:
         # From here the engine thread runs every step: the OpenMP workers this thread kept (from loading
         # the model) would only make libgomp stop spin-waiting between the engine's parallel regions.
         openmp.release_thread_pool()
+        # An engine built with its startup probe pending runs it here, a step at a time between commands
+        # (so /health answers), once `start_probe` says the server is up and idle; a request's step
+        # finishes it first.
+        self._probe_started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
     @property
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    def start_probe(self) -> None:
+        """Let the engine thread run what is left of the engine's startup probe."""
+        self._probe_started.set()
+        self._commands.put(_Call(lambda engine: None, Future()))
+
+    def _probing(self) -> bool:
+        return self.engine.probing and self._probe_started.is_set()
 
     def shutdown(self) -> None:
         """Stop the engine thread, then let the cache tiers write what they have queued."""
@@ -412,7 +424,7 @@ class AsyncEngine:
         # Whether steps ran since the heap's free memory was last returned.
         stepped = False
         while True:
-            idle = not self.engine.has_unfinished_requests()
+            idle = not self.engine.has_unfinished_requests() and not self._probing()
             wait = HEAP_TRIM_IDLE_S if idle and stepped else None
             try:
                 command = self._commands.get(block=idle, timeout=wait)
@@ -440,6 +452,13 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests():
                 self._dispatch(self.engine.step())
                 stepped = True
+            elif self._probing():
+                self.engine.probe_step()
+                stepped = True
+                if not self.engine.probing:
+                    # Startup's end: what only the probe ran leaves the resident set, as `serve` lets
+                    # go of what loading ran (server/app.py).
+                    release_startup_pages()
 
     def _refuse_until_shutdown(self, error: EngineDeadError) -> None:
         """A dead engine still answers every command, with the error, so that no caller waits forever."""

@@ -6,11 +6,12 @@ on blocks taken from the pool's free list for that step only and handed back in 
 free list is then as it was). Nothing else is touched: no sequence is admitted, nothing is published to
 the prefix cache or counted, and no request sees the blocks' contents (a block's KV is always written
 before it is read). The steps stop once `budget_s` is spent (after the warm-up and MIN_STEPS steps), so
-a big model probes with three steps.
+a big model probes with three steps. `probe_steps` gives the same steps one at a time, so that a server
+answers between them (engine/async_engine.py runs them once it listens).
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvserve.cache.manager import KVCacheManager
@@ -42,7 +43,19 @@ def probe(
 ) -> list[ProbeStep]:
     """Timed steps of `SHAPES` (the warm-up left out); fewer when the budget runs out (MIN_STEPS at least),
     none when the pool or the context cannot hold the smallest one."""
-    steps: list[ProbeStep] = []
+    return [s for s in probe_steps(runner, kv, max_model_len, clock, budget_s) if s is not None]
+
+
+def probe_steps(
+    runner: ModelRunner,
+    kv: KVCacheManager,
+    max_model_len: int,
+    clock: Callable[[], float],
+    budget_s: float = PROBE_BUDGET_S,
+) -> Iterator[ProbeStep | None]:
+    """`probe`'s steps, each run as it is asked for: None for the warm-up. Each step takes its blocks
+    from the free list as it is then and hands them back before it yields."""
+    kept = 0
     started = clock()
     vocab = runner.transformer.config.vocab_size
     for i, (decodes, drafts) in enumerate(SHAPES):
@@ -50,11 +63,13 @@ def probe(
         if context < 1:
             continue
         seconds = _timed_step(runner, kv, clock, decodes, drafts, context, vocab)
-        if i > 0:
-            steps.append(ProbeStep(decodes, drafts, seconds))
-        if len(steps) >= MIN_STEPS and clock() - started >= budget_s:
-            break
-    return steps
+        if i == 0:
+            yield None
+            continue
+        kept += 1
+        yield ProbeStep(decodes, drafts, seconds)
+        if kept >= MIN_STEPS and clock() - started >= budget_s:
+            return
 
 
 def _context(kv: KVCacheManager, max_model_len: int, decodes: int, drafts: int, wanted: int) -> int:

@@ -3,7 +3,7 @@
 import itertools
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,7 +13,7 @@ from kvserve.cache.manager import CacheUsage
 from kvserve.cache.pins import Pin
 from kvserve.config import EngineConfig
 from kvserve.engine import sampler
-from kvserve.engine.cost_probe import probe
+from kvserve.engine.cost_probe import ProbeStep, probe_steps
 from kvserve.engine.drafting import ROW_COST, Drafter
 from kvserve.engine.factory import EngineParts, build_parts
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
@@ -81,9 +81,13 @@ class Engine:
     Each step schedules (the scheduler decides who runs), executes (one forward pass), samples, and
     appends each sampled token to its request, which says whether it ended (`Request.append`)."""
 
-    def __init__(self, parts: EngineParts, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, parts: EngineParts, clock: Callable[[], float] = time.perf_counter, probe_now: bool = True
+    ) -> None:
         """An engine on `parts` (engine/factory.py), built by `from_config` or, in a test, another way.
-        `clock` times the steps (and the startup probe) whose costs the drafter weighs."""
+        `clock` times the steps (and the startup probe) whose costs the drafter weighs. Without
+        `probe_now`, the probe waits for `probe_step` calls (a server runs them once it listens), and the
+        first `step` finishes what is left of it."""
         self.config = parts.config
         self.model = parts.model
         self.tokenizer = parts.model.tokenizer
@@ -106,8 +110,11 @@ class Engine:
         self.clock = clock
         # Speculation's cost model: a probe now, then every step (none where speculation is off).
         self.step_costs = StepCostEstimator(ROW_COST) if self.scheduler.drafter is not None else None
+        self._probe: Iterator[ProbeStep | None] | None = None
         if self.step_costs is not None:
-            self._probe(self.step_costs)
+            self._probe = probe_steps(self.runner, self.kv, self.max_model_len, self.clock)
+            if probe_now:
+                self.finish_probe()
 
     @classmethod
     def from_config(
@@ -115,19 +122,37 @@ class Engine:
         config: EngineConfig,
         model: LoadedModel | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        probe_now: bool = True,
     ) -> "Engine":
         """An engine on the parts `config` builds (`build_parts`), on `model` when given, else on the
         model the config names; raises ConfigError for settings this model cannot run with."""
-        return cls(build_parts(config, model), clock)
+        return cls(build_parts(config, model), clock, probe_now)
 
-    def _probe(self, estimator: StepCostEstimator) -> None:
-        """Time a few steps of the model with and without draft rows (engine/cost_probe.py) and anchor the
-        estimate to what they give; the cache is left as it was."""
-        for step in probe(self.runner, self.kv, self.max_model_len, self.clock):
-            estimator.observe(step.decodes, step.drafts, 0, step.seconds)
-        if estimator.steps:
-            estimator.anchor(estimator.costs)
-        self._use_costs(estimator.costs)
+    @property
+    def probing(self) -> bool:
+        """Whether the startup probe has steps left."""
+        return self._probe is not None
+
+    def probe_step(self) -> None:
+        """Run the startup probe's next step: a few timed steps of the model with and without draft rows
+        (engine/cost_probe.py); after the last, the estimate is anchored to what they gave. The cache is
+        left as it was after each."""
+        if self._probe is None or self.step_costs is None:
+            return
+        try:
+            step = next(self._probe)
+        except StopIteration:
+            self._probe = None
+            if self.step_costs.steps:
+                self.step_costs.anchor(self.step_costs.costs)
+            self._use_costs(self.step_costs.costs)
+            return
+        if step is not None:
+            self.step_costs.observe(step.decodes, step.drafts, 0, step.seconds)
+
+    def finish_probe(self) -> None:
+        while self._probe is not None:
+            self.probe_step()
 
     def _use_costs(self, costs: StepCosts) -> None:
         drafter = self.scheduler.drafter
@@ -248,6 +273,8 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """One engine step: schedule, execute the batch, sample a token for each request that samples,
         append it. Returns a delta for each request that sampled."""
+        # The drafter weighs rows by the probe's costs: a step never runs before them.
+        self.finish_probe()
         began = self.clock()
         self.kv.expire_pins()
         self.kv.expire_retentions()

@@ -12,10 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvserve.cache.disk_tier import DiskTier
 from kvserve.cache.lower_tiers import LowerTiers
 from kvserve.cache.manager import CacheConfig, KVCacheManager
-from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import LowerTier
 from kvserve.config import EngineConfig, format_bytes
 from kvserve.engine.drafting import Drafter
@@ -139,7 +137,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None) -> Engin
     tokenizer = model.tokenizer
     # Structured outputs: compiled where requests are validated, never on the engine thread's step.
     grammars = GrammarCompiler(
-        tokenizer.hf_tokenizer,
+        tokenizer.backend,
         tokenizer.vocab_size,
         tokenizer.eos_token_ids,
         max_cached_bytes=config.grammar_cache_bytes,
@@ -260,6 +258,10 @@ def _lower_tiers(config: EngineConfig, model: LoadedModel, runner: ModelRunner) 
     """The disk and Redis tiers that config asks for, in that order below memory; None when neither."""
     if config.kv_disk is None and config.kv_remote is None:
         return None
+    # Imported here: a server without tiers never loads the Redis client (a tenth of a second).
+    from kvserve.cache.disk_tier import DiskTier
+    from kvserve.cache.redis_tier import RedisTier
+
     fingerprint = model_fingerprint(
         model,
         config.weight_dtype,

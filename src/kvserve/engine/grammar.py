@@ -24,8 +24,8 @@ from functools import cached_property
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import torch
+from tokenizers import Tokenizer as RustTokenizer
 
 from kvserve.config import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
@@ -38,6 +38,7 @@ from kvserve.config import (
 )
 from kvserve.engine.bitmask import fill_row, new_bitmask
 from kvserve.errors import InvalidRequestError
+from kvserve.model.tokenizer import grammar_view
 
 # Compiled grammars kept for reuse, by namespace and source: a tool-calling client sends the same schema
 # every turn. Bounded in bytes too (EngineConfig.grammar_cache_bytes).
@@ -337,18 +338,19 @@ def _brief(message: str, limit: int = 500) -> str:
 
 
 # The library's view of a tokenizer, shared by the engines of one tokenizer (tests build many).
-_TOKENIZERS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer]]" = (
-    weakref.WeakKeyDictionary()
-)
+_Built = dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer]
+_TOKENIZERS: "weakref.WeakKeyDictionary[RustTokenizer, _Built]" = weakref.WeakKeyDictionary()
 _TOKENIZERS_LOCK = threading.Lock()
 
 
-def _library_tokenizer(hf_tokenizer: Any, vocab_size: int, eos: tuple[int, ...]) -> llguidance.LLTokenizer:
+def _library_tokenizer(
+    tokenizer: RustTokenizer, vocab_size: int, eos: tuple[int, ...]
+) -> llguidance.LLTokenizer:
     with _TOKENIZERS_LOCK:
-        built = _TOKENIZERS.setdefault(hf_tokenizer, {})
+        built = _TOKENIZERS.setdefault(tokenizer, {})
         if (vocab_size, eos) not in built:
-            built[vocab_size, eos] = llguidance.hf.from_tokenizer(
-                hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos)
+            built[vocab_size, eos] = llguidance.LLTokenizer(
+                grammar_view(tokenizer), n_vocab=vocab_size, eos_token=list(eos)
             )
         return built[vocab_size, eos]
 
@@ -415,7 +417,7 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        hf_tokenizer: Any,
+        tokenizer: RustTokenizer,
         vocab_size: int,
         eos_token_ids: Sequence[int],
         max_cached: int = MAX_CACHED_GRAMMARS,
@@ -423,7 +425,7 @@ class GrammarCompiler:
         limits: GrammarLimits | None = None,
         rejection_ttl_s: float = REJECTION_TTL_S,
     ) -> None:
-        self._hf = hf_tokenizer
+        self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._max_cached = max_cached
@@ -461,7 +463,7 @@ class GrammarCompiler:
     def _instantiate(self, key: tuple[str, str], text: str, kind: str) -> RequestGrammar:
         """A fresh matcher of `text`, checked: the library accepts it, and its first mask (computed
         here, so that the lexer's first states are not built during a step) allows some token."""
-        tokenizer = _library_tokenizer(self._hf, self.vocab_size, self.eos_token_ids)
+        tokenizer = _library_tokenizer(self._tokenizer, self.vocab_size, self.eos_token_ids)
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=self._library_limits)
         if matcher.is_error():
             raise ConstraintRejected(

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf.constants import GGMLQuantizationType as T
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.ggml_types import GgmlType as T
 from kvserve.model.gguf_file import GgufFile, TensorInfo, block_geometry, dequantizable, dequantize
 
 # Values checked per numpy call: bounds the comparison's temporary (a few MiB).

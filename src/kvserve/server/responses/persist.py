@@ -24,10 +24,6 @@ import os
 import tempfile
 import time
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
 from kvserve.cache.block_seal import OVERHEAD, BlockSeal, Unsealable
 from kvserve.private_files import private_dir, read_private_file
 from kvserve.secret import derive_key
@@ -119,6 +115,12 @@ class DiskBackend:
 
 class RedisBackend:
     def __init__(self, url: str, secret: bytes) -> None:
+        # Imported here: a server without --kv-remote never loads the client (a tenth of a second).
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._error: type[Exception] = redis.RedisError
         self._sealed = _Sealed(secret)
         self._client = redis.Redis.from_url(
             url,
@@ -135,7 +137,7 @@ class RedisBackend:
         name = self._sealed.name(tenant, response_id)
         try:
             self._client.set(self._key(name), self._sealed.seal(name, data), ex=max(1, int(ttl_s)))
-        except redis.RedisError as e:
+        except self._error as e:
             log.warning("responses: could not write %s to redis: %s", response_id[:16], type(e).__name__)
 
     def load(self, tenant: str, response_id: str, max_bytes: int) -> bytes | None:
@@ -151,7 +153,7 @@ class RedisBackend:
             if not isinstance(stored, bytes):
                 return None
             return self._sealed.open(name, stored)
-        except redis.RedisError as e:
+        except self._error as e:
             log.warning("responses: could not read %s from redis: %s", response_id[:16], type(e).__name__)
             return None
         except Unsealable as e:
@@ -159,5 +161,5 @@ class RedisBackend:
             return None
 
     def delete(self, tenant: str, response_id: str) -> None:
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(self._error):
             self._client.delete(self._key(self._sealed.name(tenant, response_id)))
