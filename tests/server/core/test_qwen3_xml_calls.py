@@ -148,7 +148,7 @@ def test_auto_picks_the_xml_format_for_qwen3_5s_template() -> None:
 @pytest.fixture(scope="module")
 def compiler(default_model: Any) -> GrammarCompiler:
     tokenizer = default_model.tokenizer
-    return GrammarCompiler(tokenizer.hf_tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    return GrammarCompiler(tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_ids)
 
 
 def test_the_grammar_takes_the_written_calls_and_refuses_the_rest(
