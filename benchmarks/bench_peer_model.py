@@ -37,7 +37,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import gguf
 import httpx
+import numpy as np
 import psutil
 import torch
 
@@ -170,7 +172,10 @@ def quality(model: str, cache_dir: str) -> dict[str, Any]:
     del engine
     gc.collect()
     folder, name = os.path.split(os.path.abspath(model))
-    theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    if gguf.GGUFReader(model).fields["general.architecture"].contents() == "gpt-oss":
+        theirs = gpt_oss_reference(model)
+    else:
+        theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     with torch.no_grad():
         logits = theirs(torch.tensor([prompt + generated])).logits[0]
     top = logits.argmax(-1).tolist()
@@ -184,6 +189,76 @@ def quality(model: str, cache_dir: str) -> dict[str, Any]:
         "decode_tokens": len(generated),
         "decode_agreement": _agreement(generated, their_decode),
     }
+
+
+def gpt_oss_reference(model: str) -> Any:
+    """transformers' float32 gpt-oss on the file's dequantized tensors. transformers' own GGUF loader
+    reads no gpt-oss experts (they come up newly initialized) and misreads the rope scaling keys, so
+    the model is built here: the config from the metadata, the experts' gate and up interleaved back
+    into `gate_up_proj` [experts, hidden, 2 * width] as OpenAI's checkpoints hold them."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    reader = gguf.GGUFReader(model)
+
+    def key(name: str) -> Any:
+        return reader.fields[f"gpt-oss.{name}"].contents()
+
+    tensors = {
+        t.name: torch.from_numpy(
+            np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).copy()
+        ).reshape(tuple(int(d) for d in reversed(t.shape)))
+        for t in reader.tensors
+    }
+    layers = int(key("block_count"))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base"))}
+    if "gpt-oss.rope.scaling.factor" in reader.fields:
+        rope |= {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")), "truncate": False}
+        rope |= {"original_max_position_embeddings": int(key("rope.scaling.original_context_length"))}
+        rope |= {"beta_fast": 32.0, "beta_slow": 1.0}
+    config = GptOssConfig(
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("expert_feed_forward_length")),
+        num_hidden_layers=layers,
+        num_attention_heads=int(key("attention.head_count")),
+        num_key_value_heads=int(key("attention.head_count_kv")),
+        head_dim=int(key("attention.key_length")),
+        num_local_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        sliding_window=int(key("attention.sliding_window")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")),
+        rope_parameters=rope,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        tie_word_embeddings=False,
+    )
+    ours = GptOssForCausalLM(config).float().eval()
+    state = {
+        "model.embed_tokens.weight": tensors["token_embd.weight"],
+        "model.norm.weight": tensors["output_norm.weight"],
+        "lm_head.weight": tensors["output.weight"],
+    }
+    for i in range(layers):
+        b, h = f"blk.{i}.", f"model.layers.{i}."
+        state[h + "input_layernorm.weight"] = tensors[b + "attn_norm.weight"]
+        state[h + "post_attention_layernorm.weight"] = tensors[b + "post_attention_norm.weight"]
+        for gguf_name, proj in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v"), ("attn_output", "o")):
+            for part in ("weight", "bias"):
+                state[f"{h}self_attn.{proj}_proj.{part}"] = tensors[f"{b}{gguf_name}.{part}"]
+        state[h + "self_attn.sinks"] = tensors[b + "attn_sinks.weight"]
+        state[h + "mlp.router.weight"] = tensors[b + "ffn_gate_inp.weight"]
+        state[h + "mlp.router.bias"] = tensors[b + "ffn_gate_inp.bias"]
+        gate, up = tensors[b + "ffn_gate_exps.weight"], tensors[b + "ffn_up_exps.weight"]
+        gate_up = torch.stack((gate.transpose(1, 2), up.transpose(1, 2)), dim=-1).flatten(-2)
+        bias = torch.stack((tensors[b + "ffn_gate_exps.bias"], tensors[b + "ffn_up_exps.bias"]), dim=-1)
+        state[h + "mlp.experts.gate_up_proj"] = gate_up
+        state[h + "mlp.experts.gate_up_proj_bias"] = bias.flatten(-2)
+        state[h + "mlp.experts.down_proj"] = tensors[b + "ffn_down_exps.weight"].transpose(1, 2)
+        state[h + "mlp.experts.down_proj_bias"] = tensors[b + "ffn_down_exps.bias"]
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"gpt-oss reference: missing {missing}, unexpected {unexpected}")
+    return ours
 
 
 def _agreement(ours: list[int], theirs: list[int]) -> float:
