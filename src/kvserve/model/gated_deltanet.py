@@ -137,6 +137,9 @@ class GatedDeltaNet:
         v = v.reshape(n, c.num_v_heads, c.v_head_dim)
         beta = rowwise(torch.sigmoid, self.b(x, decodes).float())
         g = self.decay * rowwise(F.softplus, self.a(x, decodes).float() + self.dt_bias)
+        if len(lengths) == n:
+            # A decode step (every sequence one row, in order): no gather of the rows, no scatter back.
+            return self._output(recurrent_step(q, k, v, g, beta, delta_state, rows.slots), x, decodes)
         o = torch.empty_like(v)
         single = [j for j, length in enumerate(lengths) if length == 1]
         if single:
@@ -149,6 +152,12 @@ class GatedDeltaNet:
                 span = slice(starts[j], starts[j] + length)
                 qj, kj, vj, gj, bj = (t[span] for t in (q, k, v, g, beta))
                 o[span] = chunked_delta_rule(qj, kj, vj, gj, bj, delta_state, rows.slots[j : j + 1])
+        return self._output(o, x, decodes)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor, decodes: int) -> torch.Tensor:
+        """The delta rule's output o [T, H, Dv] through the gated norm and out_proj."""
+        c = self.config
+        n = x.shape[0]
         z = self.z(x, decodes).float().view(n, c.num_v_heads, c.v_head_dim)
         normed = gated_rms_norm(o, z, self.norm, self.eps).to(x.dtype)
         return self.out(normed.view(n, c.value_dim), decodes)
@@ -172,6 +181,8 @@ class GatedDeltaNet:
         taps = self.conv.shape[1]
         width = taps - 1
         seqs = len(lengths)
+        if seqs == mixed.shape[0] and width:
+            return self._convolve_decodes(mixed, rows.slots, conv_state)
         device = mixed.device
         order = torch.arange(seqs, device=device)
         seq_of_row = torch.repeat_interleave(order, torch.tensor(lengths, device=device))
@@ -185,6 +196,22 @@ class GatedDeltaNet:
             out.addcmul_(buffer[place - width + i], self.conv[:, i])
         last = (rows.starts[1:] + width * order).unsqueeze(1) + torch.arange(width, device=device)
         conv_state.index_copy_(0, rows.slots, buffer[last].transpose(1, 2).to(conv_state.dtype))
+        return rowwise(F.silu, out)
+
+    def _convolve_decodes(
+        self, mixed: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor
+    ) -> torch.Tensor:
+        """`_convolve` where each sequence is one row: the same products in the same order (the same
+        bits) on each row's window read straight from its state, which then shifts by one."""
+        taps = self.conv.shape[1]
+        # [K - 1, S, conv_dim], oldest first: each tap's rows contiguous, as `_convolve`'s buffer holds them.
+        past = conv_state[slots].permute(2, 0, 1).contiguous()
+        out = past[0] * self.conv[:, 0]
+        for i in range(1, taps - 1):
+            out.addcmul_(past[i], self.conv[:, i])
+        out.addcmul_(mixed, self.conv[:, taps - 1])
+        window = torch.cat((past[1:], mixed.unsqueeze(0).to(conv_state.dtype))).permute(1, 2, 0)
+        conv_state.index_copy_(0, slots, window)
         return rowwise(F.silu, out)
 
 

@@ -38,6 +38,8 @@ class ShortConv:
         bx = b * v
         t = x.shape[0]
         s = rows.num_sequences
+        if t == s:
+            return self.out_proj(c * self._decodes(bx, rows.slots.to(x.device), state), rows.decodes)
         starts = rows.starts.to(x.device)
         slots = rows.slots.to(x.device)
         lengths = starts[1:] - starts[:-1]
@@ -59,3 +61,14 @@ class ShortConv:
         last = index[starts[1:] - 1, 1:]  # [S, K - 1]
         state[slots] = source[last].transpose(1, 2).to(state.dtype)
         return self.out_proj(c * conv, rows.decodes)
+
+    def _decodes(self, bx: torch.Tensor, slots: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The convolution where each sequence is one row: its window is its state and then the row,
+        the same [rows, K, hidden] windows and reduction as `forward` builds (the same bits)."""
+        past = state[slots].transpose(1, 2).to(bx.dtype)  # [S, K - 1, hidden]
+        windows = torch.cat((past, bx.unsqueeze(1)), dim=1)
+        conv = (windows * self.weight).sum(dim=1)
+        if self.bias is not None:
+            conv = conv + self.bias
+        state[slots] = windows[:, 1:].transpose(1, 2).to(state.dtype)
+        return conv
