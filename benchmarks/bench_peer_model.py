@@ -3,9 +3,10 @@ MODEL=path`.
 
 Each server is started twice, one after the other: the first start's load time (kvserve's includes
 converting a GGUF it has not seen) and llama-server's KV size, read from its log (`-lv 4`: its
-"llama_kv_cache: size = ... MiB" lines, summed over the global and sliding-window caches); then both are
-started again (load time: process start to /health answering), kvserve with the same KV bytes, and
-measured side by side:
+"llama_kv_cache: size = ... MiB" lines, summed over the global and sliding-window caches, and for a
+hybrid model its "llama_memory_recurrent: size" line, the states kvserve also holds in its
+--kv-cache-memory); then both are started again (load time: process start to /health answering), kvserve
+with the same bytes, and measured side by side (`--prefill-tokens` and `--turns` shorten the run):
 
 - cold prefill tok/s at 200, 800 and 2,000 tokens: a non-streamed completion of 1 token on a prompt that
   neither server has seen, timed from the client (prompt tokens from the server's usage);
@@ -56,7 +57,8 @@ REPLY_TOKENS = 64
 STREAMS = (1, 4)
 SYSTEM_TOKENS, USER_TOKENS, TURNS, TURN_REPLY_TOKENS = 500, 40, 4, 32
 QUALITY_TOKENS, QUALITY_DECODE = 600, 32
-_KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB")
+# Its KV caches' sizes, and a hybrid model's recurrent states' (kvserve holds both in --kv-cache-memory).
+_KV_LINE = re.compile(r"llama_(?:kv_cache|memory_recurrent): size =\s*([\d.]+) MiB")
 
 
 @dataclass
@@ -110,12 +112,19 @@ async def chat(
     return results
 
 
-def measure(urls: dict[str, str], model: str, figures: dict[str, Figures], repeats: int) -> None:
+def measure(
+    urls: dict[str, str],
+    model: str,
+    figures: dict[str, Figures],
+    repeats: int,
+    prefills: tuple[int, ...] = PREFILL_TOKENS,
+    turns: int = TURNS,
+) -> None:
     with httpx.Client(timeout=600) as client:
         count = remote_counter(client, urls[KVSERVE])
         assert count is not None, "kvserve answers /tokenize"
         count = text_only(count)
-        for n in PREFILL_TOKENS:
+        for n in prefills:
             for rep in range(repeats):
                 text = text_of_tokens(n, f"peer-model/prefill/{n}/{rep}", count)
                 for name, url in urls.items():
@@ -137,7 +146,7 @@ def measure(urls: dict[str, str], model: str, figures: dict[str, Figures], repea
         system = text_of_tokens(SYSTEM_TOKENS, "peer-model/system", count)
         for name, url in urls.items():
             history = [{"role": "system", "content": system}]
-            for turn in range(TURNS):
+            for turn in range(turns):
                 history.append(
                     {"role": "user", "content": text_of_tokens(USER_TOKENS, f"turn/{turn}", count)}
                 )
@@ -267,7 +276,15 @@ def _agreement(ours: list[int], theirs: list[int]) -> float:
     return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
 
 
-def run(model: str, repeats: int, kvserve_args: list[str], results: str, skip_quality: bool) -> None:
+def run(
+    model: str,
+    repeats: int,
+    kvserve_args: list[str],
+    results: str,
+    skip_quality: bool,
+    prefills: tuple[int, ...] = PREFILL_TOKENS,
+    turns: int = TURNS,
+) -> None:
     binary = build_llama_server(os.path.join(default_cache_dir(), "peer"))
     name = model_name(model)
     figures = {KVSERVE: Figures(), LLAMA: Figures()}
@@ -291,7 +308,7 @@ def run(model: str, repeats: int, kvserve_args: list[str], results: str, skip_qu
             urls = {KVSERVE: kvserve_url, LLAMA: llama_url}
             for server, url in urls.items():
                 figures[server].rss_idle = int(psutil.Process(listening_pid(url)).memory_info().rss)
-            measure(urls, name, figures, repeats)
+            measure(urls, name, figures, repeats, prefills, turns)
             # Idle again after the workload: every page a request reads (the weights) is resident now.
             for server, url in urls.items():
                 figures[server].rss_after = int(psutil.Process(listening_pid(url)).memory_info().rss)
@@ -310,7 +327,7 @@ def summary(
     def add(label: str, a: float, b: float, unit: str, scale: float = 1.0) -> None:
         rows.append((label, a, b, unit, scale))
 
-    for n in PREFILL_TOKENS:
+    for n in ours.prefill_tok_s:
         add(
             f"cold prefill, {n:,} tokens (tok/s, higher is better)",
             ours.prefill_tok_s[n],
@@ -320,16 +337,19 @@ def summary(
     for streams in STREAMS:
         label = f"TPOT, {streams} stream{'s' if streams > 1 else ''} (ms)"
         add(label, ours.tpot_s[streams], theirs.tpot_s[streams], "ms", 1000)
-    add("multi-turn TTFT, turn 1, cold (ms)", ours.ttft_turns_s[0], theirs.ttft_turns_s[0], "ms", 1000)
-    later = statistics.mean(ours.ttft_turns_s[1:]), statistics.mean(theirs.ttft_turns_s[1:])
-    add(f"multi-turn TTFT, turns 2-{TURNS}, mean (ms)", *later, "ms", 1000)
+    if len(ours.ttft_turns_s) > 1:
+        turns = len(ours.ttft_turns_s)
+        add("multi-turn TTFT, turn 1, cold (ms)", ours.ttft_turns_s[0], theirs.ttft_turns_s[0], "ms", 1000)
+        later = statistics.mean(ours.ttft_turns_s[1:]), statistics.mean(theirs.ttft_turns_s[1:])
+        add(f"multi-turn TTFT, turns 2-{turns}, mean (ms)", *later, "ms", 1000)
     add("load, first start (s)", ours.load_first_s, theirs.load_first_s, "s")
     add("load, second start (s)", ours.load_s, theirs.load_s, "s")
     add("RSS at idle (MiB)", ours.rss_idle, theirs.rss_idle, "MiB", 1 / MIB)
     add("RSS at idle after the workload (MiB)", ours.rss_after, theirs.rss_after, "MiB", 1 / MIB)
     lines = [
-        f"kvserve and llama-server on {name}, 2 threads each, {kv / MIB:.0f} MiB of KV each "
-        "(llama-server's own size; --cache-ram 0); kvserve with --speculative off. Best of the repeats.\n",
+        f"kvserve and llama-server on {name}, 2 threads each, {kv / MIB:.0f} MiB of KV (and recurrent "
+        "state) each (llama-server's own size; --cache-ram 0); kvserve with --speculative off. Best of the "
+        "repeats.\n",
         "| measure | kvserve | llama.cpp | kvserve / llama.cpp |",
         "|---|---:|---:|---:|",
     ]
@@ -362,6 +382,14 @@ def main() -> None:
     parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags, one string")
     parser.add_argument("--results", default=RESULTS, help="folder of the reports (default %(default)s)")
     parser.add_argument("--skip-quality", action="store_true", help="no comparison with transformers")
+    parser.add_argument(
+        "--prefill-tokens",
+        default=",".join(map(str, PREFILL_TOKENS)),
+        help="cold prompt lengths, comma-separated (default %(default)s)",
+    )
+    parser.add_argument(
+        "--turns", type=int, default=TURNS, help="multi-turn chat turns, 0: none (default %(default)s)"
+    )
     args = parser.parse_args()
     run(
         os.path.abspath(args.model),
@@ -369,6 +397,8 @@ def main() -> None:
         shlex.split(args.kvserve_args),
         args.results,
         args.skip_quality,
+        tuple(int(n) for n in args.prefill_tokens.split(",") if n),
+        args.turns,
     )
 
 
