@@ -241,7 +241,7 @@ def gpt_oss_reference(model: str) -> Any:
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         tie_word_embeddings=False,
     )
-    ours = GptOssForCausalLM(config).float().eval()
+    ours = GptOssForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]
     state = {
         "model.embed_tokens.weight": tensors["token_embd.weight"],
         "model.norm.weight": tensors["output_norm.weight"],
