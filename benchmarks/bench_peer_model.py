@@ -3,9 +3,10 @@ MODEL=path`.
 
 Each server is started twice, one after the other: the first start's load time (kvserve's includes
 converting a GGUF it has not seen) and llama-server's KV size, read from its log (`-lv 4`: its
-"llama_kv_cache: size = ... MiB" lines, summed over the global and sliding-window caches); then both are
-started again (load time: process start to /health answering), kvserve with the same KV bytes, and
-measured side by side:
+"llama_kv_cache: size = ... MiB" lines, summed over the global and sliding-window caches, and for a
+hybrid model its "llama_memory_recurrent: size" line, the states kvserve also holds in its
+--kv-cache-memory); then both are started again (load time: process start to /health answering), kvserve
+with the same bytes, and measured side by side (`--prefill-tokens` and `--turns` shorten the run):
 
 - cold prefill tok/s at 200, 800 and 2,000 tokens: a non-streamed completion of 1 token on a prompt that
   neither server has seen, timed from the client (prompt tokens from the server's usage);
@@ -37,7 +38,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import gguf
 import httpx
+import numpy as np
 import psutil
 import torch
 
@@ -54,7 +57,8 @@ REPLY_TOKENS = 64
 STREAMS = (1, 4)
 SYSTEM_TOKENS, USER_TOKENS, TURNS, TURN_REPLY_TOKENS = 500, 40, 4, 32
 QUALITY_TOKENS, QUALITY_DECODE = 600, 32
-_KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB")
+# Its KV caches' sizes, and a hybrid model's recurrent states' (kvserve holds both in --kv-cache-memory).
+_KV_LINE = re.compile(r"llama_(?:kv_cache|memory_recurrent): size =\s*([\d.]+) MiB")
 
 
 @dataclass
@@ -108,12 +112,19 @@ async def chat(
     return results
 
 
-def measure(urls: dict[str, str], model: str, figures: dict[str, Figures], repeats: int) -> None:
+def measure(
+    urls: dict[str, str],
+    model: str,
+    figures: dict[str, Figures],
+    repeats: int,
+    prefills: tuple[int, ...] = PREFILL_TOKENS,
+    turns: int = TURNS,
+) -> None:
     with httpx.Client(timeout=600) as client:
         count = remote_counter(client, urls[KVSERVE])
         assert count is not None, "kvserve answers /tokenize"
         count = text_only(count)
-        for n in PREFILL_TOKENS:
+        for n in prefills:
             for rep in range(repeats):
                 text = text_of_tokens(n, f"peer-model/prefill/{n}/{rep}", count)
                 for name, url in urls.items():
@@ -135,7 +146,7 @@ def measure(urls: dict[str, str], model: str, figures: dict[str, Figures], repea
         system = text_of_tokens(SYSTEM_TOKENS, "peer-model/system", count)
         for name, url in urls.items():
             history = [{"role": "system", "content": system}]
-            for turn in range(TURNS):
+            for turn in range(turns):
                 history.append(
                     {"role": "user", "content": text_of_tokens(USER_TOKENS, f"turn/{turn}", count)}
                 )
@@ -170,7 +181,10 @@ def quality(model: str, cache_dir: str) -> dict[str, Any]:
     del engine
     gc.collect()
     folder, name = os.path.split(os.path.abspath(model))
-    theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    if gguf.GGUFReader(model).fields["general.architecture"].contents() == "gpt-oss":
+        theirs = gpt_oss_reference(model)
+    else:
+        theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     with torch.no_grad():
         logits = theirs(torch.tensor([prompt + generated])).logits[0]
     top = logits.argmax(-1).tolist()
@@ -186,13 +200,91 @@ def quality(model: str, cache_dir: str) -> dict[str, Any]:
     }
 
 
+def gpt_oss_reference(model: str) -> Any:
+    """transformers' float32 gpt-oss on the file's dequantized tensors. transformers' own GGUF loader
+    reads no gpt-oss experts (they come up newly initialized) and misreads the rope scaling keys, so
+    the model is built here: the config from the metadata, the experts' gate and up interleaved back
+    into `gate_up_proj` [experts, hidden, 2 * width] as OpenAI's checkpoints hold them."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    reader = gguf.GGUFReader(model)
+
+    def key(name: str) -> Any:
+        return reader.fields[f"gpt-oss.{name}"].contents()
+
+    tensors = {
+        t.name: torch.from_numpy(
+            np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).copy()
+        ).reshape(tuple(int(d) for d in reversed(t.shape)))
+        for t in reader.tensors
+    }
+    layers = int(key("block_count"))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base"))}
+    if "gpt-oss.rope.scaling.factor" in reader.fields:
+        rope |= {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")), "truncate": False}
+        rope |= {"original_max_position_embeddings": int(key("rope.scaling.original_context_length"))}
+        rope |= {"beta_fast": 32.0, "beta_slow": 1.0}
+    config = GptOssConfig(
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("expert_feed_forward_length")),
+        num_hidden_layers=layers,
+        num_attention_heads=int(key("attention.head_count")),
+        num_key_value_heads=int(key("attention.head_count_kv")),
+        head_dim=int(key("attention.key_length")),
+        num_local_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        sliding_window=int(key("attention.sliding_window")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")),
+        rope_parameters=rope,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        tie_word_embeddings=False,
+    )
+    ours = GptOssForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]
+    state = {
+        "model.embed_tokens.weight": tensors["token_embd.weight"],
+        "model.norm.weight": tensors["output_norm.weight"],
+        "lm_head.weight": tensors["output.weight"],
+    }
+    for i in range(layers):
+        b, h = f"blk.{i}.", f"model.layers.{i}."
+        state[h + "input_layernorm.weight"] = tensors[b + "attn_norm.weight"]
+        state[h + "post_attention_layernorm.weight"] = tensors[b + "post_attention_norm.weight"]
+        for gguf_name, proj in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v"), ("attn_output", "o")):
+            for part in ("weight", "bias"):
+                state[f"{h}self_attn.{proj}_proj.{part}"] = tensors[f"{b}{gguf_name}.{part}"]
+        state[h + "self_attn.sinks"] = tensors[b + "attn_sinks.weight"]
+        state[h + "mlp.router.weight"] = tensors[b + "ffn_gate_inp.weight"]
+        state[h + "mlp.router.bias"] = tensors[b + "ffn_gate_inp.bias"]
+        gate, up = tensors[b + "ffn_gate_exps.weight"], tensors[b + "ffn_up_exps.weight"]
+        gate_up = torch.stack((gate.transpose(1, 2), up.transpose(1, 2)), dim=-1).flatten(-2)
+        bias = torch.stack((tensors[b + "ffn_gate_exps.bias"], tensors[b + "ffn_up_exps.bias"]), dim=-1)
+        state[h + "mlp.experts.gate_up_proj"] = gate_up
+        state[h + "mlp.experts.gate_up_proj_bias"] = bias.flatten(-2)
+        state[h + "mlp.experts.down_proj"] = tensors[b + "ffn_down_exps.weight"].transpose(1, 2)
+        state[h + "mlp.experts.down_proj_bias"] = tensors[b + "ffn_down_exps.bias"]
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"gpt-oss reference: missing {missing}, unexpected {unexpected}")
+    return ours
+
+
 def _agreement(ours: list[int], theirs: list[int]) -> float:
     if len(ours) != len(theirs) or not ours:
         raise RuntimeError(f"{len(ours)} positions against {len(theirs)}")
     return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
 
 
-def run(model: str, repeats: int, kvserve_args: list[str], results: str, skip_quality: bool) -> None:
+def run(
+    model: str,
+    repeats: int,
+    kvserve_args: list[str],
+    results: str,
+    skip_quality: bool,
+    prefills: tuple[int, ...] = PREFILL_TOKENS,
+    turns: int = TURNS,
+) -> None:
     binary = build_llama_server(os.path.join(default_cache_dir(), "peer"))
     name = model_name(model)
     figures = {KVSERVE: Figures(), LLAMA: Figures()}
@@ -216,7 +308,7 @@ def run(model: str, repeats: int, kvserve_args: list[str], results: str, skip_qu
             urls = {KVSERVE: kvserve_url, LLAMA: llama_url}
             for server, url in urls.items():
                 figures[server].rss_idle = int(psutil.Process(listening_pid(url)).memory_info().rss)
-            measure(urls, name, figures, repeats)
+            measure(urls, name, figures, repeats, prefills, turns)
             # Idle again after the workload: every page a request reads (the weights) is resident now.
             for server, url in urls.items():
                 figures[server].rss_after = int(psutil.Process(listening_pid(url)).memory_info().rss)
@@ -235,7 +327,7 @@ def summary(
     def add(label: str, a: float, b: float, unit: str, scale: float = 1.0) -> None:
         rows.append((label, a, b, unit, scale))
 
-    for n in PREFILL_TOKENS:
+    for n in ours.prefill_tok_s:
         add(
             f"cold prefill, {n:,} tokens (tok/s, higher is better)",
             ours.prefill_tok_s[n],
@@ -245,16 +337,19 @@ def summary(
     for streams in STREAMS:
         label = f"TPOT, {streams} stream{'s' if streams > 1 else ''} (ms)"
         add(label, ours.tpot_s[streams], theirs.tpot_s[streams], "ms", 1000)
-    add("multi-turn TTFT, turn 1, cold (ms)", ours.ttft_turns_s[0], theirs.ttft_turns_s[0], "ms", 1000)
-    later = statistics.mean(ours.ttft_turns_s[1:]), statistics.mean(theirs.ttft_turns_s[1:])
-    add(f"multi-turn TTFT, turns 2-{TURNS}, mean (ms)", *later, "ms", 1000)
+    if len(ours.ttft_turns_s) > 1:
+        turns = len(ours.ttft_turns_s)
+        add("multi-turn TTFT, turn 1, cold (ms)", ours.ttft_turns_s[0], theirs.ttft_turns_s[0], "ms", 1000)
+        later = statistics.mean(ours.ttft_turns_s[1:]), statistics.mean(theirs.ttft_turns_s[1:])
+        add(f"multi-turn TTFT, turns 2-{turns}, mean (ms)", *later, "ms", 1000)
     add("load, first start (s)", ours.load_first_s, theirs.load_first_s, "s")
     add("load, second start (s)", ours.load_s, theirs.load_s, "s")
     add("RSS at idle (MiB)", ours.rss_idle, theirs.rss_idle, "MiB", 1 / MIB)
     add("RSS at idle after the workload (MiB)", ours.rss_after, theirs.rss_after, "MiB", 1 / MIB)
     lines = [
-        f"kvserve and llama-server on {name}, 2 threads each, {kv / MIB:.0f} MiB of KV each "
-        "(llama-server's own size; --cache-ram 0); kvserve with --speculative off. Best of the repeats.\n",
+        f"kvserve and llama-server on {name}, 2 threads each, {kv / MIB:.0f} MiB of KV (and recurrent "
+        "state) each (llama-server's own size; --cache-ram 0); kvserve with --speculative off. Best of the "
+        "repeats.\n",
         "| measure | kvserve | llama.cpp | kvserve / llama.cpp |",
         "|---|---:|---:|---:|",
     ]
@@ -287,6 +382,14 @@ def main() -> None:
     parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags, one string")
     parser.add_argument("--results", default=RESULTS, help="folder of the reports (default %(default)s)")
     parser.add_argument("--skip-quality", action="store_true", help="no comparison with transformers")
+    parser.add_argument(
+        "--prefill-tokens",
+        default=",".join(map(str, PREFILL_TOKENS)),
+        help="cold prompt lengths, comma-separated (default %(default)s)",
+    )
+    parser.add_argument(
+        "--turns", type=int, default=TURNS, help="multi-turn chat turns, 0: none (default %(default)s)"
+    )
     args = parser.parse_args()
     run(
         os.path.abspath(args.model),
@@ -294,6 +397,8 @@ def main() -> None:
         shlex.split(args.kvserve_args),
         args.results,
         args.skip_quality,
+        tuple(int(n) for n in args.prefill_tokens.split(",") if n),
+        args.turns,
     )
 
 

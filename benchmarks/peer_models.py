@@ -11,13 +11,26 @@ Q4_K falls back to Q5_0, Q5_K to Q5_1 and Q6_K to Q8_0, as llama.cpp does. In an
 V projections are Q8_0 and the attention output Q5_K (llama.cpp's rule for Mixtral-like models). Norms
 and the router are F32.
 
+Hybrid and gpt-oss shapes follow the same rules on their own tensors, as llama.cpp's `quantize` does:
+Qwen3.5's fused DeltaNet input `attn_qkv` is Q5_K (its rule for fused QKV in Q4_K_M), the V projections'
+extra bits are counted over the attention layers only (`i_attention_wv`), and convolution kernels
+(`ssm_conv1d`, `shortconv.conv`), `ssm_a`, `ssm_dt` and norms stay F32. gpt-oss is written as llama.cpp
+writes OpenAI's checkpoints (its MXFP4_MOE mix): the experts in MXFP4, every other matrix Q8_0; its shape
+here is gpt-oss-20b's layer (hidden 2,880, 64 query and 8 KV heads of 64, experts 2,880 wide, 4 chosen, a
+128-token window on every other layer, sinks, biases, the real vocabulary and untied head) with 8 layers
+and 8 experts instead of 24 and 32 (gpt-oss-20b's 12 GiB would not fit this machine twice over): a token
+reads the same bytes per layer as in gpt-oss-20b.
+
 Weights are random blocks: random bytes with each block's float16 scale (and min) fixed so that the
 weights have a standard deviation of about 0.02 and a mean of about 0, which keeps activations finite
 through every layer. Norms are 1 + N(0, 0.02) as stored. Since the rows are random, the q/k rows are not
 interleaved (llama.cpp's permutation of random rows is random rows).
 
 The tokenizer is the default model's (a GPT-2 BPE of 49,152 tokens) with the family's special tokens
-and unused tokens appended up to the real vocabulary size, and the family's chat template.
+and unused tokens appended up to the real vocabulary size, and the family's chat template (gpt-oss's
+shape gets a ChatML template: the benchmark times decoding, and a random model writes no harmony).
+Random values where a weight has a meaning: DeltaNet decays `ssm_a` = -(1 to 16) as -exp(A_log) spans,
+biases and attention sinks about 0, convolution kernels N(0, 0.3).
 
     python -m benchmarks.peer_models NAME OUT.gguf        (NAME: one of SHAPES; --tiny for the test size)
 """
@@ -31,7 +44,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf import MODEL_TENSOR, GGMLQuantizationType, GGUFReader, GGUFWriter, TokenType
+from gguf import MODEL_ARCH, MODEL_TENSOR, GGMLQuantizationType, GGUFReader, GGUFWriter, TokenType
 from tests.model.gguf_families import ARCHES, llama3_rope_freqs, write_hparams
 from tests.server.chat_templates import LLAMA3, QWEN3
 
@@ -39,6 +52,10 @@ from kvserve.model.loader import default_model_path
 
 Q = GGMLQuantizationType
 QK_K = 256
+# The families of tests/model/gguf_families.py and those only written here.
+ARCHITECTURES = {**ARCHES, "qwen3_5": MODEL_ARCH.QWEN35, "gpt_oss": MODEL_ARCH.GPT_OSS}
+# Matrices llama.cpp's `quantize` leaves as they are (the converter's F32): small convolution kernels.
+_UNQUANTIZED = (MODEL_TENSOR.SSM_CONV1D, MODEL_TENSOR.SHORTCONV_CONV, MODEL_TENSOR.FFN_GATE_INP)
 WEIGHT_STD = 0.02
 # Offsets of the float16 fields of each block type: the scale d first, then the min where there is one.
 _HALF_FIELDS = {
@@ -91,6 +108,13 @@ class Specials:
 
 
 _CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# LFM2's template: ChatML after a BOS of its own.
+_LFM2 = r"""{{- bos_token }}
+{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
 SPECIALS = {
     "gemma3": Specials(
         ("<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<end_of_turn>", True, _GEMMA3
@@ -98,6 +122,9 @@ SPECIALS = {
     "qwen2": Specials(_CHATML, "<|endoftext|>", "<|im_end|>", False, _QWEN25),
     "qwen3": Specials(_CHATML, "<|endoftext|>", "<|im_end|>", False, QWEN3),
     "qwen3_moe": Specials(_CHATML, "<|endoftext|>", "<|im_end|>", False, QWEN3),
+    "qwen3_5": Specials(_CHATML, "<|endoftext|>", "<|im_end|>", False, QWEN3),
+    "lfm2": Specials(("<|startoftext|>", *_CHATML), "<|startoftext|>", "<|im_end|>", True, _LFM2),
+    "gpt_oss": Specials(_CHATML, "<|endoftext|>", "<|im_end|>", False, QWEN3),
     "llama": Specials(
         ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
         "<|begin_of_text|>",
@@ -138,9 +165,18 @@ class Shape:
             tiny["head_dim"] = head_dim
         if "moe_intermediate_size" in c:
             tiny["moe_intermediate_size"] = 256
-        if "layer_types" in c:
+        if self.family == "gemma3":
             tiny["layer_types"] = _gemma_layers(8)
             tiny["sliding_window"] = 32
+        elif self.family == "qwen3_5":
+            tiny["layer_types"] = _qwen3_5_layers(8)
+            tiny |= {"linear_num_key_heads": 2, "linear_num_value_heads": 2}
+        elif self.family == "lfm2":
+            # Conv and attention layers alike among use_more_bits' picks and the others.
+            tiny["layer_types"] = ["full_attention" if i in (2, 5) else "conv" for i in range(8)]
+        elif self.family == "gpt_oss":
+            tiny |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 512}
+            tiny["layer_types"] = _gpt_oss_layers(8)
         return replace(self, config=tiny)
 
 
@@ -161,6 +197,34 @@ def _gemma3(hidden: int, intermediate: int, layers: int) -> Shape:
     config |= {"tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
     config |= {"sliding_window": 512, "layer_types": _gemma_layers(layers), "rope_parameters": rope}
     return Shape("gemma3", config)
+
+
+def _qwen3_5_layers(n: int) -> list[str]:
+    """Qwen3.5's pattern: three Gated DeltaNet layers, then a full-attention one."""
+    return ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+
+
+def _gpt_oss_layers(n: int) -> list[str]:
+    """gpt-oss's pattern: a sliding-window layer, then a global one."""
+    return ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
+
+
+def _lfm2(hidden: int, intermediate: int, heads: int) -> Shape:
+    """An LFM2 of 16 layers: attention at layers 2, 5, 8, 10, 12 and 14 (`full_attn_idxs`), short
+    convolutions of 3 taps elsewhere. `intermediate` is the MLP's width after transformers' adjustment
+    (`block_auto_adjust_ff_dim`: two thirds of `block_ff_dim`, rounded up to 256), the width the GGUF
+    holds."""
+    attending = (2, 5, 8, 10, 12, 14)
+    config: dict[str, Any] = {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": 16,
+    }
+    config |= {"num_attention_heads": heads, "num_key_value_heads": 8, "vocab_size": 65536}
+    config |= {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 128000}
+    config |= {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "conv_L_cache": 3}
+    config["layer_types"] = ["full_attention" if i in attending else "conv" for i in range(16)]
+    return Shape("lfm2", config)
 
 
 def _qwen(
@@ -222,6 +286,64 @@ SHAPES: dict[str, Shape] = {
         moe_intermediate_size=768,
         tie_word_embeddings=False,
     ),
+    # Qwen3.5-0.8B (the smallest released Qwen3.5): 18 Gated DeltaNet layers (16 key and 16 value heads
+    # of 128, a 4-tap convolution) and 6 gated attention layers (8 query heads, 2 KV heads of 256, a
+    # quarter of each head rotated, imrope sections 11/11/10 that text positions make plain rope).
+    "qwen3.5-0.8b": _qwen(
+        "qwen3_5",
+        1024,
+        3584,
+        24,
+        8,
+        2,
+        head_dim=256,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        layer_types=_qwen3_5_layers(24),
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+        },
+    ),
+    # LFM2-350M: block_ff_dim 6,656 (4,608 adjusted); LFM2-1.2B: 12,288 (8,192).
+    "lfm2-350m": _lfm2(1024, 4608, 16),
+    "lfm2-1.2b": _lfm2(2048, 8192, 32),
+    # gpt-oss-20b's layers, 8 of its 24, 8 of its 32 experts (see the module's docstring).
+    "gpt-oss-small": Shape(
+        "gpt_oss",
+        {
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "moe_intermediate_size": 2880,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 4,
+            "vocab_size": 201088,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+            "sliding_window": 128,
+            "layer_types": _gpt_oss_layers(8),
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        },
+    ),
 }
 
 
@@ -230,13 +352,26 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def q4_k_m_type(kind: MODEL_TENSOR, n_in: int, layer: int, layers: int, experts: int, tied: bool) -> Q:
-    """The type llama.cpp's `quantize` gives a matrix of `n_in` inputs in a Q4_K_M file."""
+def q4_k_m_type(
+    kind: MODEL_TENSOR,
+    n_in: int,
+    layer: int,
+    layers: int,
+    experts: int,
+    tied: bool,
+    v_index: tuple[int, int] | None = None,
+) -> Q:
+    """The type llama.cpp's `quantize` gives a matrix of `n_in` inputs in a Q4_K_M file. `v_index`: a V
+    projection's place among the file's V projections and their count (the layer and the layer count
+    unless some layers have no attention)."""
     if kind == MODEL_TENSOR.OUTPUT or (tied and kind == MODEL_TENSOR.TOKEN_EMBD):
         return Q.Q6_K if n_in % QK_K == 0 else Q.Q8_0
     chosen = Q.Q4_K
     if kind == MODEL_TENSOR.ATTN_V:
-        chosen = Q.Q8_0 if experts == 8 else Q.Q6_K if use_more_bits(layer, layers) else Q.Q4_K
+        more = use_more_bits(*(v_index or (layer, layers)))
+        chosen = Q.Q8_0 if experts == 8 else Q.Q6_K if more else Q.Q4_K
+    elif kind == MODEL_TENSOR.ATTN_QKV:
+        chosen = Q.Q5_K
     elif kind == MODEL_TENSOR.ATTN_K and experts == 8:
         chosen = Q.Q8_0
     elif kind == MODEL_TENSOR.ATTN_OUT and experts == 8:
@@ -249,8 +384,16 @@ def q4_k_m_type(kind: MODEL_TENSOR, n_in: int, layer: int, layers: int, experts:
 @functools.cache
 def _half_values(kind: Q) -> tuple[float, ...]:
     """The float16 fields that give random blocks of `kind` a standard deviation of WEIGHT_STD and a
-    mean of about 0: measured on a sample, since the weights are linear in the fields."""
+    mean of about 0: measured on a sample, since the weights are linear in the fields. MXFP4's one
+    field is a power-of-two exponent byte (E8M0): the one nearest WEIGHT_STD."""
     rng = np.random.default_rng(0)
+    if kind == Q.MXFP4:
+
+        def error(exponent: int) -> float:
+            blocks = _random_blocks(rng, kind, 4096, (exponent,))
+            return abs(math.log(float(np.std(gguf.quants.dequantize(blocks, kind))) / WEIGHT_STD))
+
+        return (float(min(range(100, 140), key=error)),)
     sample = _random_blocks(rng, kind, 4096, (1.0, 0.0)[: len(_HALF_FIELDS[kind])])
     values = np.asarray(gguf.quants.dequantize(sample, kind), dtype=np.float64)
     scale = 0.0
@@ -267,6 +410,9 @@ def _random_blocks(
 ) -> np.ndarray:
     block, size = gguf.GGML_QUANT_SIZES[kind]
     data = rng.integers(0, 256, size=(n_weights // block, size), dtype=np.uint8)
+    if kind == Q.MXFP4:
+        data[:, 0] = int(halves[0])
+        return data
     for offset, value in zip(_HALF_FIELDS[kind], halves, strict=True):
         data[:, offset : offset + 2] = np.array([value], dtype=np.float16).view(np.uint8)
     return data
@@ -282,70 +428,133 @@ class Tensor:
     bias: bool = False
 
     def name(self) -> str:
-        return gguf.TENSOR_NAMES[self.kind].format(bid=self.layer) + (".bias" if self.bias else ".weight")
+        # ssm_a is the one tensor llama.cpp names without a suffix.
+        suffix = "" if self.kind == MODEL_TENSOR.SSM_A else ".bias" if self.bias else ".weight"
+        return gguf.TENSOR_NAMES[self.kind].format(bid=self.layer) + suffix
+
+
+def attention_layers(shape: Shape) -> list[int]:
+    """The layers with attention (every layer but a hybrid's recurrent and convolution ones)."""
+    c = shape.config
+    if shape.family not in ("qwen3_5", "lfm2"):
+        return list(range(c["num_hidden_layers"]))
+    return [i for i, t in enumerate(c["layer_types"]) if t == "full_attention"]
 
 
 def tensors(shape: Shape) -> Iterator[Tensor]:
     """The tensors llama.cpp's converter writes for the shape, in its order."""
     c = shape.config
     T = MODEL_TENSOR
+    family = shape.family
     hidden, layers = c["hidden_size"], c["num_hidden_layers"]
     heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = int(c.get("head_dim") or hidden // heads)
     vocab = vocabulary_size(shape)
+    attending = set(attention_layers(shape))
     yield Tensor(T.TOKEN_EMBD, (vocab, hidden))
     if c["rope_parameters"].get("rope_type") == "llama3":
         yield Tensor(T.ROPE_FREQS, (head_dim // 2,))
     for i in range(layers):
         yield Tensor(T.ATTN_NORM, (hidden,), i)
-        for kind, rows in (
-            (T.ATTN_Q, heads * head_dim),
-            (T.ATTN_K, kv * head_dim),
-            (T.ATTN_V, kv * head_dim),
-        ):
-            yield Tensor(kind, (rows, hidden), i)
-            if shape.family == "qwen2":
-                yield Tensor(kind, (rows,), i, bias=True)
-        if shape.family in ("qwen3", "qwen3_moe", "gemma3"):
-            yield Tensor(T.ATTN_Q_NORM, (head_dim,), i)
-            yield Tensor(T.ATTN_K_NORM, (head_dim,), i)
-        yield Tensor(T.ATTN_OUT, (hidden, heads * head_dim), i)
-        if shape.family == "gemma3":
+        if i not in attending:
+            yield from _recurrent_tensors(shape, i)
+        else:
+            # Qwen3.5's q_proj is each head's queries and then its output gate.
+            q_rows = heads * head_dim * (2 if family == "qwen3_5" else 1)
+            for kind, rows in ((T.ATTN_Q, q_rows), (T.ATTN_K, kv * head_dim), (T.ATTN_V, kv * head_dim)):
+                yield Tensor(kind, (rows, hidden), i)
+                if family in ("qwen2", "gpt_oss"):
+                    yield Tensor(kind, (rows,), i, bias=True)
+            if family in ("qwen3", "qwen3_moe", "gemma3", "qwen3_5", "lfm2"):
+                yield Tensor(T.ATTN_Q_NORM, (head_dim,), i)
+                yield Tensor(T.ATTN_K_NORM, (head_dim,), i)
+            yield Tensor(T.ATTN_OUT, (hidden, heads * head_dim), i)
+            if family == "gpt_oss":
+                yield Tensor(T.ATTN_OUT, (hidden,), i, bias=True)
+                yield Tensor(T.ATTN_SINKS, (heads,), i)
+        if family in ("gemma3", "qwen3_5", "gpt_oss"):
+            # Qwen3.5's and gpt-oss's post_attention_layernorm is their norm before the MLP.
             yield Tensor(T.ATTN_POST_NORM, (hidden,), i)
-        yield Tensor(T.FFN_PRE_NORM if shape.family == "gemma3" else T.FFN_NORM, (hidden,), i)
-        if shape.family == "qwen3_moe":
+        if family == "gemma3":
+            yield Tensor(T.FFN_PRE_NORM, (hidden,), i)
+        elif family not in ("qwen3_5", "gpt_oss"):
+            yield Tensor(T.FFN_NORM, (hidden,), i)
+        if family in ("qwen3_moe", "gpt_oss"):
             experts, width = c["num_experts"], c["moe_intermediate_size"]
             yield Tensor(T.FFN_GATE_INP, (experts, hidden), i)
-            yield Tensor(T.FFN_GATE_EXP, (experts, width, hidden), i)
-            yield Tensor(T.FFN_UP_EXP, (experts, width, hidden), i)
-            yield Tensor(T.FFN_DOWN_EXP, (experts, hidden, width), i)
+            if family == "gpt_oss":
+                yield Tensor(T.FFN_GATE_INP, (experts,), i, bias=True)
+            for kind, rows, n_in in (
+                (T.FFN_GATE_EXP, width, hidden),
+                (T.FFN_UP_EXP, width, hidden),
+                (T.FFN_DOWN_EXP, hidden, width),
+            ):
+                yield Tensor(kind, (experts, rows, n_in), i)
+                if family == "gpt_oss":
+                    yield Tensor(kind, (experts, rows), i, bias=True)
         else:
             inter = c["intermediate_size"]
             yield Tensor(T.FFN_GATE, (inter, hidden), i)
             yield Tensor(T.FFN_UP, (inter, hidden), i)
             yield Tensor(T.FFN_DOWN, (hidden, inter), i)
-        if shape.family == "gemma3":
+        if family == "gemma3":
             yield Tensor(T.FFN_POST_NORM, (hidden,), i)
-    yield Tensor(T.OUTPUT_NORM, (hidden,))
+    # LFM2's final norm is llama.cpp's token_embd_norm.
+    yield Tensor(T.TOKEN_EMBD_NORM if family == "lfm2" else T.OUTPUT_NORM, (hidden,))
     if not c["tie_word_embeddings"]:
         yield Tensor(T.OUTPUT, (vocab, hidden))
 
 
+def _recurrent_tensors(shape: Shape, i: int) -> Iterator[Tensor]:
+    """Layer i's Gated DeltaNet (Qwen3.5) or short convolution (LFM2), as llama.cpp stores them: the
+    DeltaNet's q, k and v fused in attn_qkv, its output gate z in attn_gate, a kernel [channels, taps]."""
+    c = shape.config
+    T = MODEL_TENSOR
+    hidden = c["hidden_size"]
+    if shape.family == "lfm2":
+        yield Tensor(T.SHORTCONV_CONV, (hidden, c["conv_L_cache"]), i)
+        yield Tensor(T.SHORTCONV_INPROJ, (3 * hidden, hidden), i)
+        yield Tensor(T.SHORTCONV_OUTPROJ, (hidden, hidden), i)
+        return
+    key = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    v_heads = c["linear_num_value_heads"]
+    yield Tensor(T.ATTN_QKV, (2 * key + value, hidden), i)
+    yield Tensor(T.ATTN_GATE, (value, hidden), i)
+    yield Tensor(T.SSM_CONV1D, (2 * key + value, c["linear_conv_kernel_dim"]), i)
+    yield Tensor(T.SSM_DT, (v_heads,), i, bias=True)
+    yield Tensor(T.SSM_A, (v_heads,), i)
+    yield Tensor(T.SSM_BETA, (v_heads, hidden), i)
+    yield Tensor(T.SSM_ALPHA, (v_heads, hidden), i)
+    yield Tensor(T.SSM_NORM, (c["linear_value_head_dim"],), i)
+    yield Tensor(T.SSM_OUT, (hidden, value), i)
+
+
 def tensor_type(shape: Shape, t: Tensor) -> Q:
-    """F32 for vectors and the router, else the Q4_K_M type."""
-    if len(t.shape) == 1 or t.kind == MODEL_TENSOR.FFN_GATE_INP:
+    """F32 for vectors, biases, the router and convolution kernels; gpt-oss's MXFP4_MOE mix (experts
+    MXFP4, other matrices Q8_0); else the Q4_K_M type."""
+    if len(t.shape) == 1 or t.bias or t.kind in _UNQUANTIZED:
         return Q.F32
+    if shape.family == "gpt_oss":
+        return Q.MXFP4 if len(t.shape) == 3 else Q.Q8_0
     c = shape.config
     tied = bool(c["tie_word_embeddings"])
-    return q4_k_m_type(t.kind, t.shape[-1], t.layer, c["num_hidden_layers"], c.get("num_experts", 0), tied)
+    attending = attention_layers(shape)
+    v_index = (attending.index(t.layer), len(attending)) if t.kind == MODEL_TENSOR.ATTN_V else None
+    experts = c.get("num_experts", 0)
+    return q4_k_m_type(t.kind, t.shape[-1], t.layer, c["num_hidden_layers"], experts, tied, v_index)
 
 
 def tensor_data(rng: np.random.Generator, shape: Shape, t: Tensor, kind: Q) -> np.ndarray:
     if t.kind == MODEL_TENSOR.ROPE_FREQS:
         return llama3_rope_freqs(shape.config, int(shape.config["head_dim"]))
+    if t.kind == MODEL_TENSOR.SSM_A:
+        return -(1 + 15 * rng.random(t.shape)).astype(np.float32)
+    if t.kind in (MODEL_TENSOR.SSM_CONV1D, MODEL_TENSOR.SHORTCONV_CONV):
+        return (0.3 * rng.standard_normal(t.shape)).astype(np.float32)
     if kind == Q.F32:
-        center = 0.0 if t.bias or t.kind == MODEL_TENSOR.FFN_GATE_INP else 1.0
-        return (center + WEIGHT_STD * rng.standard_normal(t.shape)).astype(np.float32)
+        zero = t.bias or t.kind in (MODEL_TENSOR.FFN_GATE_INP, MODEL_TENSOR.ATTN_SINKS)
+        return ((0.0 if zero else 1.0) + WEIGHT_STD * rng.standard_normal(t.shape)).astype(np.float32)
     n_in = t.shape[-1]
     blocks = _random_blocks(rng, kind, math.prod(t.shape), _half_values(kind))
     return blocks.reshape(*t.shape[:-1], n_in // gguf.GGML_QUANT_SIZES[kind][0] * blocks.shape[1])
@@ -430,14 +639,39 @@ def add_tokenizer(writer: GGUFWriter, shape: Shape) -> None:
     writer.add_chat_template(specials.template)
 
 
+def write_family_hparams(writer: GGUFWriter, shape: Shape) -> None:
+    """The keys llama.cpp reads for Qwen3.5's DeltaNet layers and partial imrope, and gpt-oss's window
+    and YaRN, beside the common ones (`write_hparams`)."""
+    c = shape.config
+    rope = c["rope_parameters"]
+    if shape.family == "qwen3_5":
+        k_heads, v_heads = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(c["linear_key_head_dim"])
+        writer.add_ssm_group_count(k_heads)
+        writer.add_ssm_time_step_rank(v_heads)
+        writer.add_ssm_inner_size(v_heads * c["linear_value_head_dim"])
+        writer.add_full_attention_interval(c["layer_types"].index("full_attention") + 1)
+        writer.add_rope_dimension_count(int(c["head_dim"] * rope["partial_rotary_factor"]))
+        writer.add_rope_dimension_sections([*rope["mrope_section"], 0])
+    elif shape.family == "gpt_oss":
+        writer.add_sliding_window(c["sliding_window"])
+    if shape.family == "gpt_oss" and rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
 def write_gguf(shape: Shape, path: str, seed: int = 0) -> dict[str, Q]:
-    """Write the shape's random-weight Q4_K_M file at `path`, one tensor at a time; returns each tensor's
-    type by name."""
-    arch = ARCHES[shape.family]
+    """Write the shape's random-weight Q4_K_M (gpt-oss: MXFP4_MOE) file at `path`, one tensor at a time;
+    returns each tensor's type by name."""
+    arch = ARCHITECTURES[shape.family]
     writer = GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_vocab_size(vocabulary_size(shape))
     write_hparams(writer, shape.family, shape.config)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    write_family_hparams(writer, shape)
+    mixes = gguf.LlamaFileType
+    writer.add_file_type(mixes.MOSTLY_MXFP4_MOE if shape.family == "gpt_oss" else mixes.MOSTLY_Q4_K_M)
     add_tokenizer(writer, shape)
     layout = [(t, tensor_type(shape, t)) for t in tensors(shape)]
     for t, kind in layout:

@@ -26,10 +26,19 @@ pytestmark = pytest.mark.slow
 MORE_BITS = {0, 3, 6, 7}
 
 
+# The tiny hybrids' V projections by layer that get more bits: use_more_bits over the attention layers
+# alone (Qwen3.5's at 3 and 7: the second of 2; LFM2's at 2 and 5: the second of 2).
+HYBRID_V_MORE_BITS = {"qwen3_5": {7}, "lfm2": {5}}
+UNQUANTIZED = ("ffn_gate_inp", "ssm_conv1d", "shortconv.conv", ".bias", "rope_freqs")
+
+
 def expected_type(shape: Shape, name: str, n_in: int, ndim: int) -> Q:
-    """The type a Q4_K_M file gives the tensor, written out from llama.cpp's rules for these shapes."""
-    if ndim == 1 or "ffn_gate_inp" in name or name == "rope_freqs.weight":
+    """The type a Q4_K_M (gpt-oss: MXFP4_MOE) file gives the tensor, written out from llama.cpp's rules
+    for these shapes."""
+    if ndim == 1 or any(part in name for part in UNQUANTIZED):
         return Q.F32
+    if shape.family == "gpt_oss":
+        return Q.MXFP4 if ndim == 3 else Q.Q8_0
     config = shape.config
     fits = n_in % 256 == 0
     if name == "output.weight" or (name == "token_embd.weight" and config["tie_word_embeddings"]):
@@ -40,7 +49,10 @@ def expected_type(shape: Shape, name: str, n_in: int, ndim: int) -> Q:
         return Q.Q8_0
     if eight_experts and "attn_output" in name:
         return Q.Q5_K if fits else Q.Q5_1
-    if ("ffn_down" in name or "attn_v." in name) and layer in MORE_BITS:
+    if "attn_qkv" in name:
+        return Q.Q5_K if fits else Q.Q5_1
+    v_more_bits = HYBRID_V_MORE_BITS.get(shape.family, MORE_BITS)
+    if ("ffn_down" in name and layer in MORE_BITS) or ("attn_v." in name and layer in v_more_bits):
         return Q.Q6_K if fits else Q.Q8_0
     return Q.Q4_K if fits else Q.Q5_0
 
@@ -68,6 +80,9 @@ def test_each_tensor_has_its_q4_k_m_type(tiny_files: dict[str, str], name: str) 
             values = np.asarray(gguf.quants.dequantize(t.data, kind), dtype=np.float32)
             assert np.isfinite(values).all() and 0.01 < values.std() < 0.04, t.name
             assert abs(values.mean()) < 0.01, t.name
+    if shape.family == "gpt_oss":
+        assert set(seen) == {Q.F32, Q.Q8_0, Q.MXFP4}
+        return
     # Each tiny shape keeps its checkpoint's mix: Q5_0 only where the real hidden size is not a multiple
     # of 256 (Gemma 3's 640 and 1152, Qwen2.5-0.5B's 896), the head Q6_K or Q8_0 accordingly.
     odd = SHAPES[name].config["hidden_size"] % 256 != 0
@@ -90,6 +105,10 @@ def test_the_real_sizes_hold_the_real_vocabularies() -> None:
         "qwen2.5-1.5b": 151936,
         "llama3.2-1b": 128256,
         "qwen3-moe-small": 151936,
+        "qwen3.5-0.8b": 248320,
+        "lfm2-350m": 65536,
+        "lfm2-1.2b": 65536,
+        "gpt-oss-small": 201088,
     }
 
 
@@ -106,6 +125,9 @@ _SLOW = pytest.mark.skipif(not _LONG, reason="slow: KVSERVE_LONG_TESTS=1")
         "gemma3-270m",
         "qwen2.5-0.5b",
         "qwen3-moe-small",
+        "qwen3.5-0.8b",
+        "lfm2-350m",
+        "gpt-oss-small",
         pytest.param("qwen3-0.6b", marks=_SLOW),
         pytest.param("llama3.2-1b", marks=_SLOW),
     ],
