@@ -32,7 +32,7 @@ def test_serve_freezes_the_startup_objects_before_it_serves(
 
     engine = make_tiny_engine()
     gc.unfreeze()
-    monkeypatch.setattr(Engine, "from_config", staticmethod(lambda config: engine))
+    monkeypatch.setattr(Engine, "from_config", staticmethod(lambda config, **_: engine))
     monkeypatch.setattr(kvserve.server.app, "AsyncEngine", RecordedAsyncEngine)
     monkeypatch.setattr(uvicorn.Server, "run", run)
     try:
