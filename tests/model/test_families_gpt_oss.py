@@ -317,3 +317,18 @@ def test_openais_mxfp4_safetensors_match_transformers(tmp_path: Any, weight_dtyp
     if weight_dtype == "gguf":
         assert all(isinstance(p, QuantLinear) for e in first.experts for p in (e.gate, e.up, e.down))
     check_parity(runner, theirs, 1e-4 if weight_dtype == "float32" else 2e-3)
+
+
+def test_an_mxfp4_block_that_overflows_is_refused_at_load(tmp_path: Any) -> None:
+    """A scale byte of 255 under a code of 6 makes an infinite weight: the load names the tensor."""
+    from kvserve.model.gguf_file import open_gguf
+
+    theirs = tiny_gpt_oss(str(tmp_path / "oss"))
+    path = str(tmp_path / "oss.gguf")
+    write_gguf(theirs, path)
+    t = open_gguf(path).tensors["blk.1.ffn_down_exps.weight"]
+    with open(path, "r+b") as f:
+        f.seek(t.offset + 17 * 3)  # the fourth block: its scale byte, then its codes
+        f.write(bytes([255]) + bytes([0x77] * 16))
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_down_exps\.weight holds NaN or infinity"):
+        load_model(path, default_cache_dir())

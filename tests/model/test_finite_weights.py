@@ -127,3 +127,18 @@ def test_tensors_of_the_types_without_plain_scales_are_dequantized_to_be_checked
     monkeypatch.setattr(finite_weights, "dequantize", counted)
     finite_weights.check_gguf(open_gguf(valid))
     assert calls and set(calls) == {gguf.GGMLQuantizationType.Q8_0}
+
+
+def test_mxfp4_blocks_are_finite_exactly_below_the_scale_bound() -> None:
+    """For every scale byte and every code, gguf's dequantized MXFP4 value is finite whenever the scale is
+    at most `_MXFP4_FINITE`, and some code overflows above it: the scan skips exactly the safe blocks."""
+    kind = gguf.GGMLQuantizationType.MXFP4
+    _, block_bytes = GGML_QUANT_SIZES[kind]
+    codes = np.arange(256, dtype=np.uint8)  # each byte: two 4-bit codes, so all 16 codes appear
+    for scale in range(256):
+        blocks = np.zeros((16, block_bytes), dtype=np.uint8)
+        blocks[:, 0] = scale
+        blocks[:, 1:] = codes.reshape(16, 16)
+        with np.errstate(invalid="ignore", over="ignore"):
+            finite = bool(np.isfinite(dequantize(blocks, kind)).all())
+        assert finite == (scale <= finite_weights._MXFP4_FINITE), scale

@@ -4,8 +4,10 @@ forever) and cannot be told from a broken engine by its replies.
 A GGUF is checked in place, without dequantizing it: a float tensor's every value (its exponent bits,
 read through a view), and a quantized tensor's block scales (the f16 `d` and `dmin` fields of every
 block, read through a strided view; the quants are small integers, so finite scales make finite
-weights). The few types whose scales are not plain floats (IQ1_M, MXFP4) are dequantized a chunk at a
-time. Nothing is copied but one chunk's comparison at a time. A safetensors tensor is checked as it is
+weights). MXFP4's scale is a power of two (its first byte): the largest code times it is finite below
+the top three exponents (`_MXFP4_FINITE`), so only a tensor with a block there is dequantized, as IQ1_M
+(whose scales are not plain floats) always is, a chunk at a time. Nothing is copied but one chunk's
+comparison at a time. A safetensors tensor is checked as it is
 read (`check_tensor`).
 """
 
@@ -31,6 +33,8 @@ _FLOATS: dict[int, tuple[int, int]] = {
     T.F64: (8, _EXPONENTS[8]),
 }
 _INTEGERS = (T.I8, T.I16, T.I32, T.I64)
+# MXFP4's scale byte e makes 2^(e - 128); its largest code, 12, times that overflows float32 from 253 on.
+_MXFP4_FINITE = 252
 # Where each block's float scales lie (byte offset, bytes), as ggml lays the blocks out.
 _D = ((0, 2),)
 _D_DMIN = ((0, 2), (2, 2))
@@ -77,6 +81,8 @@ def _finite(file: GgufFile, t: TensorInfo) -> bool:
         )
     if t.qtype in _INTEGERS or not dequantizable(t.qtype):
         # Integers are finite; a type nothing reads is refused where the tensors are named.
+        return True
+    if t.qtype == T.MXFP4 and not (file.block_field(t, 0, "u1") > _MXFP4_FINITE).any():
         return True
     with np.errstate(invalid="ignore", over="ignore"):
         return all(np.isfinite(dequantize(rows, t.qtype)).all() for rows in _row_chunks(file, t))
