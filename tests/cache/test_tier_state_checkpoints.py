@@ -235,7 +235,8 @@ def test_a_checkpoint_whose_tensors_disagree_with_the_model_is_refused(
     family_model: Callable[[str], LoadedModel], fresh: Callable[[str], list[int]], tmp_path: Path
 ) -> None:
     """A state that passed the tier's checks but whose tensors disagree with the model's (the state
-    writer's own guard, StateShapeError) is counted and never written into a slot."""
+    writer's own guard, StateShapeError) is counted, in its tier's `loads_failed` too (/metrics), and
+    never written into a slot."""
     engine, _ = _write_then_restart(family_model("lfm2-hybrid"), tmp_path, None)
     try:
         tiers = engine.kv.tiers
@@ -245,7 +246,9 @@ def test_a_checkpoint_whose_tensors_disagree_with_the_model_is_refused(
         again, cached, recomputed = _run(engine, PROMPT)
         assert again == fresh("lfm2-hybrid")
         assert (cached, recomputed) == (0, len(PROMPT) - 1)
-        assert tiers.states_refused == 1
+        (tier,) = tiers.usage()
+        assert tiers.states_refused == {tier.name: 1}
+        assert tier.loads_failed == tiers.lower.usage()[0].loads_failed + 1
     finally:
         engine.close()
 

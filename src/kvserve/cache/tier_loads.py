@@ -14,7 +14,9 @@ and a block read from a tier is verified there before it is landed.
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -144,8 +146,9 @@ class TierLoads(NoTiers):
         self.accounts = accounts
         self.states = TierStates(lower, lower.state_io) if lower.state_io is not None else None
         self.loader = BlockLoader(lower, states=self.states, budget_s=budget_s)
-        # State checkpoints read from a tier whose tensors disagreed with the model's (a miss).
-        self.states_refused = 0
+        # State checkpoints read from a tier whose tensors disagreed with the model's (a miss), by tier:
+        # counted in that tier's `loads_failed` beside the values the tier itself refused.
+        self.states_refused: Counter[str] = Counter()
 
     def _matched(self, namespace: str, tokens: Sequence[int]) -> int:
         """How many whole blocks of `tokens` memory holds now (nothing locked)."""
@@ -212,7 +215,7 @@ class TierLoads(NoTiers):
             self.states.io.write_slot(self._now(pool, slot), self.states.unpack(found.packed))
         except StateShapeError as e:
             # Never a wrong state, never a crash: a miss.
-            self.states_refused += 1
+            self.states_refused[found.tier] += 1
             log.warning("a state checkpoint read from %s was refused (%s); recomputed", found.tier, e)
             return False
         return True
@@ -304,7 +307,9 @@ class TierLoads(NoTiers):
         self.lower.offer(keys, namespace, tokens, blocks, start, sliding)
 
     def usage(self) -> tuple[TierUsage, ...]:
-        return tuple(self.lower.usage())
+        return tuple(
+            replace(t, loads_failed=t.loads_failed + self.states_refused[t.name]) for t in self.lower.usage()
+        )
 
     def down(self) -> bool:
         return self.lower.down()

@@ -274,8 +274,9 @@ class EngineStatsCollector:
             ("kvserve_kv_tier_loads", "Blocks loaded from a lower cache tier.", lambda t: t.loads),
             (
                 "kvserve_kv_tier_loads_failed",
-                "Blocks refused on load (missing, truncated, corrupt, foreign, or sealed under another "
-                "secret); recomputed.",
+                "Blocks and state checkpoints refused on load (missing, truncated, corrupt, foreign, "
+                "sealed under another secret, or a state whose tensors disagree with the model's); "
+                "recomputed.",
                 lambda t: t.loads_failed,
             ),
             (
