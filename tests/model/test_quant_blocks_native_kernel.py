@@ -86,7 +86,13 @@ SCALE_FIELDS = {
     Q6_K: (208, 210),
 }
 # Where the quants of the types with offsets are (zeroed, a block holds its offsets alone).
-QUANT_FIELDS = {Q4_1: [(4, 20)], Q5_1: [(4, 24)], Q4_K: [(16, 144)], Q5_K: [(16, 176)], Q2_K: [(16, 80)]}
+QUANT_FIELDS: dict[int, list[tuple[int, int]]] = {
+    Q4_1: [(4, 20)],
+    Q5_1: [(4, 24)],
+    Q4_K: [(16, 144)],
+    Q5_K: [(16, 176)],
+    Q2_K: [(16, 80)],
+}
 
 
 def random_blocks(qtype: int, n_out: int, n_in: int, seed: int = 0) -> QuantizedWeight:

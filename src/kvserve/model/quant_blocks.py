@@ -18,69 +18,45 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.model.ggml_types import GEOMETRY, GgmlType
+
 # ggml's type ids of the types the kernels read.
-F32 = 0
-F16 = 1
-Q4_0 = 2
-Q4_1 = 3
-Q5_0 = 6
-Q5_1 = 7
-Q8_0 = 8
-Q2_K = 10
-Q3_K = 11
-Q4_K = 12
-Q5_K = 13
-Q6_K = 14
-IQ4_NL = 20
-IQ4_XS = 23
-BF16 = 30
-MXFP4 = 39
+F32, F16, BF16 = GgmlType.F32, GgmlType.F16, GgmlType.BF16
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0, GgmlType.Q5_1, GgmlType.Q8_0
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = GgmlType.Q2_K, GgmlType.Q3_K, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K
+IQ4_NL, IQ4_XS, MXFP4 = GgmlType.IQ4_NL, GgmlType.IQ4_XS, GgmlType.MXFP4
 QK = 32
 QK_K = 256
 
 # Per type: (weights per block, bytes per block), as ggml lays them out.
 BLOCK_SIZES: dict[int, tuple[int, int]] = {
-    F32: (1, 4),
-    F16: (1, 2),
-    BF16: (1, 2),
-    Q4_0: (QK, 18),
-    Q4_1: (QK, 20),
-    Q5_0: (QK, 22),
-    Q5_1: (QK, 24),
-    Q8_0: (QK, 34),
-    IQ4_NL: (QK, 18),
-    Q2_K: (QK_K, 84),
-    Q3_K: (QK_K, 110),
-    Q4_K: (QK_K, 144),
-    Q5_K: (QK_K, 176),
-    Q6_K: (QK_K, 210),
-    IQ4_XS: (QK_K, 136),
-    MXFP4: (QK, 17),
+    t: GEOMETRY[t]
+    for t in (
+        F32,
+        F16,
+        BF16,
+        Q4_0,
+        Q4_1,
+        Q5_0,
+        Q5_1,
+        Q8_0,
+        IQ4_NL,
+        Q2_K,
+        Q3_K,
+        Q4_K,
+        Q5_K,
+        Q6_K,
+        IQ4_XS,
+        MXFP4,
+    )
 }
-TYPE_NAMES = {
-    F32: "F32",
-    F16: "F16",
-    BF16: "BF16",
-    Q4_0: "Q4_0",
-    Q4_1: "Q4_1",
-    Q5_0: "Q5_0",
-    Q5_1: "Q5_1",
-    Q8_0: "Q8_0",
-    IQ4_NL: "IQ4_NL",
-    Q2_K: "Q2_K",
-    Q3_K: "Q3_K",
-    Q4_K: "Q4_K",
-    Q5_K: "Q5_K",
-    Q6_K: "Q6_K",
-    IQ4_XS: "IQ4_XS",
-    MXFP4: "MXFP4",
-}
+TYPE_NAMES = {t: GgmlType(t).name for t in BLOCK_SIZES}
 
 
 def type_name(qtype: int) -> str:
-    """The ggml name of a type id (the gguf package's, for the types the kernels do not read)."""
-    if qtype in TYPE_NAMES:
-        return TYPE_NAMES[qtype]
+    """The ggml name of a type id (the gguf package's, for a type newer than `GgmlType`)."""
+    if qtype in GEOMETRY:
+        return GgmlType(qtype).name
     from gguf import GGMLQuantizationType
 
     try:
