@@ -163,6 +163,27 @@ def greedy(
     )
 
 
+def run_counted(
+    engine: Engine,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    checkpoints: Sequence[int] = (),
+    namespace: str = "",
+) -> tuple[list[int], int, int]:
+    """Run one greedy request to its end alone: its reply, and the prompt tokens the cache served and
+    those it recomputed for want of a state checkpoint; the cache's accounting checked every step."""
+    engine.add_request(rid, prompt, greedy(max_tokens), checkpoints=checkpoints, namespace=namespace)
+    tokens: list[int] = []
+    cached = recomputed = 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens += delta.token_ids
+            cached, recomputed = delta.num_cached_tokens, delta.num_recomputed_tokens
+        engine.kv.check()
+    return tokens, cached, recomputed
+
+
 @dataclass
 class Spec:
     """One request of a workload. Its prompt is `base` (see `prompt_of`) followed by `suffix`.

@@ -12,9 +12,8 @@ import pytest
 from kvserve.cache.tier_loads import TierLoads
 from kvserve.cache.tiers import TIER_DISK, TIER_REDIS
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.loader import LoadedModel
-from tests.harness import engine_with_blocks
+from tests.harness import engine_with_blocks, run_counted
 from tests.redis_server import RedisServer
 
 SECRET = bytes(range(32))
@@ -41,19 +40,8 @@ def _engine(model: LoadedModel, disk: Path | None, redis: RedisServer | None, **
 
 
 def _run(engine: Engine, prompt: list[int], namespace: str = "") -> tuple[list[int], int, int]:
-    """The reply, the cached and the recomputed prompt tokens; every step's accounting checked."""
     rid = f"r{len(engine.scheduler.waiting)}{os.urandom(4).hex()}"
-    engine.add_request(
-        rid, prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), namespace=namespace
-    )
-    tokens: list[int] = []
-    cached = recomputed = 0
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            tokens += delta.token_ids
-            cached, recomputed = delta.num_cached_tokens, delta.num_recomputed_tokens
-        engine.kv.check()
-    return tokens, cached, recomputed
+    return run_counted(engine, rid, prompt, 6, namespace=namespace)
 
 
 @pytest.fixture(scope="module")

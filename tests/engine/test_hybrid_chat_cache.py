@@ -20,7 +20,7 @@ from kvserve.errors import ConfigError
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.model.tokenizer import MessageDict, TemplateArgs
 from kvserve.sequences import common_prefix_len
-from tests.harness import engine_with_blocks
+from tests.harness import engine_with_blocks, run_counted
 from tests.helpers import save_tiny_model
 from tests.model.family_cases import LFM2_HYBRID
 from tests.server import chat_templates
@@ -37,18 +37,7 @@ def lfm2() -> LoadedModel:
 def _run(
     engine: Engine, rid: str, prompt: list[int], checkpoints: Sequence[int] = ()
 ) -> tuple[list[int], int, int]:
-    """The reply's tokens, the cached and the recomputed prompt tokens."""
-    engine.add_request(
-        rid, prompt, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), checkpoints=checkpoints
-    )
-    tokens: list[int] = []
-    cached = recomputed = 0
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            tokens += delta.token_ids
-            cached, recomputed = delta.num_cached_tokens, delta.num_recomputed_tokens
-        engine.kv.check()
-    return tokens, cached, recomputed
+    return run_counted(engine, rid, prompt, 9, checkpoints)
 
 
 @pytest.mark.parametrize("speculative", ["off", "suffix"])
