@@ -33,9 +33,9 @@ def cases(draw: st.DrawFn) -> Case:
     return Case(
         heads=heads,
         kv_heads=kv_heads,
-        # 64 and 128 take the float rows' vector path (by heads, eight positions at a time), the rest
+        # 64, 128 and 256 take the float rows' vector path (by heads, eight positions at a time), the rest
         # the generic one.
-        dim=draw(st.sampled_from([4, 8, 64, 128])),
+        dim=draw(st.sampled_from([4, 8, 64, 128, 256])),
         block_size=draw(st.sampled_from([1, 2, 4, 16])),
         # Past 128 positions the vector path splits a row into chunks and merges their partials.
         lens=draw(st.lists(st.integers(1, 70) | st.integers(120, 400), min_size=1, max_size=6)),

@@ -155,3 +155,23 @@ def test_off_the_cpu_float32_path_float16_rounds_the_weights_and_int8_is_refused
     rounded = make_linear(w.bfloat16(), None, "float16")
     assert isinstance(rounded, Float32Linear)
     assert torch.equal(rounded.weight, w.bfloat16().half().bfloat16())
+
+
+def test_gelu_tanh_is_the_same_bits_on_any_thread_count_and_any_rows() -> None:
+    """The block products' gelu (the native decoder's `gelu_tanh_rows`) splits a prefill's elements
+    among the threads: every thread count and every row count gives a row the same bits."""
+    up = build("gguf-Q4_0/int16", *weights(576, 1536, bias=False))
+    assert isinstance(up, QuantLinear)
+    x = inputs(576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = up.gelu_tanh(x)
+        torch.set_num_threads(2)
+        two = up.gelu_tanh(x)
+        alone = torch.cat([up.gelu_tanh(x[i : i + 1]) for i in PROBES])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one.view(torch.int32), two.view(torch.int32))
+    assert torch.equal(two[PROBES].view(torch.int32), alone.view(torch.int32))
+    torch.testing.assert_close(two, F.gelu(up(x), approximate="tanh"), rtol=1e-5, atol=1e-6)

@@ -184,7 +184,7 @@ struct decoder {
 void rms_norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps);
 /* out[i] = 0.5 * x[i] * (1 + tanh(sqrt(2 / pi) * (x[i] + 0.044715 * x[i]^3))), torch's gelu(tanh) formula
  * (out may be x). The per-op path calls it too, so both paths' activation is this one function. */
-void gelu_tanh_rows(const float *x, float *out, int64_t n);
+void gelu_tanh_rows(const float *x, float *out, int64_t n, int threads);
 /* A mixture of experts' routing of rows x [rows, hidden]: logits x . router[e] (router [experts, hidden]),
  * each summed over its own row in a fixed order; their softmax; the top_k experts, highest probability
  * first and the lower id on ties, into chosen [rows, top_k]; their probabilities into weights [rows,

@@ -13,7 +13,7 @@
  * (exactly, with F16C where the CPU has it), and every product and sum stays in float; and for float and
  * double over a q8_0 cache (llama.cpp's block_q8_0: per 32 values of a head, a float16 scale d and 32
  * int8 quants, 34 bytes; a cached position's row is kv_heads * dim / 32 blocks), each row dequantized
- * (q * d, exact) as it is read. Float rows with a head size of 64 or 128 take the vector path instead
+ * (q * d, exact) as it is read. Float rows with a head size of 64, 128 or 256 take the vector path instead
  * (`fast_attention`, below), which dequantizes eight values at a time in registers.
  */
 #include <math.h>
@@ -206,7 +206,7 @@ DEFINE_ROWS(f32_kv16, float, _Float16, expf, widen_f16, VALUES)
 #endif
 
 #if HAVE_AVX2
-/* ---- The float rows' vector path (AVX2, FMA, F16C; head_dim 64 or 128) ----
+/* ---- The float rows' vector path (AVX2, FMA, F16C; head_dim 64, 128 or 256) ----
  *
  * A row's context is cut into chunks of whole blocks (CHUNK_BYTES of K and V, or one block where blocks
  * are larger), every head of the row. A task is one chunk, of one row or of every row whose chunk covers
@@ -225,7 +225,7 @@ DEFINE_ROWS(f32_kv16, float, _Float16, expf, widen_f16, VALUES)
  * the head size in vectors `C` as constants at every call (`fast_chunk` spells each case out), so that
  * their loops unroll into registers. */
 
-static inline int fast_takes(int64_t dim) { return dim == 64 || dim == 128; }
+static inline int fast_takes(int64_t dim) { return dim == 64 || dim == 128 || dim == 256; }
 
 /* Blocks per chunk, for this block size and `row_bytes` of K (as of V) per position. */
 static inline int64_t chunk_blocks(int64_t block_size, size_t row_bytes)
@@ -454,8 +454,11 @@ static void chunk_f32(const float *q, const void *kc, const void *vc, const int6
     if (dim == 64)
         fast_chunk(KV_F32, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
                    part, part_stride, touch);
-    else
+    else if (dim == 128)
         fast_chunk(KV_F32, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
+                   part, part_stride, touch);
+    else
+        fast_chunk(KV_F32, 32, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
                    part, part_stride, touch);
 }
 
@@ -467,8 +470,11 @@ static void chunk_f16(const float *q, const void *kc, const void *vc, const int6
     if (dim == 64)
         fast_chunk(KV_F16, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
                    part, part_stride, touch);
-    else
+    else if (dim == 128)
         fast_chunk(KV_F16, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
+                   part, part_stride, touch);
+    else
+        fast_chunk(KV_F16, 32, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
                    part, part_stride, touch);
 }
 #endif
@@ -481,8 +487,11 @@ static void chunk_q8(const float *q, const void *kc, const void *vc, const int64
     if (dim == 64)
         fast_chunk(KV_Q8, 8, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
                    part, part_stride, touch);
-    else
+    else if (dim == 128)
         fast_chunk(KV_Q8, 16, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
+                   part, part_stride, touch);
+    else
+        fast_chunk(KV_Q8, 32, q, kc, vc, table, n, lo, b0, b1, heads, kv_heads, block_size, scale, scores,
                    part, part_stride, touch);
 }
 
