@@ -59,6 +59,16 @@ LFM2_HYBRID: dict[str, Any] = {
 # (above), Gemma 3's window cut to 5 so that its sliding layers slide within the
 # workloads' prompts, a Qwen3-MoE with a dense layer among the sparse ones, a gpt-oss, and two hybrids
 # (LFM2, Qwen3.5).
+# Gated DeltaNet layers around an attention layer, small heads (Qwen3.5 and Qwen3-Next alike).
+DELTANET_HYBRID: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
 FAMILY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     **{name: CASES[name] for name in ("qwen3", "smollm3-nope", "phi3-longrope")},
     "gemma3-window-5": (CASES["gemma3"][0], {**CASES["gemma3"][1], "sliding_window": 5}),
@@ -73,29 +83,12 @@ FAMILY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "lfm2-hybrid": ("lfm2", LFM2_HYBRID),
-    "qwen3_5-hybrid": (
-        "qwen3_5",
-        {
-            "num_hidden_layers": 3,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
-            "head_dim": 16,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-        },
-    ),
+    "qwen3_5-hybrid": ("qwen3_5", DELTANET_HYBRID),
     # Qwen3.5-MoE's layers with the DeltaNet's projections fused by key head, a dense last layer.
     "qwen3_next-hybrid": (
         "qwen3_next",
         {
-            "num_hidden_layers": 3,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
-            "head_dim": 16,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
+            **DELTANET_HYBRID,
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
