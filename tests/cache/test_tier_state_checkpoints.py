@@ -262,3 +262,47 @@ def test_a_chat_s_next_turn_after_a_restart_recomputes_nothing(
         assert engine.stats().hits_by_tier[TIER_DISK] == cached
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("lost", ["everything", "checkpoints"])
+def test_a_load_restarted_after_memory_lost_its_checkpoint_looks_for_one_from_the_start(
+    family_model: Callable[[str], LoadedModel], tmp_path: Path, lost: str
+) -> None:
+    """A load starts while memory holds a checkpoint, so its state lookup starts after it; memory then
+    loses everything, or only its checkpoints, before the load is admitted. The load must be restarted
+    to look for a checkpoint from the prompt's start again, and find the one the tier holds at the old
+    lookup's start (a bug once: the restart kept the stale lookup, and a certain hit was missed)."""
+    model = family_model("lfm2-hybrid")
+    engine = _engine(model, tmp_path, None)
+    try:
+        # The disk holds a branch past PROMPT's first 32 tokens with no checkpoint before its 44th, and
+        # PROMPT's own checkpoint at 32; memory keeps that checkpoint, not the branch's blocks past it.
+        branch = [*PROMPT[:32], *range(200, 220)]
+        _run(engine, branch)
+        _run(engine, PROMPT)
+        engine.kv.flush()
+        prompt = [*branch[:44], 7]
+        tree = engine.kv.prefix_cache
+        while tree.match("", prompt, record_hit=False).num_tokens > 32:
+            assert tree.evict(1) == 1
+        assert tree.match("", prompt, record_hit=False, checkpointed=True).num_tokens == 32
+        job = engine.kv.start_load("", prompt)
+        assert job is not None and job.wanted is not None and job.wanted.after == 32
+        engine.kv.flush()
+        assert engine.kv.load_ready(job) and job.state is None
+        if lost == "everything":
+            engine.kv.reset_prefix_cache()
+        while tree.num_checkpoints:
+            assert tree.evict_checkpoint()
+        restarted = engine.kv.restart_load(job)
+        assert restarted is not None and restarted.wanted is not None and restarted.wanted.after == 0
+        engine.kv.flush()
+        admission = engine.kv.admit("", prompt, 64, load=restarted)
+        assert admission is not None
+        # The blocks read reach 44 tokens; the state resumes at 32 and the rest are recomputed.
+        assert (admission.num_cached_tokens, admission.recomputed) == (32, 12)
+        assert admission.hits.get(TIER_DISK, 0) == (32 if lost == "everything" else 0)
+        engine.kv.release(admission.seq, prompt, admission.num_cached_tokens)
+        engine.kv.check()
+    finally:
+        engine.close()

@@ -74,7 +74,8 @@ def test_a_shared_system_prompt_is_computed_once(lfm2: LoadedModel) -> None:
 
 def test_a_match_past_the_last_checkpoint_counts_what_it_recomputes(lfm2: LoadedModel) -> None:
     """Without the boundary, a second user's prompt shares the system prompt's KV but no checkpoint
-    there: the hit resumes from nothing and the shared tokens are counted as recomputed."""
+    there: the hit resumes from nothing and the shared tokens are counted as recomputed. That prefill
+    leaves a checkpoint where the prompts branch, so a third user recomputes nothing."""
     from kvserve.server.http.metrics import EngineStatsCollector
 
     engine = engine_with_blocks(lfm2, 200, 4, speculative="off")
@@ -90,6 +91,7 @@ def test_a_match_past_the_last_checkpoint_counts_what_it_recomputes(lfm2: Loaded
     values = {s.name: s.value for family in collector.collect() for s in family.samples}
     assert values["kvserve_state_recomputed_tokens_total"] == len(system)
     assert values["kvserve_state_checkpoints"] == stats.cache.num_state_checkpoints
+    assert _run(engine, "c", [*system, 27, 28, 29])[1:] == (len(system), 0)
 
 
 def test_a_recomputed_match_is_a_no_checkpoint_miss(lfm2: LoadedModel) -> None:

@@ -131,13 +131,8 @@ class KVCacheManager:
         if not tokens:
             return None
         prompt = tokens[: self._cache_limit(tokens, max_cached)]
-        if not self.states.enabled or not self.tiers.enabled:
-            return self.tiers.start_load(namespace, prompt)
-        # A hybrid model's: a checkpoint past memory's last one is looked for too (tier_states.py).
-        tree = self.prefix_cache
-        after = tree.match(namespace, prompt, record_hit=False, checkpointed=True).num_tokens
-        end = tree.match(namespace, prompt, record_hit=False).num_tokens
-        return self.tiers.start_load(namespace, prompt, (after, end))
+        # A hybrid model's job looks for a checkpoint past memory's last one too (tier_states.py).
+        return self.tiers.start_load(namespace, prompt, states=self.states.enabled)
 
     def load_ready(self, job: LoadJob) -> bool:
         """Whether the job's blocks have arrived, or its budget is over (admit with what has)."""

@@ -40,12 +40,10 @@ class NoTiers:
     def set_budget(self, seconds: float) -> None:
         """How long a request waits at most for blocks read from the tiers (tests change it)."""
 
-    def start_load(
-        self, namespace: str, prompt: Sequence[int], state: tuple[int, int] | None = None
-    ) -> LoadJob | None:
+    def start_load(self, namespace: str, prompt: Sequence[int], states: bool = False) -> LoadJob | None:
         """A job reading the blocks of `prompt` past its memory match that a tier may hold, or None:
-        nothing to read. `state` (a hybrid model's): (memory's last checkpoint, the end of the KV memory
-        holds); the job then also looks for a checkpoint past the first, within the KV it reaches."""
+        nothing to read. With `states` (a hybrid model's) the job also looks for a checkpoint past
+        memory's last one, within the KV it reaches."""
         return None
 
     @staticmethod
@@ -157,32 +155,45 @@ class TierLoads(NoTiers):
     def set_budget(self, seconds: float) -> None:
         self.loader.budget_s = seconds
 
-    def start_load(
-        self, namespace: str, prompt: Sequence[int], state: tuple[int, int] | None = None
-    ) -> LoadJob | None:
+    def _wanted(self, namespace: str, prompt: Sequence[int]) -> WantedState:
+        """A hybrid model's state lookup as memory stands now: past its last checkpoint of `prompt`,
+        within the KV it holds."""
+        tree = self.accounts.tree
+        after = tree.match(namespace, prompt, record_hit=False, checkpointed=True).num_tokens
+        end = tree.match(namespace, prompt, record_hit=False).num_tokens
+        return WantedState(after, end, tuple(prompt))
+
+    def start_load(self, namespace: str, prompt: Sequence[int], states: bool = False) -> LoadJob | None:
         start = self._matched(namespace, prompt)
         blocks = self.lower.may_continue(namespace, prompt, start)
         bs = self.accounts.block_size
         whole = len(prompt) // bs * bs
-        if state is None:
+        if not states:
             return self.loader.submit(namespace, tuple(prompt[:whole]), start) if blocks else None
-        after, end = state
-        if self.states is None or (not blocks and end <= after):
+        if self.states is None:
+            return None
+        wanted = self._wanted(namespace, prompt)
+        if not blocks and wanted.end <= wanted.after:
             return None
         # Blocks from `start` too, whatever `blocks` said (a tier may have one by the time it is read).
-        wanted = WantedState(after, end, tuple(prompt))
         return self.loader.submit(namespace, tuple(prompt[:whole]), start, wanted=wanted)
 
     def restart_load(self, job: LoadJob) -> LoadJob | None:
-        """A ready job whose blocks no longer continue the memory match (memory lost some of it while
-        they were read) is read again from what memory still holds, within the same budget."""
+        """A ready job that memory's losses made stale is read again from what memory still holds,
+        within the same budget: its blocks no longer continue the memory match, or (a hybrid model's)
+        memory lost the checkpoint the job's state lookup started after and the job found none newer,
+        so the lookup must reach back to memory's last one now."""
         if job.deadline is None or time.monotonic() >= job.deadline:
             return None
         start = self._matched(job.namespace, job.tokens)
-        if start >= job.start:
+        wanted, lost_state = job.wanted, False
+        if job.wanted is not None:
+            wanted = self._wanted(job.namespace, job.wanted.tokens)
+            lost_state = job.state is None and wanted.after < job.wanted.after
+        if start >= job.start and not lost_state:
             return None
         self.loader.cancel(job)
-        return self.loader.submit(job.namespace, job.tokens, start, job.deadline, job.wanted)
+        return self.loader.submit(job.namespace, job.tokens, start, job.deadline, wanted)
 
     def cancel(self, job: LoadJob) -> None:
         self.loader.cancel(job)

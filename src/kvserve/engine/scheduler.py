@@ -36,8 +36,10 @@ and the blocks its rejected tokens took are let go of after the step (`after_ste
 
 Hybrid models (recurrent layers beside attention): a sequence's recurrent state is kept as a
 checkpoint in the cache where a later request may resume: after the prompt's last token and the one
-before it (n samples, a retry), at message ends and the positions the request names, every
-`state_checkpoint_interval` tokens, and where it stops (the reply's end, a preemption). A chunk never
+before it (n samples, a retry), at message ends and the positions the request names, where the cached
+KV it recomputed for want of a checkpoint ends (a branch in the tree, which the next prompt branching
+there will want), every `state_checkpoint_interval` tokens, and where it stops (the reply's end, a
+preemption). A chunk never
 runs past such a position, so the state is there after the step that reaches it. A draft never runs
 past one either; its sequence's state is snapshotted before the step, and a rejection puts it back: the
 accepted tokens then run again as the next step's chunk (their KV written again, the same tokens at the
@@ -406,6 +408,11 @@ class Scheduler:
                 request.num_cached_tokens = admission.num_cached_tokens
                 request.num_recomputed_tokens = admission.recomputed
                 self.counters.recomputed_tokens += admission.recomputed
+                if admission.recomputed:
+                    # Where the cached KV ends, the tree branches: a checkpoint there serves the next
+                    # prompt that branches off at the same point (a shared tools block, a system prompt).
+                    branch = admission.num_cached_tokens + admission.recomputed
+                    request.checkpoints = tuple(sorted({*request.checkpoints, branch}))
                 request.cache_miss = self.kv.explain(
                     request.namespace, request.token_ids, admission, request.max_cached_tokens, load_timed_out
                 )

@@ -180,14 +180,15 @@ def test_anthropic_chat_and_a_forced_tool_use_read_the_previous_turn_from_the_ca
 def test_a_ten_step_agent_loop_reads_each_step_s_whole_history_from_the_cache(server: Server) -> None:
     """An agent's loop: each step a forced call, its result sent back, the whole history resent. Every
     step from the second reads the previous step's prompt and its call from the cache (less the closing
-    tags the grammar forced after the last step), nothing recomputed for want of a checkpoint."""
+    tags the grammar forced after the last step), nothing recomputed for want of a checkpoint. Another
+    agent's first step shares the tools block and may recompute it (no checkpoint lay where the prompts
+    part), leaving a checkpoint there: a third agent's first step recomputes nothing."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
     history: list[Any] = [
         {"role": "system", "content": "Agent loop. " + SYSTEM},
         {"role": "user", "content": "Check the weather in ten cities, one call at a time."},
     ]
     forced: Any = {"type": "function", "function": {"name": "get_weather"}}
-    before = _recomputed(server)
     whole = 0
     fractions = []
     for step in range(10):
@@ -195,6 +196,8 @@ def test_a_ten_step_agent_loop_reads_each_step_s_whole_history_from_the_cache(se
         cached = reply.usage.prompt_tokens_details.cached_tokens
         if step:
             assert whole - 8 <= cached < whole, step
+        else:
+            before = _recomputed(server)
         fractions.append(cached / reply.usage.prompt_tokens)
         whole = reply.usage.prompt_tokens + reply.usage.completion_tokens
         (call,) = reply.choices[0].message.tool_calls
@@ -203,5 +206,11 @@ def test_a_ten_step_agent_loop_reads_each_step_s_whole_history_from_the_cache(se
             {"role": "tool", "tool_call_id": call.id, "content": f"Step {step}: sunny, {15 + step} C."},
         ]
     print("cached fraction per step:", " ".join(f"{f:.3f}" for f in fractions))
+    assert _recomputed(server) == before
+    for name in ["Second", "Third"]:
+        before = _recomputed(server)
+        other = [{"role": "system", "content": f"{name} agent. {SYSTEM}"}, history[1]]
+        first = _chat(client, other, tools=[TOOL], tool_choice=forced, max_tokens=8, extra_body=NO_THINK)
+    assert first.usage.prompt_tokens_details.cached_tokens > 100
     assert _recomputed(server) == before
     assert_no_leak(server.wait_idle())
