@@ -4,7 +4,6 @@ the intended Q4_K_M type for every tensor (Q5_0 exactly where a Q4_K matrix's ro
 elsewhere), weights of about std 0.02; and kvserve loads each family's file and generates."""
 
 import os
-import tempfile
 from typing import Any
 
 import gguf
@@ -67,6 +66,13 @@ def tiny_files(tmp_path_factory: Any) -> dict[str, str]:
     return paths
 
 
+@pytest.fixture(scope="module")
+def family_cache(tmp_path_factory: Any) -> str:
+    """One cache folder for every family's load: each file's tokenizer folder is its own, and the kernels
+    are built once (a fresh folder per load rebuilt them: most of each load's time)."""
+    return str(tmp_path_factory.mktemp("peer-cache"))
+
+
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_each_tensor_has_its_q4_k_m_type(tiny_files: dict[str, str], name: str) -> None:
     shape = SHAPES[name].tiny()
@@ -114,7 +120,7 @@ def test_the_real_sizes_hold_the_real_vocabularies() -> None:
 
 # One shape of each family (the others differ from these only in sizes); by default the three whose
 # files differ most (sentencepiece vocabulary and sliding windows; Q5_0 and biases; experts, Q5_K and an
-# untied head), every family with KVSERVE_LONG_TESTS=1 (each load converts the file: ~10-30 s).
+# untied head), every family with KVSERVE_LONG_TESTS=1 (each load builds the file's tokenizer: seconds).
 _LONG = os.environ.get("KVSERVE_LONG_TESTS") == "1"
 _SLOW = pytest.mark.skipif(not _LONG, reason="slow: KVSERVE_LONG_TESTS=1")
 
@@ -132,17 +138,19 @@ _SLOW = pytest.mark.skipif(not _LONG, reason="slow: KVSERVE_LONG_TESTS=1")
         pytest.param("llama3.2-1b", marks=_SLOW),
     ],
 )
-def test_kvserve_loads_each_family_and_generates(tiny_files: dict[str, str], name: str) -> None:
+def test_kvserve_loads_each_family_and_generates(
+    tiny_files: dict[str, str], family_cache: str, name: str
+) -> None:
     torch.set_num_threads(2)
-    with tempfile.TemporaryDirectory() as cache:
-        engine = Engine.from_config(
-            EngineConfig(model=tiny_files[name], cache_dir=cache, kv_cache_memory=16 * 2**20)
-        )
-        prompt = engine.tokenizer.encode("Hello world, how are you?")
-        assert engine.tokenizer.decode(prompt).endswith("Hello world, how are you?")
-        engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        tokens: list[int] = []
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                tokens += delta.token_ids
+    engine = Engine.from_config(
+        EngineConfig(model=tiny_files[name], cache_dir=family_cache, kv_cache_memory=16 * 2**20)
+    )
+    prompt = engine.tokenizer.encode("Hello world, how are you?")
+    assert engine.tokenizer.decode(prompt).endswith("Hello world, how are you?")
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens += delta.token_ids
+    engine.close()
     assert len(tokens) == 4 and all(0 <= t < engine.model.config.vocab_size for t in tokens)
