@@ -171,7 +171,8 @@ class QuantLinear(Linear):
         """The product, then the native decoder's own gelu (`gelu_tanh_rows`), so that both paths'
         activation is one function."""
         out = self._run(x, OP_NONE, None)
-        self.lib.gelu_tanh_rows(out.data_ptr(), out.data_ptr(), out.numel(), torch.get_num_threads())
+        path = 1 if self.portable else 0 if self.wide else 2
+        self.lib.gelu_tanh_rows(out.data_ptr(), out.data_ptr(), out.numel(), torch.get_num_threads(), path)
         return out
 
     def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:

@@ -18,7 +18,8 @@
  * over the slot's window, LFM2's gates or the DeltaNet's l2 norms, gates, delta rule and gated norm, the
  * slot updated in place) and its out product plus the residual. So a row's bits are those of the per-op
  * path, and as batch-invariant. Everything here is plain C, each sum in a fixed order: the same bits on
- * every machine. What it saves is the per-op calls between the products. */
+ * every machine (the gelu's vector paths, activation.c, give its portable bits). What it saves is the
+ * per-op calls between the products. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -66,19 +67,6 @@ static void rope_rows(float *qkv, int64_t rows, int64_t stride, int64_t heads, i
                 x[i + half] = e + f;
             }
         }
-    }
-}
-
-void gelu_tanh_rows(const float *x, float *out, int64_t n, int threads)
-{
-    /* torch's constants: sqrt(2) * (2 / sqrt(pi)) * 0.5 and 0.044715. */
-    const float beta = (float)(1.41421356237309504880 * 1.12837916709551257390 * 0.5), kappa = 0.044715f;
-    /* Element by element (tanhf is most of a prefill's activation time), so splitting the elements
-     * among threads leaves every bit as one thread gives it. */
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const float v = x[i], cube = v * v * v, inner = beta * (v + kappa * cube);
-        out[i] = 0.5f * v * (1.0f + tanhf(inner));
     }
 }
 
@@ -371,7 +359,7 @@ static int gated_mlp(const struct decoder *m, const struct decoder_layer *l, con
         if ((status = run_linear(m, gate, x, NULL, g, rows, OP_NONE, threads)))
             return status;
         if (l->act == ACT_GELU_TANH)
-            gelu_tanh_rows(g, g, rows * gate->n_out, threads);
+            gelu_tanh_rows(g, g, rows * gate->n_out, threads, 0);
     } else {
         return -1;
     }

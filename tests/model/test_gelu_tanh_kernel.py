@@ -1,0 +1,130 @@
+"""The native gelu (`gelu_tanh_rows`, kernels/activation.h) on every float: every path gives the portable
+path's bits (the build's widest vectors, AVX2 alone, a build without AVX-512, a build without FMA whose
+fmaf is libm's), and every result is within 2 ulp of x of torch's gelu(approximate="tanh") and of the
+float64 formula, with torch's NaNs, infinities and signs. A sweep of a million floats here; all 2^32 with
+KVSERVE_LONG_TESTS=1 (a few minutes)."""
+
+import dataclasses
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import default_cache_dir
+from kvserve.model.kernel_abi import LINEAR
+from kvserve.model.native_build import load_kernel
+
+# gelu_tanh_rows' `portable`: the build's widest path, the portable path, AVX2 without AVX-512.
+WIDEST, PORTABLE, AVX2 = 0, 1, 2
+# NaN, the infinities, the zeros, subnormals and the largest floats.
+SPECIALS = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 3e38, -3e38]
+
+
+def small_library(name: str, *flags: str) -> Any:
+    """activation.c alone (with the ABI check's abi.c), built with the products' flags plus `flags`."""
+    library = dataclasses.replace(
+        LINEAR,
+        name=name,
+        sources=("abi.c", "activation.c"),
+        compile_flags=(*LINEAR.compile_flags, *flags),
+        functions={"gelu_tanh_rows": LINEAR.functions["gelu_tanh_rows"]},
+    )
+    return load_kernel(library, default_cache_dir())
+
+
+@pytest.fixture(scope="module")
+def paths() -> list[tuple[Any, int]]:
+    """Every (library, path) this machine can run; the first is the portable reference."""
+    full = load_kernel(LINEAR, default_cache_dir())
+    no_avx512 = small_library("gelu_avx2", "-mno-avx512f")
+    no_fma = small_library("gelu_no_fma", "-mno-avx512f", "-mno-avx2", "-mno-fma")
+    return [(full, PORTABLE), (full, WIDEST), (full, AVX2), (no_avx512, WIDEST), (no_fma, WIDEST)]
+
+
+def gelu(lib: Any, x: torch.Tensor, path: int, threads: int = 1) -> torch.Tensor:
+    out = torch.empty_like(x)
+    lib.gelu_tanh_rows(x.data_ptr(), out.data_ptr(), x.numel(), threads, path)
+    return out
+
+
+def floats(start: int, stop: int, step: int = 1) -> torch.Tensor:
+    """The float32s whose bit patterns are 0x80000000 + [start, stop), every step-th (negative floats
+    from -0 down, then positive ones from +0 up)."""
+    return (torch.arange(start, stop, step, dtype=torch.int64) - 2**31).to(torch.int32).view(torch.float32)
+
+
+def sweep() -> torch.Tensor:
+    """About a million floats of every sign and binade (NaNs and subnormals included), and the specials."""
+    return torch.cat([floats(0, 2**32, 4093), torch.tensor(SPECIALS)])
+
+
+def assert_same_bits(paths: list[tuple[Any, int]], x: torch.Tensor) -> None:
+    lib, path = paths[0]
+    reference = gelu(lib, x, path)
+    for i, (lib, path) in enumerate(paths[1:], 1):
+        differ = gelu(lib, x, path).view(torch.int32) != reference.view(torch.int32)
+        assert not differ.any(), (i, int(differ.sum()), x[differ][:4].tolist())
+
+
+def assert_close_to_torch(ours: torch.Tensor, x: torch.Tensor) -> None:
+    theirs = F.gelu(x, approximate="tanh")
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    finite = ~ours.isnan()
+    assert torch.equal(ours[finite].signbit(), theirs[finite].signbit())
+    assert torch.equal(ours[finite].isinf(), theirs[finite].isinf())
+    assert torch.equal(ours[ours.isinf()], theirs[ours.isinf()])
+    at = finite & ~ours.isinf()
+    xd = x[at].double()
+    ulp = torch.nextafter(x[at].abs(), torch.tensor(float("inf"))).double() - x[at].abs().double()
+    # x * sigmoid(2u) = 0.5 x (1 + tanh(u)), without the cancellation for negative x.
+    exact = xd * torch.sigmoid(2 * 0.7978845608028654 * (xd + 0.044715 * xd**3))
+    assert ((ours[at].double() - theirs[at].double()).abs() <= 2 * ulp).all()
+    assert ((ours[at].double() - exact).abs() <= 2 * ulp).all()
+
+
+def test_every_path_gives_the_portable_bits_on_a_sweep_of_every_float(paths: list[tuple[Any, int]]) -> None:
+    assert_same_bits(paths, sweep())
+
+
+def test_every_length_and_offset_gives_the_same_bits(paths: list[tuple[Any, int]]) -> None:
+    """Lengths 0 to 40 at every offset of a vector: the vector loops' tails (8 and 16 lanes) and
+    unaligned starts; in place too; two threads split a long buffer (GELU_CHUNK) without a seam."""
+    x = torch.randn(80) * 4
+    for offset in range(16):
+        for n in range(41):
+            assert_same_bits(paths, x[offset : offset + n])
+    long = torch.randn(70_001) * 6
+    alone = gelu(paths[0][0], long, PORTABLE)
+    for lib, path in paths[1:]:
+        assert torch.equal(gelu(lib, long, path, threads=2), alone)
+        place = long.clone()
+        lib.gelu_tanh_rows(place.data_ptr(), place.data_ptr(), place.numel(), 2, path)
+        assert torch.equal(place, alone)
+
+
+def test_within_two_ulp_of_torch_and_float64_on_a_sweep_of_every_float(paths: list[tuple[Any, int]]) -> None:
+    x = sweep()
+    assert_close_to_torch(gelu(paths[1][0], x, paths[1][1]), x)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.floats(width=32), min_size=1, max_size=40))
+def test_any_floats_give_the_same_bits_on_every_path_close_to_torch(
+    paths: list[tuple[Any, int]], values: list[float]
+) -> None:
+    x = torch.tensor(values, dtype=torch.float32)
+    assert_same_bits(paths, x)
+    assert_close_to_torch(gelu(paths[1][0], x, paths[1][1]), x)
+
+
+@pytest.mark.skipif(os.environ.get("KVSERVE_LONG_TESTS") != "1", reason="slow: KVSERVE_LONG_TESTS=1")
+def test_every_float_gives_the_same_bits_on_every_path_close_to_torch(paths: list[tuple[Any, int]]) -> None:
+    chunk = 2**26
+    for start in range(0, 2**32, chunk):
+        x = floats(start, start + chunk)
+        assert_same_bits(paths, x)
+        assert_close_to_torch(gelu(paths[1][0], x, paths[1][1]), x)
