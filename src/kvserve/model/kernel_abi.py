@@ -212,6 +212,7 @@ LINEAR = KernelLibrary(
         "quant_type_supported": Function(_C, [_C]),
         "rms_norm_rows": Function(None, [_P, _P, _P, _I, _I, ctypes.c_float]),
         "gelu_tanh_rows": Function(None, [_P, _P, _I, _C, _C]),
+        "silu_rows": Function(None, [_P, _P, _I, _C, _C]),
         "moe_route": Function(_C, [_P, _P, _P, _I, _I, _I, _I, _C, _P, _P]),
         "clamped_swiglu_rows": Function(None, [_P, _P, _I, ctypes.c_float, ctypes.c_float]),
         "gate_rows": Function(None, [_P, _P, _I]),
