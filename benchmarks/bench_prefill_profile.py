@@ -45,7 +45,7 @@ PARTS = (
 
 def run(engine: Engine, rng: random.Random, tokens: int, rid: str) -> tuple[float, float]:
     """(CPU seconds of the process, wall seconds) of one fresh prompt's prefill and first token."""
-    ids = [rng.randrange(1000, 200_000) for _ in range(tokens)]
+    ids = [rng.randrange(1000, min(200_000, engine.limits.vocab_size)) for _ in range(tokens)]
     cpu, wall = time.process_time(), time.perf_counter()
     engine.add_request(rid, ids, SamplingParams(max_tokens=1, temperature=0.0))
     while engine.has_unfinished_requests():
