@@ -1,7 +1,7 @@
 """The native activations (`gelu_tanh_rows`, `silu_rows`, kernels/activation.h) on every float: every path
 gives the portable path's bits (the build's widest vectors, AVX2 alone, a build without AVX-512, a build
-without FMA whose fmaf is libm's), and every result is within 2 ulp of x of torch's gelu(approximate=
-"tanh") or silu and of the float64 formula, with torch's NaNs, infinities and signs. A sweep of a million
+without FMA whose fmaf is libm's), and every result is within 2 ulp of x of the float64 formula and 3 of
+torch's gelu(approximate="tanh") or silu, with torch's NaNs, infinities and signs. A sweep of a million
 floats here; all 2^32 with KVSERVE_LONG_TESTS=1 (several minutes)."""
 
 import dataclasses
@@ -95,8 +95,9 @@ def assert_close_to_torch(fn: str, ours: torch.Tensor, x: torch.Tensor) -> None:
     assert torch.equal(ours[ours.isinf()], theirs[ours.isinf()])
     at = finite & ~ours.isinf()
     ulp = torch.nextafter(x[at].abs(), torch.tensor(float("inf"))).double() - x[at].abs().double()
-    assert ((ours[at].double() - theirs[at].double()).abs() <= 2 * ulp).all()
+    # Each is within about 1.6 ulp of x of the exact value, so the two within 3.
     assert ((ours[at].double() - formula(x[at].double())).abs() <= 2 * ulp).all()
+    assert ((ours[at].double() - theirs[at].double()).abs() <= 3 * ulp).all()
 
 
 @pytest.mark.parametrize("fn", ACTIVATIONS)
@@ -122,7 +123,7 @@ def test_every_length_and_offset_gives_the_same_bits(fn: str, paths: list[Path])
 
 
 @pytest.mark.parametrize("fn", ACTIVATIONS)
-def test_within_two_ulp_of_torch_and_float64_on_a_sweep_of_every_float(fn: str, paths: list[Path]) -> None:
+def test_close_to_float64_and_torch_on_a_sweep_of_every_float(fn: str, paths: list[Path]) -> None:
     x = sweep()
     assert_close_to_torch(fn, run(fn, paths[1], x), x)
 

@@ -10,7 +10,8 @@
  * [EXP_T_MIN, EXP_T_MAX] first (a NaN clamps too: x carries it through the division): n = -127 makes 2^n
  * zero (x / 1 = x), n = 128 infinite (x / inf = +-0, as torch's 1 + tanh(u) = 0 or 1 + exp(-x) = inf; -inf
  * / inf = NaN, as torch's gelu(-inf) and silu(-inf)). The clamps are written as the vector min and max
- * compare (a < b ? a : b), so a NaN takes the same branch on every path.
+ * compute them (a < b ? a : b, a > b ? a : b), so a NaN takes the same branch on every path. Over every
+ * float, both are within 2 ulp of x of the exact value and 3 of torch's (test_activation_kernel.py).
  */
 #ifndef KVSERVE_ACTIVATION_H
 #define KVSERVE_ACTIVATION_H

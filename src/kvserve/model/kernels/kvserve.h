@@ -109,8 +109,8 @@ int quant_type_supported(int type);
 
 /* ---- Decoder layers (decoder.c) ---- */
 
-/* The gated MLP's activation (`act`): silu (silu_rows), gelu with the tanh approximation (gelu_tanh_rows), or
- * gpt-oss's clamped SwiGLU (clamped_swiglu_rows, with the layer's alpha and limit). */
+/* The gated MLP's activation (`act`): silu (silu_rows), gelu with the tanh approximation (gelu_tanh_rows),
+ * or gpt-oss's clamped SwiGLU (clamped_swiglu_rows, with the layer's alpha and limit). */
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_CLAMPED_SWIGLU = 2 };
 /* A layer's token mixer (`mixer_kind`): attention over the KV cache, LFM2's gated short convolution, or
  * Qwen3.5's Gated DeltaNet. */
