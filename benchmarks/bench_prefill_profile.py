@@ -14,29 +14,38 @@ import cProfile
 import pstats
 import random
 import time
+from typing import Any
 
 import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.model.quant_linear import NativeRmsNorm, QuantLinear
+
+
+def _where(fn: Any) -> str:
+    """How cProfile names `fn` (a method of kvserve.model.quant_linear): file, first line, name."""
+    return f"quant_linear.py:{fn.__code__.co_firstlineno}({fn.__name__})"
+
 
 # (part, substrings of a profiled function's "file:line(name)"), first match wins.
 PARTS = (
     ("gelu (gelu_tanh_rows)", ("(gelu_tanh)",)),
-    ("layer products and head (quant_linear)", ("quant_linear.py:138(_run)",)),
+    ("silu (silu_rows)", (_where(QuantLinear.silu),)),
+    ("layer products and head (quant_linear)", (_where(QuantLinear._run),)),
     ("attention kernel (native paged)", ("native_attention.py",)),
     ("torch SDPA attention", ("scaled_dot_product",)),
-    ("norms (rms_norm_rows)", ("quant_linear.py:45(__call__)",)),
+    ("norms (rms_norm_rows)", (_where(NativeRmsNorm.__call__),)),
     ("rope", ("rope.py",)),
     ("KV write", ("index_copy_", "write_kv")),
-    ("embedding rows", ("quant_linear.py:105(rows)",)),
+    ("embedding rows", (_where(QuantLinear.rows),)),
 )
 
 
 def run(engine: Engine, rng: random.Random, tokens: int, rid: str) -> tuple[float, float]:
     """(CPU seconds of the process, wall seconds) of one fresh prompt's prefill and first token."""
-    ids = [rng.randrange(1000, 200_000) for _ in range(tokens)]
+    ids = [rng.randrange(1000, min(200_000, engine.limits.vocab_size)) for _ in range(tokens)]
     cpu, wall = time.process_time(), time.perf_counter()
     engine.add_request(rid, ids, SamplingParams(max_tokens=1, temperature=0.0))
     while engine.has_unfinished_requests():

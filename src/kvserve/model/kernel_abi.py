@@ -17,7 +17,7 @@ import torch
 
 from kvserve.errors import KernelAbiError
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -203,7 +203,7 @@ _ABI_FUNCTIONS = {
 # did not ask for (the products' bits are their summation order).
 LINEAR = KernelLibrary(
     "quant_linear",
-    ("abi.c", "quants.c", "arch/x86/quants.c", "matmul.c", "decoder.c"),
+    ("abi.c", "quants.c", "arch/x86/quants.c", "matmul.c", "decoder.c", "activation.c"),
     ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11"),
     {
         "quant_linear": Function(_C, [_P, _P, _P, _P, _I, _C, _C, _C, _C]),
@@ -211,7 +211,8 @@ LINEAR = KernelLibrary(
         "dequantize_rows": Function(_C, [_C, _P, _I, _I, _P, _I, _P, _C]),
         "quant_type_supported": Function(_C, [_C]),
         "rms_norm_rows": Function(None, [_P, _P, _P, _I, _I, ctypes.c_float]),
-        "gelu_tanh_rows": Function(None, [_P, _P, _I, _C]),
+        "gelu_tanh_rows": Function(None, [_P, _P, _I, _C, _C]),
+        "silu_rows": Function(None, [_P, _P, _I, _C, _C]),
         "moe_route": Function(_C, [_P, _P, _P, _I, _I, _I, _I, _C, _P, _P]),
         "clamped_swiglu_rows": Function(None, [_P, _P, _I, ctypes.c_float, ctypes.c_float]),
         "gate_rows": Function(None, [_P, _P, _I]),

@@ -1,10 +1,10 @@
 """Products on the GGUF file's weight rows, read in place by the native kernel (kernels/matmul.c and the
 code beside it, kernels/quants.h).
 
-One native call per product, the op that follows it (silu, add, mul) and the bias included. The kernel
-sums every output in one fixed order, so a row's output is bitwise the same alone or in any batch, and
-its AVX2 path and portable path give the same bits. The library's compile flags (kernel_abi.LINEAR) keep
-the kernel's float operations exactly as written.
+One native call per product, the op that follows it (add, mul) and the bias included; silu and gelu run
+after it (`silu_rows`, `gelu_tanh_rows`). The kernel sums every output in one fixed order, so a row's
+output is bitwise the same alone or in any batch, and its AVX2 path and portable path give the same bits.
+The library's compile flags (kernel_abi.LINEAR) keep the kernel's float operations exactly as written.
 """
 
 import ctypes
@@ -18,7 +18,6 @@ from kvserve.model.kernel_abi import (
     OP_ADD,
     OP_MUL,
     OP_NONE,
-    OP_SILU,
     QLINEAR_PARTS,
     QLinearStruct,
     QPartStruct,
@@ -151,7 +150,7 @@ class QuantLinear(Linear):
             rows.shape[0],
             op,
             torch.get_num_threads(),
-            1 if self.portable else 0 if self.wide else 2,
+            self._path(),
             1 if self.int16 else 0,
         )
         if status == -2:
@@ -165,13 +164,18 @@ class QuantLinear(Linear):
         return self._run(x, OP_NONE, None)
 
     def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        return self._run(x, OP_SILU, None)
+        """The product, then the native decoder's own silu (`silu_rows`, vectorized, where the product's
+        fused OP_SILU takes libm's expf per output), so that both paths' activation is one function."""
+        out = self._run(x, OP_NONE, None)
+        self.lib.silu_rows(out.data_ptr(), out.data_ptr(), out.numel(), torch.get_num_threads(), self._path())
+        return out
 
     def gelu_tanh(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        """The product, then the native decoder's own gelu (`gelu_tanh_rows`), so that both paths'
-        activation is one function."""
+        """The product, then the native decoder's own gelu (`gelu_tanh_rows`), as `silu`."""
         out = self._run(x, OP_NONE, None)
-        self.lib.gelu_tanh_rows(out.data_ptr(), out.data_ptr(), out.numel(), torch.get_num_threads())
+        self.lib.gelu_tanh_rows(
+            out.data_ptr(), out.data_ptr(), out.numel(), torch.get_num_threads(), self._path()
+        )
         return out
 
     def add(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
@@ -179,6 +183,10 @@ class QuantLinear(Linear):
 
     def mul(self, x: torch.Tensor, other: torch.Tensor, decodes: int = 0) -> torch.Tensor:
         return self._run(x, OP_MUL, other)
+
+    def _path(self) -> int:
+        """The kernels' `portable` argument: 1 the portable path, 2 AVX2 without AVX-512, 0 the widest."""
+        return 1 if self.portable else 0 if self.wide else 2
 
 
 def make_block_linear(

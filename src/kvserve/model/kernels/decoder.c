@@ -8,17 +8,18 @@
  * write into the layer's paged cache (float32, rounded to float16 to nearest even as torch rounds, or
  * quantized to q8_0 as kv_quant.py does); the attention kernel over the layer's group (called through
  * the pointer the caller passes, from the attention library), with the layer's window and sinks; the
- * output gate (gate_rows) where the layer has one; the o product plus
- * the residual, or, with a post-attention norm, the residual plus the normed product; rms_norm_rows; the
- * MLP: the gate product with silu or gelu(tanh) (gelu_tanh_rows, which the per-op path calls too), the up
- * product times it, the down product plus the residual (or plus its normed output); or the experts
+ * output gate (gate_rows) where the layer has one; the o product plus the residual, or, with a
+ * post-attention norm, the residual plus the normed product; rms_norm_rows; the MLP: the gate product,
+ * then silu or gelu(tanh) (silu_rows, gelu_tanh_rows: the per-op path calls them too), the up product
+ * times it, the down product plus the residual (or plus its normed output); or the experts
  * (moe_route, then each chosen expert on the rows that chose it, weighted, summed by rank, plus the
  * residual), with a router bias, the clamped SwiGLU or a shared expert where the layer has them. A
  * recurrent layer runs its input products, mixer_rows (the one-row step both paths call: the convolution
  * over the slot's window, LFM2's gates or the DeltaNet's l2 norms, gates, delta rule and gated norm, the
  * slot updated in place) and its out product plus the residual. So a row's bits are those of the per-op
  * path, and as batch-invariant. Everything here is plain C, each sum in a fixed order: the same bits on
- * every machine. What it saves is the per-op calls between the products. */
+ * every machine (the gelu's vector paths, activation.c, give its portable bits). What it saves is the
+ * per-op calls between the products. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -66,19 +67,6 @@ static void rope_rows(float *qkv, int64_t rows, int64_t stride, int64_t heads, i
                 x[i + half] = e + f;
             }
         }
-    }
-}
-
-void gelu_tanh_rows(const float *x, float *out, int64_t n, int threads)
-{
-    /* torch's constants: sqrt(2) * (2 / sqrt(pi)) * 0.5 and 0.044715. */
-    const float beta = (float)(1.41421356237309504880 * 1.12837916709551257390 * 0.5), kappa = 0.044715f;
-    /* Element by element (tanhf is most of a prefill's activation time), so splitting the elements
-     * among threads leaves every bit as one thread gives it. */
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const float v = x[i], cube = v * v * v, inner = beta * (v + kappa * cube);
-        out[i] = 0.5f * v * (1.0f + tanhf(inner));
     }
 }
 
@@ -364,17 +352,14 @@ static int gated_mlp(const struct decoder *m, const struct decoder_layer *l, con
                      float *u, const float *other, float *out, int op, int threads)
 {
     int status;
-    if (l->act == ACT_SILU) {
-        if ((status = run_linear(m, gate, x, NULL, g, rows, OP_SILU, threads)))
-            return status;
-    } else if (l->act == ACT_GELU_TANH || l->act == ACT_CLAMPED_SWIGLU) {
-        if ((status = run_linear(m, gate, x, NULL, g, rows, OP_NONE, threads)))
-            return status;
-        if (l->act == ACT_GELU_TANH)
-            gelu_tanh_rows(g, g, rows * gate->n_out, threads);
-    } else {
+    if (l->act != ACT_SILU && l->act != ACT_GELU_TANH && l->act != ACT_CLAMPED_SWIGLU)
         return -1;
-    }
+    if ((status = run_linear(m, gate, x, NULL, g, rows, OP_NONE, threads)))
+        return status;
+    if (l->act == ACT_SILU)
+        silu_rows(g, g, rows * gate->n_out, threads, 0);
+    else if (l->act == ACT_GELU_TANH)
+        gelu_tanh_rows(g, g, rows * gate->n_out, threads, 0);
     if (l->act == ACT_CLAMPED_SWIGLU) {
         if ((status = run_linear(m, up, x, NULL, u, rows, OP_NONE, threads)))
             return status;

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define KVSERVE_ABI_VERSION 8
+#define KVSERVE_ABI_VERSION 9
 
 /* The weight types the products read: ggml's type ids (quants.h and decode.h hold the layouts). */
 enum {
@@ -109,8 +109,8 @@ int quant_type_supported(int type);
 
 /* ---- Decoder layers (decoder.c) ---- */
 
-/* The gated MLP's activation (`act`): silu, gelu with the tanh approximation (gelu_tanh_rows), or
- * gpt-oss's clamped SwiGLU (clamped_swiglu_rows, with the layer's alpha and limit). */
+/* The gated MLP's activation (`act`): silu (silu_rows), gelu with the tanh approximation (gelu_tanh_rows),
+ * or gpt-oss's clamped SwiGLU (clamped_swiglu_rows, with the layer's alpha and limit). */
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_CLAMPED_SWIGLU = 2 };
 /* A layer's token mixer (`mixer_kind`): attention over the KV cache, LFM2's gated short convolution, or
  * Qwen3.5's Gated DeltaNet. */
@@ -183,8 +183,13 @@ struct decoder {
 /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, row by row. */
 void rms_norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps);
 /* out[i] = 0.5 * x[i] * (1 + tanh(sqrt(2 / pi) * (x[i] + 0.044715 * x[i]^3))), torch's gelu(tanh) formula
- * (out may be x). The per-op path calls it too, so both paths' activation is this one function. */
-void gelu_tanh_rows(const float *x, float *out, int64_t n, int threads);
+ * (out may be x), computed as activation.h says. The per-op path calls it too, so both paths' activation
+ * is this one function. `portable` as quant_linear's: 1 the portable path, 2 AVX2 without AVX-512 (for
+ * tests); every path gives the same bits. */
+void gelu_tanh_rows(const float *x, float *out, int64_t n, int threads, int portable);
+/* out[i] = x[i] / (1 + exp(-x[i])), torch's silu, as gelu_tanh_rows (the gated MLP's silu after the gate
+ * product on both paths). */
+void silu_rows(const float *x, float *out, int64_t n, int threads, int portable);
 /* A mixture of experts' routing of rows x [rows, hidden]: logits x . router[e] (router [experts, hidden]),
  * each summed over its own row in a fixed order; their softmax; the top_k experts, highest probability
  * first and the lower id on ties, into chosen [rows, top_k]; their probabilities into weights [rows,
