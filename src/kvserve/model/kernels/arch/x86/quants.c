@@ -212,6 +212,43 @@ static ALWAYS_INLINE __m512i q16_quants(int type, const uint8_t *row, int64_t j)
         return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + 34 * j + 2)));
     return _mm512_cvtepu8_epi16(x86_biased(type, row, j));
 }
+
+/* Whether the few-row tiles take the type's biased quants as bytes (VNNI for 256-bit registers): those below
+ * 128, a signed byte as well as an unsigned one (not Q8_0's, IQ4's nor MXFP4's, biased by 128). An int16
+ * activation a is 256 h + l, l its low byte (unsigned) and h its high one (signed), so that a quant w
+ * times a is 256 (w h) + w l: two byte dot products (vpdpbusd, four products per lane) of the quants
+ * as they are decoded, where widening them to int16 takes one more operation on twice the width. Exact
+ * (|256 (w h)| <= 4 * 127 * 128 * 256 per lane, the total at most 4 * 127 * 32767), so the same sums. */
+static ALWAYS_INLINE int q16_bytes(int type)
+{
+#if defined(__AVX512VL__) && HAVE_AVX512_VNNI
+    return type != TYPE_Q8_0 && quant_bias(type) < 128;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* A sub-block's 32 int16 activations as bytes: the low ones (unsigned) in the low 256 bits, the high ones
+ * (signed) in the high 256 bits. */
+static ALWAYS_INLINE __m512i q16_split(__m512i x)
+{
+    const __m512i order = _mm512_set_epi8(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11,
+        9, 7, 5, 3, 1, 62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20, 18,
+        16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_permutexvar_epi8(order, x);
+}
+
+#if defined(__AVX512VL__) && HAVE_AVX512_VNNI
+/* Eight int32 lanes (lane i: elements 4i .. 4i + 3) of byte quants q (0..127) times int16 activations split
+ * as q16_split: 256 times q's products with the high bytes, plus the low bytes' products with q. */
+static ALWAYS_INLINE __m256i dot_bytes8(__m256i q, __m512i x)
+{
+    const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm512_extracti64x4_epi64(x, 1));
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm512_castsi512_si256(x), q);
+}
+#endif
 #endif
 
 /* Eight vectors' lane sums, vector c's in lane c (exact integers), from h[i] = hadd(v[2i], v[2i + 1]). */
@@ -219,6 +256,16 @@ static ALWAYS_INLINE __m256i sum_pairs8(const __m256i h[4])
 {
     const __m256i q = _mm256_hadd_epi32(h[0], h[1]), r = _mm256_hadd_epi32(h[2], h[3]);
     return _mm256_add_epi32(_mm256_permute2x128_si256(q, r, 0x20), _mm256_permute2x128_si256(q, r, 0x31));
+}
+
+/* From h[i] = hadd(v[2i], v[2i + 1]) of eight vectors whose lanes 0..3 hold a low half's sums and 4..7 a
+ * high half's: vector c's low sum in lane c of *lo, its high sum in lane c of *hi (`sum_pairs8` is their
+ * sum). */
+static ALWAYS_INLINE void sum_halves8(const __m256i h[4], __m256i *lo, __m256i *hi)
+{
+    const __m256i q = _mm256_hadd_epi32(h[0], h[1]), r = _mm256_hadd_epi32(h[2], h[3]);
+    *lo = _mm256_permute2x128_si256(q, r, 0x20);
+    *hi = _mm256_permute2x128_si256(q, r, 0x31);
 }
 
 #if HAVE_AVX512_VBMI
@@ -279,7 +326,7 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
             __m256i x_lo[Q16_FEW_ROWS], x_hi[Q16_FEW_ROWS];
             int32_t x_sum[Q16_FEW_ROWS][2];
 #if HAVE_AVX512_VBMI
-            __m512i x16[Q16_FEW_ROWS];
+            __m512i x16[Q16_FEW_ROWS], x8[Q16_FEW_ROWS];
 #endif
             for (int r = 0; r < rows; r++) {
                 const int16_t *xb = xq + r * xs + s * QK;
@@ -287,6 +334,8 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                 x_hi[r] = _mm256_loadu_si256((const __m256i *)(xb + 16));
 #if HAVE_AVX512_VBMI
                 x16[r] = _mm512_loadu_si512((const void *)xb);
+                if (q16_bytes(type))
+                    x8[r] = q16_split(x16[r]);
                 if (q16_bias(type)) {
                     const __m512i pairs = _mm512_madd_epi16(x16[r], _mm512_set1_epi16(1));
                     x_sum[r][0] = _mm512_mask_reduce_add_epi32(0x00ff, pairs);
@@ -326,8 +375,15 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                     }
                     const uint8_t *row = w + c * rs + u * ub;
 #if HAVE_AVX512_VBMI
-                    const __m512i q = q16_quants(type, row, j);
-                    for (int r = 0; r < rows; r++) {
+#if defined(__AVX512VL__) && HAVE_AVX512_VNNI
+                    if (q16_bytes(type)) {
+                        const __m256i q = x86_biased(type, row, j);
+                        for (int r = 0; r < rows; r++)
+                            lo[r][e] = dot_bytes8(q, x8[r]);
+                    }
+#endif
+                    const __m512i q = q16_bytes(type) ? _mm512_setzero_si512() : q16_quants(type, row, j);
+                    for (int r = 0; r < rows && !q16_bytes(type); r++) {
                         if (split)
                             both[r][e] = _mm512_madd_epi16(q, x16[r]);
                         else
@@ -363,7 +419,7 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                 }
                 for (int r = 0; r < rows; r++) {
 #if HAVE_AVX512_VBMI
-                    if (split)
+                    if (split && !q16_bytes(type))
                         h16[r][c2] = hadd16(both[r][0], both[r][1]);
                     else
                         h[r][c2] = _mm256_hadd_epi32(lo[r][0], lo[r][1]);
@@ -379,7 +435,9 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
             for (int r = 0; r < rows; r++) {
                 __m256i sum_lo, sum_hi = _mm256_setzero_si256();
 #if HAVE_AVX512_VBMI
-                if (split)
+                if (split && q16_bytes(type))
+                    sum_halves8(h[r], &sum_lo, &sum_hi);
+                else if (split)
                     sum_pairs16(h16[r], &sum_lo, &sum_hi);
                 else
                     sum_lo = sum_pairs8(h[r]);
