@@ -248,6 +248,7 @@ static ALWAYS_INLINE __m256i dot_bytes8(__m256i q, __m512i x)
     const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm512_extracti64x4_epi64(x, 1));
     return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm512_castsi512_si256(x), q);
 }
+
 #endif
 #endif
 
@@ -299,7 +300,7 @@ static ALWAYS_INLINE void sum_pairs16(const __m512i h[4], __m256i *lo, __m256i *
  * register. */
 static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
                                         const int16_t *xq, int64_t xs, const float *dx, const float *sx,
-                                        int64_t ss, float *res)
+                                        const int32_t *xsum, int64_t ss, float *res)
 {
     const uint8_t *next = w + cols * rs;
     const size_t step = (cols * rs + (size_t)ns - 1) / (size_t)ns;
@@ -324,7 +325,6 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
             prefetch_tile(next, s, step);
             /* Each row's activations as two halves of 16, and (VBMI) its sums over each half, for the bias. */
             __m256i x_lo[Q16_FEW_ROWS], x_hi[Q16_FEW_ROWS];
-            int32_t x_sum[Q16_FEW_ROWS][2];
 #if HAVE_AVX512_VBMI
             __m512i x16[Q16_FEW_ROWS], x8[Q16_FEW_ROWS];
 #endif
@@ -336,11 +336,6 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                 x16[r] = _mm512_loadu_si512((const void *)xb);
                 if (q16_bytes(type))
                     x8[r] = q16_split(x16[r]);
-                if (q16_bias(type)) {
-                    const __m512i pairs = _mm512_madd_epi16(x16[r], _mm512_set1_epi16(1));
-                    x_sum[r][0] = _mm512_mask_reduce_add_epi32(0x00ff, pairs);
-                    x_sum[r][1] = _mm512_mask_reduce_add_epi32(0xff00, pairs);
-                }
 #endif
             }
             /* Per row, the outputs' pair sums after the first level of the lanes' sums (h: the low half, or
@@ -441,14 +436,15 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                     sum_pairs16(h16[r], &sum_lo, &sum_hi);
                 else
                     sum_lo = sum_pairs8(h[r]);
+                const int32_t x_lo_sum = xsum[2 * s * ss + r], x_hi_sum = xsum[(2 * s + 1) * ss + r];
                 if (q16_bias(type) && split) {
-                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * x_sum[r][0]));
-                    sum_hi = _mm256_sub_epi32(sum_hi, _mm256_set1_epi32(q16_bias(type) * x_sum[r][1]));
+                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * x_lo_sum));
+                    sum_hi = _mm256_sub_epi32(sum_hi, _mm256_set1_epi32(q16_bias(type) * x_hi_sum));
                 } else if (q16_bias(type)) {
-                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * (x_sum[r][0] + x_sum[r][1])));
+                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * (x_lo_sum + x_hi_sum)));
                 }
 #else
-                (void)x_sum;
+                (void)xsum;
                 sum_lo = sum_pairs8(h[r]);
                 if (split)
                     sum_hi = sum_pairs8(h_hi[r]);
@@ -478,15 +474,15 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
 
 /* `q16_rows_tile` with its rows and outputs as constants. */
 static ALWAYS_INLINE void q16_rows_of(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
-                                      const int16_t *xq, int64_t xs, const float *dx, const float *sx, int64_t ss,
-                                      float *res)
+                                      const int16_t *xq, int64_t xs, const float *dx, const float *sx,
+                                      const int32_t *xsum, int64_t ss, float *res)
 {
 #define Q16_ROWS(R)                                                                                       \
     do {                                                                                                 \
         if (cols == Q16_ROW_COLS)                                                                        \
-            q16_rows_tile(type, R, Q16_ROW_COLS, w, rs, ns, xq, xs, dx, sx, ss, res);                    \
+            q16_rows_tile(type, R, Q16_ROW_COLS, w, rs, ns, xq, xs, dx, sx, xsum, ss, res);              \
         else                                                                                             \
-            q16_rows_tile(type, R, 1, w, rs, ns, xq, xs, dx, sx, ss, res);                               \
+            q16_rows_tile(type, R, 1, w, rs, ns, xq, xs, dx, sx, xsum, ss, res);                         \
     } while (0)
     _Static_assert(Q16_FEW_ROWS == 4, "one case per row count");
     if (rows == 1)
@@ -791,7 +787,7 @@ static ALWAYS_INLINE void wide_rows(int type, int rows, const float *buf, int64_
 typedef void (*tile_fn)(const uint8_t *, size_t, int64_t, const float *, int64_t, const float *, int64_t,
                         float *);
 typedef void (*q16_rows_fn)(int, int, const uint8_t *, size_t, int64_t, const int16_t *, int64_t,
-                            const float *, const float *, int64_t, float *);
+                            const float *, const float *, const int32_t *, int64_t, float *);
 typedef void (*q16_widen_fn)(int, const uint8_t *, size_t, int64_t, int32_t *, float *, float *);
 typedef void (*q16_group_fn)(const int32_t *, const float *, const float *, int64_t, const int32_t *,
                              const float *, const float *, int64_t, float *);
@@ -838,9 +834,9 @@ struct tiles {
 #define DEFINE_Q16_TILES(NAME, TYPE)                                                                      \
     static void NAME##_q16_rows(int rows, int cols, const uint8_t *w, size_t rb, int64_t nb,            \
                                 const int16_t *x, int64_t xs, const float *dx, const float *sx,           \
-                                int64_t ss, float *res)                                                   \
+                                const int32_t *xsum, int64_t ss, float *res)                              \
     {                                                                                                    \
-        q16_rows_of(TYPE, rows, cols, w, rb, nb, x, xs, dx, sx, ss, res);                                \
+        q16_rows_of(TYPE, rows, cols, w, rb, nb, x, xs, dx, sx, xsum, ss, res);                          \
     }                                                                                                    \
     static void NAME##_q16_widen(int cols, const uint8_t *w, size_t rb, int64_t nb, int32_t *wb,         \
                                  float *db, float *mb)                                                   \
@@ -969,7 +965,7 @@ static void q16_few_rows(const struct product *p, int64_t t0, int64_t t1, int64_
         const int rows = t1 - t < Q16_FEW_ROWS ? (int)(t1 - t) : Q16_FEW_ROWS;
         for (int64_t o = o0; o < o1;) {
             const int cols = o + Q16_ROW_COLS <= o1 ? Q16_ROW_COLS : 1;
-            k->q16_rows(rows, cols, row_of(p, o), p->row_bytes, p->ns, p->xq + t * n, n, p->dx + t, p->sx + t,
+            k->q16_rows(rows, cols, row_of(p, o), p->row_bytes, p->ns, p->xq + t * n, n, p->dx + t, p->sx + t, p->xsum + t,
                         p->ss, res);
             for (int r = 0; r < rows; r++)
                 for (int c = 0; c < cols; c++)
