@@ -290,6 +290,43 @@ static ALWAYS_INLINE void sum_pairs16(const __m512i h[4], __m256i *lo, __m256i *
 }
 #endif
 
+/* Columns col0 .. col0 + 7 of eight outputs' scales (in[c][k]) as out[k][c]: one vector per column. */
+static ALWAYS_INLINE void transpose8(float in[][16], int col0, float out[][8])
+{
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        const __m256 a = _mm256_loadu_ps(&in[2 * i][col0]), b = _mm256_loadu_ps(&in[2 * i + 1][col0]);
+        t[2 * i] = _mm256_unpacklo_ps(a, b);
+        t[2 * i + 1] = _mm256_unpackhi_ps(a, b);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        _mm256_storeu_ps(out[k], _mm256_permute2f128_ps(u[k], u[k + 4], 0x20));
+        _mm256_storeu_ps(out[k + 4], _mm256_permute2f128_ps(u[k], u[k + 4], 0x31));
+    }
+}
+
+/* The types with blocks of 32 whose scale (and offset) are float16 fields at the block's start. */
+static ALWAYS_INLINE int f16_scales(int type)
+{
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
+           type == TYPE_IQ4_NL;
+}
+
+/* Eight outputs' float16 fields at `at` of their rows (`rs` apart) as floats: sub_scales' values. */
+static ALWAYS_INLINE __m256 f16_fields8(const uint8_t *w, size_t rs, size_t at)
+{
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)read_u16(w + at), (short)read_u16(w + rs + at),
+                                          (short)read_u16(w + 2 * rs + at), (short)read_u16(w + 3 * rs + at),
+                                          (short)read_u16(w + 4 * rs + at), (short)read_u16(w + 5 * rs + at),
+                                          (short)read_u16(w + 6 * rs + at), (short)read_u16(w + 7 * rs + at)));
+}
+
 /* `rows` int16 rows (Q16_FEW_ROWS at most, `xs` apart) x `cols` outputs (Q16_ROW_COLS, or 1 for the last
  * outputs), decoded from the file once for all the rows: per sub-block each output's quants times each
  * row's by pairs, the eight outputs' lanes summed into one lane each per row (two outputs at a time, so
@@ -316,9 +353,18 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
      * (the same values as sub_scales, in fewer operations). */
     const int together = type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
     float sd[Q16_ROW_COLS][16], sm[Q16_ROW_COLS][16];
+    /* With eight outputs, their scales and offsets side by side, one vector per sub-block (or half): the
+     * K-quants' transposed once per super-block, the float16 fields of the others read eight at a time. */
+    const int by_vector = cols == Q16_ROW_COLS && (together || f16_scales(type));
+    float sdt[16][Q16_ROW_COLS], smt[16][Q16_ROW_COLS];
     for (int64_t u = 0; u < ns / spb; u++) {
         for (int c = 0; together && c < cols; c++)
             super_scales(type, w + c * rs + u * ub, sd[c], sm[c]);
+        for (int k0 = 0; together && by_vector && k0 < (split ? 16 : 8); k0 += 8) {
+            transpose8(sd, k0, sdt + k0);
+            if (has_offset(type))
+                transpose8(sm, k0, smt + k0);
+        }
 #pragma GCC unroll 8
         for (int j = 0; j < spb; j++) {
             const int64_t s = u * spb + j;
@@ -398,7 +444,9 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                     }
 #endif
                     float d[2], m[2];
-                    if (together) {
+                    if (by_vector) {
+                        continue;
+                    } else if (together) {
                         const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
                         d[0] = sd[c][k];
                         d[1] = sd[c][k1];
@@ -425,8 +473,22 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
 #endif
                 }
             }
-            const __m256 d0v = _mm256_loadu_ps(d0), d1v = _mm256_loadu_ps(d1);
-            const __m256 m0v = _mm256_loadu_ps(m0), m1v = _mm256_loadu_ps(m1);
+            __m256 d0v = _mm256_loadu_ps(d0), d1v = _mm256_loadu_ps(d1);
+            __m256 m0v = _mm256_loadu_ps(m0), m1v = _mm256_loadu_ps(m1);
+            if (by_vector && together) {
+                const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
+                d0v = _mm256_loadu_ps(sdt[k]);
+                d1v = _mm256_loadu_ps(sdt[k1]);
+                if (has_offset(type)) {
+                    m0v = _mm256_loadu_ps(smt[k]);
+                    m1v = _mm256_loadu_ps(smt[k1]);
+                }
+            } else if (by_vector) {
+                const size_t at = (size_t)u * ub;
+                d0v = d1v = f16_fields8(w, rs, at);
+                if (has_offset(type))
+                    m0v = m1v = f16_fields8(w, rs, at + 2);
+            }
             for (int r = 0; r < rows; r++) {
                 __m256i sum_lo, sum_hi = _mm256_setzero_si256();
 #if HAVE_AVX512_VBMI
