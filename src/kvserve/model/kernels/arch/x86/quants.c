@@ -41,6 +41,16 @@ static ALWAYS_INLINE void prefetch_tile(const uint8_t *tile, int64_t s, size_t s
         _mm_prefetch(at + line, _MM_HINT_T0);
 }
 
+/* `prefetch_tile` into the L2 cache only: for tiles so large that the next one, fetched into the L1 data
+ * cache (32 KiB) beside this one, would push out this one's lines before they are read (the int16 rows'
+ * tiles of more than Q16_L1_TILE bytes: docs/benchmarks.md). */
+static ALWAYS_INLINE void prefetch_tile_l2(const uint8_t *tile, int64_t s, size_t step)
+{
+    const char *at = (const char *)tile + (size_t)s * step;
+    for (size_t line = 0; line < step; line += 64)
+        _mm_prefetch(at + line, _MM_HINT_T1);
+}
+
 /* ROWS rows x COLS outputs (rows `rs` bytes apart); res[r * COLS + c]. Called with constant ROWS and COLS
  * so that it unrolls. */
 static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
@@ -184,6 +194,8 @@ static ALWAYS_INLINE void row_tile(int type, int cols, const uint8_t *w, size_t 
 #define Q16_ROW_COLS 8
 #define Q16_COLS 4
 #define Q16_WIDE_COLS 8
+/* Bytes of a few-row tile's weights above which the next tile is prefetched into the L2 cache only. */
+#define Q16_L1_TILE 8192
 /* Activation bytes of a chunk of rows: it is read again for every Q16_COLS outputs, so it should stay in the
  * L2 cache; its outputs' sub-blocks are widened once per chunk. */
 #define Q16_CHUNK_BYTES (1 << 20)
@@ -368,7 +380,10 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
 #pragma GCC unroll 8
         for (int j = 0; j < spb; j++) {
             const int64_t s = u * spb + j;
-            prefetch_tile(next, s, step);
+            if (cols * rs > Q16_L1_TILE)
+                prefetch_tile_l2(next, s, step);
+            else
+                prefetch_tile(next, s, step);
             /* Each row's activations as two halves of 16, and (VBMI) its sums over each half, for the bias. */
             __m256i x_lo[Q16_FEW_ROWS], x_hi[Q16_FEW_ROWS];
 #if HAVE_AVX512_VBMI
