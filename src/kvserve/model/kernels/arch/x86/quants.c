@@ -344,9 +344,10 @@ static ALWAYS_INLINE __m256 f16_fields8(const uint8_t *w, size_t rs, size_t at)
  * row's by pairs, the eight outputs' lanes summed into one lane each per row (two outputs at a time, so
  * that few sums stay live), and each row's float chains (and offset terms) side by side in one vector.
  * res[r * Q16_ROW_COLS + c]. With AVX-512 VBMI the quants are the byte-permute decoding's, biased
- * (quant_bias): the bias times the row's sum over the sub-block (or half) is taken off the integer sums,
- * exactly (at most 32 * 255 * 32767 < 2^31), and the split types' two halves are summed in one 16-lane
- * register. */
+ * (quant_bias): the bias times the row's sum over the sub-block (or half, `xsum`) is taken off the integer
+ * sums, exactly (at most 32 * 255 * 32767 < 2^31); the types whose biased quants are below 128 multiply
+ * them as bytes (q16_bytes, with VNNI), the others widened to int16, the split types' two halves then
+ * summed in one 16-lane register. */
 static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
                                         const int16_t *xq, int64_t xs, const float *dx, const float *sx,
                                         const int32_t *xsum, int64_t ss, float *res)
