@@ -260,7 +260,6 @@ static ALWAYS_INLINE __m256i dot_bytes8(__m256i q, __m512i x)
     const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm512_extracti64x4_epi64(x, 1));
     return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm512_castsi512_si256(x), q);
 }
-
 #endif
 #endif
 
@@ -1043,8 +1042,8 @@ static void q16_few_rows(const struct product *p, int64_t t0, int64_t t1, int64_
         const int rows = t1 - t < Q16_FEW_ROWS ? (int)(t1 - t) : Q16_FEW_ROWS;
         for (int64_t o = o0; o < o1;) {
             const int cols = o + Q16_ROW_COLS <= o1 ? Q16_ROW_COLS : 1;
-            k->q16_rows(rows, cols, row_of(p, o), p->row_bytes, p->ns, p->xq + t * n, n, p->dx + t, p->sx + t, p->xsum + t,
-                        p->ss, res);
+            k->q16_rows(rows, cols, row_of(p, o), p->row_bytes, p->ns, p->xq + t * n, n, p->dx + t, p->sx + t,
+                        p->xsum + t, p->ss, res);
             for (int r = 0; r < rows; r++)
                 for (int c = 0; c < cols; c++)
                     store(p, t + r, o + c, res[r * Q16_ROW_COLS + c]);
