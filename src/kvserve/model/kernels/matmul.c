@@ -52,14 +52,14 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
      * scales, then their quants (row by row, and by group where `grouped`). */
     const size_t sx32_n = offsets32 ? (size_t)(ss * ns) : 0, sx16_n = offsets16 ? (size_t)(ss * 2 * ns) : 0;
     const size_t dx_n = q16 ? (size_t)(ss * ns) : 0, xq_n = q16 ? (size_t)(rows * n_in) : 0;
-    const size_t xt_n = grouped ? (size_t)(ss * n_in / 2) : 0;
-    float *scratch = calloc(1, sizeof(float) * (sx32_n + sx16_n + dx_n) + sizeof(int32_t) * xt_n +
+    const size_t xt_n = grouped ? (size_t)(ss * n_in / 2) : 0, xsum_n = q16 ? (size_t)(ss * 2 * ns) : 0;
+    float *scratch = calloc(1, sizeof(float) * (sx32_n + sx16_n + dx_n) + sizeof(int32_t) * (xt_n + xsum_n) +
                                    sizeof(int16_t) * xq_n + 1);
     if (!scratch)
         return -2;
     float *sx32 = scratch, *sx16 = sx32 + sx32_n, *dx = sx16 + sx16_n;
-    int32_t *xt = (int32_t *)(dx + dx_n);
-    int16_t *xq = (int16_t *)(xt + xt_n);
+    int32_t *xt = (int32_t *)(dx + dx_n), *xsum = xt + xt_n;
+    int16_t *xq = (int16_t *)(xsum + xsum_n);
     for (int size = QK; size >= QK / 2; size /= 2) {
         float *sx = size == QK ? (sx32_n ? sx32 : NULL) : (sx16_n ? sx16 : NULL);
         for (int64_t t = 0; sx && t < rows; t++)
@@ -71,8 +71,15 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
                 sx[u * ss + t] = s;
             }
     }
-    for (int64_t t = 0; q16 && t < rows; t++)
+    for (int64_t t = 0; q16 && t < rows; t++) {
         quantize_q16(x + t * n_in, ns, xq + t * n_in, dx + t, ss);
+        for (int64_t u = 0; u < 2 * ns; u++) {
+            int32_t sum = 0;
+            for (int j = 0; j < QK / 2; j++)
+                sum += xq[t * n_in + u * (QK / 2) + j];
+            xsum[u * ss + t] = sum;
+        }
+    }
     if (grouped)
         group_rows(xq, rows, n_in, xt);
     struct product p[QLINEAR_PARTS];
@@ -86,7 +93,7 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
                                 .sx = split_scales(type) ? sx16 : sx32, .ss = ss,
                                 .bias = q->bias, .other = other ? other + column : NULL, .out = out + column,
                                 .out_stride = l->n_out, .op = op, .q16 = q16 && !is_float_type(type),
-                                .xq = xq, .xt = grouped ? xt : NULL, .dx = dx};
+                                .xq = xq, .xt = grouped ? xt : NULL, .dx = dx, .xsum = xsum};
         const int64_t tiles = (q->n_out + COL_TILE - 1) / COL_TILE;
         runs_before[i + 1] = runs_before[i] + (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
         column += q->n_out;

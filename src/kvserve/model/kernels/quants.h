@@ -139,6 +139,9 @@ struct product {
     const int16_t *xq;
     const int32_t *xt;
     const float *dx;
+    /* xsum: the int16 rows' sums of their quants per 16, row t's of half h of sub-block s at
+     * xsum[(2 s + h) * ss + t] (the x86 tiles take a bias times them off their sums). */
+    const int32_t *xsum;
 };
 
 static inline void store(const struct product *p, int64_t t, int64_t o, float v)

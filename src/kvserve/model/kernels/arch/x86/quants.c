@@ -41,6 +41,16 @@ static ALWAYS_INLINE void prefetch_tile(const uint8_t *tile, int64_t s, size_t s
         _mm_prefetch(at + line, _MM_HINT_T0);
 }
 
+/* `prefetch_tile` into the L2 cache only: for tiles so large that the next one, fetched into the L1 data
+ * cache (32 KiB) beside this one, would push out this one's lines before they are read (the int16 rows'
+ * tiles of more than Q16_L1_TILE bytes: docs/benchmarks.md). */
+static ALWAYS_INLINE void prefetch_tile_l2(const uint8_t *tile, int64_t s, size_t step)
+{
+    const char *at = (const char *)tile + (size_t)s * step;
+    for (size_t line = 0; line < step; line += 64)
+        _mm_prefetch(at + line, _MM_HINT_T1);
+}
+
 /* ROWS rows x COLS outputs (rows `rs` bytes apart); res[r * COLS + c]. Called with constant ROWS and COLS
  * so that it unrolls. */
 static ALWAYS_INLINE void vector_tile(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
@@ -184,6 +194,8 @@ static ALWAYS_INLINE void row_tile(int type, int cols, const uint8_t *w, size_t 
 #define Q16_ROW_COLS 8
 #define Q16_COLS 4
 #define Q16_WIDE_COLS 8
+/* Bytes of a few-row tile's weights above which the next tile is prefetched into the L2 cache only. */
+#define Q16_L1_TILE 8192
 /* Activation bytes of a chunk of rows: it is read again for every Q16_COLS outputs, so it should stay in the
  * L2 cache; its outputs' sub-blocks are widened once per chunk. */
 #define Q16_CHUNK_BYTES (1 << 20)
@@ -212,6 +224,43 @@ static ALWAYS_INLINE __m512i q16_quants(int type, const uint8_t *row, int64_t j)
         return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + 34 * j + 2)));
     return _mm512_cvtepu8_epi16(x86_biased(type, row, j));
 }
+
+/* Whether the few-row tiles take the type's biased quants as bytes (VNNI for 256-bit registers): those below
+ * 128, a signed byte as well as an unsigned one (not Q8_0's, IQ4's nor MXFP4's, biased by 128). An int16
+ * activation a is 256 h + l, l its low byte (unsigned) and h its high one (signed), so that a quant w
+ * times a is 256 (w h) + w l: two byte dot products (vpdpbusd, four products per lane) of the quants
+ * as they are decoded, where widening them to int16 takes one more operation on twice the width. Exact
+ * (|256 (w h)| <= 4 * 127 * 128 * 256 per lane, the total at most 4 * 127 * 32767), so the same sums. */
+static ALWAYS_INLINE int q16_bytes(int type)
+{
+#if defined(__AVX512VL__) && HAVE_AVX512_VNNI
+    return type != TYPE_Q8_0 && quant_bias(type) < 128;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* A sub-block's 32 int16 activations as bytes: the low ones (unsigned) in the low 256 bits, the high ones
+ * (signed) in the high 256 bits. */
+static ALWAYS_INLINE __m512i q16_split(__m512i x)
+{
+    const __m512i order = _mm512_set_epi8(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11,
+        9, 7, 5, 3, 1, 62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20, 18,
+        16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_permutexvar_epi8(order, x);
+}
+
+#if defined(__AVX512VL__) && HAVE_AVX512_VNNI
+/* Eight int32 lanes (lane i: elements 4i .. 4i + 3) of byte quants q (0..127) times int16 activations split
+ * as q16_split: 256 times q's products with the high bytes, plus the low bytes' products with q. */
+static ALWAYS_INLINE __m256i dot_bytes8(__m256i q, __m512i x)
+{
+    const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm512_extracti64x4_epi64(x, 1));
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm512_castsi512_si256(x), q);
+}
+#endif
 #endif
 
 /* Eight vectors' lane sums, vector c's in lane c (exact integers), from h[i] = hadd(v[2i], v[2i + 1]). */
@@ -219,6 +268,16 @@ static ALWAYS_INLINE __m256i sum_pairs8(const __m256i h[4])
 {
     const __m256i q = _mm256_hadd_epi32(h[0], h[1]), r = _mm256_hadd_epi32(h[2], h[3]);
     return _mm256_add_epi32(_mm256_permute2x128_si256(q, r, 0x20), _mm256_permute2x128_si256(q, r, 0x31));
+}
+
+/* From h[i] = hadd(v[2i], v[2i + 1]) of eight vectors whose lanes 0..3 hold a low half's sums and 4..7 a
+ * high half's: vector c's low sum in lane c of *lo, its high sum in lane c of *hi (`sum_pairs8` is their
+ * sum). */
+static ALWAYS_INLINE void sum_halves8(const __m256i h[4], __m256i *lo, __m256i *hi)
+{
+    const __m256i q = _mm256_hadd_epi32(h[0], h[1]), r = _mm256_hadd_epi32(h[2], h[3]);
+    *lo = _mm256_permute2x128_si256(q, r, 0x20);
+    *hi = _mm256_permute2x128_si256(q, r, 0x31);
 }
 
 #if HAVE_AVX512_VBMI
@@ -242,17 +301,55 @@ static ALWAYS_INLINE void sum_pairs16(const __m512i h[4], __m256i *lo, __m256i *
 }
 #endif
 
+/* Columns col0 .. col0 + 7 of eight outputs' scales (in[c][k]) as out[k][c]: one vector per column. */
+static ALWAYS_INLINE void transpose8(float in[][16], int col0, float out[][8])
+{
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        const __m256 a = _mm256_loadu_ps(&in[2 * i][col0]), b = _mm256_loadu_ps(&in[2 * i + 1][col0]);
+        t[2 * i] = _mm256_unpacklo_ps(a, b);
+        t[2 * i + 1] = _mm256_unpackhi_ps(a, b);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        _mm256_storeu_ps(out[k], _mm256_permute2f128_ps(u[k], u[k + 4], 0x20));
+        _mm256_storeu_ps(out[k + 4], _mm256_permute2f128_ps(u[k], u[k + 4], 0x31));
+    }
+}
+
+/* The types with blocks of 32 whose scale (and offset) are float16 fields at the block's start. */
+static ALWAYS_INLINE int f16_scales(int type)
+{
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
+           type == TYPE_IQ4_NL;
+}
+
+/* Eight outputs' float16 fields at `at` of their rows (`rs` apart) as floats: sub_scales' values. */
+static ALWAYS_INLINE __m256 f16_fields8(const uint8_t *w, size_t rs, size_t at)
+{
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)read_u16(w + at), (short)read_u16(w + rs + at),
+                                          (short)read_u16(w + 2 * rs + at), (short)read_u16(w + 3 * rs + at),
+                                          (short)read_u16(w + 4 * rs + at), (short)read_u16(w + 5 * rs + at),
+                                          (short)read_u16(w + 6 * rs + at), (short)read_u16(w + 7 * rs + at)));
+}
+
 /* `rows` int16 rows (Q16_FEW_ROWS at most, `xs` apart) x `cols` outputs (Q16_ROW_COLS, or 1 for the last
  * outputs), decoded from the file once for all the rows: per sub-block each output's quants times each
  * row's by pairs, the eight outputs' lanes summed into one lane each per row (two outputs at a time, so
  * that few sums stay live), and each row's float chains (and offset terms) side by side in one vector.
  * res[r * Q16_ROW_COLS + c]. With AVX-512 VBMI the quants are the byte-permute decoding's, biased
- * (quant_bias): the bias times the row's sum over the sub-block (or half) is taken off the integer sums,
- * exactly (at most 32 * 255 * 32767 < 2^31), and the split types' two halves are summed in one 16-lane
- * register. */
+ * (quant_bias): the bias times the row's sum over the sub-block (or half, `xsum`) is taken off the integer
+ * sums, exactly (at most 32 * 255 * 32767 < 2^31); the types whose biased quants are below 128 multiply
+ * them as bytes (q16_bytes, with VNNI), the others widened to int16, the split types' two halves then
+ * summed in one 16-lane register. */
 static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
                                         const int16_t *xq, int64_t xs, const float *dx, const float *sx,
-                                        int64_t ss, float *res)
+                                        const int32_t *xsum, int64_t ss, float *res)
 {
     const uint8_t *next = w + cols * rs;
     const size_t step = (cols * rs + (size_t)ns - 1) / (size_t)ns;
@@ -268,18 +365,29 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
      * (the same values as sub_scales, in fewer operations). */
     const int together = type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
     float sd[Q16_ROW_COLS][16], sm[Q16_ROW_COLS][16];
+    /* With eight outputs, their scales and offsets side by side, one vector per sub-block (or half): the
+     * K-quants' transposed once per super-block, the float16 fields of the others read eight at a time. */
+    const int by_vector = cols == Q16_ROW_COLS && (together || f16_scales(type));
+    float sdt[16][Q16_ROW_COLS], smt[16][Q16_ROW_COLS];
     for (int64_t u = 0; u < ns / spb; u++) {
         for (int c = 0; together && c < cols; c++)
             super_scales(type, w + c * rs + u * ub, sd[c], sm[c]);
+        for (int k0 = 0; together && by_vector && k0 < (split ? 16 : 8); k0 += 8) {
+            transpose8(sd, k0, sdt + k0);
+            if (has_offset(type))
+                transpose8(sm, k0, smt + k0);
+        }
 #pragma GCC unroll 8
         for (int j = 0; j < spb; j++) {
             const int64_t s = u * spb + j;
-            prefetch_tile(next, s, step);
+            if (cols * rs > Q16_L1_TILE)
+                prefetch_tile_l2(next, s, step);
+            else
+                prefetch_tile(next, s, step);
             /* Each row's activations as two halves of 16, and (VBMI) its sums over each half, for the bias. */
             __m256i x_lo[Q16_FEW_ROWS], x_hi[Q16_FEW_ROWS];
-            int32_t x_sum[Q16_FEW_ROWS][2];
 #if HAVE_AVX512_VBMI
-            __m512i x16[Q16_FEW_ROWS];
+            __m512i x16[Q16_FEW_ROWS], x8[Q16_FEW_ROWS];
 #endif
             for (int r = 0; r < rows; r++) {
                 const int16_t *xb = xq + r * xs + s * QK;
@@ -287,11 +395,8 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                 x_hi[r] = _mm256_loadu_si256((const __m256i *)(xb + 16));
 #if HAVE_AVX512_VBMI
                 x16[r] = _mm512_loadu_si512((const void *)xb);
-                if (q16_bias(type)) {
-                    const __m512i pairs = _mm512_madd_epi16(x16[r], _mm512_set1_epi16(1));
-                    x_sum[r][0] = _mm512_mask_reduce_add_epi32(0x00ff, pairs);
-                    x_sum[r][1] = _mm512_mask_reduce_add_epi32(0xff00, pairs);
-                }
+                if (q16_bytes(type))
+                    x8[r] = q16_split(x16[r]);
 #endif
             }
             /* Per row, the outputs' pair sums after the first level of the lanes' sums (h: the low half, or
@@ -326,8 +431,15 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                     }
                     const uint8_t *row = w + c * rs + u * ub;
 #if HAVE_AVX512_VBMI
-                    const __m512i q = q16_quants(type, row, j);
-                    for (int r = 0; r < rows; r++) {
+#if defined(__AVX512VL__) && HAVE_AVX512_VNNI
+                    if (q16_bytes(type)) {
+                        const __m256i q = x86_biased(type, row, j);
+                        for (int r = 0; r < rows; r++)
+                            lo[r][e] = dot_bytes8(q, x8[r]);
+                    }
+#endif
+                    const __m512i q = q16_bytes(type) ? _mm512_setzero_si512() : q16_quants(type, row, j);
+                    for (int r = 0; r < rows && !q16_bytes(type); r++) {
                         if (split)
                             both[r][e] = _mm512_madd_epi16(q, x16[r]);
                         else
@@ -347,7 +459,9 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                     }
 #endif
                     float d[2], m[2];
-                    if (together) {
+                    if (by_vector) {
+                        continue;
+                    } else if (together) {
                         const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
                         d[0] = sd[c][k];
                         d[1] = sd[c][k1];
@@ -363,7 +477,7 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                 }
                 for (int r = 0; r < rows; r++) {
 #if HAVE_AVX512_VBMI
-                    if (split)
+                    if (split && !q16_bytes(type))
                         h16[r][c2] = hadd16(both[r][0], both[r][1]);
                     else
                         h[r][c2] = _mm256_hadd_epi32(lo[r][0], lo[r][1]);
@@ -374,23 +488,40 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
 #endif
                 }
             }
-            const __m256 d0v = _mm256_loadu_ps(d0), d1v = _mm256_loadu_ps(d1);
-            const __m256 m0v = _mm256_loadu_ps(m0), m1v = _mm256_loadu_ps(m1);
+            __m256 d0v = _mm256_loadu_ps(d0), d1v = _mm256_loadu_ps(d1);
+            __m256 m0v = _mm256_loadu_ps(m0), m1v = _mm256_loadu_ps(m1);
+            if (by_vector && together) {
+                const int k = split ? 2 * j : j, k1 = split ? k + 1 : k;
+                d0v = _mm256_loadu_ps(sdt[k]);
+                d1v = _mm256_loadu_ps(sdt[k1]);
+                if (has_offset(type)) {
+                    m0v = _mm256_loadu_ps(smt[k]);
+                    m1v = _mm256_loadu_ps(smt[k1]);
+                }
+            } else if (by_vector) {
+                const size_t at = (size_t)u * ub;
+                d0v = d1v = f16_fields8(w, rs, at);
+                if (has_offset(type))
+                    m0v = m1v = f16_fields8(w, rs, at + 2);
+            }
             for (int r = 0; r < rows; r++) {
                 __m256i sum_lo, sum_hi = _mm256_setzero_si256();
 #if HAVE_AVX512_VBMI
-                if (split)
+                if (split && q16_bytes(type))
+                    sum_halves8(h[r], &sum_lo, &sum_hi);
+                else if (split)
                     sum_pairs16(h16[r], &sum_lo, &sum_hi);
                 else
                     sum_lo = sum_pairs8(h[r]);
+                const int32_t x_lo_sum = xsum[2 * s * ss + r], x_hi_sum = xsum[(2 * s + 1) * ss + r];
                 if (q16_bias(type) && split) {
-                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * x_sum[r][0]));
-                    sum_hi = _mm256_sub_epi32(sum_hi, _mm256_set1_epi32(q16_bias(type) * x_sum[r][1]));
+                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * x_lo_sum));
+                    sum_hi = _mm256_sub_epi32(sum_hi, _mm256_set1_epi32(q16_bias(type) * x_hi_sum));
                 } else if (q16_bias(type)) {
-                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * (x_sum[r][0] + x_sum[r][1])));
+                    sum_lo = _mm256_sub_epi32(sum_lo, _mm256_set1_epi32(q16_bias(type) * (x_lo_sum + x_hi_sum)));
                 }
 #else
-                (void)x_sum;
+                (void)xsum;
                 sum_lo = sum_pairs8(h[r]);
                 if (split)
                     sum_hi = sum_pairs8(h_hi[r]);
@@ -420,15 +551,15 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
 
 /* `q16_rows_tile` with its rows and outputs as constants. */
 static ALWAYS_INLINE void q16_rows_of(int type, int rows, int cols, const uint8_t *w, size_t rs, int64_t ns,
-                                      const int16_t *xq, int64_t xs, const float *dx, const float *sx, int64_t ss,
-                                      float *res)
+                                      const int16_t *xq, int64_t xs, const float *dx, const float *sx,
+                                      const int32_t *xsum, int64_t ss, float *res)
 {
 #define Q16_ROWS(R)                                                                                       \
     do {                                                                                                 \
         if (cols == Q16_ROW_COLS)                                                                        \
-            q16_rows_tile(type, R, Q16_ROW_COLS, w, rs, ns, xq, xs, dx, sx, ss, res);                    \
+            q16_rows_tile(type, R, Q16_ROW_COLS, w, rs, ns, xq, xs, dx, sx, xsum, ss, res);              \
         else                                                                                             \
-            q16_rows_tile(type, R, 1, w, rs, ns, xq, xs, dx, sx, ss, res);                               \
+            q16_rows_tile(type, R, 1, w, rs, ns, xq, xs, dx, sx, xsum, ss, res);                         \
     } while (0)
     _Static_assert(Q16_FEW_ROWS == 4, "one case per row count");
     if (rows == 1)
@@ -733,7 +864,7 @@ static ALWAYS_INLINE void wide_rows(int type, int rows, const float *buf, int64_
 typedef void (*tile_fn)(const uint8_t *, size_t, int64_t, const float *, int64_t, const float *, int64_t,
                         float *);
 typedef void (*q16_rows_fn)(int, int, const uint8_t *, size_t, int64_t, const int16_t *, int64_t,
-                            const float *, const float *, int64_t, float *);
+                            const float *, const float *, const int32_t *, int64_t, float *);
 typedef void (*q16_widen_fn)(int, const uint8_t *, size_t, int64_t, int32_t *, float *, float *);
 typedef void (*q16_group_fn)(const int32_t *, const float *, const float *, int64_t, const int32_t *,
                              const float *, const float *, int64_t, float *);
@@ -780,9 +911,9 @@ struct tiles {
 #define DEFINE_Q16_TILES(NAME, TYPE)                                                                      \
     static void NAME##_q16_rows(int rows, int cols, const uint8_t *w, size_t rb, int64_t nb,            \
                                 const int16_t *x, int64_t xs, const float *dx, const float *sx,           \
-                                int64_t ss, float *res)                                                   \
+                                const int32_t *xsum, int64_t ss, float *res)                              \
     {                                                                                                    \
-        q16_rows_of(TYPE, rows, cols, w, rb, nb, x, xs, dx, sx, ss, res);                                \
+        q16_rows_of(TYPE, rows, cols, w, rb, nb, x, xs, dx, sx, xsum, ss, res);                          \
     }                                                                                                    \
     static void NAME##_q16_widen(int cols, const uint8_t *w, size_t rb, int64_t nb, int32_t *wb,         \
                                  float *db, float *mb)                                                   \
@@ -912,7 +1043,7 @@ static void q16_few_rows(const struct product *p, int64_t t0, int64_t t1, int64_
         for (int64_t o = o0; o < o1;) {
             const int cols = o + Q16_ROW_COLS <= o1 ? Q16_ROW_COLS : 1;
             k->q16_rows(rows, cols, row_of(p, o), p->row_bytes, p->ns, p->xq + t * n, n, p->dx + t, p->sx + t,
-                        p->ss, res);
+                        p->xsum + t, p->ss, res);
             for (int r = 0; r < rows; r++)
                 for (int c = 0; c < cols; c++)
                     store(p, t + r, o + c, res[r * Q16_ROW_COLS + c]);
