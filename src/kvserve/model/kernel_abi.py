@@ -24,7 +24,7 @@ _I = ctypes.c_int64
 _C = ctypes.c_int
 
 # The op quant_linear applies to each output after the bias (OP_* in kvserve.h).
-OP_NONE, OP_SILU, OP_ADD, OP_MUL = 0, 1, 2, 3
+OP_NONE, OP_ADD, OP_MUL = 0, 1, 2
 # The gated MLP's activation (ACT_* in kvserve.h), by its config name.
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 # gpt-oss's clamped SwiGLU (ACT_CLAMPED_SWIGLU), which no config names as an activation.

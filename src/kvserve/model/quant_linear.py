@@ -164,8 +164,8 @@ class QuantLinear(Linear):
         return self._run(x, OP_NONE, None)
 
     def silu(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
-        """The product, then the native decoder's own silu (`silu_rows`, vectorized, where the product's
-        fused OP_SILU takes libm's expf per output), so that both paths' activation is one function."""
+        """The product, then the native decoder's own silu (`silu_rows`, vectorized), so that both paths'
+        activation is one function."""
         out = self._run(x, OP_NONE, None)
         self.lib.silu_rows(out.data_ptr(), out.data_ptr(), out.numel(), torch.get_num_threads(), self._path())
         return out

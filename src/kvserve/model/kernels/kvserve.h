@@ -35,7 +35,7 @@ enum {
     TYPE_COUNT = 40
 };
 /* The op quant_linear applies to each output after the bias. */
-enum { OP_NONE = 0, OP_SILU = 1, OP_ADD = 2, OP_MUL = 3 };
+enum { OP_NONE = 0, OP_ADD = 1, OP_MUL = 2 };
 /* Outputs a column tile computes together, reading their rows side by side. */
 #define COL_TILE 4
 /* The most parts one product holds (q, k and v of three types). */

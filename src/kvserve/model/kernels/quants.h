@@ -103,8 +103,6 @@ static inline float lane_sum(const float *a)
 static inline float apply_op(float v, int op, float other)
 {
     switch (op) {
-    case OP_SILU:
-        return v / (1.0f + expf(-v));
     case OP_ADD:
         return v + other;
     case OP_MUL:
