@@ -35,6 +35,7 @@ families); `KVSERVE_LONG_TESTS=1` (or
 `KVSERVE_DIFFERENTIAL_EXAMPLES=5000`) runs a longer, randomized search for nightly use.
 """
 
+import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.engine import Engine
@@ -210,11 +211,21 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def assert_repeats_hit(case: Case, run: Run, lost: int) -> None:
+def _last_checkpoint(case: Case, prompt_j: list[int], shared: int) -> int:
+    """A hybrid model's: the last position at or before `shared` where request j's prefill surely left a
+    state checkpoint (its prompt's end and the token before it, every interval's multiple)."""
+    at = [p for p in (len(prompt_j) - 1, len(prompt_j)) if p <= shared]
+    if case.state_checkpoint_interval:
+        at.append(shared // case.state_checkpoint_interval * case.state_checkpoint_interval)
+    return max(at, default=0)
+
+
+def assert_repeats_hit(case: Case, run: Run, lost: int, hybrid: bool = False) -> None:
     """Where a hit is certain, it happened: request i repeats (or follows) request j, j ended normally
     before i was submitted, i asked for no prompt logprobs (which run uncached), both share a namespace
-    and i's prompt begins with at least a whole block plus one token of j's prompt, and nothing was
-    evicted or tombstoned. With the cache off, nothing hits."""
+    and i's prompt begins with at least a whole block plus one token of j's prompt (on a `hybrid` model,
+    up to a checkpoint j left a whole block or more in), and nothing was evicted or tombstoned. With the
+    cache off, nothing hits."""
     if not case.enable_prefix_caching:
         assert all(n == 0 for n in run.cached.values()), run.cached
         return
@@ -227,6 +238,8 @@ def assert_repeats_hit(case: Case, run: Run, lost: int) -> None:
         if spec.namespace != case.specs[j].namespace:
             continue
         shared = min(_common_prefix(run.prompts[i], run.prompts[j]), len(run.prompts[i]) - 1)
+        if hybrid:
+            shared = _last_checkpoint(case, run.prompts[j], shared)
         if shared >= case.block_size:
             assert run.cached[(i, 0)] >= case.block_size, (i, j, shared, run.cached[(i, 0)])
 
@@ -329,8 +342,44 @@ def test_each_family_matches_a_no_cache_engine(
     check_case(family_model(kind), family_references(kind), redis_session, case)
 
 
+# Cases that once failed, each run first: a load restarted after memory lost its checkpoint kept its
+# stale state lookup and missed a certain hit; a repeat shorter than the prompt it repeats has no
+# checkpoint to hit (the check once counted it as certain).
+_TINY = functools.partial(
+    Case,
+    block_size=1,
+    num_blocks=8,
+    max_num_batched_tokens=1,
+    max_num_seqs=1,
+    enable_prefix_caching=True,
+    attention="native",
+    speculative="off",
+    state_checkpoints=5,
+)
+_HYBRID_EXAMPLES = [
+    _TINY(
+        disk_tier=False,
+        redis_tier=True,
+        drop_memory_every=2,
+        systems=[[100]],
+        specs=[Spec(("system", 0), [], 1), Spec(("repeat", 0), [100, 100], 1)],
+        state_checkpoint_interval=1,
+    ),
+    _TINY(
+        disk_tier=True,
+        redis_tier=False,
+        drop_memory_every=2,
+        systems=[[100] * 7],
+        specs=[Spec(("system", 0), [], 1), Spec(("repeat", 0), [], 2)],
+        state_checkpoint_interval=0,
+    ),
+]
+
+
 @settings(SETTINGS, max_examples=max(EXAMPLES // 8, 1))
 @given(case=cases())
+@example(case=_HYBRID_EXAMPLES[0])
+@example(case=_HYBRID_EXAMPLES[1])
 def test_hybrid_model_matches_a_no_cache_engine(
     family_model: Callable[[str], LoadedModel],
     family_references: Callable[[str], Engine],
@@ -382,7 +431,7 @@ def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer
             lost = engine.stats().cache.num_evicted + (tree.num_tombstoned if tree is not None else 0)
             # A hybrid model's hit needs a checkpoint: one evicted, skipped or given up loses it.
             lost += engine.kv.checkpoint_misses + getattr(tree, "num_checkpoints_evicted", 0)
-            assert_repeats_hit(case, run, lost)
+            assert_repeats_hit(case, run, lost, hybrid=engine.kv.states.enabled)
             assert_no_leak(engine)
             if case.enable_prefix_caching:
                 assert_cached_kv_is_fresh(engine, model, sample=6)
