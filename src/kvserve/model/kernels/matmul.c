@@ -25,6 +25,17 @@ static void group_rows(const int16_t *xq, int64_t rows, int64_t n_in, int32_t *x
     }
 }
 
+/* A run's column tiles for a part of `tiles` tiles of `row_bytes` weight bytes per output: about RUN_BYTES of
+ * weights, so each thread streams long stretches of memory (two threads alternating 64-output runs of the
+ * lm_head read it at 0.55x the speed), yet at least RUNS_PER_THREAD runs per thread; whole CHUNK_TILES. */
+static int64_t run_tiles(int64_t row_bytes, int64_t tiles, int threads)
+{
+    int64_t chunk = RUN_BYTES / (row_bytes * COL_TILE);
+    const int64_t most = tiles / ((int64_t)threads * RUNS_PER_THREAD);
+    chunk = (chunk < most ? chunk : most) / CHUNK_TILES * CHUNK_TILES;
+    return chunk > CHUNK_TILES ? chunk : CHUNK_TILES;
+}
+
 int quant_linear(const struct qlinear *l, const float *x, const float *other, float *out, int64_t rows, int op,
                  int threads, int portable, int int16)
 {
@@ -83,8 +94,9 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
     if (grouped)
         group_rows(xq, rows, n_in, xt);
     struct product p[QLINEAR_PARTS];
-    /* Runs of CHUNK_TILES column tiles of one part: runs_before[i] is the runs of the parts before i. */
-    int64_t runs_before[QLINEAR_PARTS + 1] = {0}, column = 0;
+    int nt = threads < 1 ? 1 : threads;
+    /* Runs of chunks[i] column tiles of part i: runs_before[i] is the runs of the parts before i. */
+    int64_t runs_before[QLINEAR_PARTS + 1] = {0}, column = 0, chunks[QLINEAR_PARTS];
     for (int64_t i = 0; i < l->n_parts; i++) {
         const struct qpart *q = &l->parts[i];
         const int type = (int)q->type;
@@ -95,14 +107,15 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
                                 .out_stride = l->n_out, .op = op, .q16 = q16 && !is_float_type(type),
                                 .xq = xq, .xt = grouped ? xt : NULL, .dx = dx, .xsum = xsum};
         const int64_t tiles = (q->n_out + COL_TILE - 1) / COL_TILE;
-        runs_before[i + 1] = runs_before[i] + (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
+        chunks[i] = run_tiles((int64_t)p[i].row_bytes, tiles, nt);
+        runs_before[i + 1] = runs_before[i] + (tiles + chunks[i] - 1) / chunks[i];
         column += q->n_out;
     }
     /* Threads take runs as they come free, not a fixed share: a thread the OS preempts (the server's event
-     * loop shares the cores) then delays the product by one run, not by its whole share. Each output is
-     * still summed by one thread in one order, so the bits never change. */
+     * loop shares the cores) then delays the product by one run, not by its whole share (one run per thread
+     * made one stream's TPOT 3x). Each output is still summed by one thread in one order, so the bits never
+     * change. */
     const int64_t runs = runs_before[l->n_parts];
-    int nt = threads < 1 ? 1 : threads;
     if (nt > runs)
         nt = runs < 1 ? 1 : (int)runs;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
@@ -111,7 +124,7 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
         while (r >= runs_before[i + 1])
             i++;
         const struct product *pp = &p[i];
-        const int64_t o0 = (r - runs_before[i]) * CHUNK_TILES * COL_TILE, o1e = o0 + CHUNK_TILES * COL_TILE;
+        const int64_t o0 = (r - runs_before[i]) * chunks[i] * COL_TILE, o1e = o0 + chunks[i] * COL_TILE;
         const int64_t o1 = o1e < pp->n_out ? o1e : pp->n_out;
 #if HAVE_AVX2
         if (portable != 1) {
