@@ -54,6 +54,8 @@
 #define CHUNK_TILES 16
 #define RUN_BYTES (1 << 20)
 #define RUNS_PER_THREAD 4
+/* The most threads a product splits among (each keeps a counter on the stack). */
+#define MAX_THREADS 256
 #define ROW_CHUNK 48
 /* Activation bytes a row chunk of the AVX2 tiles may take: they are read again for every output, so they
  * should stay in the L1 data cache (32-48 KiB) beside the blocks. */
