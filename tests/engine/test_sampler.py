@@ -5,9 +5,11 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.engine.request import Request
-from kvserve.engine.sampler import sample
+from kvserve.engine.sampler import argmax, sample
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.text_stream import TextStream
 
@@ -29,6 +31,28 @@ def test_greedy_takes_the_argmax_and_mixed_batches_keep_rows_apart() -> None:
     assert sample(logits, [request(temperature=0.0), request(temperature=0.0)]) == [1, 0]
     tokens = sample(logits, [request(temperature=0.0), request(temperature=1.0)])
     assert tokens[0] == 1 and 0 <= tokens[1] < 3
+
+
+# Values that tie, NaN, infinities and signed zeros, over vocabularies below, at and past whole chunks.
+_VALUES = st.sampled_from(
+    [0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan"), 1e38, -1e-38]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.sampled_from([1, 5, 1023, 1024, 1025, 3000, 4096]),
+    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 4095), _VALUES), max_size=12),
+    st.integers(0, 2**31),
+)
+def test_the_chunked_argmax_is_torchs(
+    rows: int, vocab: int, writes: list[tuple[int, int, float]], seed: int
+) -> None:
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)).round()
+    for row, col, value in writes:
+        logits[row % rows, col % vocab] = value
+    assert argmax(logits) == logits.argmax(dim=-1).tolist()
 
 
 def test_draws_follow_the_distribution() -> None:

@@ -23,6 +23,9 @@ from kvserve.engine.request import Request
 
 # Candidates examined before a top-p row falls back to sorting its whole row.
 _NUCLEUS_CANDIDATES = 1024
+# The argmax's chunk: torch's argmax over a row is a scalar loop (0.2 ms for 262,144 logits), its amax a
+# vector one.
+_ARGMAX_CHUNK = 1024
 
 
 def _top_k_threshold(probs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -176,6 +179,23 @@ def _process(
     return logits.index_copy(0, torch.tensor(rows), sub)
 
 
+def argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's `logits.argmax(dim=-1)` (its first greatest value, its first NaN where it has one), from
+    the rows' chunk maxima: the first chunk whose maximum is the row's holds that index. Comparisons only,
+    so the index is torch's whatever the chunking."""
+    rows, vocab = logits.shape
+    chunks = vocab // _ARGMAX_CHUNK
+    whole = chunks * _ARGMAX_CHUNK
+    maxima = logits[:, :whole].reshape(rows, chunks, _ARGMAX_CHUNK).amax(dim=-1)
+    if whole < vocab:
+        maxima = torch.cat((maxima, logits[:, whole:].amax(dim=-1, keepdim=True)), dim=1)
+    tokens = []
+    for row, chunk in enumerate(maxima.argmax(dim=-1).tolist()):
+        start = chunk * _ARGMAX_CHUNK
+        tokens.append(start + int(logits[row, start : start + _ARGMAX_CHUNK].argmax()))
+    return tokens
+
+
 def sample(
     logits: torch.Tensor,
     requests: Sequence[Request],
@@ -188,10 +208,10 @@ def sample(
     `masks` are the constrained rows' token masks begun before the forward pass (engine/masks.py);
     without them they are computed here."""
     logits = _process(logits, requests, eos_token_ids, masks)
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = argmax(logits)
     rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not rows:
-        return [int(t) for t in tokens]
+        return tokens
     chosen = [requests[i] for i in rows]
     cdf = _filtered_probs(logits[rows], chosen).cumsum(dim=-1)
     # One uniform in (0, 1] per row, from the request's own generator.

@@ -49,8 +49,13 @@
  * then ROW_TILE. */
 #define ROW_TILE 4
 #define FLOAT_ROW_TILE 8
-/* Column tiles a thread takes at a time: 64 outputs, enough to amortize the hand-off. */
+/* Column tiles a thread takes at a time: 64 outputs at least, enough to amortize the hand-off; up to about
+ * RUN_BYTES of weights while each thread keeps RUNS_PER_THREAD runs (matmul.c:run_tiles). */
 #define CHUNK_TILES 16
+#define RUN_BYTES (1 << 20)
+#define RUNS_PER_THREAD 4
+/* The most threads a product splits among (each keeps a counter on the stack). */
+#define MAX_THREADS 256
 #define ROW_CHUNK 48
 /* Activation bytes a row chunk of the AVX2 tiles may take: they are read again for every output, so they
  * should stay in the L1 data cache (32-48 KiB) beside the blocks. */
