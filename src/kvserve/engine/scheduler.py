@@ -39,12 +39,11 @@ checkpoint in the cache where a later request may resume: after the prompt's las
 before it (n samples, a retry), at message ends and the positions the request names, where the cached
 KV it recomputed for want of a checkpoint ends (a branch in the tree, which the next prompt branching
 there will want), every `state_checkpoint_interval` tokens, and where it stops (the reply's end, a
-preemption). A chunk never
-runs past such a position, so the state is there after the step that reaches it. A draft never runs
-past one either; its sequence's state is snapshotted before the step, and a rejection puts it back: the
-accepted tokens then run again as the next step's chunk (their KV written again, the same tokens at the
-same positions, never into a published block), so the state is always the one after `num_computed`
-tokens.
+preemption). A chunk never runs past such a position, so the state is there after the step that
+reaches it. A draft never runs past one either; its sequence's state is snapshotted before the step,
+and a rejection puts it back: the accepted tokens then run again as the next step's chunk (their KV
+written again, the same tokens at the same positions, never into a published block), so the state is
+always the one after `num_computed` tokens.
 
 Shared prefixes arriving together: a waiting request whose prompt shares more than a block with a
 request still prefilling waits for that prefill, then finds the shared part in the cache instead of
