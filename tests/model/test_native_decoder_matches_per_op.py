@@ -1,8 +1,8 @@
-"""The native decoder (every layer of a decode-only step in one call) gives the per-op path's bits.
+"""The native decoder (every layer of a step in one call) gives the per-op path's bits.
 
 For every family: random tiny configurations of each (q/k norms, post norms, GeGLU, biases, partial
 rotary, NoPE layers, per-layer rope tables, sliding windows shorter than the context over shared or own
-block ids, experts with top_k > 1), decode steps of several rows at different lengths with float32,
+block ids, experts with top_k > 1), steps of decodes at different lengths and a prefill chunk with float32,
 float16 and q8_0 caches: the hidden states and every K/V written are the per-op path's bit for bit.
 KVSERVE_DECODER_CONFIGS=N draws N random configurations per family instead of the fixed one.
 """
@@ -232,9 +232,10 @@ def caches(runner: ModelRunner) -> list[torch.Tensor]:
     kv_dtype=st.sampled_from(["float32", "float16", "q8_0"]),
     int16=st.booleans(),
     own_sliding_ids=st.booleans(),
+    chunk=st.integers(1, 24),
     order=st.randoms(use_true_random=False),
 )
-def test_a_decode_step_through_the_native_decoder_equals_the_per_op_step(
+def test_a_step_through_the_native_decoder_equals_the_per_op_step(
     model_of: Callable[[str, int], LoadedModel],
     family: str,
     seed: int,
@@ -243,8 +244,11 @@ def test_a_decode_step_through_the_native_decoder_equals_the_per_op_step(
     kv_dtype: str,
     int16: bool,
     own_sliding_ids: bool,
+    chunk: int,
     order: random.Random,
 ) -> None:
+    """Decodes of several lengths and, where `chunk` > 1, the last sequence's last `chunk` tokens as a
+    prefill chunk beside them (its whole prompt where it is that long): each token one row of the step."""
     model = model_of(family, seed)
     sliding = any(w is not None for w in model.config.windows)
     need = [-(-n // block_size) for n in lengths]
@@ -272,15 +276,18 @@ def test_a_decode_step_through_the_native_decoder_equals_the_per_op_step(
     transformer = runner.transformer
     decoder = transformer.decoder
     assert decoder is not None
-    decodes = []
+    batch = ForwardBatch()
     for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
         ids = [order.randrange(VOCAB) for _ in range(n)]
         stable = sliding_tables[i] if own else None
-        prompt = SequenceChunk(ids[:-1], 0, table, False, sliding_table=stable)
-        runner.execute(ForwardBatch(prefills=[prompt]))
-        decodes.append(SequenceChunk(ids[-1:], n - 1, table, True, sliding_table=stable))
+        cut = max(0, n - chunk) if i == len(lengths) - 1 else n - 1
+        if cut:
+            prompt = SequenceChunk(ids[:cut], 0, table, False, sliding_table=stable)
+            runner.execute(ForwardBatch(prefills=[prompt]))
+        rows = SequenceChunk(ids[cut:], cut, table, True, sliding_table=stable)
+        (batch.decodes if n - cut == 1 else batch.prefills).append(rows)
     before = [c.clone() for c in caches(runner)]
-    step, positions, meta, _ = runner._inputs(ForwardBatch(decodes=decodes))
+    step, positions, meta, _ = runner._inputs(batch)
     fused = transformer.forward(step, positions, meta, runner.kv_cache).clone()
     written = [c.clone() for c in caches(runner)]
     assert any(not torch.equal(w, b) for w, b in zip(written, before, strict=True))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.model import kv_quant
 from kvserve.model.attention import (
@@ -144,6 +145,17 @@ class NativeAttentionMetadata(AttentionMetadata):
 
     decode_rows: KernelRows | None
     chunk_rows: list[KernelRows]
+
+    def step_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of the step as one kernel row, decodes then chunks: tables [tokens, width]
+        (contiguous, each padded with block 0 to the widest: the kernel never reads past a row's length)
+        and lens [tokens]."""
+        groups = ([self.decode_rows] if self.decode_rows is not None else []) + self.chunk_rows
+        if len(groups) == 1 and groups[0].tables.is_contiguous():
+            return groups[0].tables, groups[0].lens
+        width = max(g.tables.shape[1] for g in groups)
+        tables = torch.cat([F.pad(g.tables, (0, width - g.tables.shape[1])) for g in groups])
+        return tables, torch.cat([g.lens for g in groups])
 
 
 class NativeAttention(AttentionBackend):

@@ -316,27 +316,28 @@ class Transformer:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         decoder = self.decoder
-        # A hybrid model's step takes the decoder where each sequence is one row in a slot of its own (a
-        # decode with drafts runs its rows as one chunk, op by op).
+        # The decoder takes every step of an attention-only model, prefill chunks included (each token
+        # one row, as the kernels give each row its bits alone), and a hybrid model's steps where each
+        # sequence is one row in a slot of its own (a prefill, or a decode with drafts, runs op by op: its
+        # recurrent layers take a sequence's rows in order).
         one_row_each = rows is None or (rows.num_sequences == n and len(set(rows.slots.tolist())) == n)
-        if decoder is not None and decoder.kv is kv and not meta.num_prefills and one_row_each:
+        takes = rows is None or not meta.num_prefills
+        if decoder is not None and decoder.kv is kv and takes and one_row_each:
             # A decoder is attached only beside the native backend, so the step's metadata is that one's.
             attention = self.attention
             assert isinstance(attention, NativeAttention) and isinstance(meta, NativeAttentionMetadata)
-            decode_rows = meta.decode_rows
+            step_tables, lens = meta.step_rows()
             # The sliding layers' group: its own tables and slots, or the global ones where ids are shared.
             sliding = meta.sliding or meta
-            assert decode_rows is not None and isinstance(sliding, NativeAttentionMetadata)
-            srows = sliding.decode_rows
-            assert srows is not None
+            assert isinstance(sliding, NativeAttentionMetadata)
             return decoder(
                 h,
                 positions,
                 meta.slot_mapping,
-                decode_rows.tables,
+                step_tables,
                 sliding.slot_mapping,
-                srows.tables,
-                decode_rows.lens,
+                sliding.step_rows()[0],
+                lens,
                 attention.kernel,
                 None if rows is None else rows.slots,
             )

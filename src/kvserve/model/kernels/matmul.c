@@ -14,16 +14,45 @@ int quant_linear_vectorized(void) { return HAVE_AVX2; }
 
 int quant_type_supported(int type) { return type_known(type); }
 
-/* Row t's quants again by group of Q16_GROUP rows (struct product's xt); the padding rows' stay 0. */
-static void group_rows(const int16_t *xq, int64_t rows, int64_t n_in, int32_t *xt)
+/* The activations' forms the paths read (struct product), written once per product. */
+struct prepared {
+    float *sx32, *sx16, *dx;
+    int32_t *xt, *xsum;
+    int16_t *xq;
+    int64_t ss;
+};
+
+/* Rows [t0, t1) of x in every form of `pr` it has: their sums per 32 and per 16, their int16 quants, scales
+ * and quants' sums per 16, and their quants again by group of Q16_GROUP rows (xt; t0 and t1 whole groups
+ * or the last rows). A row's forms depend on that row alone, so the rows may be split among threads. */
+static void prepare_rows(const float *x, int64_t n_in, int64_t t0, int64_t t1, const struct prepared *pr)
 {
-    const int64_t ns = n_in / QK;
-    for (int64_t t = 0; t < rows; t++) {
+    const int64_t ns = n_in / QK, ss = pr->ss;
+    for (int size = QK; size >= QK / 2; size /= 2) {
+        float *sx = size == QK ? pr->sx32 : pr->sx16;
+        for (int64_t t = t0; sx && t < t1; t++)
+            for (int64_t u = 0; u < n_in / size; u++) {
+                const float *xb = x + t * n_in + u * size;
+                float s = 0;
+                for (int j = 0; j < size; j++)
+                    s += xb[j];
+                sx[u * ss + t] = s;
+            }
+    }
+    for (int64_t t = t0; pr->xq && t < t1; t++) {
+        int16_t *xq = pr->xq + t * n_in;
+        quantize_q16(x + t * n_in, ns, xq, pr->dx + t, ss);
+        for (int64_t u = 0; u < 2 * ns; u++) {
+            int32_t sum = 0;
+            for (int j = 0; j < QK / 2; j++)
+                sum += xq[u * (QK / 2) + j];
+            pr->xsum[u * ss + t] = sum;
+        }
+        /* Pair k (elements 2k, 2k + 1) of sub-block s of row 16g + l at xt[((g * ns + s) * 16 + k) * 16 + l]. */
         const int64_t g = t / Q16_GROUP, l = t % Q16_GROUP;
-        for (int64_t s = 0; s < ns; s++)
+        for (int64_t s = 0; pr->xt && s < ns; s++)
             for (int k = 0; k < QK / 2; k++)
-                memcpy(&xt[((g * ns + s) * (QK / 2) + k) * Q16_GROUP + l], xq + t * n_in + s * QK + 2 * k,
-                       sizeof(int32_t));
+                memcpy(&pr->xt[((g * ns + s) * (QK / 2) + k) * Q16_GROUP + l], xq + s * QK + 2 * k, sizeof(int32_t));
     }
 }
 
@@ -93,28 +122,8 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
     float *sx32 = scratch, *sx16 = sx32 + sx32_n, *dx = sx16 + sx16_n;
     int32_t *xt = (int32_t *)(dx + dx_n), *xsum = xt + xt_n;
     int16_t *xq = (int16_t *)(xsum + xsum_n);
-    for (int size = QK; size >= QK / 2; size /= 2) {
-        float *sx = size == QK ? (sx32_n ? sx32 : NULL) : (sx16_n ? sx16 : NULL);
-        for (int64_t t = 0; sx && t < rows; t++)
-            for (int64_t u = 0; u < n_in / size; u++) {
-                const float *xb = x + t * n_in + u * size;
-                float s = 0;
-                for (int j = 0; j < size; j++)
-                    s += xb[j];
-                sx[u * ss + t] = s;
-            }
-    }
-    for (int64_t t = 0; q16 && t < rows; t++) {
-        quantize_q16(x + t * n_in, ns, xq + t * n_in, dx + t, ss);
-        for (int64_t u = 0; u < 2 * ns; u++) {
-            int32_t sum = 0;
-            for (int j = 0; j < QK / 2; j++)
-                sum += xq[t * n_in + u * (QK / 2) + j];
-            xsum[u * ss + t] = sum;
-        }
-    }
-    if (grouped)
-        group_rows(xq, rows, n_in, xt);
+    const struct prepared pr = {sx32_n ? sx32 : NULL, sx16_n ? sx16 : NULL, dx, grouped ? xt : NULL, xsum,
+                                q16 ? xq : NULL, ss};
     struct product p[QLINEAR_PARTS];
     int nt = threads < 1 ? 1 : threads;
     /* Runs of chunks[i] column tiles of part i: runs_before[i] is the runs of the parts before i. */
@@ -146,8 +155,14 @@ int quant_linear(const struct qlinear *l, const float *x, const float *other, fl
         nt = MAX_THREADS;
     for (int t = 0; t < nt; t++)
         next[t] = runs * t / nt;
+    /* The rows' forms first, by whole groups of rows among the threads (each row's its own), then the runs. */
+    const int64_t groups = (rows + Q16_GROUP - 1) / Q16_GROUP;
 #pragma omp parallel num_threads(nt)
     {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++)
+            prepare_rows(x, n_in, g * Q16_GROUP, g * Q16_GROUP + Q16_GROUP < rows ? g * Q16_GROUP + Q16_GROUP : rows,
+                         &pr);
         const int me = omp_get_thread_num();
         for (int k = 0; k < nt; k++) {
             const int owner = (me + k) % nt;

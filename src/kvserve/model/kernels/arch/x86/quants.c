@@ -338,6 +338,63 @@ static ALWAYS_INLINE __m256 f16_fields8(const uint8_t *w, size_t rs, size_t at)
                                           (short)read_u16(w + 6 * rs + at), (short)read_u16(w + 7 * rs + at)));
 }
 
+/* Sixteen bytes at `at` of eight outputs' rows (`rs` apart) as four vectors: vector k holds each output's
+ * bytes 4k .. 4k + 3 in its lane c. */
+static ALWAYS_INLINE void dwords8(const uint8_t *w, size_t rs, size_t at, __m256i v[4])
+{
+    __m256i a[4];
+    for (int c = 0; c < 4; c++)
+        a[c] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(w + (c + 4) * rs + at)),
+                                _mm_loadu_si128((const __m128i *)(w + c * rs + at)));
+    const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t2);
+    v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3);
+    v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* Byte `i` of each lane, bits `shift` .. under `mask`. */
+static ALWAYS_INLINE __m256i lane_bits(__m256i v, int i, int shift, int mask)
+{
+    return _mm256_and_si256(_mm256_srli_epi32(v, 8 * i + shift), _mm256_set1_epi32(mask));
+}
+
+/* super_scales of eight outputs' super-blocks at w (`rs` apart), output c's in lane c: sdt[k][c] and
+ * smt[k][c] are its d[k] and m[k]. The same products (each integer scale converted, times the float16
+ * field, the offsets negated after), computed for the eight outputs side by side, where super_scales and
+ * a transpose took one output at a time. Q4_K, Q5_K and Q6_K. */
+static ALWAYS_INLINE void super_scales8(int type, const uint8_t *w, size_t rs, float sdt[][Q16_ROW_COLS],
+                                        float smt[][Q16_ROW_COLS])
+{
+    const __m256 negative = _mm256_set1_ps(-0.0f);
+    __m256i v[4];
+    if (type == TYPE_Q6_K) {
+        dwords8(w, rs, 192, v);
+        const __m256 d = f16_fields8(w, rs, 208);
+        for (int k = 0; k < 16; k++) {
+            const __m256i sc = _mm256_srai_epi32(_mm256_slli_epi32(v[k / 4], 24 - 8 * (k % 4)), 24);
+            _mm256_storeu_ps(sdt[k], _mm256_mul_ps(_mm256_cvtepi32_ps(sc), d));
+        }
+        return;
+    }
+    /* Q4_K, Q5_K: v[1], v[2], v[3] are the packed scales' bytes 0-3, 4-7 and 8-11 (super_scales' w[0..2]). */
+    dwords8(w, rs, 0, v);
+    const __m256 d = f16_fields8(w, rs, 0), dmin = f16_fields8(w, rs, 2);
+    for (int j = 0; j < 8; j++) {
+        __m256i sc, mn;
+        if (j < 4) {
+            sc = lane_bits(v[1], j, 0, 0x3f);
+            mn = lane_bits(v[2], j, 0, 0x3f);
+        } else {
+            sc = _mm256_or_si256(lane_bits(v[3], j - 4, 0, 0x0f), _mm256_slli_epi32(lane_bits(v[1], j - 4, 6, 3), 4));
+            mn = _mm256_or_si256(lane_bits(v[3], j - 4, 4, 0x0f), _mm256_slli_epi32(lane_bits(v[2], j - 4, 6, 3), 4));
+        }
+        _mm256_storeu_ps(sdt[j], _mm256_mul_ps(_mm256_cvtepi32_ps(sc), d));
+        _mm256_storeu_ps(smt[j], _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mn), dmin), negative));
+    }
+}
+
 /* `rows` int16 rows (Q16_FEW_ROWS at most, `xs` apart) x `cols` outputs (Q16_ROW_COLS, or 1 for the last
  * outputs), decoded from the file once for all the rows: per sub-block each output's quants times each
  * row's by pairs, the eight outputs' lanes summed into one lane each per row (two outputs at a time, so
@@ -369,10 +426,14 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
      * K-quants' transposed once per super-block, the float16 fields of the others read eight at a time. */
     const int by_vector = cols == Q16_ROW_COLS && (together || f16_scales(type));
     float sdt[16][Q16_ROW_COLS], smt[16][Q16_ROW_COLS];
+    /* The K-quants but Q2_K take their eight outputs' scales side by side (super_scales8). */
+    const int side_by_side = by_vector && together && type != TYPE_Q2_K;
     for (int64_t u = 0; u < ns / spb; u++) {
-        for (int c = 0; together && c < cols; c++)
+        if (side_by_side)
+            super_scales8(type, w + u * ub, rs, sdt, smt);
+        for (int c = 0; together && !side_by_side && c < cols; c++)
             super_scales(type, w + c * rs + u * ub, sd[c], sm[c]);
-        for (int k0 = 0; together && by_vector && k0 < (split ? 16 : 8); k0 += 8) {
+        for (int k0 = 0; together && by_vector && !side_by_side && k0 < (split ? 16 : 8); k0 += 8) {
             transpose8(sd, k0, sdt + k0);
             if (has_offset(type))
                 transpose8(sm, k0, smt + k0);
@@ -621,16 +682,22 @@ static ALWAYS_INLINE void q16_widen(int type, int cols, const uint8_t *w, size_t
         }
 }
 
-/* Output c's offset term for the lanes' rows: m times the rows' sums, in sub-block order. */
-#define Q16_OFFSETS(SET1, LOAD, FMADD)                                                                   \
+/* The outputs' offset terms for the lanes' rows: each output's m times the rows' sums, in sub-block order,
+ * the outputs' chains side by side (one chain at a time waits on each fused multiply-add's latency). */
+#define Q16_OFFSETS(VEC, SET1, LOAD, FMADD, off)                                                         \
     do {                                                                                                 \
         for (int64_t s = 0; s < ns; s++) {                                                               \
-            const float *m = mb + (c * ns + s) * 2;                                                      \
             if (split_scales(type)) {                                                                    \
-                off = FMADD(SET1(m[0]), LOAD(sx + 2 * s * ss), off);                                    \
-                off = FMADD(SET1(m[1]), LOAD(sx + (2 * s + 1) * ss), off);                              \
+                const VEC lo = LOAD(sx + 2 * s * ss), hi = LOAD(sx + (2 * s + 1) * ss);                  \
+                for (int c = 0; c < cols; c++) {                                                         \
+                    const float *m = mb + (c * ns + s) * 2;                                              \
+                    off[c] = FMADD(SET1(m[0]), lo, off[c]);                                              \
+                    off[c] = FMADD(SET1(m[1]), hi, off[c]);                                              \
+                }                                                                                        \
             } else {                                                                                     \
-                off = FMADD(SET1(m[0]), LOAD(sx + s * ss), off);                                        \
+                const VEC all = LOAD(sx + s * ss);                                                       \
+                for (int c = 0; c < cols; c++)                                                           \
+                    off[c] = FMADD(SET1(mb[(c * ns + s) * 2]), all, off[c]);                             \
             }                                                                                            \
         }                                                                                                \
     } while (0)
@@ -663,12 +730,13 @@ static ALWAYS_INLINE void q16_group8(int type, int cols, const int32_t *wb, cons
                                          _mm256_mul_ps(_mm256_set1_ps(db[(c * ns + s) * 2 + h]), x_scale), acc[c]);
         }
     }
-    for (int c = 0; c < cols; c++) {
-        __m256 off = _mm256_setzero_ps();
-        if (has_offset(type))
-            Q16_OFFSETS(_mm256_set1_ps, _mm256_loadu_ps, _mm256_fmadd_ps);
-        _mm256_storeu_ps(res + c * 8, _mm256_add_ps(acc[c], off));
-    }
+    __m256 off[Q16_COLS];
+    for (int c = 0; c < cols; c++)
+        off[c] = _mm256_setzero_ps();
+    if (has_offset(type))
+        Q16_OFFSETS(__m256, _mm256_set1_ps, _mm256_loadu_ps, _mm256_fmadd_ps, off);
+    for (int c = 0; c < cols; c++)
+        _mm256_storeu_ps(res + c * 8, _mm256_add_ps(acc[c], off[c]));
 }
 
 #if HAVE_AVX512
@@ -699,6 +767,7 @@ static ALWAYS_INLINE void q16_group16(int type, int cols, const int32_t *wb, con
             __m512i sum[Q16_WIDE_COLS];
             for (int c = 0; c < cols; c++)
                 sum[c] = _mm512_setzero_si512();
+#pragma GCC unroll 16
             for (int k = h * per; k < (h + 1) * per; k++) {
                 const __m512i xk = _mm512_loadu_si512((const void *)(xs + k * Q16_GROUP));
                 for (int c = 0; c < cols; c++)
@@ -709,12 +778,13 @@ static ALWAYS_INLINE void q16_group16(int type, int cols, const int32_t *wb, con
                                          _mm512_mul_ps(_mm512_set1_ps(db[(c * ns + s) * 2 + h]), x_scale), acc[c]);
         }
     }
-    for (int c = 0; c < cols; c++) {
-        __m512 off = _mm512_setzero_ps();
-        if (has_offset(type))
-            Q16_OFFSETS(_mm512_set1_ps, _mm512_loadu_ps, _mm512_fmadd_ps);
-        _mm512_storeu_ps(res + c * 16, _mm512_add_ps(acc[c], off));
-    }
+    __m512 off[Q16_WIDE_COLS];
+    for (int c = 0; c < cols; c++)
+        off[c] = _mm512_setzero_ps();
+    if (has_offset(type))
+        Q16_OFFSETS(__m512, _mm512_set1_ps, _mm512_loadu_ps, _mm512_fmadd_ps, off);
+    for (int c = 0; c < cols; c++)
+        _mm512_storeu_ps(res + c * 16, _mm512_add_ps(acc[c], off[c]));
 }
 #endif
 
@@ -1092,8 +1162,9 @@ void q16_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, in
                 const int64_t n_rows = t1 - t < Q16_GROUP ? t1 - t : Q16_GROUP;
                 if (groups16 && n_rows > Q16_GROUP / 2) {
                     (cols > 1 ? k->group16 : k->group16_one)(wb, db, mb, ns, xt, p->dx + t, p->sx + t, ss, res);
-                    for (int c = 0; c < cols; c++)
-                        for (int64_t r = 0; r < n_rows; r++)
+                    /* Row by row: each row's outputs lie side by side. */
+                    for (int64_t r = 0; r < n_rows; r++)
+                        for (int c = 0; c < cols; c++)
                             store(p, t + r, o + c, res[c * Q16_GROUP + r]);
                     continue;
                 }
@@ -1105,8 +1176,8 @@ void q16_range(const struct product *p, int64_t rows, int64_t o0, int64_t o1, in
                         (n > 1 ? k->group8 : k->group8_one)(wb + c0 * ns * (QK / 2), db + 2 * c0 * ns,
                                                             mb + 2 * c0 * ns, ns, xt + h, p->dx + t + h,
                                                             p->sx + t + h, ss, res);
-                        for (int c = 0; c < n; c++)
-                            for (int64_t r = h; r < n_rows && r < h + Q16_GROUP / 2; r++)
+                        for (int64_t r = h; r < n_rows && r < h + Q16_GROUP / 2; r++)
+                            for (int c = 0; c < n; c++)
                                 store(p, t + r, o + c0 + c, res[c * (Q16_GROUP / 2) + r - h]);
                     }
             }
