@@ -26,8 +26,11 @@
 #include "kvserve.h"
 
 /* A chunk's K and V: read through into L2 and computed from there (128 positions of the default model's
- * float16 cache). */
+ * float16 cache), yet at least CHUNK_POSITIONS: each (row, chunk) pair costs a partial and its merge, and
+ * wide KV rows made chunks of 16 positions (Qwen3-0.6B's 2 KiB rows: a prefill of 2,000 tokens 8% longer
+ * than with 96 positions, docs/benchmarks.md). */
 #define CHUNK_BYTES (96 * 1024)
+#define CHUNK_POSITIONS 96
 /* The chunk partials one call holds at a time. */
 #define WAVE_BYTES (8 << 20)
 /* Query heads that read each cached row of their KV head together. */
@@ -230,7 +233,8 @@ static inline int fast_takes(int64_t dim) { return dim == 64 || dim == 128 || di
 /* Blocks per chunk, for this block size and `row_bytes` of K (as of V) per position. */
 static inline int64_t chunk_blocks(int64_t block_size, size_t row_bytes)
 {
-    const int64_t blocks = (int64_t)(CHUNK_BYTES / (2 * row_bytes)) / block_size;
+    const int64_t fit = (int64_t)(CHUNK_BYTES / (2 * row_bytes));
+    const int64_t blocks = (fit > CHUNK_POSITIONS ? fit : CHUNK_POSITIONS) / block_size;
     return blocks < 1 ? 1 : blocks;
 }
 
