@@ -114,10 +114,12 @@ static ALWAYS_INLINE int quant_bias(int type)
         return 4;
     case TYPE_Q6_K:
         return 32;
+    case TYPE_MXFP4:
+        /* Its doubled values lie in [-12, 12]: biased, below 128, so the few-row tiles take them as bytes. */
+        return 16;
     case TYPE_Q8_0:
     case TYPE_IQ4_NL:
     case TYPE_IQ4_XS:
-    case TYPE_MXFP4:
         return 128;
     default:
         return 0;
@@ -132,11 +134,12 @@ static ALWAYS_INLINE __m256i nibbles(const uint8_t *p)
     return _mm256_and_si256(_mm256_srlv_epi16(raw, shift), _mm256_set1_epi8(0x0f));
 }
 
-/* A table of 16 values (IQ4_VALUES, MXFP4_VALUES) plus 128, in both halves (for the byte shuffle). */
-static ALWAYS_INLINE __m256i table_biased(const int8_t *table)
+/* A table of 16 values (IQ4_VALUES, MXFP4_VALUES) plus the type's bias, in both halves (for the byte
+ * shuffle). */
+static ALWAYS_INLINE __m256i table_biased(int type, const int8_t *table)
 {
     const __m128i values = _mm_loadu_si128((const __m128i *)table);
-    return _mm256_broadcastsi128_si256(_mm_xor_si128(values, _mm_set1_epi8((char)0x80)));
+    return _mm256_broadcastsi128_si256(_mm_add_epi8(values, _mm_set1_epi8((char)quant_bias(type))));
 }
 
 /* The quants of sub-block s plus quant_bias(type), in element order in one vector; a fifth (or third) bit
@@ -153,7 +156,7 @@ static ALWAYS_INLINE __m256i x86_biased(int type, const uint8_t *row, int64_t s)
     case TYPE_Q4_0:
         return nibbles(b + 2);
     case TYPE_IQ4_NL:
-        return _mm256_shuffle_epi8(table_biased(IQ4_VALUES), nibbles(b + 2));
+        return _mm256_shuffle_epi8(table_biased(type, IQ4_VALUES), nibbles(b + 2));
     case TYPE_Q4_1:
         return nibbles(b + 4);
     case TYPE_Q5_0:
@@ -165,9 +168,9 @@ static ALWAYS_INLINE __m256i x86_biased(int type, const uint8_t *row, int64_t s)
         return _mm256_mask_add_epi8(u, (__mmask32)qh, u, bit4);
     }
     case TYPE_IQ4_XS:
-        return _mm256_shuffle_epi8(table_biased(IQ4_VALUES), nibbles(b + 8 + 16 * j));
+        return _mm256_shuffle_epi8(table_biased(type, IQ4_VALUES), nibbles(b + 8 + 16 * j));
     case TYPE_MXFP4:
-        return _mm256_shuffle_epi8(table_biased(MXFP4_VALUES), nibbles(b + 1));
+        return _mm256_shuffle_epi8(table_biased(type, MXFP4_VALUES), nibbles(b + 1));
     case TYPE_Q2_K:
         return bits(b + 16 + 32 * (j / 4), 2 * (j % 4), 3);
     case TYPE_Q3_K: {

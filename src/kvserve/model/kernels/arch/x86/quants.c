@@ -226,7 +226,7 @@ static ALWAYS_INLINE __m512i q16_quants(int type, const uint8_t *row, int64_t j)
 }
 
 /* Whether the few-row tiles take the type's biased quants as bytes (VNNI for 256-bit registers): those below
- * 128, a signed byte as well as an unsigned one (not Q8_0's, IQ4's nor MXFP4's, biased by 128). An int16
+ * 128, a signed byte as well as an unsigned one (not Q8_0's nor IQ4's, biased by 128). An int16
  * activation a is 256 h + l, l its low byte (unsigned) and h its high one (signed), so that a quant w
  * times a is 256 (w h) + w l: two byte dot products (vpdpbusd, four products per lane) of the quants
  * as they are decoded, where widening them to int16 takes one more operation on twice the width. Exact
@@ -326,7 +326,7 @@ static ALWAYS_INLINE void transpose8(float in[][16], int col0, float out[][8])
 static ALWAYS_INLINE int f16_scales(int type)
 {
     return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
-           type == TYPE_IQ4_NL;
+           type == TYPE_Q8_0 || type == TYPE_IQ4_NL;
 }
 
 /* Eight outputs' float16 fields at `at` of their rows (`rs` apart) as floats: sub_scales' values. */
@@ -336,6 +336,16 @@ static ALWAYS_INLINE __m256 f16_fields8(const uint8_t *w, size_t rs, size_t at)
                                           (short)read_u16(w + 2 * rs + at), (short)read_u16(w + 3 * rs + at),
                                           (short)read_u16(w + 4 * rs + at), (short)read_u16(w + 5 * rs + at),
                                           (short)read_u16(w + 6 * rs + at), (short)read_u16(w + 7 * rs + at)));
+}
+
+/* Eight outputs' MXFP4 scale bytes at `at` of their rows (`rs` apart) as floats: e8m0_half's values. */
+static ALWAYS_INLINE __m256 e8m0_fields8(const uint8_t *w, size_t rs, size_t at)
+{
+    const __m256i e = _mm256_setr_epi32(w[at], w[rs + at], w[2 * rs + at], w[3 * rs + at], w[4 * rs + at],
+                                        w[5 * rs + at], w[6 * rs + at], w[7 * rs + at]);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, small, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
 }
 
 /* Sixteen bytes at `at` of eight outputs' rows (`rs` apart) as four vectors: vector k holds each output's
@@ -424,7 +434,7 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
     float sd[Q16_ROW_COLS][16], sm[Q16_ROW_COLS][16];
     /* With eight outputs, their scales and offsets side by side, one vector per sub-block (or half): the
      * K-quants' transposed once per super-block, the float16 fields of the others read eight at a time. */
-    const int by_vector = cols == Q16_ROW_COLS && (together || f16_scales(type));
+    const int by_vector = cols == Q16_ROW_COLS && (together || f16_scales(type) || type == TYPE_MXFP4);
     float sdt[16][Q16_ROW_COLS], smt[16][Q16_ROW_COLS];
     /* The K-quants but Q2_K take their eight outputs' scales side by side (super_scales8). */
     const int side_by_side = by_vector && together && type != TYPE_Q2_K;
@@ -561,7 +571,7 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                 }
             } else if (by_vector) {
                 const size_t at = (size_t)u * ub;
-                d0v = d1v = f16_fields8(w, rs, at);
+                d0v = d1v = type == TYPE_MXFP4 ? e8m0_fields8(w, rs, at) : f16_fields8(w, rs, at);
                 if (has_offset(type))
                     m0v = m1v = f16_fields8(w, rs, at + 2);
             }
