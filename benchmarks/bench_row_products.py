@@ -47,25 +47,32 @@ class Kind:
 
 
 def kinds(path: str) -> list[Kind]:
+    """Every matrix, by kind. An experts' tensor [experts, out, in] counts as its first experts, as many as
+    a token uses (the file's `expert_used_count`): the step's expert reads."""
     g = open_gguf(path)
+    arch = g.value("general.architecture")
+    used = g.value(f"{arch}.expert_used_count") or 1
     found: dict[tuple[str, int, tuple[int, int]], Kind] = {}
+    cache = default_cache_dir()
     for t in g.tensors.values():
-        if t.qtype == F32 or len(t.shape) != 2:
+        if t.qtype == F32 or len(t.shape) not in (2, 3):
             continue
-        n_out, n_in = t.shape
-        w = QuantizedWeight(t.qtype, torch.from_numpy(g.array(t).reshape(n_out, -1)), n_in)
+        n_out, n_in = t.shape[-2:]
+        data = torch.from_numpy(g.array(t))
+        matrices = list(data[:used]) if len(t.shape) == 3 else [data.reshape(n_out, -1)]
         name = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
-        kind = found.setdefault(
-            (name, t.qtype, (n_out, n_in)), Kind(name, t.qtype, (n_out, n_in), w.data.numel())
-        )
-        cache = default_cache_dir()
-        kind.products.append(
-            (
-                QuantLinear(w, None, cache, int16=True),
-                QuantLinear(w, None, cache, int16=True, wide=False),
-                QuantLinear(w, None, cache),
+        for matrix in matrices:
+            w = QuantizedWeight(t.qtype, matrix, n_in)
+            kind = found.setdefault(
+                (name, t.qtype, (n_out, n_in)), Kind(name, t.qtype, (n_out, n_in), w.data.numel())
             )
-        )
+            kind.products.append(
+                (
+                    QuantLinear(w, None, cache, int16=True),
+                    QuantLinear(w, None, cache, int16=True, wide=False),
+                    QuantLinear(w, None, cache),
+                )
+            )
     return list(found.values())
 
 
