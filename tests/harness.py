@@ -33,16 +33,16 @@ def block_bytes(model: LoadedModel, block_size: int, kv_dtype: str = DTYPE) -> i
 
 def engine_with_blocks(model: LoadedModel, num_blocks: int, block_size: int, **overrides: Any) -> Engine:
     """An engine on `model` whose KV pool has exactly `num_blocks` blocks (at least, with a sliding
-    pool of its own); a `kv_dtype` override (q8_0) sizes the pool in its bytes."""
-    kv_dtype = overrides.get("kv_dtype", "auto")
+    pool of its own); a `kv_dtype` override (q8_0) sizes the pool in its bytes. float64 and float32
+    weights unless `dtype` and `weight_dtype` say otherwise."""
+    settings = {"dtype": DTYPE, "weight_dtype": "float32", **overrides}
+    # The pool's dtype as the config resolves it ("auto": float16 under float32 compute).
+    kv_dtype = EngineConfig(**settings).kv_cache_dtype
     config = EngineConfig(
-        dtype=DTYPE,
-        weight_dtype="float32",
         block_size=block_size,
-        kv_cache_memory=num_blocks
-        * block_bytes(model, block_size, DTYPE if kv_dtype == "auto" else kv_dtype),
+        kv_cache_memory=num_blocks * block_bytes(model, block_size, kv_dtype),
         max_model_len=MAX_MODEL_LEN,
-        **overrides,
+        **settings,
     )
     # A hybrid model's recurrent states come out of the same memory: add theirs (as asked: they then fit).
     unbounded = replace(config, kv_cache_memory=1 << 62)
@@ -382,8 +382,19 @@ def assert_cached_kv_is_fresh(engine: Engine, model: LoadedModel, sample: int, s
     if not entries:
         return
     bs = engine.config.block_size
+    c = engine.config
+    # The engine's own numbers (float64 and float32 weights in most runs; q8_0 products on the native path
+    # in float32, whose rows keep their bits in any batch).
     scratch = ModelRunner(
-        model, MAX_MODEL_LEN, 1, MAX_MODEL_LEN, "cpu", DTYPE, "float32", kv_dtype=engine.config.kv_cache_dtype
+        model,
+        MAX_MODEL_LEN,
+        1,
+        MAX_MODEL_LEN,
+        "cpu",
+        c.dtype,
+        c.weight_dtype,
+        kv_dtype=c.kv_cache_dtype,
+        int16_activations=c.activations == "int16",
     )
     # A Gated DeltaNet layer's chunked prefill rounds by where its chunks fall, so a resumed prefix's KV
     # equals a fresh one's to rounding only; every other layer kind is exact.

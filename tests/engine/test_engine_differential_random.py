@@ -39,7 +39,7 @@ import functools
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -105,6 +105,9 @@ class Case:
     # cache may keep (tiny: they are evicted).
     state_checkpoint_interval: int = 0
     state_checkpoints: int = 256
+    # The weights: float32 (the float64 runs), or q8_0 in float32 on the native path, whose steps (prefill
+    # chunks too) run in the one-call native decoder.
+    weights: str = "float32"
 
 
 # A small alphabet makes accidental shared prefixes and partial-block hits common.
@@ -286,6 +289,38 @@ def test_engine_matches_a_no_cache_engine_token_for_token(
 
 
 @pytest.fixture(scope="module")
+def decoder_reference(tiny_model: LoadedModel) -> Engine:
+    """The no-cache engine on q8_0 weights in float32, op by op: its native decoder detached."""
+    engine = engine_with_blocks(
+        tiny_model,
+        1024,
+        16,
+        enable_prefix_caching=False,
+        attention="native",
+        speculative="off",
+        dtype="float32",
+        weight_dtype="q8_0",
+    )
+    assert engine.runner.transformer.decoder is not None
+    engine.runner.transformer.decoder = None
+    return engine
+
+
+@settings(SETTINGS, max_examples=max(EXAMPLES // 8, 1))
+@given(case=cases())
+def test_native_decoder_engine_matches_a_per_op_no_cache_engine(
+    tiny_model: LoadedModel, decoder_reference: Engine, redis_session: RedisServer, case: Case
+) -> None:
+    """Every step of the tiny Llama on native products and attention runs in the one-call decoder
+    (prompts, chunks and drafts too), with the prefix cache, its tiers and speculation as drawn: token
+    for token what the per-op path gives each request alone (float32: the native path's rows keep their
+    bits in any batch)."""
+    check_case(
+        tiny_model, decoder_reference, redis_session, replace(case, attention="native", weights="q8_0")
+    )
+
+
+@pytest.fixture(scope="module")
 def sliding_references(sliding_model: Callable[[str, int], LoadedModel]) -> Callable[[str, int], Engine]:
     """The no-cache engine on each sliding model (portable attention), made on first use."""
     engines: dict[tuple[str, int], Engine] = {}
@@ -430,6 +465,7 @@ def check_case(model: LoadedModel, reference: Engine, redis_session: RedisServer
             secret=REDIS_SECRET,
             state_checkpoint_interval=case.state_checkpoint_interval,
             state_checkpoints=case.state_checkpoints,
+            **({} if case.weights == "float32" else {"dtype": "float32", "weight_dtype": case.weights}),
         )
         oracle = None
         if case.speculative == "oracle":
