@@ -336,7 +336,7 @@ class Transformer:
                 meta.slot_mapping,
                 step_tables,
                 sliding.slot_mapping,
-                sliding.step_rows()[0],
+                step_tables if sliding is meta else sliding.step_rows()[0],
                 lens,
                 attention.kernel,
                 None if rows is None else rows.slots,

@@ -433,7 +433,8 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
     const int together = type == TYPE_Q2_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
     float sd[Q16_ROW_COLS][16], sm[Q16_ROW_COLS][16];
     /* With eight outputs, their scales and offsets side by side, one vector per sub-block (or half): the
-     * K-quants' transposed once per super-block, the float16 fields of the others read eight at a time. */
+     * K-quants' unpacked for the eight at once per super-block (Q2_K's one output at a time, then
+     * transposed), the float16 and E8M0 fields of the blocks of 32 read eight at a time. */
     const int by_vector = cols == Q16_ROW_COLS && (together || f16_scales(type) || type == TYPE_MXFP4);
     float sdt[16][Q16_ROW_COLS], smt[16][Q16_ROW_COLS];
     /* The K-quants but Q2_K take their eight outputs' scales side by side (super_scales8). */
