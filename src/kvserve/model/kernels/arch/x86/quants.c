@@ -379,12 +379,6 @@ static ALWAYS_INLINE void dwords8(const uint8_t *w, size_t rs, size_t at, __m256
     v[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
-/* Byte `i` of each lane, bits `shift` .. under `mask`. */
-static ALWAYS_INLINE __m256i lane_bits(__m256i v, int i, int shift, int mask)
-{
-    return _mm256_and_si256(_mm256_srli_epi32(v, 8 * i + shift), _mm256_set1_epi32(mask));
-}
-
 /* super_scales of eight outputs' super-blocks at w (`rs` apart), output c's in lane c: sdt[k][c] and
  * smt[k][c] are its d[k] and m[k]. The same products (each integer scale converted, times the float16
  * field, the offsets negated after), computed for the eight outputs side by side, where super_scales and
@@ -403,20 +397,31 @@ static ALWAYS_INLINE void super_scales8(int type, const uint8_t *w, size_t rs, f
         }
         return;
     }
-    /* Q4_K, Q5_K: v[1], v[2], v[3] are the packed scales' bytes 0-3, 4-7 and 8-11 (super_scales' w[0..2]). */
+    /* Q4_K, Q5_K: v[0] is the float16 d and dmin, v[1], v[2], v[3] the packed scales' bytes 0-3, 4-7 and
+     * 8-11 (super_scales' w[0..2]). The eight 6-bit scales and offsets are put together bytewise first,
+     * four to a lane (byte j % 4 of sc[j / 4], mn[j / 4]), then each taken out by one byte shuffle. */
     dwords8(w, rs, 0, v);
+#if defined(__AVX512VL__)
+    const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(v[0]));
+    const __m256 dmin = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(v[0], 16)));
+#else
     const __m256 d = f16_fields8(w, rs, 0), dmin = f16_fields8(w, rs, 2);
+#endif
+    /* The offsets' products negated by their factor's sign: the same bits as negating the product. */
+    const __m256 neg_dmin = _mm256_xor_ps(dmin, negative);
+    const __m256i six = _mm256_set1_epi8(0x3f), four = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+    const __m256i sc[2] = {_mm256_and_si256(v[1], six),
+                           _mm256_or_si256(_mm256_and_si256(v[3], four),
+                                           _mm256_and_si256(_mm256_srli_epi32(v[1], 2), top))};
+    const __m256i mn[2] = {_mm256_and_si256(v[2], six),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v[3], 4), four),
+                                           _mm256_and_si256(_mm256_srli_epi32(v[2], 2), top))};
     for (int j = 0; j < 8; j++) {
-        __m256i sc, mn;
-        if (j < 4) {
-            sc = lane_bits(v[1], j, 0, 0x3f);
-            mn = lane_bits(v[2], j, 0, 0x3f);
-        } else {
-            sc = _mm256_or_si256(lane_bits(v[3], j - 4, 0, 0x0f), _mm256_slli_epi32(lane_bits(v[1], j - 4, 6, 3), 4));
-            mn = _mm256_or_si256(lane_bits(v[3], j - 4, 4, 0x0f), _mm256_slli_epi32(lane_bits(v[2], j - 4, 6, 3), 4));
-        }
-        _mm256_storeu_ps(sdt[j], _mm256_mul_ps(_mm256_cvtepi32_ps(sc), d));
-        _mm256_storeu_ps(smt[j], _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mn), dmin), negative));
+        const char k = (char)(j % 4), z = (char)0x80;
+        const __m256i pick = _mm256_setr_epi8(k, z, z, z, k + 4, z, z, z, k + 8, z, z, z, k + 12, z, z, z, k, z, z,
+                                              z, k + 4, z, z, z, k + 8, z, z, z, k + 12, z, z, z);
+        _mm256_storeu_ps(sdt[j], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(sc[j / 4], pick)), d));
+        _mm256_storeu_ps(smt[j], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(mn[j / 4], pick)), neg_dmin));
     }
 }
 
