@@ -381,12 +381,12 @@ static ALWAYS_INLINE void dwords8(const uint8_t *w, size_t rs, size_t at, __m256
 
 /* super_scales of eight outputs' super-blocks at w (`rs` apart), output c's in lane c: sdt[k][c] and
  * smt[k][c] are its d[k] and m[k]. The same products (each integer scale converted, times the float16
- * field, the offsets negated after), computed for the eight outputs side by side, where super_scales and
- * a transpose took one output at a time. Q4_K, Q5_K and Q6_K. */
+ * field; the offsets times the negated field, the same bits as negating the product), computed for the
+ * eight outputs side by side, where super_scales and a transpose took one output at a time. Q4_K, Q5_K
+ * and Q6_K. */
 static ALWAYS_INLINE void super_scales8(int type, const uint8_t *w, size_t rs, float sdt[][Q16_ROW_COLS],
                                         float smt[][Q16_ROW_COLS])
 {
-    const __m256 negative = _mm256_set1_ps(-0.0f);
     __m256i v[4];
     if (type == TYPE_Q6_K) {
         dwords8(w, rs, 192, v);
@@ -407,8 +407,7 @@ static ALWAYS_INLINE void super_scales8(int type, const uint8_t *w, size_t rs, f
 #else
     const __m256 d = f16_fields8(w, rs, 0), dmin = f16_fields8(w, rs, 2);
 #endif
-    /* The offsets' products negated by their factor's sign: the same bits as negating the product. */
-    const __m256 neg_dmin = _mm256_xor_ps(dmin, negative);
+    const __m256 neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
     const __m256i six = _mm256_set1_epi8(0x3f), four = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
     const __m256i sc[2] = {_mm256_and_si256(v[1], six),
                            _mm256_or_si256(_mm256_and_si256(v[3], four),
