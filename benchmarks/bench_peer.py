@@ -12,7 +12,8 @@ before the load) and after the runs, and sampled throughout for its peak (peer-r
 Speculation: the copy-heavy workloads (`repeat`, `code-edit`, `agent-loop`) run on four servers side by
 side: kvserve with its default speculation, kvserve with `--speculative off`, llama-server with its own
 (`--spec-default`, n-gram drafting) and llama-server without. sharegpt runs on kvserve with speculation off
-as well, to check that speculation does not lose on ordinary chat, and so does the one-conversation
+as well, to check that speculation does not lose on ordinary chat (`sharegpt-1` and `sharegpt-8` check it
+at 1 and 8 conversations in flight, on conversations of their own), and so does the one-conversation
 multiturn run, whose replies (ignore_eos past the end of turn) copy the conversation.
 peer-speculation gathers the time per output token, the acceptance and the targets' ratios. Every
 llama-server runs with `--metrics`, so its acceptance is read from its counters. Results and plots go to
@@ -69,6 +70,8 @@ KVSERVE_SPEC_OFF, LLAMA_SPEC = "kvserve-spec-off", "llama.cpp-spec"
 # and its output on ShareGPT at least this much of its own without speculation.
 REPEAT_TPOT_MAX = 0.6
 SHAREGPT_OUTPUT_MIN = 0.97
+# The conversations in flight at which ShareGPT checks speculation (4: the `sharegpt` workload).
+SHAREGPT_LOADS = (1, 4, 8)
 
 
 def cpu_flags() -> set[str]:
@@ -245,11 +248,24 @@ WORKLOADS: dict[str, PeerWorkload] = {
     "sharegpt": PeerWorkload(
         ("sharegpt", "--conversations", "8", "--max-in-flight", "4"), (KVSERVE, LLAMA, KVSERVE_SPEC_OFF)
     ),
+    # Speculation's check at the other loads, each on conversations of its own (its seed): a server's
+    # drafter remembers the replies it gave, and replaying them would measure that memory.
+    **{
+        f"sharegpt-{n}": PeerWorkload(
+            ("sharegpt", "--conversations", "8", "--max-in-flight", str(n), "--seed", str(n)),
+            (KVSERVE, KVSERVE_SPEC_OFF),
+        )
+        for n in SHAREGPT_LOADS
+        if n != 4
+    },
     "repeat": PeerWorkload(("repeat", "--conversations", "4", "--reply-tokens", "300"), COPY_TARGETS),
     "code-edit": PeerWorkload(("code-edit", "--conversations", "2", "--reply-tokens", "1000"), COPY_TARGETS),
     "agent-loop": PeerWorkload(("agent-loop", "--conversations", "2", "--turns", "4"), COPY_TARGETS),
 }
 COPY_WORKLOADS = ("repeat", "code-edit", "agent-loop")
+# The ShareGPT workload at each load of SHAREGPT_LOADS.
+SHAREGPT_WORKLOADS = {n: "sharegpt" if n == 4 else f"sharegpt-{n}" for n in SHAREGPT_LOADS}
+SPECULATION_WORKLOADS = (*COPY_WORKLOADS, *SHAREGPT_WORKLOADS.values())
 
 
 def servers_needed(workloads: Sequence[str]) -> set[str]:
@@ -299,7 +315,7 @@ def speculation_summary(reports: dict[str, dict[str, Any]]) -> tuple[dict[str, A
         "greedy loops |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for name in (*COPY_WORKLOADS, "sharegpt"):
+    for name in SPECULATION_WORKLOADS:
         report = reports.get(name)
         if report is None:
             continue
@@ -335,14 +351,13 @@ def speculation_summary(reports: dict[str, dict[str, Any]]) -> tuple[dict[str, A
 def _targets(rows: dict[str, dict[str, dict[str, Any]]]) -> dict[str, tuple[float | None, float, bool]]:
     """Each target: (measured ratio, limit, whether the ratio must stay at most the limit)."""
     repeat = rows.get("repeat", {})
-    sharegpt = rows.get("sharegpt", {})
 
     def tpot(name: str) -> float | None:
         value: float | None = repeat.get(name, {}).get("tpot_s")
         return value
 
-    def output(name: str) -> float | None:
-        value: float | None = sharegpt.get(name, {}).get("output_tokens_per_s")
+    def output(workload: str, name: str) -> float | None:
+        value: float | None = rows.get(workload, {}).get(name, {}).get("output_tokens_per_s")
         return value
 
     return {
@@ -356,11 +371,14 @@ def _targets(rows: dict[str, dict[str, dict[str, Any]]]) -> dict[str, tuple[floa
             REPEAT_TPOT_MAX,
             True,
         ),
-        "sharegpt, output tokens/s, kvserve / kvserve --speculative off": (
-            ratio(output(KVSERVE), output(KVSERVE_SPEC_OFF)),
-            SHAREGPT_OUTPUT_MIN,
-            False,
-        ),
+        **{
+            f"sharegpt, {n} in flight, output tokens/s, kvserve / kvserve --speculative off": (
+                ratio(output(workload, KVSERVE), output(workload, KVSERVE_SPEC_OFF)),
+                SHAREGPT_OUTPUT_MIN,
+                False,
+            )
+            for n, workload in SHAREGPT_WORKLOADS.items()
+        },
     }
 
 
@@ -381,7 +399,7 @@ def _acceptance(row: dict[str, Any]) -> str:
 def write_speculation(workloads: Sequence[str], folder: str) -> None:
     reports = {}
     for name in workloads:
-        if name in (*COPY_WORKLOADS, "sharegpt"):
+        if name in SPECULATION_WORKLOADS:
             with open(report_path(folder, name)) as f:
                 reports[name] = json.load(f)
     if reports:

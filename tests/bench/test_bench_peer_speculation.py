@@ -31,6 +31,13 @@ def test_copy_workloads_run_on_kvserve_and_llama_cpp_with_and_without_speculatio
         assert set(WORKLOADS[name].targets) == {KVSERVE, KVSERVE_SPEC_OFF, LLAMA_SPEC, LLAMA}
         assert WORKLOADS[name].targets[0] == KVSERVE
     assert WORKLOADS["sharegpt"].targets == (KVSERVE, LLAMA, KVSERVE_SPEC_OFF)
+    for name in ("sharegpt-1", "sharegpt-8"):
+        assert WORKLOADS[name].targets == (KVSERVE, KVSERVE_SPEC_OFF)
+    # Each load replays conversations of its own: a drafter remembers the replies it gave.
+    chats = [WORKLOADS[name].bench for name in ("sharegpt-1", "sharegpt", "sharegpt-8")]
+    assert [bench[0] for bench in chats] == ["sharegpt"] * 3
+    seeds = [bench[bench.index("--seed") + 1] if "--seed" in bench else "0" for bench in chats]
+    assert len(set(seeds)) == 3
     assert WORKLOADS["multiturn-1"].targets == (KVSERVE, LLAMA, KVSERVE_SPEC_OFF)
     assert servers_needed(["multiturn-8", "shared-prefix"]) == {KVSERVE, LLAMA}
     assert servers_needed(["sharegpt"]) == {KVSERVE, LLAMA, KVSERVE_SPEC_OFF}
@@ -89,7 +96,14 @@ def test_the_summary_computes_the_targets_ratios_from_the_reports() -> None:
             _run(KVSERVE_SPEC_OFF, {1: 0.02}, 100.0, SpeculationDelta(0.0, 0.0, 0.0)),
         ],
     )
-    data, table = speculation_summary({"repeat": repeat, "sharegpt": sharegpt})
+    alone = _report(
+        Workload("sharegpt", "chat", (), 64, 1, {}),
+        [
+            _run(KVSERVE, {1: 0.01}, 110.0, SpeculationDelta(5.0, 10.0, 8.0)),
+            _run(KVSERVE_SPEC_OFF, {1: 0.01}, 100.0, SpeculationDelta(0.0, 0.0, 0.0)),
+        ],
+    )
+    data, table = speculation_summary({"repeat": repeat, "sharegpt": sharegpt, "sharegpt-1": alone})
     rows = data["workloads"]["repeat"]
     # Turn 2's TPOT is the figure, not the whole run's.
     assert rows[KVSERVE]["tpot_s"] == pytest.approx(0.010) and rows[LLAMA]["tpot_s"] == pytest.approx(0.040)
@@ -100,16 +114,22 @@ def test_the_summary_computes_the_targets_ratios_from_the_reports() -> None:
     assert spec_vs_off["value"] == pytest.approx(0.4) and spec_vs_off["met"] is True
     vs_llama = targets["repeat, turn 2 TPOT, kvserve / llama.cpp --spec-default"]
     assert vs_llama["value"] == pytest.approx(0.5) and vs_llama["met"] is True
-    chat = targets["sharegpt, output tokens/s, kvserve / kvserve --speculative off"]
+    chat = targets["sharegpt, 4 in flight, output tokens/s, kvserve / kvserve --speculative off"]
     assert chat["value"] == pytest.approx(0.96) and chat["met"] is False
+    one = targets["sharegpt, 1 in flight, output tokens/s, kvserve / kvserve --speculative off"]
+    assert one["value"] == pytest.approx(1.1) and one["met"] is True
+    eight = targets["sharegpt, 8 in flight, output tokens/s, kvserve / kvserve --speculative off"]
+    assert eight["value"] is None and eight["met"] is None
+    assert "| sharegpt-1 | kvserve | 10.0 | 110.0 | 80.0% |" in table
     assert "| repeat | kvserve | 10.0 | 50.0 | 75.0% | 3.00 | 0 of 0 |" in table
     assert "| repeat | llama.cpp | 40.0 | 25.0 | n/a | n/a | 0 of 0 |" in table
     assert "| repeat | kvserve-spec-off | 25.0 | 40.0 | none drafted | n/a | 0 of 0 |" in table
     assert (
-        "sharegpt, output tokens/s, kvserve / kvserve --speculative off: 0.96x (at least 0.97x: missed)"
-        in table
+        "sharegpt, 4 in flight, output tokens/s, kvserve / kvserve --speculative off: 0.96x (at least 0.97x: "
+        "missed)" in table
     )
     # A run without sharegpt leaves its target unmeasured rather than failed.
     partial, text = speculation_summary({"repeat": repeat})
-    assert partial["targets"]["sharegpt, output tokens/s, kvserve / kvserve --speculative off"]["met"] is None
+    label = "sharegpt, 4 in flight, output tokens/s, kvserve / kvserve --speculative off"
+    assert partial["targets"][label]["met"] is None
     assert "not measured" in text

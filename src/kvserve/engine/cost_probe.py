@@ -5,9 +5,12 @@ Each probe step decodes 1 or 4 sequences, each with 0, 2 or 4 draft rows, at a s
 on blocks taken from the pool's free list for that step only and handed back in the order taken (the
 free list is then as it was). Nothing else is touched: no sequence is admitted, nothing is published to
 the prefix cache or counted, and no request sees the blocks' contents (a block's KV is always written
-before it is read). The steps stop once `budget_s` is spent (after the warm-up and MIN_STEPS steps), so
-a big model probes with three steps. `probe_steps` gives the same steps one at a time, so that a server
-answers between them (engine/async_engine.py runs them once it listens).
+before it is read). The shapes run in up to ROUNDS rounds and each keeps its fastest time: another process
+on the cores only ever slows a step, and one slowed step among a handful would skew the fit (which a
+server that always decodes one sequence never corrects: its steps cannot tell the fixed part from a
+row). The steps stop once `budget_s` is spent (after the warm-up and MIN_STEPS shapes), so a big model
+probes with three steps. `probe_steps` gives the same steps one at a time, so that a server answers
+between them (engine/async_engine.py runs them once it listens).
 """
 
 import math
@@ -21,8 +24,10 @@ from kvserve.model.runner import ForwardBatch, ModelRunner, SequenceChunk
 PROBE_BUDGET_S = 1.0
 # (decodes, draft rows per decode), in the order run: the first warms the kernels and is not kept.
 SHAPES = ((1, 0), (1, 0), (1, 4), (4, 0), (4, 2), (1, 2))
-# The steps kept whatever the budget: a decode alone and with draft rows, the least that tells a row's cost.
+# The shapes kept whatever the budget: a decode alone and with draft rows, the least that tells a row's cost.
 MIN_STEPS = 2
+# Rounds of the shapes (the warm-up runs once), budget permitting.
+ROUNDS = 3
 # The decodes' context lengths, taken in turn; cut to what the pool and the context allow.
 CONTEXTS = (32, 512)
 
@@ -41,8 +46,9 @@ def probe(
     clock: Callable[[], float],
     budget_s: float = PROBE_BUDGET_S,
 ) -> list[ProbeStep]:
-    """Timed steps of `SHAPES` (the warm-up left out); fewer when the budget runs out (MIN_STEPS at least),
-    none when the pool or the context cannot hold the smallest one."""
+    """Each shape of `SHAPES` (the warm-up left out) with its fastest time over the rounds run; fewer shapes
+    when the budget runs out (MIN_STEPS at least), none when the pool or the context cannot hold the
+    smallest one."""
     return [s for s in probe_steps(runner, kv, max_model_len, clock, budget_s) if s is not None]
 
 
@@ -53,23 +59,26 @@ def probe_steps(
     clock: Callable[[], float],
     budget_s: float = PROBE_BUDGET_S,
 ) -> Iterator[ProbeStep | None]:
-    """`probe`'s steps, each run as it is asked for: None for the warm-up. Each step takes its blocks
-    from the free list as it is then and hands them back before it yields."""
-    kept = 0
+    """`probe`'s steps, each run as it is asked for (yielding None), then the shapes' fastest times, which
+    run nothing. Each step takes its blocks from the free list as it is then and hands them back before
+    it yields."""
+    fastest: dict[int, ProbeStep] = {}
     started = clock()
     vocab = runner.transformer.config.vocab_size
-    for i, (decodes, drafts) in enumerate(SHAPES):
+    runs = [(0, SHAPES[0])] + [(i, shape) for _ in range(ROUNDS) for i, shape in enumerate(SHAPES) if i]
+    for i, (decodes, drafts) in runs:
         context = _context(kv, max_model_len, decodes, drafts, CONTEXTS[i % len(CONTEXTS)])
         if context < 1:
             continue
         seconds = _timed_step(runner, kv, clock, decodes, drafts, context, vocab)
+        yield None
         if i == 0:
-            yield None
             continue
-        kept += 1
-        yield ProbeStep(decodes, drafts, seconds)
-        if kept >= MIN_STEPS and clock() - started >= budget_s:
-            return
+        if i not in fastest or seconds < fastest[i].seconds:
+            fastest[i] = ProbeStep(decodes, drafts, seconds)
+        if len(fastest) >= MIN_STEPS and clock() - started >= budget_s:
+            break
+    yield from (fastest[i] for i in sorted(fastest))
 
 
 def _context(kv: KVCacheManager, max_model_len: int, decodes: int, drafts: int, wanted: int) -> int:

@@ -11,7 +11,10 @@ Timing values are input: a step time may be NaN, zero, negative or huge (a clock
 paused), and counts may be anything. Nothing here raises for them: a time outside [MIN_STEP_S,
 MAX_STEP_S] is clamped, one far from the fit is cut back to a few deviations of it (Huber), and the fit
 is pulled toward the anchor (the probe's figures) so that a kind of row the steps stop showing keeps its
-last estimate instead of drifting, and every figure is clamped to a finite positive range.
+last estimate instead of drifting, and every figure is clamped to a finite positive range. A draft row is
+pulled toward the decode row's cost instead: it is the same computation (a row through every layer and
+its logits), and steps without drafts never correct a draft figure, so a probe that misjudged it (a
+busy machine) would otherwise keep the drafter off for good.
 """
 
 import math
@@ -39,6 +42,7 @@ DECAY = 0.995
 # 256 prefill tokens each): next to the fit's 200 steps, a tie-breaker for kinds the steps do not show.
 ANCHOR_STEPS = 0.5
 _TYPICAL = np.array([1.0, 4.0, 4.0, 256.0])
+_DRAFT_LESS_DECODE = np.array([0.0, -1.0, 1.0, 0.0])
 # A step time further than HUBER deviations from the fit counts as if it were HUBER deviations away
 # (relative deviations: the mean of |time / predicted - 1|, at least MIN_DEVIATION as timers are not exact).
 HUBER = 4.0
@@ -158,9 +162,14 @@ class StepCostEstimator:
         now = self.costs
         decode_step = now.time(4, 0, 0)
         typical_time = np.array([decode_step, decode_step, now.time(4, 4, 0), now.time(0, 0, 256)])
-        ridge = np.diag(ANCHOR_STEPS * (_TYPICAL / typical_time) ** 2)
+        weights = ANCHOR_STEPS * (_TYPICAL / typical_time) ** 2
+        # The draft figure's weight ties it to the decode figure (a penalty on their difference) rather
+        # than to the anchor's draft figure.
+        tie = weights[2] * np.outer(_DRAFT_LESS_DECODE, _DRAFT_LESS_DECODE)
+        weights[2] = 0.0
+        ridge = np.diag(weights)
         try:
-            fit = np.linalg.solve(self._gram + ridge, self._moment + ridge @ anchor)
+            fit = np.linalg.solve(self._gram + ridge + tie, self._moment + ridge @ anchor)
         except np.linalg.LinAlgError:
             return  # keeps the last figures
         self.costs = StepCosts.clamped(fit)
