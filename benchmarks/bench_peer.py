@@ -273,11 +273,11 @@ def servers_needed(workloads: Sequence[str]) -> set[str]:
 
 
 def kvserve_flag_sets(flags: Sequence[str], needed: set[str]) -> list[list[str]]:
-    """kvserve's command lines: as asked, and with speculation off where a workload needs that one."""
-    sets = [list(flags)]
-    if KVSERVE_SPEC_OFF in needed:
-        sets.append([*flags, "--speculative", "off"])
-    return sets
+    """kvserve's command lines: with speculation off where a workload needs that one, then as asked. The
+    servers start in this order, one at a time, so the last (speculation on by default) runs its startup
+    probe with no server starting beside it."""
+    sets = [[*flags, "--speculative", "off"]] if KVSERVE_SPEC_OFF in needed else []
+    return [*sets, list(flags)]
 
 
 def target_args(workload: PeerWorkload, urls: dict[str, str]) -> list[str]:
@@ -425,9 +425,9 @@ def main() -> None:
         if LLAMA_SPEC in needed:
             urls[LLAMA_SPEC] = stack.enter_context(llama_server(binary, PORT + 1, speculative=True))
         kvservers = stack.enter_context(local_servers(kvserve_flag_sets(flags, needed), 300))
-        urls[KVSERVE] = kvservers[0]
+        urls[KVSERVE] = kvservers[-1]
         if KVSERVE_SPEC_OFF in needed:
-            urls[KVSERVE_SPEC_OFF] = kvservers[1]
+            urls[KVSERVE_SPEC_OFF] = kvservers[0]
         rss = stack.enter_context(
             PeakRss({KVSERVE: listening_pid(urls[KVSERVE]), LLAMA: listening_pid(urls[LLAMA])})
         )

@@ -18,18 +18,19 @@ _HOST = "127.0.0.1"
 
 @contextmanager
 def local_servers(flag_sets: Sequence[Sequence[str]], startup_timeout_s: float) -> Iterator[list[str]]:
-    """Starts one `kvserve serve` per flag set, yields their base URLs once all are healthy, stops them."""
+    """Starts one `kvserve serve` per flag set, in order, each once the one before is healthy; yields their
+    base URLs, stops them. One at a time: a server times its steps once it listens (speculation's startup
+    probe), and another server's start beside it would skew what it measures."""
     with ExitStack() as stack:
-        servers: list[tuple[list[str], subprocess.Popen[bytes], IO[bytes], str]] = []
+        urls: list[str] = []
         for flags, port in zip(flag_sets, _free_ports(len(flag_sets)), strict=True):
             command = [sys.executable, "-m", "kvserve", "serve", "--host", _HOST, "--port", str(port), *flags]
             log: IO[bytes] = stack.enter_context(tempfile.TemporaryFile())
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             stack.callback(_stop, process)
-            servers.append((command, process, log, f"http://{_HOST}:{port}"))
-        for command, process, log, url in servers:
-            _wait_healthy(command, process, log, url, startup_timeout_s)
-        yield [url for _, _, _, url in servers]
+            urls.append(f"http://{_HOST}:{port}")
+            _wait_healthy(command, process, log, urls[-1], startup_timeout_s)
+        yield urls
 
 
 def _free_ports(n: int) -> list[int]:
