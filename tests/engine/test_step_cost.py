@@ -33,11 +33,14 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.step_cost import (
     MAX_ROW_SHARE,
     MAX_STEP_S,
+    MIN_BUCKET_STEPS,
     MIN_FIXED_SHARE,
     MIN_ROW_SHARE,
     MIN_STEP_S,
+    LoadCostEstimator,
     StepCostEstimator,
     StepCosts,
+    load_bucket,
 )
 from kvserve.model.loader import LoadedModel
 from kvserve.model.runner import ForwardBatch, StepLogits
@@ -129,26 +132,63 @@ def test_a_fit_below_a_zero_fixed_part_keeps_a_share_of_the_lone_decode() -> Non
     assert math.isclose(costs.time(1, 0, 0), 0.010, rel_tol=0.1)
 
 
+def _concave(decodes: int, drafts: int, prefill: int) -> float:
+    """A step whose time grows as the square root of its rows: weights read once serve every row."""
+    return 0.004 + 0.0025 * math.sqrt(decodes + drafts) + 0.0002 * prefill
+
+
+def test_a_lone_streams_row_share_is_its_own_after_a_burst_of_eight_streams() -> None:
+    """One line through steps of one and of eight sequences misjudges both (served after a burst of eight
+    streams, one stream's draft rows were fitted at three times its decode row, and nothing was drafted):
+    the drafter weighs each load by the steps of its own bucket."""
+    rng = random.Random(3)
+    estimator = LoadCostEstimator(1.0)
+    alone = StepCostEstimator(1.0)  # the one-sequence steps only
+    for _ in range(300):
+        drafts = rng.choice([0, 0, rng.randint(1, 8)])
+        estimator.observe(1, drafts, 0, _concave(1, drafts, 0))
+        alone.observe(1, drafts, 0, _concave(1, drafts, 0))
+    for _ in range(300):
+        drafts = rng.choice([0, 0, rng.randint(1, 16)])
+        estimator.observe(8, drafts, 0, _concave(8, drafts, 0))
+    assert estimator.costs.at(1) == alone.costs
+    line = estimator.overall.costs.row_share(1)
+    assert not math.isclose(line, alone.costs.row_share(1), rel_tol=0.3), line
+    assert estimator.costs.row_share(8) != line
+
+
+def test_a_bucket_answers_for_its_loads_only_once_it_has_seen_enough_steps() -> None:
+    estimator = LoadCostEstimator(1.0)
+    for _ in range(MIN_BUCKET_STEPS - 1):
+        estimator.observe(4, 2, 0, _concave(4, 2, 0))
+    assert estimator.costs.at(5) == estimator.costs.overall
+    estimator.observe(4, 0, 0, _concave(4, 0, 0))
+    costs = estimator.costs
+    assert costs.at(5) is costs.by_load[load_bucket(4)] and costs.at(5) is not None
+    # Loads map to the last bucket at or below them, any count to some bucket.
+    assert [load_bucket(n) for n in (-5, 0, 1, 2, 3, 4, 7, 8, 2**70)] == [0, 0, 0, 1, 1, 2, 2, 3, 3]
+
+
 counts = st.integers(-(2**70), 2**70)
 times = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, -0.0, -1.0, 1e-300, 1e300])
 
 
 @settings(max_examples=150, deadline=None)
-@given(steps=st.lists(st.tuples(counts, counts, counts, times), max_size=40), row_cost=times)
+@given(steps=st.lists(st.tuples(counts, counts, counts, times), max_size=80), row_cost=times)
 def test_any_timing_value_leaves_the_costs_finite_and_bounded(
     steps: list[tuple[int, int, int, float]], row_cost: float
 ) -> None:
-    estimator = StepCostEstimator(row_cost)
+    estimator = LoadCostEstimator(row_cost)
     for decodes, drafts, prefill, seconds in steps:
         estimator.observe(decodes, drafts, prefill, seconds)
         if decodes == 3:
             estimator.anchor(StepCosts(seconds, seconds, -seconds, row_cost))
-        costs = estimator.costs
-        assert MIN_STEP_S <= costs.fixed <= MAX_STEP_S
-        for row in (costs.decode, costs.draft, costs.prefill):
-            assert MIN_ROW_SHARE * costs.fixed <= row <= MAX_ROW_SHARE * costs.fixed
         for load in (-(2**70), 0, 1, decodes, 2**70):
-            share = costs.row_share(load)
+            costs = estimator.costs.at(load)
+            assert MIN_STEP_S <= costs.fixed <= MAX_STEP_S
+            for row in (costs.decode, costs.draft, costs.prefill):
+                assert MIN_ROW_SHARE * costs.fixed <= row <= MAX_ROW_SHARE * costs.fixed
+            share = estimator.costs.row_share(load)
             assert math.isfinite(share) and share > 0
 
 
@@ -290,7 +330,7 @@ def test_a_step_slowed_by_another_process_leaves_the_probes_figures_as_they_were
     busy = _engine_on_clock(tiny_model, SpikyClock(fixed=0.002, row=0.001, spikes={2, 6}, extra=0.02))
     assert calm.step_costs is not None and busy.step_costs is not None
     # The same figures, up to the clock's rounding (its times are differences of sums).
-    assert _close(busy.step_costs.costs, calm.step_costs.costs, 1e-9), busy.step_costs.costs
+    assert _close(busy.step_costs.costs.overall, calm.step_costs.costs.overall, 1e-9), busy.step_costs.costs
 
 
 def test_the_first_step_finishes_a_probe_left_for_later(tiny_model: LoadedModel) -> None:

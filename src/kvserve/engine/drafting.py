@@ -14,10 +14,10 @@ rows of the step and reports how much was accepted.
   namespaces or tenants (the acceptance rate shows in timing), never across the boundary between two
   replies.
 - Length: a draft token is worth its extra row while its chance of acceptance exceeds the row's share of
-  the step (`StepCosts.row_share`, from what steps measured on this machine and model: `costs`, which the
-  engine keeps up to date, engine/step_cost.py). The chance is a per-token estimate (`acceptance`): a
-  prior from the match length, updated by the sequence's own verified drafts, per class of match length,
-  with evidence that fades.
+  the step (`StepCosts.row_share`, from what steps at that load measured on this machine and model:
+  `costs`, which the engine keeps up to date, engine/step_cost.py). The chance is a per-token estimate
+  (`acceptance`): a prior from the match length, updated by the sequence's own verified drafts, per class
+  of match length, with evidence that fades.
 
 Everything depends only on this object's state (`costs` included): no clock, no randomness, so a run
 given the same costs replays alike.
@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvserve.engine.request import DEFAULT_TENANT
-from kvserve.engine.step_cost import StepCosts
+from kvserve.engine.step_cost import RowShares, StepCosts
 
 Keys = npt.NDArray[np.uint64]
 
@@ -428,8 +428,8 @@ class Drafter:
         self.max_tokens = max_tokens
         self._sequences: dict[str, _Sequence] = {}
         self._replies = _Replies(max(namespace_tokens, 0), max(tenant_tokens, 0), max(total_tokens, 0))
-        # What a step and its rows cost; the engine sets the measured figures.
-        self.costs = DEFAULT_COSTS
+        # What a step and its rows cost; the engine sets the measured figures (per load).
+        self.costs: RowShares = DEFAULT_COSTS
 
     def propose(
         self,

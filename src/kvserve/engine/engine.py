@@ -24,7 +24,7 @@ from kvserve.engine.request import DEFAULT_TENANT, Request
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import ScheduledStep
 from kvserve.engine.speculation import Taken, verify
-from kvserve.engine.step_cost import StepCostEstimator, StepCosts
+from kvserve.engine.step_cost import LoadCostEstimator, RowShares, StepCosts
 from kvserve.engine.text_stream import TextStream
 from kvserve.engine.validation import CheckedPrompt, validate_request, validate_token_ids
 from kvserve.errors import InvalidRequestError
@@ -109,7 +109,7 @@ class Engine:
         self.generation_tokens = 0
         self.clock = clock
         # Speculation's cost model: a probe now, then every step (none where speculation is off).
-        self.step_costs = StepCostEstimator(ROW_COST) if self.scheduler.drafter is not None else None
+        self.step_costs = LoadCostEstimator(ROW_COST) if self.scheduler.drafter is not None else None
         self._probe: Iterator[ProbeStep | None] | None = None
         if self.step_costs is not None:
             self._probe = probe_steps(self.runner, self.kv, self.max_model_len, self.clock)
@@ -144,7 +144,7 @@ class Engine:
         except StopIteration:
             self._probe = None
             if self.step_costs.steps:
-                self.step_costs.anchor(self.step_costs.costs)
+                self.step_costs.anchor(self.step_costs.costs.overall)
             self._use_costs(self.step_costs.costs)
             return
         if step is not None:
@@ -154,7 +154,7 @@ class Engine:
         while self._probe is not None:
             self.probe_step()
 
-    def _use_costs(self, costs: StepCosts) -> None:
+    def _use_costs(self, costs: RowShares) -> None:
         drafter = self.scheduler.drafter
         if isinstance(drafter, Drafter):
             drafter.costs = costs
@@ -291,7 +291,7 @@ class Engine:
             self._measured(self.step_costs, scheduled, self.clock() - began)
         return deltas
 
-    def _measured(self, estimator: StepCostEstimator, scheduled: ScheduledStep, seconds: float) -> None:
+    def _measured(self, estimator: LoadCostEstimator, scheduled: ScheduledStep, seconds: float) -> None:
         """The step took `seconds`: refine what its rows cost (any value is safe, see step_cost.py)."""
         drafts = sum(len(d) for d in scheduled.drafts.values())
         prefill = sum(len(c.token_ids) for _, c in scheduled.prefills)
@@ -486,6 +486,6 @@ class Engine:
             spec_drafts=c.drafts,
             spec_draft_tokens=c.draft_tokens,
             spec_accepted_tokens=c.accepted_tokens,
-            step_costs=None if self.step_costs is None else self.step_costs.costs,
+            step_costs=None if self.step_costs is None else self.step_costs.costs.overall,
             misses_by_reason=dict(c.misses),
         )

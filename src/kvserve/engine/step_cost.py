@@ -17,9 +17,10 @@ its logits), and steps without drafts never correct a draft figure, so a probe t
 busy machine) would otherwise keep the drafter off for good.
 """
 
+import bisect
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +52,11 @@ MIN_DEVIATION = 0.05
 # soon, and the fit then follows, where a lone outlier hardly moves it.
 DEVIATION_DECAY = 0.95
 MAX_ERROR = 1.0
+# The loads (sequences decoding in a step) whose steps are also fitted apart, a step going to the last
+# bucket at or below its load (LoadCostEstimator), and how many steps a bucket sees before it answers
+# for its loads rather than the fit over every step.
+LOAD_BUCKETS = (1, 2, 4, 8)
+MIN_BUCKET_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -173,3 +179,65 @@ class StepCostEstimator:
         except np.linalg.LinAlgError:
             return  # keeps the last figures
         self.costs = StepCosts.clamped(fit)
+
+
+class RowShares(Protocol):
+    """What the drafter weighs a draft row by (StepCosts for one fit, LoadCosts for one per load)."""
+
+    def row_share(self, load: int) -> float: ...
+
+
+def load_bucket(load: int) -> int:
+    """The index of the last of LOAD_BUCKETS at or below `load` (the first for any load below it)."""
+    return max(bisect.bisect_right(LOAD_BUCKETS, load) - 1, 0)
+
+
+@dataclass(frozen=True)
+class LoadCosts:
+    """The fit over every step, and each load bucket's own (None until it has seen MIN_BUCKET_STEPS)."""
+
+    overall: StepCosts
+    by_load: tuple[StepCosts | None, ...]
+
+    def at(self, load: int) -> StepCosts:
+        own = self.by_load[load_bucket(load)]
+        return self.overall if own is None else own
+
+    def row_share(self, load: int) -> float:
+        return self.at(load).row_share(load)
+
+
+class LoadCostEstimator:
+    """A StepCostEstimator over every step, and one per load bucket over the steps of its loads, all
+    anchored alike. A step's time is not linear in its rows on a CPU (weights read once serve every row,
+    and the products change tiles with the row count), so one line through steps of eight sequences and
+    steps of one sequence with drafts misjudges both: after a burst of eight streams, one line fitted a
+    lone stream's draft row at three times its decode row, and the drafter stopped drafting."""
+
+    def __init__(self, row_cost: float) -> None:
+        self.overall = StepCostEstimator(row_cost)
+        self._by_load = [StepCostEstimator(row_cost) for _ in LOAD_BUCKETS]
+
+    @property
+    def steps(self) -> int:
+        return self.overall.steps
+
+    @property
+    def costs(self) -> LoadCosts:
+        return LoadCosts(
+            self.overall.costs,
+            tuple(e.costs if e.steps >= MIN_BUCKET_STEPS else None for e in self._by_load),
+        )
+
+    def anchor(self, costs: StepCosts) -> None:
+        """Pull every fit toward `costs` from now on (the probe's figures)."""
+        self.overall.anchor(costs)
+        for estimator in self._by_load:
+            estimator.anchor(costs)
+
+    def observe(self, decodes: int, drafts: int, prefill: int, seconds: float) -> None:
+        """As StepCostEstimator.observe, into the overall fit and the bucket of `decodes`."""
+        self.overall.observe(decodes, drafts, prefill, seconds)
+        self._by_load[load_bucket(min(max(int(decodes), 0), MAX_ROWS))].observe(
+            decodes, drafts, prefill, seconds
+        )
