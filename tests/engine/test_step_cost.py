@@ -159,6 +159,9 @@ def test_a_lone_streams_row_share_is_its_own_after_a_burst_of_eight_streams() ->
 
 def test_a_bucket_answers_for_its_loads_only_once_it_has_seen_enough_steps() -> None:
     estimator = LoadCostEstimator(1.0)
+    for _ in range(MIN_BUCKET_STEPS):
+        estimator.observe(0, 0, 512, _concave(0, 0, 512))  # prompt chunks alone: no load's bucket
+    assert estimator.costs.by_load == (None,) * len(estimator.costs.by_load)
     for _ in range(MIN_BUCKET_STEPS - 1):
         estimator.observe(4, 2, 0, _concave(4, 2, 0))
     assert estimator.costs.at(5) == estimator.costs.overall

@@ -236,8 +236,9 @@ class LoadCostEstimator:
             estimator.anchor(costs)
 
     def observe(self, decodes: int, drafts: int, prefill: int, seconds: float) -> None:
-        """As StepCostEstimator.observe, into the overall fit and the bucket of `decodes`."""
+        """As StepCostEstimator.observe, into the overall fit and, where it decodes, its load's bucket (a
+        step of prompt chunks alone says nothing of what a decoding step's rows cost)."""
         self.overall.observe(decodes, drafts, prefill, seconds)
-        self._by_load[load_bucket(min(max(int(decodes), 0), MAX_ROWS))].observe(
-            decodes, drafts, prefill, seconds
-        )
+        load = min(max(int(decodes), 0), MAX_ROWS)
+        if load:
+            self._by_load[load_bucket(load)].observe(decodes, drafts, prefill, seconds)
