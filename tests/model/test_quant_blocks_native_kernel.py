@@ -496,11 +496,12 @@ def test_a_build_without_avx512_gives_the_same_bits(avx2_library: Any, int16: bo
 def test_few_int16_rows_have_the_portable_bits_on_every_path_alone_and_in_any_batch(
     avx2_library: Any, name: str
 ) -> None:
-    """int16 batches of 1 to 17 rows: the few-row tiles (1 to 4 rows at a time, up to 7 rows), then a group
-    or half group with the rows past it in the few-row tiles (8 + 1..4, 16 + 1), or padded (8 + 5..7);
-    13 outputs (one 8-output tile and five one-output ones) and 7 (one-output tiles only). The build's
-    tiles, its AVX2 tiles, a build without AVX-512 and the portable path all give each row the bits the
-    portable path gives it alone, at the batch's start and at its end."""
+    """int16 batches of 1 to 33 rows: the few-row tiles (1 to 4 rows at a time, below Q16_GROUP_MIN: 12
+    rows with AVX-512, 25 with AVX2 alone), then groups or half groups with the rows past them in the
+    few-row tiles (8 + 4, 16 + 1..4, 24 + 1) or padded (8 + 5..7, 16 + 5..15); 13 outputs (one 8-output
+    tile and five one-output ones) and 7 (one-output tiles only). The build's tiles, its AVX2 tiles, a
+    build without AVX-512 and the portable path all give each row the bits the portable path gives it
+    alone, at the batch's start and at its end."""
     qtype = ALL[name]
     n_in = row_unit(qtype) * (3 if row_unit(qtype) == QK else 2)
     for n_out in (13, 7):
@@ -511,10 +512,10 @@ def test_few_int16_rows_have_the_portable_bits_on_every_path_alone_and_in_any_ba
             for kw in ({}, {"wide": False}, {"portable": True}, {})
         ]
         paths[-1].lib = avx2_library
-        x = rows(17, n_in)
-        alone = torch.cat([paths[2](x[i : i + 1]) for i in range(17)])
-        for n in range(1, 18):
-            for start in sorted({0, 17 - n}):
+        x = rows(33, n_in)
+        alone = torch.cat([paths[2](x[i : i + 1]) for i in range(33)])
+        for n in range(1, 34):
+            for start in sorted({0, 33 - n}):
                 batch = x[start : start + n]
                 for i, path in enumerate(paths):
                     assert torch.equal(path(batch), alone[start : start + n]), (n_out, n, start, i)

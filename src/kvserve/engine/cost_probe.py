@@ -70,7 +70,7 @@ def probe_steps(
         context = _context(kv, max_model_len, decodes, drafts, CONTEXTS[i % len(CONTEXTS)])
         if context < 1:
             continue
-        seconds = _timed_step(runner, kv, clock, decodes, drafts, context, vocab)
+        seconds = timed_step(runner, kv, clock, decodes, drafts, context, vocab)
         yield None
         if i == 0:
             continue
@@ -88,7 +88,7 @@ def _context(kv: KVCacheManager, max_model_len: int, decodes: int, drafts: int, 
     return min(wanted, per_sequence - drafts - 1, max_model_len - drafts - 1)
 
 
-def _timed_step(
+def timed_step(
     runner: ModelRunner,
     kv: KVCacheManager,
     clock: Callable[[], float],

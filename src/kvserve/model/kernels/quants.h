@@ -65,9 +65,15 @@
 /* int16 rows are taken Q16_GROUP at a time (one row per lane) from Q16_GROUP_MIN rows on: their quants
  * are then also laid out by group (`struct product`'s xt) and the rows padded to a whole group. Fewer rows
  * (and up to Q16_FEW_ROWS rows past the last whole group) take the few-row tiles: Q16_FEW_ROWS rows at a
- * time, each sub-block decoded from the file once for them. */
+ * time, each sub-block decoded from the file once for them. Where the group tiles start paying for widening
+ * the weights, measured as whole decode steps (docs/benchmarks.md): from 12 rows with AVX-512, from 25 with
+ * AVX2 alone. */
 #define Q16_GROUP 16
-#define Q16_GROUP_MIN 8
+#if HAVE_AVX512
+#define Q16_GROUP_MIN 12
+#else
+#define Q16_GROUP_MIN 25
+#endif
 #define Q16_FEW_ROWS 4
 
 /* A type's block: its bytes and the weights it holds (1 for the float types). */
