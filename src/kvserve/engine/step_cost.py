@@ -2,10 +2,11 @@
 
 A step of D decode rows, R draft rows and P prefill tokens takes about
     fixed + D * decode + R * draft + P * prefill
-seconds. `StepCostEstimator` fits the four figures by exponentially weighted least squares over the
-steps it is shown (the startup probe's, engine/cost_probe.py, then every step served), so that they
-follow the machine's load and the model, and the drafter reads them (`StepCosts.row_share`) instead of a
-constant.
+seconds near a given load. `StepCostEstimator` fits the four figures by exponentially weighted least
+squares over the steps it is shown (the startup probe's, engine/cost_probe.py, then every step served),
+so that they follow the machine's load and the model; `LoadCostEstimator` keeps one such fit over every
+step and one per load bucket, as the line is not the same at one sequence and at eight; the drafter reads
+them (`LoadCosts.row_share`) instead of a constant.
 
 Timing values are input: a step time may be NaN, zero, negative or huge (a clock jump, a process
 paused), and counts may be anything. Nothing here raises for them: a time outside [MIN_STEP_S,
