@@ -496,7 +496,7 @@ def test_a_build_without_avx512_gives_the_same_bits(avx2_library: Any, int16: bo
 def test_few_int16_rows_have_the_portable_bits_on_every_path_alone_and_in_any_batch(
     avx2_library: Any, name: str
 ) -> None:
-    """int16 batches of 1 to 33 rows: the few-row tiles (1 to 4 rows at a time, below Q16_GROUP_MIN: 12
+    """int16 batches of 1 to 33 rows: the few-row tiles (1 to 4 rows at a time, below Q16_GROUP_MIN: 10
     rows with AVX-512, 25 with AVX2 alone), then groups or half groups with the rows past them in the
     few-row tiles (8 + 4, 16 + 1..4, 24 + 1) or padded (8 + 5..7, 16 + 5..15); 13 outputs (one 8-output
     tile and five one-output ones) and 7 (one-output tiles only). The build's tiles, its AVX2 tiles, a

@@ -9,8 +9,8 @@ before it is read). The shapes run in up to ROUNDS rounds and each keeps its fas
 on the cores only ever slows a step, and one slowed step among a handful would skew the fit (which a
 server that always decodes one sequence never corrects: its steps cannot tell the fixed part from a
 row). The steps stop once `budget_s` is spent (after the warm-up and MIN_STEPS shapes), so a big model
-probes with three steps. `probe_steps` gives the same steps one at a time, so that a server answers
-between them (engine/async_engine.py runs them once it listens).
+probes with three steps. `probe_steps` gives the steps one at a time, so that a server answers between
+them (engine/async_engine.py runs them once it listens).
 """
 
 import math
@@ -39,19 +39,6 @@ class ProbeStep:
     seconds: float
 
 
-def probe(
-    runner: ModelRunner,
-    kv: KVCacheManager,
-    max_model_len: int,
-    clock: Callable[[], float],
-    budget_s: float = PROBE_BUDGET_S,
-) -> list[ProbeStep]:
-    """Each shape of `SHAPES` (the warm-up left out) with its fastest time over the rounds run; fewer shapes
-    when the budget runs out (MIN_STEPS at least), none when the pool or the context cannot hold the
-    smallest one."""
-    return [s for s in probe_steps(runner, kv, max_model_len, clock, budget_s) if s is not None]
-
-
 def probe_steps(
     runner: ModelRunner,
     kv: KVCacheManager,
@@ -59,9 +46,10 @@ def probe_steps(
     clock: Callable[[], float],
     budget_s: float = PROBE_BUDGET_S,
 ) -> Iterator[ProbeStep | None]:
-    """`probe`'s steps, each run as it is asked for (yielding None), then the shapes' fastest times, which
-    run nothing. Each step takes its blocks from the free list as it is then and hands them back before
-    it yields."""
+    """The probe's steps, each run as it is asked for (yielding None), then each shape of `SHAPES` (the
+    warm-up left out) with its fastest time over the rounds run, which runs nothing: fewer shapes when the
+    budget runs out (MIN_STEPS at least), none when the pool or the context cannot hold the smallest one.
+    Each step takes its blocks from the free list as it is then and hands them back before it yields."""
     fastest: dict[int, ProbeStep] = {}
     started = clock()
     vocab = runner.transformer.config.vocab_size

@@ -66,11 +66,11 @@
  * are then also laid out by group (`struct product`'s xt) and the rows padded to a whole group. Fewer rows
  * (and up to Q16_FEW_ROWS rows past the last whole group) take the few-row tiles: Q16_FEW_ROWS rows at a
  * time, each sub-block decoded from the file once for them. Where the group tiles start paying for widening
- * the weights, measured as whole decode steps (docs/benchmarks.md): from 12 rows with AVX-512, from 25 with
+ * the weights, measured as whole decode steps (docs/benchmarks.md): from 10 rows with AVX-512, from 25 with
  * AVX2 alone. */
 #define Q16_GROUP 16
 #if HAVE_AVX512
-#define Q16_GROUP_MIN 12
+#define Q16_GROUP_MIN 10
 #else
 #define Q16_GROUP_MIN 25
 #endif

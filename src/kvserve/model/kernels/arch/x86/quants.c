@@ -260,6 +260,44 @@ static ALWAYS_INLINE __m256i dot_bytes8(__m256i q, __m512i x)
     const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm512_extracti64x4_epi64(x, 1));
     return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm512_castsi512_si256(x), q);
 }
+
+/* Byte i of half h's bytes (q16_split_half): element 16 h + i % 16's low byte (i < 32) or high byte. */
+static const uint8_t SPLIT_HALF[2][64] __attribute__((aligned(64))) = {
+    {
+     0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+     0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+     1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+     1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+    },
+    {
+     32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
+     32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
+     33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63,
+     33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63,
+    },
+};
+
+/* Half `half` (elements 16 half .. 16 half + 15) of a sub-block's 32 int16 activations as bytes for
+ * `dot_paired8`: their low bytes (unsigned) in both 128-bit quarters of the low 256 bits, their high
+ * bytes (signed) in both of the high 256 bits. */
+static ALWAYS_INLINE __m512i q16_split_half(__m512i x, int half)
+{
+    return _mm512_permutexvar_epi8(_mm512_load_si512((const void *)SPLIT_HALF[half]), x);
+}
+
+/* Two outputs' sums side by side, four int32 lanes each (`q16_rows_tile`'s pairing): q0 holds output a's
+ * elements 0..15 in its low 128 bits and output b's in its high 128 bits, q1 their elements 16..31; x0
+ * and x1 are the activations' halves as q16_split_half. The high bytes' products over the 32 elements
+ * first, once shifted, then the low bytes': four byte dot products and a shift for two outputs, where
+ * dot_bytes8 takes three operations for each. Exact: a lane's high sum is at most 8 * 127 * 128 before
+ * the shift, its total at most 8 * 127 * 32767. */
+static ALWAYS_INLINE __m256i dot_paired8(__m256i q0, __m256i q1, __m512i x0, __m512i x1)
+{
+    __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, _mm512_extracti64x4_epi64(x0, 1));
+    high = _mm256_dpbusd_epi32(high, q1, _mm512_extracti64x4_epi64(x1, 1));
+    const __m256i low = _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm512_castsi512_si256(x0), q0);
+    return _mm256_dpbusd_epi32(low, _mm512_castsi512_si256(x1), q1);
+}
 #endif
 #endif
 
@@ -458,6 +496,13 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
     float sdt[16][Q16_ROW_COLS], smt[16][Q16_ROW_COLS];
     /* The K-quants but Q2_K take their eight outputs' scales side by side (super_scales8). */
     const int side_by_side = by_vector && together && type != TYPE_Q2_K;
+    /* The types taken as bytes without split scales, eight outputs at a time: outputs c and c + 4 share a
+     * vector (dot_paired8), so that each output's sum lies in four lanes, not eight: the lanes' sums then
+     * take a third of the operations (two levels of `pair_sums` and `quad_sums` for the eight, in output
+     * order). */
+#if HAVE_AVX512_VBMI && defined(__AVX512VL__) && HAVE_AVX512_VNNI
+    const int paired = q16_bytes(type) && !split && cols == Q16_ROW_COLS;
+#endif
     for (int64_t u = 0; u < ns / spb; u++) {
         if (side_by_side)
             super_scales8(type, w + u * ub, rs, sdt, smt);
@@ -479,6 +524,9 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
             __m256i x_lo[Q16_FEW_ROWS], x_hi[Q16_FEW_ROWS];
 #if HAVE_AVX512_VBMI
             __m512i x16[Q16_FEW_ROWS], x8[Q16_FEW_ROWS];
+#if defined(__AVX512VL__) && HAVE_AVX512_VNNI
+            __m512i x8_0[Q16_FEW_ROWS], x8_1[Q16_FEW_ROWS];
+#endif
 #endif
             for (int r = 0; r < rows; r++) {
                 const int16_t *xb = xq + r * xs + s * QK;
@@ -486,6 +534,13 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
                 x_hi[r] = _mm256_loadu_si256((const __m256i *)(xb + 16));
 #if HAVE_AVX512_VBMI
                 x16[r] = _mm512_loadu_si512((const void *)xb);
+#if defined(__AVX512VL__) && HAVE_AVX512_VNNI
+                if (paired) {
+                    x8_0[r] = q16_split_half(x16[r], 0);
+                    x8_1[r] = q16_split_half(x16[r], 1);
+                    continue;
+                }
+#endif
                 if (q16_bytes(type))
                     x8[r] = q16_split(x16[r]);
 #endif
@@ -500,7 +555,27 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
             __m256i h_hi[Q16_FEW_ROWS][Q16_ROW_COLS / 2];
 #endif
             float d0[Q16_ROW_COLS] = {0}, d1[Q16_ROW_COLS] = {0}, m0[Q16_ROW_COLS] = {0}, m1[Q16_ROW_COLS] = {0};
+#if HAVE_AVX512_VBMI && defined(__AVX512VL__) && HAVE_AVX512_VNNI
+            /* Paired: h[r][0] holds outputs 0, 1, 4, 5 after the first level, h[r][1] outputs 2, 3, 6, 7
+             * (by_vector: the scales are read below). */
+            for (int k2 = 0; paired && k2 < 2; k2++) {
+                __m256i lo[Q16_FEW_ROWS][2];
+                for (int e = 0; e < 2; e++) {
+                    const int c = 2 * k2 + e;
+                    const __m256i a = x86_biased(type, w + c * rs + u * ub, j);
+                    const __m256i b = x86_biased(type, w + (c + 4) * rs + u * ub, j);
+                    const __m256i q0 = _mm256_permute2x128_si256(a, b, 0x20);
+                    const __m256i q1 = _mm256_permute2x128_si256(a, b, 0x31);
+                    for (int r = 0; r < rows; r++)
+                        lo[r][e] = dot_paired8(q0, q1, x8_0[r], x8_1[r]);
+                }
+                for (int r = 0; r < rows; r++)
+                    h[r][k2] = pair_sums(lo[r][0], lo[r][1]);
+            }
+            for (int c2 = 0; !paired && c2 < Q16_ROW_COLS / 2; c2++) {
+#else
             for (int c2 = 0; c2 < Q16_ROW_COLS / 2; c2++) {
+#endif
                 __m256i lo[Q16_FEW_ROWS][2];
 #if HAVE_AVX512_VBMI
                 __m512i both[Q16_FEW_ROWS][2];
@@ -598,6 +673,11 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
             for (int r = 0; r < rows; r++) {
                 __m256i sum_lo, sum_hi = _mm256_setzero_si256();
 #if HAVE_AVX512_VBMI
+#if defined(__AVX512VL__) && HAVE_AVX512_VNNI
+                if (paired)
+                    sum_lo = quad_sums(h[r][0], h[r][1]);
+                else
+#endif
                 if (split && q16_bytes(type))
                     sum_halves8(h[r], &sum_lo, &sum_hi);
                 else if (split)
