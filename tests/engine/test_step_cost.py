@@ -263,6 +263,24 @@ def test_the_probe_leaves_the_cache_as_it_found_it(tiny_model: LoadedModel, pref
     engine.kv.check()
 
 
+def test_an_engine_that_does_not_draft_runs_one_warm_up_step_and_leaves_the_cache_as_it_found_it(
+    tiny_model: LoadedModel,
+) -> None:
+    """One forward pass of one decode row (every weight read once, so that the first request does not map
+    them), left for the server to run once it listens, and nothing else: no costs, the pool as it was."""
+    clock = RowClock(fixed=0.001, row=0.0001)
+    engine = _engine_on_clock(tiny_model, clock, probe_now=False, speculative="off")
+    never = Engine(build_parts(_config(speculative="off"), tiny_model), probe_now=False)
+    assert engine.probing and clock.now == 0 and engine.step_costs is None
+    engine.probe_step()
+    assert engine.probing and clock.now == pytest.approx(0.001 + 0.0001)
+    engine.probe_step()
+    assert not engine.probing and clock.now == pytest.approx(0.001 + 0.0001) and engine.step_costs is None
+    assert engine.kv.pool._free == never.kv.pool._free and engine.kv.usage() == never.kv.usage()
+    assert engine.kv.usage().num_cached == 0 and engine.stats().prompt_tokens == 0
+    engine.kv.check()
+
+
 def test_greedy_tokens_with_the_probe_on_the_default_model_are_those_without_speculation(
     make_engine: Callable[..., Engine],
 ) -> None:

@@ -10,7 +10,8 @@ on the cores only ever slows a step, and one slowed step among a handful would s
 server that always decodes one sequence never corrects: its steps cannot tell the fixed part from a
 row). The steps stop once `budget_s` is spent (after the warm-up and MIN_STEPS shapes), so a big model
 probes with three steps. `probe_steps` gives the steps one at a time, so that a server answers between
-them (engine/async_engine.py runs them once it listens).
+them (engine/async_engine.py runs them once it listens). A server that does not draft runs the warm-up
+step alone (`warm_up_steps`), so that its first request does not pay for mapping the weights.
 """
 
 import math
@@ -67,6 +68,20 @@ def probe_steps(
         if len(fastest) >= MIN_STEPS and clock() - started >= budget_s:
             break
     yield from (fastest[i] for i in sorted(fastest))
+
+
+def warm_up_steps(
+    runner: ModelRunner, kv: KVCacheManager, max_model_len: int, clock: Callable[[], float]
+) -> Iterator[None]:
+    """The probe's warm-up step alone, for a server that does not draft (no costs to probe): one decode
+    reads every weight, so the first request finds the file's pages mapped (the load drops them) and the
+    kernels' paths warm, as llama-server's warm-up run at load does. Nothing when the pool or the context
+    cannot hold it."""
+    decodes, drafts = SHAPES[0]
+    context = _context(kv, max_model_len, decodes, drafts, CONTEXTS[0])
+    if context >= 1:
+        timed_step(runner, kv, clock, decodes, drafts, context, runner.transformer.config.vocab_size)
+        yield None
 
 
 def _context(kv: KVCacheManager, max_model_len: int, decodes: int, drafts: int, wanted: int) -> int:

@@ -13,7 +13,7 @@ from kvserve.cache.manager import CacheUsage
 from kvserve.cache.pins import Pin
 from kvserve.config import EngineConfig
 from kvserve.engine import sampler
-from kvserve.engine.cost_probe import ProbeStep, probe_steps
+from kvserve.engine.cost_probe import ProbeStep, probe_steps, warm_up_steps
 from kvserve.engine.drafting import ROW_COST, Drafter
 from kvserve.engine.factory import EngineParts, build_parts
 from kvserve.engine.logprobs import TokenLogprob, token_logprobs
@@ -108,13 +108,16 @@ class Engine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.clock = clock
-        # Speculation's cost model: a probe now, then every step (none where speculation is off).
+        # Speculation's cost model: a probe now, then every step (none where speculation is off: its
+        # warm-up step alone).
         self.step_costs = LoadCostEstimator(ROW_COST) if self.scheduler.drafter is not None else None
-        self._probe: Iterator[ProbeStep | None] | None = None
-        if self.step_costs is not None:
-            self._probe = probe_steps(self.runner, self.kv, self.max_model_len, self.clock)
-            if probe_now:
-                self.finish_probe()
+        self._probe: Iterator[ProbeStep | None] | None = (
+            probe_steps(self.runner, self.kv, self.max_model_len, self.clock)
+            if self.step_costs is not None
+            else warm_up_steps(self.runner, self.kv, self.max_model_len, self.clock)
+        )
+        if probe_now:
+            self.finish_probe()
 
     @classmethod
     def from_config(
@@ -135,19 +138,20 @@ class Engine:
 
     def probe_step(self) -> None:
         """Run the startup probe's next step: a few timed steps of the model with and without draft rows
-        (engine/cost_probe.py); after the last, the estimate is anchored to what they gave. The cache is
-        left as it was after each."""
-        if self._probe is None or self.step_costs is None:
+        (engine/cost_probe.py), or without speculation its warm-up step alone; after the last, the
+        estimate is anchored to what they gave. The cache is left as it was after each."""
+        if self._probe is None:
             return
         try:
             step = next(self._probe)
         except StopIteration:
             self._probe = None
-            if self.step_costs.steps:
-                self.step_costs.anchor(self.step_costs.costs.overall)
-            self._use_costs(self.step_costs.costs)
+            if self.step_costs is not None:
+                if self.step_costs.steps:
+                    self.step_costs.anchor(self.step_costs.costs.overall)
+                self._use_costs(self.step_costs.costs)
             return
-        if step is not None:
+        if step is not None and self.step_costs is not None:
             self.step_costs.observe(step.decodes, step.drafts, 0, step.seconds)
 
     def finish_probe(self) -> None:
