@@ -185,7 +185,7 @@ def test_every_path_gives_the_same_bits_and_each_row_its_bits_alone(name: str, i
 @given(data=st.data())
 def test_rows_property(data: st.DataObject) -> None:
     """Any type, width, batch and activation mode: the tiles a batch falls into (int16: few-row tiles, or
-    groups of rows padded to 16, up to 4 rows past them in few-row tiles, row chunks sized to the L2
+    groups of rows padded to 16, up to 4 or 5 rows past them in few-row tiles, row chunks sized to the L2
     cache; float32: eight, four or one rows per output, AVX-512 tiles of one to six rows, row chunks
     sized to the L1 cache) give the bits of the portable path and of each row alone."""
     qtype = ALL[data.draw(st.sampled_from(sorted(ALL)), label="type")]
@@ -496,9 +496,10 @@ def test_a_build_without_avx512_gives_the_same_bits(avx2_library: Any, int16: bo
 def test_few_int16_rows_have_the_portable_bits_on_every_path_alone_and_in_any_batch(
     avx2_library: Any, name: str
 ) -> None:
-    """int16 batches of 1 to 33 rows: the few-row tiles (1 to 4 rows at a time, below Q16_GROUP_MIN: 10
-    rows with AVX-512, 25 with AVX2 alone), then groups or half groups with the rows past them in the
-    few-row tiles (8 + 4, 16 + 1..4, 24 + 1) or padded (8 + 5..7, 16 + 5..15); 13 outputs (one 8-output
+    """int16 batches of 1 to 33 rows: the few-row tiles (1 to 5 rows at a time with AVX-512, 4 with AVX2
+    alone; below Q16_GROUP_MIN: 10 rows with AVX-512, 25 with AVX2 alone), then groups or half groups
+    with the rows past them in the few-row tiles (8 + 4, 16 + 1..5, 24 + 1) or padded (8 + 5..7,
+    16 + 6..15); 13 outputs (one 8-output
     tile and five one-output ones) and 7 (one-output tiles only). The build's tiles, its AVX2 tiles, a
     build without AVX-512 and the portable path all give each row the bits the portable path gives it
     alone, at the batch's start and at its end."""

@@ -732,15 +732,17 @@ static ALWAYS_INLINE void q16_rows_of(int type, int rows, int cols, const uint8_
         else                                                                                             \
             q16_rows_tile(type, R, 1, w, rs, ns, xq, xs, dx, sx, xsum, ss, res);                         \
     } while (0)
-    _Static_assert(Q16_FEW_ROWS == 4, "one case per row count");
+    _Static_assert(Q16_FEW_ROWS == 4 || Q16_FEW_ROWS == 5, "one case per row count");
     if (rows == 1)
         Q16_ROWS(1);
     else if (rows == 2)
         Q16_ROWS(2);
     else if (rows == 3)
         Q16_ROWS(3);
-    else
+    else if (rows == 4 || Q16_FEW_ROWS == 4)
         Q16_ROWS(4);
+    else
+        Q16_ROWS(Q16_FEW_ROWS);
 #undef Q16_ROWS
 }
 
