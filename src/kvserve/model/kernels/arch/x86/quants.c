@@ -496,12 +496,12 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
     float sdt[16][Q16_ROW_COLS], smt[16][Q16_ROW_COLS];
     /* The K-quants but Q2_K take their eight outputs' scales side by side (super_scales8). */
     const int side_by_side = by_vector && together && type != TYPE_Q2_K;
-    /* The types taken as bytes without split scales, eight outputs at a time: outputs c and c + 4 share a
-     * vector (dot_paired8), so that each output's sum lies in four lanes, not eight: the lanes' sums then
-     * take a third of the operations (two levels of `pair_sums` and `quad_sums` for the eight, in output
-     * order). */
+    /* The types taken as bytes without split scales, eight outputs at a time with their scales side by
+     * side: outputs c and c + 4 share a vector (dot_paired8), so that each output's sum lies in four lanes,
+     * not eight: the lanes' sums then take a third of the operations (two levels of `pair_sums` and
+     * `quad_sums` for the eight, in output order). */
 #if HAVE_AVX512_VBMI && defined(__AVX512VL__) && HAVE_AVX512_VNNI
-    const int paired = q16_bytes(type) && !split && cols == Q16_ROW_COLS;
+    const int paired = q16_bytes(type) && !split && by_vector;
 #endif
     for (int64_t u = 0; u < ns / spb; u++) {
         if (side_by_side)
@@ -557,7 +557,7 @@ static ALWAYS_INLINE void q16_rows_tile(int type, int rows, int cols, const uint
             float d0[Q16_ROW_COLS] = {0}, d1[Q16_ROW_COLS] = {0}, m0[Q16_ROW_COLS] = {0}, m1[Q16_ROW_COLS] = {0};
 #if HAVE_AVX512_VBMI && defined(__AVX512VL__) && HAVE_AVX512_VNNI
             /* Paired: h[r][0] holds outputs 0, 1, 4, 5 after the first level, h[r][1] outputs 2, 3, 6, 7
-             * (by_vector: the scales are read below). */
+             * (their scales are read below, eight at a time). */
             for (int k2 = 0; paired && k2 < 2; k2++) {
                 __m256i lo[Q16_FEW_ROWS][2];
                 for (int e = 0; e < 2; e++) {
